@@ -1,0 +1,36 @@
+// Deterministic synthetic summaries for tests, benchmarks and the CLI: the
+// same (seed, rank) gives the same bits on every platform and backend, so
+// separate processes can regenerate each other's inputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kdacp/summary.hpp"
+#include "kdacp/tensor.hpp"
+
+namespace kdacp {
+
+// splitmix64-based generator with platform-independent float output.
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next();
+  // Uniform in [lo, hi), from 24 random bits.
+  float uniform(float lo, float hi);
+
+ private:
+  std::uint64_t state_;
+};
+
+// One rank's summary: S/G [B,H,K,V] uniform in [-1,1), and M [B,H,K,K] a
+// non-symmetric contraction with spectral norm < 1, shaped like a KDA chunk
+// transfer: 0.97 · Diag(a) (I - b u uᵀ) + small noise, a ∈ [0.9,1), b ∈ (0,1).
+struct SyntheticSummary {
+  State offset;
+  State transfer;
+};
+SyntheticSummary synthetic_summary(const SummaryShape& shape, std::uint64_t seed, std::size_t rank,
+                                   bool gradient);
+
+}  // namespace kdacp

@@ -1,0 +1,109 @@
+// Non-owning strided views for summaries and states, and an owning,
+// 64-byte-aligned buffer. Deliberately tiny: no tensor library dependency.
+//
+// Layouts (SPEC §2): per-rank state/summary [B,H,rows,cols] and rank-stacked
+// [P,B,H,rows,cols]. Strides are in elements. The column stride must be 1 and
+// the batch stride must equal heads * head_stride (validated by summary.hpp,
+// not here: a view can describe anything, the contract decides what is valid).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace kdacp {
+
+enum class DType : std::uint8_t { f32, f64, f16, bf16 };
+std::string to_string(DType dtype);
+std::size_t dtype_size(DType dtype);
+
+enum class DeviceKind : std::uint8_t { cpu, cuda, npu };
+struct Device {
+  DeviceKind kind = DeviceKind::cpu;
+  int index = 0;
+  friend bool operator==(const Device&, const Device&) = default;
+};
+std::string to_string(Device device);
+
+// [B,H,rows,cols] view. `data` points at element (0,0,0,0).
+struct StateView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  Device device{};
+  std::size_t batch = 0, heads = 0, rows = 0, cols = 0;
+  std::size_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 1;
+
+  // Dense row-major view of float data.
+  static StateView dense(float* data, std::size_t batch, std::size_t heads, std::size_t rows,
+                         std::size_t cols);
+  std::size_t slabs() const { return batch * heads; }
+  // Start of the (b,h) matrix; valid only for f32 views.
+  float* slab(std::size_t b, std::size_t h) const {
+    return static_cast<float*>(data) + b * batch_stride + h * head_stride;
+  }
+  // Start of the i-th (b,h) matrix in b-major order.
+  float* slab(std::size_t i) const { return slab(i / heads, i % heads); }
+  bool is_dense() const {
+    return col_stride == 1 && row_stride == cols && head_stride == rows * cols &&
+           batch_stride == heads * head_stride;
+  }
+};
+
+// [P,B,H,rows,cols] view; slot(r) is rank r's [B,H,rows,cols] view.
+struct StackView {
+  StateView base{};  // slot 0
+  std::size_t ranks = 0;
+  std::size_t rank_stride = 0;
+
+  StateView slot(std::size_t r) const {
+    StateView v = base;
+    v.data = static_cast<char*>(base.data) + r * rank_stride * dtype_size(base.dtype);
+    return v;
+  }
+};
+
+// Owning, 64-byte-aligned, zero-initialised float storage. Allocation is
+// reported to the calling thread's MemoryTracker (see memory.hpp) so that
+// protocols can measure their peak extra bytes.
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t count);
+  Buffer(Buffer&&) noexcept;
+  Buffer& operator=(Buffer&&) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  float* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  std::size_t bytes() const { return size_ * sizeof(float); }
+
+ private:
+  void release() noexcept;
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+// A dense [B,H,rows,cols] FP32 tensor: a Buffer plus its shape.
+class State {
+ public:
+  State() = default;
+  State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols);
+
+  StateView view() const { return StateView::dense(buf_.data(), batch_, heads_, rows_, cols_); }
+  float* data() const { return buf_.data(); }
+  std::size_t size() const { return buf_.size(); }
+  std::size_t bytes() const { return buf_.bytes(); }
+  std::size_t batch() const { return batch_; }
+  std::size_t heads() const { return heads_; }
+  std::size_t rows() const { return rows_; }
+  std::size_t cols() const { return cols_; }
+
+ private:
+  Buffer buf_;
+  std::size_t batch_ = 0, heads_ = 0, rows_ = 0, cols_ = 0;
+};
+
+}  // namespace kdacp

@@ -1,0 +1,45 @@
+// A small fixed-size worker pool for intra-rank parallelism over (b,h) slabs.
+// parallel_for splits [0, n) into contiguous ranges, one per worker, so work
+// assignment is deterministic; results never depend on the thread count
+// because every index is computed by exactly one thread with the same code.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+
+namespace kdacp {
+
+class ThreadPool {
+ public:
+  // threads == 0 or 1: run inline on the caller.
+  explicit ThreadPool(std::size_t threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  std::size_t threads() const;
+  // Calls fn(i) for every i in [0, n); returns when all are done. The first
+  // exception thrown by fn is rethrown on the caller. Not reentrant.
+  void parallel_for(std::size_t n, const std::function<void(std::size_t)>& fn);
+  // Calls fn(begin, end, part) once per participant with its contiguous share
+  // of [0, n); part < threads() identifies the participant (for scratch).
+  void parallel_ranges(std::size_t n,
+                       const std::function<void(std::size_t, std::size_t, std::size_t)>& fn);
+
+  // Hardware threads divided among `ranks_per_process` ranks, at least 1.
+  static std::size_t default_threads(std::size_t ranks_per_process);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs fn over [0, n) on `pool` when given and worth it, else inline.
+void parallel_for(ThreadPool* pool, std::size_t n, const std::function<void(std::size_t)>& fn);
+void parallel_ranges(ThreadPool* pool, std::size_t n,
+                     const std::function<void(std::size_t, std::size_t, std::size_t)>& fn);
+// Upper bound (exclusive) of the `part` values parallel_ranges passes for n items.
+std::size_t participants(const ThreadPool* pool, std::size_t n);
+
+}  // namespace kdacp

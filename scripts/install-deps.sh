@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs every Debian package kdacp needs to build, test and benchmark.
+# Idempotent: packages already present are skipped, and apt is only asked
+# when something is missing. Nothing is downloaded outside apt.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build g++ clang-14 libclang-rt-14-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev
+  libhwy-dev libopenblas-dev
+  libopenmpi-dev openmpi-bin
+  gnuplot-nox python3 python3-numpy
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

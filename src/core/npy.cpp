@@ -1,0 +1,172 @@
+#include "kdacp/npy.hpp"
+
+#include <bit>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "kdacp/error.hpp"
+
+namespace kdacp {
+
+static_assert(std::endian::native == std::endian::little, "kdacp's .npy I/O assumes little-endian");
+
+namespace {
+
+constexpr char kMagic[] = "\x93NUMPY";
+constexpr std::size_t kMaxElements = std::size_t{1} << 40;
+
+[[noreturn]] void bad(const std::string& path, const std::string& what) {
+  throw IoError(path + ": " + what);
+}
+
+// Value of `key` in the header dict, as raw text up to the next top-level ','.
+std::string dict_value(const std::string& path, const std::string& header, const std::string& key) {
+  const std::string quoted = "'" + key + "'";
+  auto pos = header.find(quoted);
+  if (pos == std::string::npos) bad(path, "header lacks the key " + quoted + ": " + header);
+  pos = header.find(':', pos + quoted.size());
+  if (pos == std::string::npos) bad(path, "header has no value for " + quoted);
+  ++pos;
+  while (pos < header.size() && header[pos] == ' ') ++pos;
+  std::size_t end = pos;
+  int depth = 0;
+  while (end < header.size()) {
+    const char c = header[end];
+    if (c == '(') ++depth;
+    if (c == ')') --depth;
+    if ((c == ',' || c == '}') && depth == 0) break;
+    ++end;
+  }
+  return header.substr(pos, end - pos);
+}
+
+}  // namespace
+
+std::size_t NpyArray::elements() const {
+  std::size_t n = 1;
+  for (std::size_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<float> NpyArray::to_f32(bool allow_f64) const {
+  std::vector<float> out(elements());
+  if (dtype == DType::f32) {
+    std::memcpy(out.data(), data.data(), out.size() * sizeof(float));
+  } else if (dtype == DType::f64 && allow_f64) {
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      double d;
+      std::memcpy(&d, data.data() + i * sizeof(double), sizeof(double));
+      out[i] = static_cast<float>(d);
+    }
+  } else {
+    throw IoError("array dtype is " + to_string(dtype) + ", expected float32");
+  }
+  return out;
+}
+
+NpyArray read_npy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) bad(path, "cannot open for reading");
+  char magic[6];
+  if (!in.read(magic, 6) || std::memcmp(magic, kMagic, 6) != 0)
+    bad(path, "not a .npy file (bad magic string)");
+  unsigned char ver[2];
+  if (!in.read(reinterpret_cast<char*>(ver), 2)) bad(path, "truncated before the version");
+  std::size_t header_len = 0;
+  if (ver[0] == 1) {
+    unsigned char b[2];
+    if (!in.read(reinterpret_cast<char*>(b), 2)) bad(path, "truncated header length");
+    header_len = b[0] | (std::size_t{b[1]} << 8);
+  } else if (ver[0] == 2 || ver[0] == 3) {
+    unsigned char b[4];
+    if (!in.read(reinterpret_cast<char*>(b), 4)) bad(path, "truncated header length");
+    header_len = b[0] | (std::size_t{b[1]} << 8) | (std::size_t{b[2]} << 16) |
+                 (std::size_t{b[3]} << 24);
+  } else {
+    bad(path, "format version " + std::to_string(ver[0]) + "." + std::to_string(ver[1]) +
+                  ", expected 1.0, 2.0 or 3.0");
+  }
+  if (header_len > (1u << 20)) bad(path, "header of " + std::to_string(header_len) + " bytes is implausible");
+  std::string header(header_len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) bad(path, "truncated header");
+
+  NpyArray arr;
+  std::string descr = dict_value(path, header, "descr");
+  if (descr == "'<f4'" || descr == "'=f4'") arr.dtype = DType::f32;
+  else if (descr == "'<f8'" || descr == "'=f8'") arr.dtype = DType::f64;
+  else bad(path, "dtype " + descr + ", expected '<f4' (float32) or '<f8' (float64)");
+  const std::string fortran = dict_value(path, header, "fortran_order");
+  if (fortran != "False") bad(path, "fortran_order is " + fortran + ", expected False (C order)");
+  std::string shape = dict_value(path, header, "shape");
+  if (shape.size() < 2 || shape.front() != '(' || shape.back() != ')')
+    bad(path, "shape " + shape + " is not a tuple");
+  std::stringstream ss(shape.substr(1, shape.size() - 2));
+  std::string item;
+  std::size_t total = 1;
+  while (std::getline(ss, item, ',')) {
+    const auto first = item.find_first_not_of(' ');
+    if (first == std::string::npos) continue;
+    item = item.substr(first, item.find_last_not_of(' ') - first + 1);
+    std::size_t used = 0;
+    unsigned long long d = 0;
+    try {
+      d = std::stoull(item, &used);
+    } catch (const std::exception&) {
+      bad(path, "shape entry '" + item + "' is not a non-negative integer");
+    }
+    if (used != item.size() || item[0] == '-') bad(path, "shape entry '" + item + "' is not a non-negative integer");
+    if (d != 0 && total > kMaxElements / d) bad(path, "shape " + shape + " is too large");
+    total *= d;
+    arr.shape.push_back(static_cast<std::size_t>(d));
+  }
+  const std::size_t bytes = total * dtype_size(arr.dtype);
+  arr.data.resize(bytes);
+  if (!in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
+    bad(path, "data truncated: expected " + std::to_string(bytes) + " bytes for shape " + shape);
+  return arr;
+}
+
+namespace {
+
+void write_impl(const std::string& path, const void* data, std::size_t elem_size,
+                const char* descr, const std::vector<std::size_t>& shape) {
+  std::string dims;
+  std::size_t n = 1;
+  for (std::size_t d : shape) {
+    dims += std::to_string(d) + ",";
+    n *= d;
+  }
+  if (shape.size() > 1) dims.pop_back();
+  std::string header = "{'descr': '" + std::string(descr) + "', 'fortran_order': False, 'shape': (" +
+                       dims + "), }";
+  // Pad so that the data starts on a 64-byte boundary, ending with '\n'.
+  const std::size_t unpadded = 10 + header.size() + 1;
+  header.append((64 - unpadded % 64) % 64, ' ');
+  header.push_back('\n');
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw IoError(path + ": cannot open for writing");
+  out.write(kMagic, 6);
+  const char ver[2] = {1, 0};
+  out.write(ver, 2);
+  const std::size_t len = header.size();
+  if (len > std::numeric_limits<std::uint16_t>::max()) throw IoError(path + ": header too long");
+  const char lb[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
+  out.write(lb, 2);
+  out.write(header.data(), static_cast<std::streamsize>(len));
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n * elem_size));
+  if (!out) throw IoError(path + ": write failed");
+}
+
+}  // namespace
+
+void write_npy(const std::string& path, const float* data, const std::vector<std::size_t>& shape) {
+  write_impl(path, data, sizeof(float), "<f4", shape);
+}
+
+void write_npy(const std::string& path, const double* data, const std::vector<std::size_t>& shape) {
+  write_impl(path, data, sizeof(double), "<f8", shape);
+}
+
+}  // namespace kdacp

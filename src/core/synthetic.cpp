@@ -1,0 +1,51 @@
+#include "kdacp/synthetic.hpp"
+
+#include <cmath>
+#include <vector>
+
+namespace kdacp {
+
+std::uint64_t Rng::next() {
+  std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+float Rng::uniform(float lo, float hi) {
+  const float unit = static_cast<float>(next() >> 40) * (1.0f / 16777216.0f);
+  return lo + (hi - lo) * unit;
+}
+
+SyntheticSummary synthetic_summary(const SummaryShape& shape, std::uint64_t seed, std::size_t rank,
+                                   bool gradient) {
+  const std::size_t k = shape.key_dim, v = shape.value_dim;
+  SyntheticSummary out{State(shape.batch, shape.heads, k, v),
+                       State(shape.batch, shape.heads, k, k)};
+  // Distinct streams per (seed, rank, role); the transfer is the same in the
+  // forward and backward roles, as a caller saves M from the forward.
+  Rng off_rng(seed * 0x100000001B3ull + rank * 2 + (gradient ? 1 : 0) + 0x5bd1e995ull);
+  Rng map_rng(seed * 0x9E3779B97F4A7C15ull + rank + 0x2545F491ull);
+  for (std::size_t i = 0; i < out.offset.size(); ++i) out.offset.data()[i] = off_rng.uniform(-1, 1);
+  std::vector<float> u(k), a(k);
+  const float noise = 0.02f / std::sqrt(static_cast<float>(k));
+  for (std::size_t slab = 0; slab < shape.slabs(); ++slab) {
+    float norm = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      u[i] = map_rng.uniform(-1, 1);
+      norm += u[i] * u[i];
+      a[i] = map_rng.uniform(0.9f, 1.0f);
+    }
+    const float inv = 1.0f / std::sqrt(norm);
+    const float b = map_rng.uniform(0.05f, 0.95f);
+    float* m = out.transfer.data() + slab * k * k;
+    for (std::size_t i = 0; i < k; ++i)
+      for (std::size_t j = 0; j < k; ++j) {
+        const float h = (i == j ? 1.0f : 0.0f) - b * (u[i] * inv) * (u[j] * inv);
+        m[i * k + j] = 0.97f * a[i] * h + noise * map_rng.uniform(-1, 1);
+      }
+  }
+  return out;
+}
+
+}  // namespace kdacp

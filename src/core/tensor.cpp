@@ -1,0 +1,91 @@
+#include "kdacp/tensor.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <utility>
+
+#include "kdacp/error.hpp"
+#include "kdacp/memory.hpp"
+
+namespace kdacp {
+
+std::string to_string(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return 4;
+    case DType::f64: return 8;
+    case DType::f16:
+    case DType::bf16: return 2;
+  }
+  return 0;
+}
+
+std::string to_string(Device device) {
+  const char* kind = device.kind == DeviceKind::cpu    ? "cpu"
+                     : device.kind == DeviceKind::cuda ? "cuda"
+                                                       : "npu";
+  return std::string(kind) + ":" + std::to_string(device.index);
+}
+
+StateView StateView::dense(float* data, std::size_t batch, std::size_t heads, std::size_t rows,
+                           std::size_t cols) {
+  StateView v;
+  v.data = data;
+  v.batch = batch;
+  v.heads = heads;
+  v.rows = rows;
+  v.cols = cols;
+  v.row_stride = cols;
+  v.head_stride = rows * cols;
+  v.batch_stride = heads * rows * cols;
+  return v;
+}
+
+namespace {
+constexpr std::size_t kAlign = 64;
+}
+
+Buffer::Buffer(std::size_t count) : size_(count) {
+  if (count == 0) return;
+  std::size_t bytes = (count * sizeof(float) + kAlign - 1) / kAlign * kAlign;
+  data_ = static_cast<float*>(::operator new(bytes, std::align_val_t{kAlign}));
+  std::memset(data_, 0, count * sizeof(float));
+  MemoryScope::on_alloc(size_ * sizeof(float));
+}
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+Buffer::~Buffer() { release(); }
+
+void Buffer::release() noexcept {
+  if (data_ == nullptr) return;
+  ::operator delete(data_, std::align_val_t{kAlign});
+  MemoryScope::on_free(size_ * sizeof(float));
+  data_ = nullptr;
+  size_ = 0;
+}
+
+State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols)
+    : buf_(batch * heads * rows * cols), batch_(batch), heads_(heads), rows_(rows), cols_(cols) {}
+
+}  // namespace kdacp

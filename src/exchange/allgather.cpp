@@ -1,0 +1,49 @@
+// allgather (SPEC §6): pack [S|M] (or [G|M]), gather P slots in place, fold
+// the exclusive prefix (or transposed suffix) in one fused pass per (b,h).
+// One collective; P packed slots per rank; the fold consumes the gathered
+// offsets in place, so no scratch beyond the gather buffer.
+#include "exchange/common.hpp"
+#include "exchange/protocols.hpp"
+
+namespace kdacp::detail {
+namespace {
+
+class AllGatherExchange final : public StateExchange {
+ public:
+  AllGatherExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
+      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+
+  std::string method() const override { return "allgather"; }
+  bool exact() const override { return true; }
+
+  State forward(const StateView& s, const StateView& m) override {
+    return run(s, m, "S", Direction::forward);
+  }
+  State backward(const StateView& g, const StateView& m) override {
+    return run(g, m, "G", Direction::backward);
+  }
+
+ private:
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+    const SummaryShape shape = validate_summary(offset, m, name, rank_);
+    CallMeter meter({comm_.get()});
+    PackedSlots gathered(shape, size_);
+    gathered.pack(rank_, offset, m);
+    comm_->all_gather(gathered.bytes());
+    State result(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+    merge(gathered.slots(), rank_, dir, result.view(), options_.exec, FoldFlags::consume_offsets);
+    stats_ = meter.finish(result);
+    return result;
+  }
+
+  std::shared_ptr<Communicator> comm_;
+  ExchangeOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<StateExchange> make_allgather(const ProtocolContext& ctx) {
+  return std::make_unique<AllGatherExchange>(ctx.mesh->group(0), ctx.options);
+}
+
+}  // namespace kdacp::detail

@@ -1,0 +1,91 @@
+#include "exchange/common.hpp"
+
+#include <cstring>
+
+namespace kdacp::detail {
+
+PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
+    : shape_(shape), count_(count), buf_(count * shape.packed_elems()) {}
+
+void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer) {
+  const Slots s = slots();
+  const StateView so = s.offsets.slot(index), sm = s.transfers.slot(index);
+  const std::size_t k = shape_.key_dim;
+  for (std::size_t slab = 0; slab < shape_.slabs(); ++slab) {
+    for (std::size_t i = 0; i < k; ++i) {
+      std::memcpy(so.slab(slab) + i * so.row_stride, offset.slab(slab) + i * offset.row_stride,
+                  shape_.value_dim * sizeof(float));
+      std::memcpy(sm.slab(slab) + i * sm.row_stride, transfer.slab(slab) + i * transfer.row_stride,
+                  k * sizeof(float));
+    }
+  }
+}
+
+Slots PackedSlots::slots() const {
+  const std::size_t k = shape_.key_dim, v = shape_.value_dim, cols = shape_.packed_cols();
+  StateView off;
+  off.data = buf_.data();
+  off.batch = shape_.batch;
+  off.heads = shape_.heads;
+  off.rows = k;
+  off.cols = v;
+  off.row_stride = cols;
+  off.head_stride = k * cols;
+  off.batch_stride = shape_.heads * k * cols;
+  StateView tr = off;
+  tr.data = buf_.data() + v;
+  tr.cols = k;
+  const std::size_t stride = shape_.packed_elems();
+  return Slots{StackView{off, count_, stride}, StackView{tr, count_, stride}};
+}
+
+std::span<std::byte> PackedSlots::bytes() const {
+  return {reinterpret_cast<std::byte*>(buf_.data()), buf_.bytes()};
+}
+
+std::span<std::byte> PackedSlots::slot_bytes(std::size_t index) const {
+  const std::size_t n = shape_.packed_elems() * sizeof(float);
+  return bytes().subspan(index * n, n);
+}
+
+std::span<std::byte> bytes_of(const State& s) {
+  return {reinterpret_cast<std::byte*>(s.data()), s.bytes()};
+}
+
+std::span<const std::byte> bytes_of(const StateView& v) {
+  const std::size_t n = v.batch * v.heads * v.rows * v.cols * sizeof(float);
+  return {static_cast<const std::byte*>(v.data), n};
+}
+
+Slots single_slot(const StateView& offset, const StateView& transfer) {
+  return Slots{StackView{offset, 1, 0}, StackView{transfer, 1, 0}};
+}
+
+State dense_copy(const StateView& view) {
+  State out(view.batch, view.heads, view.rows, view.cols);
+  const StateView o = out.view();
+  for (std::size_t slab = 0; slab < view.slabs(); ++slab)
+    for (std::size_t i = 0; i < view.rows; ++i)
+      std::memcpy(o.slab(slab) + i * o.row_stride, view.slab(slab) + i * view.row_stride,
+                  view.cols * sizeof(float));
+  return out;
+}
+
+CallMeter::CallMeter(std::initializer_list<const Communicator*> comms) : comms_(comms) {
+  for (const Communicator* c : comms_) before_.push_back(c ? c->stats() : CommStats{});
+}
+
+ExchangeStats CallMeter::finish(const State& result) const {
+  ExchangeStats st;
+  for (std::size_t i = 0; i < comms_.size(); ++i) {
+    if (!comms_[i]) continue;
+    const CommStats now = comms_[i]->stats();
+    st.bytes_sent += now.bytes_sent - before_[i].bytes_sent;
+    st.bytes_received += now.bytes_received - before_[i].bytes_received;
+  }
+  const std::size_t peak = scope_.peak();
+  st.peak_extra_bytes = peak > result.bytes() ? peak - result.bytes() : 0;
+  return st;
+}
+
+}  // namespace kdacp::detail

@@ -1,0 +1,60 @@
+// Internal helpers shared by the protocols: packed [S|M] slot storage, byte
+// spans of states, per-call measurement.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+
+#include "kdacp/comm.hpp"
+#include "kdacp/exchange.hpp"
+#include "kdacp/kernels.hpp"
+#include "kdacp/memory.hpp"
+#include "kdacp/summary.hpp"
+
+namespace kdacp::detail {
+
+// Message tags on a CP communicator. Calls on one communicator are issued in
+// the same order by every rank, and messages between a pair match in order.
+inline constexpr int kTagForward = 11;
+inline constexpr int kTagBackward = 12;
+
+// `count` packed [offset | M] slots, as the gather buffer of a protocol.
+class PackedSlots {
+ public:
+  PackedSlots(const SummaryShape& shape, std::size_t count);
+  // Copies one rank's offset and transfer into slot `index`.
+  void pack(std::size_t index, const StateView& offset, const StateView& transfer);
+  Slots slots() const;
+  std::span<std::byte> bytes() const;
+  std::span<std::byte> slot_bytes(std::size_t index) const;
+
+ private:
+  SummaryShape shape_;
+  std::size_t count_;
+  Buffer buf_;
+};
+
+std::span<std::byte> bytes_of(const State& s);
+std::span<const std::byte> bytes_of(const StateView& dense_view);
+
+// One rank's own summary as a one-slot stack, for single steps.
+Slots single_slot(const StateView& offset, const StateView& transfer);
+
+// Dense copy of a (possibly strided) view, or nullptr-free alias when dense.
+State dense_copy(const StateView& view);
+
+// Measures one protocol call: traffic from the communicators' counters and
+// the peak of kdacp buffers allocated on this thread, less the returned state.
+class CallMeter {
+ public:
+  explicit CallMeter(std::initializer_list<const Communicator*> comms);
+  ExchangeStats finish(const State& result) const;
+
+ private:
+  std::vector<const Communicator*> comms_;
+  std::vector<CommStats> before_;
+  MemoryScope scope_;
+};
+
+}  // namespace kdacp::detail

@@ -1,0 +1,74 @@
+// p2p: the chain (SPEC §6). Rank r receives incoming_r from r-1 and sends
+// M_r·incoming_r + S_r (S_0 on rank 0) to r+1; backward mirrors it with Mᵀ.
+// P-1 dependent hops; one extra state per rank.
+#include "exchange/common.hpp"
+#include "exchange/protocols.hpp"
+
+namespace kdacp::detail {
+namespace {
+
+class P2PExchange final : public StateExchange {
+ public:
+  P2PExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
+      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+
+  std::string method() const override { return "p2p"; }
+  bool exact() const override { return true; }
+
+  State forward(const StateView& s, const StateView& m) override {
+    return run(s, m, "S", Direction::forward);
+  }
+  State backward(const StateView& g, const StateView& m) override {
+    return run(g, m, "G", Direction::backward);
+  }
+
+ private:
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+    const SummaryShape shape = validate_summary(offset, m, name, rank_);
+    CallMeter meter({comm_.get()});
+    const bool fwd = dir == Direction::forward;
+    const int tag = fwd ? kTagForward : kTagBackward;
+    // Chronological neighbours: forward receives from r-1, sends to r+1.
+    const bool has_prev = fwd ? rank_ > 0 : rank_ + 1 < size_;
+    const bool has_next = fwd ? rank_ + 1 < size_ : rank_ > 0;
+    const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
+    const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
+
+    State result(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+    if (has_prev) comm_->irecv(bytes_of(result), prev, tag)->wait();
+    if (has_next) {
+      State send;
+      std::span<const std::byte> payload;
+      if (!has_prev) {
+        // The first rank of the chain sends its offset itself: never a
+        // product with the zero state.
+        if (offset.is_dense()) {
+          payload = bytes_of(offset);
+        } else {
+          send = dense_copy(offset);
+          payload = bytes_of(send);
+        }
+      } else {
+        send = State(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+        const StateView in = result.view();
+        scan(single_slot(offset, m), 0, 1, dir, &in, send.view(), std::nullopt, nullptr,
+             options_.exec);
+        payload = bytes_of(send);
+      }
+      comm_->isend(payload, next, tag)->wait();
+    }
+    stats_ = meter.finish(result);
+    return result;
+  }
+
+  std::shared_ptr<Communicator> comm_;
+  ExchangeOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<StateExchange> make_p2p(const ProtocolContext& ctx) {
+  return std::make_unique<P2PExchange>(ctx.mesh->group(0), ctx.options);
+}
+
+}  // namespace kdacp::detail

@@ -1,0 +1,48 @@
+// Shared test utilities: synthetic per-rank inputs and the FP64 chain.
+#pragma once
+
+#include <cstring>
+#include <vector>
+
+#include "kdacp/exchange.hpp"
+#include "kdacp/inprocess.hpp"
+#include "kdacp/synthetic.hpp"
+#include "reference.hpp"
+
+namespace kdacp::test {
+
+// All ranks' summaries, dense.
+struct World {
+  SummaryShape shape;
+  std::vector<State> s, m, g;
+
+  World(std::size_t p, SummaryShape sh, std::uint64_t seed) : shape(sh) {
+    for (std::size_t r = 0; r < p; ++r) {
+      auto f = synthetic_summary(sh, seed, r, false);
+      s.push_back(std::move(f.offset));
+      m.push_back(std::move(f.transfer));
+      g.push_back(std::move(synthetic_summary(sh, seed, r, true).offset));
+    }
+  }
+  std::size_t size() const { return s.size(); }
+  std::vector<std::vector<double>> reference(Direction dir) const {
+    std::vector<const float*> off, maps;
+    for (std::size_t r = 0; r < size(); ++r) {
+      off.push_back(dir == Direction::forward ? s[r].data() : g[r].data());
+      maps.push_back(m[r].data());
+    }
+    return reference::chain(off, maps, shape, dir);
+  }
+};
+
+inline bool bitwise_equal(const State& a, const State& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+}
+
+inline State copy_of(const State& a) {
+  State out(a.batch(), a.heads(), a.rows(), a.cols());
+  std::memcpy(out.data(), a.data(), a.bytes());
+  return out;
+}
+
+}  // namespace kdacp::test

@@ -1,0 +1,278 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "helpers.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/thread_pool.hpp"
+
+namespace kdacp {
+namespace {
+
+using test::World;
+
+struct Results {
+  std::vector<State> fwd, bwd;
+};
+
+// Runs `method` on P in-process ranks over a plain 1-D CP mesh.
+Results run_protocol(const World& w, const std::string& method, long long width,
+                     std::size_t threads = 1) {
+  const std::size_t p = w.size();
+  Results res{std::vector<State>(p), std::vector<State>(p)};
+  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t r = comm->rank();
+    ThreadPool pool(threads);
+    ExchangeOptions opts;
+    opts.exec.pool = threads > 1 ? &pool : nullptr;
+    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
+    auto ex = make_state_exchange(mesh, method, width, opts);
+    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view());
+    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view());
+  });
+  return res;
+}
+
+// The float chain, serially, with the library's step kernel.
+std::vector<State> serial_fold(const World& w, Direction dir) {
+  const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
+  std::vector<State> out;
+  for (std::size_t r = 0; r < p; ++r) out.emplace_back(w.shape.batch, w.shape.heads, k, v);
+  const bool fwd = dir == Direction::forward;
+  for (std::size_t step = 1; step < p; ++step) {
+    const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
+    const State& off = fwd ? w.s[from] : w.g[from];
+    for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab) {
+      if (step == 1) {
+        std::memcpy(out[to].data() + slab * k * v, off.data() + slab * k * v, k * v * 4);
+      } else {
+        affine_step(w.m[from].data() + slab * k * k, k, out[from].data() + slab * k * v, v,
+                    off.data() + slab * k * v, v, out[to].data() + slab * k * v, v, k, v, dir);
+      }
+    }
+  }
+  return out;
+}
+
+struct MatrixCase {
+  std::size_t p, w;
+};
+
+class ProtocolMatrix : public ::testing::TestWithParam<MatrixCase> {};
+
+TEST_P(ProtocolMatrix, EveryProtocolBitwiseEqualsChainAndFoldWithinFp64Bound) {
+  const auto [p, width] = GetParam();
+  const SummaryShape shape{2, 2, 32, 48};  // K != V, B·H > 1
+  World w(p, shape, 1000 + p * 10 + width);
+  const auto chain = run_protocol(w, "p2p", 1);
+  const auto fold_f = serial_fold(w, Direction::forward);
+  const auto fold_b = serial_fold(w, Direction::backward);
+  const auto ref_f = w.reference(Direction::forward);
+  const auto ref_b = w.reference(Direction::backward);
+  const std::vector<std::pair<std::string, long long>> protocols = {
+      {"p2p", 1}, {"allgather", 1}, {"grouped_allgather_p2p", static_cast<long long>(width)}};
+  for (const auto& [method, gw] : protocols) {
+    const auto res = run_protocol(w, method, gw);
+    for (std::size_t r = 0; r < p; ++r) {
+      SCOPED_TRACE(::testing::Message() << method << " rank " << r);
+      EXPECT_TRUE(test::bitwise_equal(res.fwd[r], chain.fwd[r]));
+      EXPECT_TRUE(test::bitwise_equal(res.bwd[r], chain.bwd[r]));
+      EXPECT_TRUE(test::bitwise_equal(res.fwd[r], fold_f[r]));
+      EXPECT_TRUE(test::bitwise_equal(res.bwd[r], fold_b[r]));
+      EXPECT_LT(reference::compare(res.fwd[r].data(), ref_f[r]).rel_fro, 1e-6);
+      EXPECT_LT(reference::compare(res.bwd[r].data(), ref_b[r]).rel_fro, 1e-6);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ProtocolMatrix,
+                         ::testing::Values(MatrixCase{1, 1}, MatrixCase{2, 2}, MatrixCase{3, 3},
+                                           MatrixCase{4, 4}, MatrixCase{4, 2}, MatrixCase{6, 2},
+                                           MatrixCase{6, 3}, MatrixCase{8, 2}, MatrixCase{8, 4},
+                                           MatrixCase{16, 4}),
+                         [](const auto& info) {
+                           std::ostringstream name;
+                           name << "P" << info.param.p << "_w" << info.param.w;
+                           return name.str();
+                         });
+
+TEST(Exchange, ThreadCountDoesNotChangeBits) {
+  World w(4, SummaryShape{2, 3, 32, 32}, 5);
+  for (const std::string method : {"allgather", "grouped_allgather_p2p"}) {
+    const long long gw = method == "allgather" ? 1 : 2;
+    const auto one = run_protocol(w, method, gw, 1);
+    const auto three = run_protocol(w, method, gw, 3);
+    for (std::size_t r = 0; r < 4; ++r) {
+      EXPECT_TRUE(test::bitwise_equal(one.fwd[r], three.fwd[r]));
+      EXPECT_TRUE(test::bitwise_equal(one.bwd[r], three.bwd[r]));
+    }
+  }
+}
+
+TEST(Exchange, NonContiguousGlobalRanksAndConcurrentSiblings) {
+  // CP positions on global ranks 2r+1, the even ranks form a sibling CP group
+  // that exchanges different data at the same time.
+  constexpr std::size_t P = 4;
+  const SummaryShape shape{1, 2, 16, 32};
+  World odd(P, shape, 77), even(P, shape, 78);
+  const auto want_odd = run_protocol(odd, "p2p", 1);
+  const auto want_even = run_protocol(even, "p2p", 1);
+  for (const std::string method : {"p2p", "allgather", "grouped_allgather_p2p"}) {
+    const long long gw = method == "grouped_allgather_p2p" ? 2 : 1;
+    std::mutex mu;
+    std::vector<State> got_odd(P), got_even(P);
+    run_in_process(2 * P, [&](const std::shared_ptr<Communicator>& world) {
+      const std::size_t g = world->rank();
+      const bool is_odd = g % 2 == 1;
+      std::vector<std::size_t> ranks;
+      for (std::size_t r = 0; r < P; ++r) ranks.push_back(2 * r + (is_odd ? 1 : 0));
+      // A CP mesh whose root is the whole world (the (dp=2, cp=P) layout).
+      auto root = DeviceMesh::create(world, {P, 2}, {"cp", "dp"});
+      auto mesh = root["cp"];
+      EXPECT_EQ(mesh.rank_list(), ranks);
+      auto ex = make_state_exchange(mesh, method, gw);
+      const World& w = is_odd ? odd : even;
+      const std::size_t r = mesh.local_rank();
+      State f = ex->forward(w.s[r].view(), w.m[r].view());
+      State b = ex->backward(w.g[r].view(), w.m[r].view());
+      std::lock_guard lock(mu);
+      (is_odd ? got_odd : got_even)[r] = std::move(f);
+      (void)b;
+    });
+    for (std::size_t r = 0; r < P; ++r) {
+      EXPECT_TRUE(test::bitwise_equal(got_odd[r], want_odd.fwd[r])) << method << " odd " << r;
+      EXPECT_TRUE(test::bitwise_equal(got_even[r], want_even.fwd[r])) << method << " even " << r;
+    }
+  }
+}
+
+TEST(Exchange, ExplicitGroupMeshOnOddRanks) {
+  constexpr std::size_t P = 3;
+  World w(P, SummaryShape{1, 1, 16, 16}, 9);
+  const auto want = run_protocol(w, "p2p", 1);
+  std::vector<State> got(P);
+  std::mutex mu;
+  run_in_process(2 * P, [&](const std::shared_ptr<Communicator>& world) {
+    const std::size_t g = world->rank();
+    auto cp = world->split(static_cast<int>(g % 2), static_cast<int>(g));
+    if (g % 2 == 0) return;
+    std::vector<std::size_t> ranks{1, 3, 5};
+    auto mesh = DeviceMesh::from_group(cp, ranks, "cp");
+    auto ex = make_state_exchange(mesh, "allgather");
+    const std::size_t r = mesh.local_rank();
+    State f = ex->forward(w.s[r].view(), w.m[r].view());
+    std::lock_guard lock(mu);
+    got[r] = std::move(f);
+  });
+  for (std::size_t r = 0; r < P; ++r) EXPECT_TRUE(test::bitwise_equal(got[r], want.fwd[r]));
+}
+
+TEST(Exchange, LiveForwardsThenBackwardsInReverseLeaveInputsUntouched) {
+  constexpr std::size_t P = 4;
+  const SummaryShape shape{1, 2, 16, 16};
+  std::vector<World> calls;
+  for (int c = 0; c < 3; ++c) calls.emplace_back(P, shape, 200 + c);
+  for (const std::string method : {"p2p", "allgather", "grouped_allgather_p2p"}) {
+    const long long gw = method == "grouped_allgather_p2p" ? 2 : 1;
+    std::vector<Results> want;
+    for (const auto& w : calls) want.push_back(run_protocol(w, "p2p", 1));
+    run_in_process(P, [&](const std::shared_ptr<Communicator>& comm) {
+      const std::size_t r = comm->rank();
+      auto mesh = DeviceMesh::create(comm, {P}, {"cp"});
+      auto ex = make_state_exchange(mesh, method, gw);
+      std::vector<State> s_copy, m_copy, g_copy, fwd(3), bwd(3);
+      for (auto& w : calls) {
+        s_copy.push_back(test::copy_of(w.s[r]));
+        m_copy.push_back(test::copy_of(w.m[r]));
+        g_copy.push_back(test::copy_of(w.g[r]));
+      }
+      for (int c = 0; c < 3; ++c) fwd[c] = ex->forward(calls[c].s[r].view(), calls[c].m[r].view());
+      for (int c = 2; c >= 0; --c) bwd[c] = ex->backward(calls[c].g[r].view(), calls[c].m[r].view());
+      for (int c = 0; c < 3; ++c) {
+        EXPECT_TRUE(test::bitwise_equal(fwd[c], want[c].fwd[r])) << method << " call " << c;
+        EXPECT_TRUE(test::bitwise_equal(bwd[c], want[c].bwd[r])) << method << " call " << c;
+        EXPECT_TRUE(test::bitwise_equal(calls[c].s[r], s_copy[c]));
+        EXPECT_TRUE(test::bitwise_equal(calls[c].m[r], m_copy[c]));
+        EXPECT_TRUE(test::bitwise_equal(calls[c].g[r], g_copy[c]));
+      }
+    });
+  }
+}
+
+TEST(Exchange, StridedInputsGiveTheSameBits) {
+  // S and M as views into one padded buffer per rank: row padding and a
+  // packed [S|M] layout, as a caller might hold them.
+  constexpr std::size_t P = 4, B = 2, H = 2, K = 32, V = 16;
+  World w(P, SummaryShape{B, H, K, V}, 31);
+  const auto want = run_protocol(w, "p2p", 1);
+  for (const std::string method : {"p2p", "allgather", "grouped_allgather_p2p"}) {
+    const long long gw = method == "grouped_allgather_p2p" ? 2 : 1;
+    std::vector<State> got(P);
+    std::mutex mu;
+    run_in_process(P, [&](const std::shared_ptr<Communicator>& comm) {
+      const std::size_t r = comm->rank();
+      const std::size_t cols = V + K + 3;  // packed [S|M|pad]
+      std::vector<float> store(B * H * K * cols, -7.0f);
+      for (std::size_t slab = 0; slab < B * H; ++slab)
+        for (std::size_t i = 0; i < K; ++i) {
+          std::memcpy(&store[slab * K * cols + i * cols], w.s[r].data() + slab * K * V + i * V, V * 4);
+          std::memcpy(&store[slab * K * cols + i * cols + V], w.m[r].data() + slab * K * K + i * K, K * 4);
+        }
+      StateView s = StateView::dense(store.data(), B, H, K, V);
+      s.row_stride = cols;
+      s.head_stride = K * cols;
+      s.batch_stride = H * K * cols;
+      StateView m = s;
+      m.data = store.data() + V;
+      m.cols = K;
+      auto mesh = DeviceMesh::create(comm, {P}, {"cp"});
+      auto ex = make_state_exchange(mesh, method, gw);
+      State f = ex->forward(s, m);
+      std::lock_guard lock(mu);
+      got[r] = std::move(f);
+    });
+    for (std::size_t r = 0; r < P; ++r) EXPECT_TRUE(test::bitwise_equal(got[r], want.fwd[r])) << method << r;
+  }
+}
+
+TEST(Exchange, ReportsTrafficAndPeakMemory) {
+  constexpr std::size_t P = 4;
+  const SummaryShape shape{1, 4, 32, 32};
+  World w(P, shape, 12);
+  const std::size_t state = shape.state_elems() * 4, slot = shape.packed_elems() * 4;
+  run_in_process(P, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t r = comm->rank();
+    auto mesh = DeviceMesh::create(comm, {P}, {"cp"});
+    auto ag = make_state_exchange(mesh, "allgather");
+    ag->forward(w.s[r].view(), w.m[r].view());
+    EXPECT_EQ(ag->last_stats().peak_extra_bytes, P * slot);
+    EXPECT_EQ(ag->last_stats().bytes_received, (P - 1) * slot);
+    auto chain = make_state_exchange(mesh, "p2p");
+    chain->forward(w.s[r].view(), w.m[r].view());
+    EXPECT_LE(chain->last_stats().peak_extra_bytes, 2 * state);
+    EXPECT_EQ(chain->last_stats().bytes_received, r > 0 ? state : 0);
+    EXPECT_EQ(chain->last_stats().bytes_sent, r + 1 < P ? state : 0);
+    auto grouped = make_state_exchange(mesh, "grouped_allgather_p2p", 2);
+    grouped->forward(w.s[r].view(), w.m[r].view());
+    EXPECT_LE(grouped->last_stats().peak_extra_bytes, 2 * slot + 2 * state);
+  });
+}
+
+TEST(Exchange, TwoIndependentWorldsRunAtOnce) {
+  World a(3, SummaryShape{1, 1, 16, 16}, 1), b(5, SummaryShape{1, 2, 16, 32}, 2);
+  const auto want_a = run_protocol(a, "p2p", 1), want_b = run_protocol(b, "p2p", 1);
+  Results got_a, got_b;
+  std::thread ta([&] { got_a = run_protocol(a, "allgather", 1); });
+  std::thread tb([&] { got_b = run_protocol(b, "allgather", 1); });
+  ta.join();
+  tb.join();
+  for (std::size_t r = 0; r < 3; ++r) EXPECT_TRUE(test::bitwise_equal(got_a.fwd[r], want_a.fwd[r]));
+  for (std::size_t r = 0; r < 5; ++r) EXPECT_TRUE(test::bitwise_equal(got_b.bwd[r], want_b.bwd[r]));
+}
+
+}  // namespace
+}  // namespace kdacp
