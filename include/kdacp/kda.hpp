@@ -1,0 +1,118 @@
+// Kimi Delta Attention on the CPU (SPEC §9): chunk summaries, the forward
+// from an incoming state, and its exact reverse-mode gradients.
+//
+// Per batch b, value head j and token t (α_t = exp g_t, q/k from head j / (HV/H)):
+//
+//     S_t = (I - β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t
+//
+// the recurrence of flash-linear-attention's `naive_recurrent_kda`. Layouts are
+// theirs, contiguous and row-major: q, k [B,T,H,K]; v, o [B,T,HV,V];
+// g [B,T,HV,K]; beta [B,T,HV]; states and their gradients [B,HV,K,V]; chunk
+// transfers M [B,HV,K,K].
+//
+// Every function is instantiated for float and double and accumulates in T
+// (FP32 for the float path). Work is split over the B·HV (batch, value head)
+// pairs; each pair is computed by one thread with the same code, so results are
+// bitwise independent of `threads` (0 and 1 both mean the calling thread).
+// Outputs must not overlap inputs. Bad shapes or a non-finite scale throw
+// InvalidArgument before anything is written.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+namespace kdacp::kda {
+
+struct Shape {
+  std::size_t batch = 0;        // B
+  std::size_t tokens = 0;       // T
+  std::size_t heads = 0;        // H: query/key heads
+  std::size_t value_heads = 0;  // HV: a multiple of H
+  std::size_t key_dim = 0;      // K
+  std::size_t value_dim = 0;    // V
+
+  // Value heads per query/key head.
+  std::size_t group() const { return value_heads / heads; }
+  std::size_t state_elems() const { return batch * value_heads * key_dim * value_dim; }
+  std::size_t transfer_elems() const { return batch * value_heads * key_dim * key_dim; }
+  std::size_t qk_elems() const { return batch * tokens * heads * key_dim; }
+  std::size_t v_elems() const { return batch * tokens * value_heads * value_dim; }
+  std::size_t g_elems() const { return batch * tokens * value_heads * key_dim; }
+  std::size_t beta_elems() const { return batch * tokens * value_heads; }
+};
+
+// Throws InvalidArgument unless B, T, H, HV, K, V are all ≥ 1 and H divides HV.
+void validate(const Shape& shape);
+
+// The element type of a tensor argument. Only Inputs<T> deduces T, so
+// nullptr may be passed for any optional tensor.
+template <class T>
+using Elem = std::type_identity_t<T>;
+
+// 1/√K, the scale flash-linear-attention uses when none is given.
+template <class T>
+T default_scale(std::size_t key_dim);
+
+// One chunk of a layer's inputs (non-owning; every pointer is required).
+template <class T>
+struct Inputs {
+  const T* q = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const T* g = nullptr;  // log-decay, α = exp(g); g ≤ 0 keeps the recurrence contractive
+  const T* beta = nullptr;
+  Shape shape{};
+  T scale = 0;  // must be finite and positive; see default_scale
+};
+
+// The chunk's summary: `state` [B,HV,K,V] = the final state started from zero,
+// `transfer` [B,HV,K,K] = M = Π_t (I - β_t k_t k_tᵀ) Diag(α_t), later tokens on
+// the left, so that forward(h).final == M·h + state for every incoming h.
+// O(T·K·(K+V)) per value head.
+template <class T>
+void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer, std::size_t threads);
+
+// Runs the recurrence from `incoming` [B,HV,K,V] (nullptr: the zero state),
+// writing o [B,T,HV,V] and, when `final_state` is not null, S_T [B,HV,K,V].
+template <class T>
+void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
+             std::size_t threads);
+
+// Gradients of a loss L(o, S_T), in the layouts of the matching inputs.
+// Every pointer is required except d_incoming (skipped when null).
+template <class T>
+struct Grads {
+  T* dq = nullptr;
+  T* dk = nullptr;
+  T* dv = nullptr;
+  T* dg = nullptr;
+  T* dbeta = nullptr;
+  T* d_incoming = nullptr;  // [B,HV,K,V]
+};
+
+// States saved by backward every this many tokens; the states in between are
+// recomputed, one block at a time. Memory per busy thread is about
+// (T / interval + interval) · K·V elements.
+inline constexpr std::size_t kDefaultCheckpointInterval = 64;
+
+// Exact reverse-mode gradients given d_o = ∂L/∂o [B,T,HV,V] and
+// d_final = ∂L/∂S_T [B,HV,K,V] (nullptr: zero). `incoming` is the state
+// forward ran from (nullptr: zero). dq and dk sum over the HV/H value heads
+// sharing a query/key head, in value-head order. `checkpoint_interval` (≥ 1)
+// trades memory for nothing else: results are bitwise the same for every value.
+template <class T>
+void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
+              const Elem<T>* d_final, const Grads<Elem<T>>& grads, std::size_t threads,
+              std::size_t checkpoint_interval = kDefaultCheckpointInterval);
+
+// G = ∂L/∂S_0 [B,HV,K,V] for a loss on this chunk's outputs alone (d_final = 0),
+// without parameter gradients: a single reverse sweep on the state gradient,
+// O(T·K·V) per value head and no state recompute. S_T and o are affine in S_0
+// with a linear part that does not depend on S_0, so neither does G, and the
+// incoming state is not an argument. Equals backward's d_incoming with
+// d_final = nullptr up to rounding.
+template <class T>
+void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
+                   std::size_t threads);
+
+}  // namespace kdacp::kda
