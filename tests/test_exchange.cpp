@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <mutex>
 #include <sstream>
@@ -272,6 +273,68 @@ TEST(Exchange, TwoIndependentWorldsRunAtOnce) {
   tb.join();
   for (std::size_t r = 0; r < 3; ++r) EXPECT_TRUE(test::bitwise_equal(got_a.fwd[r], want_a.fwd[r]));
   for (std::size_t r = 0; r < 5; ++r) EXPECT_TRUE(test::bitwise_equal(got_b.bwd[r], want_b.bwd[r]));
+}
+
+}  // namespace
+}  // namespace kdacp
+
+namespace kdacp {
+namespace {
+
+// The float64 verification path: the same protocols on double summaries stay
+// bitwise identical to each other and match the FP64 chain to round-off.
+TEST(Exchange, Float64SummariesRunEveryProtocolExactly) {
+  constexpr std::size_t P = 6;
+  const SummaryShape shape{1, 2, 16, 32};
+  test::World w(P, shape, 64);
+  const auto ref_f = w.reference(Direction::forward);
+  const auto ref_b = w.reference(Direction::backward);
+  auto widen = [](const State& s) {
+    State d(s.batch(), s.heads(), s.rows(), s.cols(), DType::f64);
+    for (std::size_t i = 0; i < s.size(); ++i) d.data<double>()[i] = s.data()[i];
+    return d;
+  };
+  std::vector<State> s64, m64, g64;
+  for (std::size_t r = 0; r < P; ++r) {
+    s64.push_back(widen(w.s[r]));
+    m64.push_back(widen(w.m[r]));
+    g64.push_back(widen(w.g[r]));
+  }
+  std::vector<std::vector<State>> fwd, bwd;
+  for (const auto& [method, gw] : std::vector<std::pair<std::string, long long>>{
+           {"p2p", 1}, {"allgather", 1}, {"grouped_allgather_p2p", 3}}) {
+    std::vector<State> f(P), b(P);
+    run_in_process(P, [&](const std::shared_ptr<Communicator>& comm) {
+      const std::size_t r = comm->rank();
+      auto mesh = DeviceMesh::create(comm, {P}, {"cp"});
+      auto ex = make_state_exchange(mesh, method, gw);
+      f[r] = ex->forward(s64[r].view(), m64[r].view());
+      b[r] = ex->backward(g64[r].view(), m64[r].view());
+    });
+    fwd.push_back(std::move(f));
+    bwd.push_back(std::move(b));
+  }
+  for (std::size_t i = 0; i < fwd.size(); ++i)
+    for (std::size_t r = 0; r < P; ++r) {
+      ASSERT_EQ(fwd[i][r].dtype(), DType::f64);
+      EXPECT_EQ(0, std::memcmp(fwd[i][r].data(), fwd[0][r].data(), fwd[0][r].bytes())) << i << r;
+      EXPECT_EQ(0, std::memcmp(bwd[i][r].data(), bwd[0][r].data(), bwd[0][r].bytes())) << i << r;
+      double num = 0, den = 0;
+      for (std::size_t e = 0; e < ref_f[r].size(); ++e) {
+        const double d = fwd[i][r].data<double>()[e] - ref_f[r][e];
+        num += d * d;
+        den += ref_f[r][e] * ref_f[r][e];
+        const double db = bwd[i][r].data<double>()[e] - ref_b[r][e];
+        num += db * db;
+        den += ref_b[r][e] * ref_b[r][e];
+      }
+      EXPECT_LT(std::sqrt(num / std::max(den, 1e-300)), 1e-13) << i << r;
+    }
+}
+
+TEST(Exchange, MixedDtypesAreRejected) {
+  State s(1, 1, 16, 16, DType::f64), m(1, 1, 16, 16);
+  EXPECT_THROW(validate_summary(s.view(), m.view(), "S", 0), InvalidArgument);
 }
 
 }  // namespace

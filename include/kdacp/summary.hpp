@@ -16,6 +16,8 @@ inline constexpr std::size_t kDimMultiple = 16;
 // Shape of one rank's summaries: S/G [B,H,K,V], M [B,H,K,K].
 struct SummaryShape {
   std::size_t batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+  // float32 in production; float64 runs the same protocols for verification.
+  DType dtype = DType::f32;
   friend bool operator==(const SummaryShape&, const SummaryShape&) = default;
   std::size_t slabs() const { return batch * heads; }
   std::size_t state_elems() const { return batch * heads * key_dim * value_dim; }
@@ -24,7 +26,7 @@ struct SummaryShape {
 };
 std::string to_string(const SummaryShape& shape);
 
-// Checks one view against the generic layout rules: FP32, supported device,
+// Checks one view against the generic layout rules: FP32 (or FP64), supported device,
 // non-empty B/H, unit column stride, batch stride == heads * head_stride,
 // rows/cols inside their slab. `field` names the argument ("S", "M", "G").
 void validate_view(const StateView& view, const std::string& field, std::size_t rank);

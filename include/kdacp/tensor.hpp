@@ -38,12 +38,16 @@ struct StateView {
   static StateView dense(float* data, std::size_t batch, std::size_t heads, std::size_t rows,
                          std::size_t cols);
   std::size_t slabs() const { return batch * heads; }
-  // Start of the (b,h) matrix; valid only for f32 views.
-  float* slab(std::size_t b, std::size_t h) const {
-    return static_cast<float*>(data) + b * batch_stride + h * head_stride;
+  // Start of the (b,h) matrix; T must match dtype (float for f32).
+  template <class T = float>
+  T* slab(std::size_t b, std::size_t h) const {
+    return static_cast<T*>(data) + b * batch_stride + h * head_stride;
   }
   // Start of the i-th (b,h) matrix in b-major order.
-  float* slab(std::size_t i) const { return slab(i / heads, i % heads); }
+  template <class T = float>
+  T* slab(std::size_t i) const {
+    return slab<T>(i / heads, i % heads);
+  }
   bool is_dense() const {
     return col_stride == 1 && row_stride == cols && head_stride == rows * cols &&
            batch_stride == heads * head_stride;
@@ -86,16 +90,23 @@ class Buffer {
   std::size_t size_ = 0;
 };
 
-// A dense [B,H,rows,cols] FP32 tensor: a Buffer plus its shape.
+// A dense, zero-initialised [B,H,rows,cols] tensor of float32 (the exchange's
+// production type) or float64 (the verification path): a Buffer plus shape.
 class State {
  public:
   State() = default;
-  State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols);
+  State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols,
+        DType dtype = DType::f32);
 
-  StateView view() const { return StateView::dense(buf_.data(), batch_, heads_, rows_, cols_); }
-  float* data() const { return buf_.data(); }
-  std::size_t size() const { return buf_.size(); }
-  std::size_t bytes() const { return buf_.bytes(); }
+  StateView view() const;
+  template <class T = float>
+  T* data() const {
+    return reinterpret_cast<T*>(buf_.data());
+  }
+  DType dtype() const { return dtype_; }
+  // Elements (not floats) and bytes.
+  std::size_t size() const { return batch_ * heads_ * rows_ * cols_; }
+  std::size_t bytes() const { return size() * dtype_size(dtype_); }
   std::size_t batch() const { return batch_; }
   std::size_t heads() const { return heads_; }
   std::size_t rows() const { return rows_; }
@@ -104,6 +115,7 @@ class State {
  private:
   Buffer buf_;
   std::size_t batch_ = 0, heads_ = 0, rows_ = 0, cols_ = 0;
+  DType dtype_ = DType::f32;
 };
 
 }  // namespace kdacp

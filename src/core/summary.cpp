@@ -40,7 +40,8 @@ void check_dim(std::size_t value, const std::string& field, const std::string& w
 }  // namespace
 
 void validate_view(const StateView& v, const std::string& field, std::size_t rank) {
-  if (v.dtype != DType::f32) fail(rank, field, "dtype", to_string(v.dtype), "float32");
+  if (v.dtype != DType::f32 && v.dtype != DType::f64)
+    fail(rank, field, "dtype", to_string(v.dtype), "float32 (or float64 for verification)");
   if (v.device.kind != DeviceKind::cpu)
     fail(rank, field, "device", to_string(v.device), "a cpu device (the only one built)");
   if (v.data == nullptr) fail(rank, field, "data pointer", "null", "non-null");
@@ -63,6 +64,9 @@ SummaryShape validate_summary(const StateView& offset, const StateView& transfer
                               const std::string& offset_name, std::size_t rank) {
   validate_view(offset, offset_name, rank);
   validate_view(transfer, "M", rank);
+  if (offset.dtype != transfer.dtype)
+    fail(rank, "M", "dtype", to_string(transfer.dtype),
+         "the dtype of " + offset_name + " (" + to_string(offset.dtype) + ")");
   if (!(offset.device == transfer.device))
     fail(rank, "M", "device", to_string(transfer.device),
          "the device of " + offset_name + " (" + to_string(offset.device) + ")");
@@ -75,7 +79,7 @@ SummaryShape validate_summary(const StateView& offset, const StateView& transfer
              std::to_string(offset.rows) + "," + std::to_string(offset.rows) + "] to match " +
              offset_name + " " + shape_str(offset));
   }
-  return {offset.batch, offset.heads, offset.rows, offset.cols};
+  return {offset.batch, offset.heads, offset.rows, offset.cols, offset.dtype};
 }
 
 SummaryShape validate_stack(const StackView& offsets, const StackView& transfers,

@@ -85,7 +85,26 @@ void Buffer::release() noexcept {
   size_ = 0;
 }
 
-State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols)
-    : buf_(batch * heads * rows * cols), batch_(batch), heads_(heads), rows_(rows), cols_(cols) {}
+namespace {
+std::size_t floats_for(std::size_t elements, DType dtype) {
+  if (dtype != DType::f32 && dtype != DType::f64)
+    throw InvalidArgument("State dtype " + to_string(dtype) + ", expected float32 or float64");
+  return elements * (dtype_size(dtype) / sizeof(float));
+}
+}  // namespace
+
+State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols, DType dtype)
+    : buf_(floats_for(batch * heads * rows * cols, dtype)),
+      batch_(batch),
+      heads_(heads),
+      rows_(rows),
+      cols_(cols),
+      dtype_(dtype) {}
+
+StateView State::view() const {
+  StateView v = StateView::dense(buf_.data(), batch_, heads_, rows_, cols_);
+  v.dtype = dtype_;
+  return v;
+}
 
 }  // namespace kdacp

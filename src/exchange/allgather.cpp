@@ -30,7 +30,7 @@ class AllGatherExchange final : public StateExchange {
     PackedSlots gathered(shape, size_);
     gathered.pack(rank_, offset, m);
     comm_->all_gather(gathered.bytes());
-    State result(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+    State result = make_state(shape);
     merge(gathered.slots(), rank_, dir, result.view(), options_.exec, FoldFlags::consume_offsets);
     stats_ = meter.finish(result);
     return result;

@@ -5,18 +5,22 @@
 namespace kdacp::detail {
 
 PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
-    : shape_(shape), count_(count), buf_(count * shape.packed_elems()) {}
+    : shape_(shape),
+      count_(count),
+      buf_(count * shape.packed_elems() * dtype_size(shape.dtype) / sizeof(float)) {}
 
 void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer) {
   const Slots s = slots();
   const StateView so = s.offsets.slot(index), sm = s.transfers.slot(index);
-  const std::size_t k = shape_.key_dim;
+  const std::size_t k = shape_.key_dim, e = dtype_size(shape_.dtype);
+  auto at = [e](const StateView& v, std::size_t slab, std::size_t row) {
+    return static_cast<char*>(v.data) +
+           e * ((slab / v.heads) * v.batch_stride + (slab % v.heads) * v.head_stride + row * v.row_stride);
+  };
   for (std::size_t slab = 0; slab < shape_.slabs(); ++slab) {
     for (std::size_t i = 0; i < k; ++i) {
-      std::memcpy(so.slab(slab) + i * so.row_stride, offset.slab(slab) + i * offset.row_stride,
-                  shape_.value_dim * sizeof(float));
-      std::memcpy(sm.slab(slab) + i * sm.row_stride, transfer.slab(slab) + i * transfer.row_stride,
-                  k * sizeof(float));
+      std::memcpy(at(so, slab, i), at(offset, slab, i), shape_.value_dim * e);
+      std::memcpy(at(sm, slab, i), at(transfer, slab, i), k * e);
     }
   }
 }
@@ -25,6 +29,7 @@ Slots PackedSlots::slots() const {
   const std::size_t k = shape_.key_dim, v = shape_.value_dim, cols = shape_.packed_cols();
   StateView off;
   off.data = buf_.data();
+  off.dtype = shape_.dtype;
   off.batch = shape_.batch;
   off.heads = shape_.heads;
   off.rows = k;
@@ -33,7 +38,7 @@ Slots PackedSlots::slots() const {
   off.head_stride = k * cols;
   off.batch_stride = shape_.heads * k * cols;
   StateView tr = off;
-  tr.data = buf_.data() + v;
+  tr.data = static_cast<char*>(off.data) + v * dtype_size(shape_.dtype);
   tr.cols = k;
   const std::size_t stride = shape_.packed_elems();
   return Slots{StackView{off, count_, stride}, StackView{tr, count_, stride}};
@@ -44,7 +49,7 @@ std::span<std::byte> PackedSlots::bytes() const {
 }
 
 std::span<std::byte> PackedSlots::slot_bytes(std::size_t index) const {
-  const std::size_t n = shape_.packed_elems() * sizeof(float);
+  const std::size_t n = shape_.packed_elems() * dtype_size(shape_.dtype);
   return bytes().subspan(index * n, n);
 }
 
@@ -53,7 +58,7 @@ std::span<std::byte> bytes_of(const State& s) {
 }
 
 std::span<const std::byte> bytes_of(const StateView& v) {
-  const std::size_t n = v.batch * v.heads * v.rows * v.cols * sizeof(float);
+  const std::size_t n = v.batch * v.heads * v.rows * v.cols * dtype_size(v.dtype);
   return {static_cast<const std::byte*>(v.data), n};
 }
 
@@ -62,12 +67,16 @@ Slots single_slot(const StateView& offset, const StateView& transfer) {
 }
 
 State dense_copy(const StateView& view) {
-  State out(view.batch, view.heads, view.rows, view.cols);
+  State out(view.batch, view.heads, view.rows, view.cols, view.dtype);
   const StateView o = out.view();
+  const std::size_t e = dtype_size(view.dtype);
   for (std::size_t slab = 0; slab < view.slabs(); ++slab)
     for (std::size_t i = 0; i < view.rows; ++i)
-      std::memcpy(o.slab(slab) + i * o.row_stride, view.slab(slab) + i * view.row_stride,
-                  view.cols * sizeof(float));
+      std::memcpy(static_cast<char*>(o.data) + e * (slab * o.head_stride + i * o.row_stride),
+                  static_cast<const char*>(view.data) +
+                      e * ((slab / view.heads) * view.batch_stride +
+                           (slab % view.heads) * view.head_stride + i * view.row_stride),
+                  view.cols * e);
   return out;
 }
 

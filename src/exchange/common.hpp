@@ -41,8 +41,13 @@ std::span<const std::byte> bytes_of(const StateView& dense_view);
 // One rank's own summary as a one-slot stack, for single steps.
 Slots single_slot(const StateView& offset, const StateView& transfer);
 
-// Dense copy of a (possibly strided) view, or nullptr-free alias when dense.
+// Dense copy of a (possibly strided) view.
 State dense_copy(const StateView& view);
+
+// A zeroed [B,H,K,V] state of the summaries' dtype.
+inline State make_state(const SummaryShape& s) {
+  return State(s.batch, s.heads, s.key_dim, s.value_dim, s.dtype);
+}
 
 // Measures one protocol call: traffic from the communicators' counters and
 // the peak of kdacp buffers allocated on this thread, less the returned state.

@@ -111,10 +111,6 @@ class GroupedExchange final : public StateExchange {
   }
 
  private:
-  static State make_state(const SummaryShape& s) {
-    return State(s.batch, s.heads, s.key_dim, s.value_dim);
-  }
-
   std::shared_ptr<Communicator> cp_;
   std::shared_ptr<Communicator> intra_;
   std::size_t width_, block_, local_, blocks_, owner_;

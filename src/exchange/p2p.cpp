@@ -34,7 +34,7 @@ class P2PExchange final : public StateExchange {
     const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
     const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
 
-    State result(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+    State result = make_state(shape);
     if (has_prev) comm_->irecv(bytes_of(result), prev, tag)->wait();
     if (has_next) {
       State send;
@@ -49,7 +49,7 @@ class P2PExchange final : public StateExchange {
           payload = bytes_of(send);
         }
       } else {
-        send = State(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+        send = make_state(shape);
         const StateView in = result.view();
         scan(single_slot(offset, m), 0, 1, dir, &in, send.view(), std::nullopt, nullptr,
              options_.exec);

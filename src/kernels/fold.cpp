@@ -34,18 +34,35 @@ detail::StepFn pick(KernelKind kind) {
   return kind == KernelKind::scalar ? detail::step_scalar : detail::step_simd;
 }
 
-void copy_slab(const float* src, std::size_t lds, float* dst, std::size_t ldd, std::size_t rows,
+template <class T>
+void copy_slab(const T* src, std::size_t lds, T* dst, std::size_t ldd, std::size_t rows,
                std::size_t cols) {
-  for (std::size_t i = 0; i < rows; ++i)
-    std::memcpy(dst + i * ldd, src + i * lds, cols * sizeof(float));
+  for (std::size_t i = 0; i < rows; ++i) std::memcpy(dst + i * ldd, src + i * lds, cols * sizeof(T));
 }
 
-void zero_slab(float* dst, std::size_t ldd, std::size_t rows, std::size_t cols) {
-  for (std::size_t i = 0; i < rows; ++i) std::memset(dst + i * ldd, 0, cols * sizeof(float));
+template <class T>
+void zero_slab(T* dst, std::size_t ldd, std::size_t rows, std::size_t cols) {
+  for (std::size_t i = 0; i < rows; ++i) std::memset(dst + i * ldd, 0, cols * sizeof(T));
 }
+
+// The step for each element type: float uses the chosen kernel; double (the
+// verification path) the scalar kernel with the same operation order.
+template <class T>
+struct StepFor;
+template <>
+struct StepFor<float> {
+  static detail::StepFn get(KernelKind kind) { return pick(kind); }
+};
+template <>
+struct StepFor<double> {
+  static detail::StepFnF64 get(KernelKind) { return detail::step_scalar_f64; }
+};
 
 void check_out(const StateView& out, const SummaryShape& shape, const std::string& field) {
   validate_view(out, field, 0);
+  if (out.dtype != shape.dtype)
+    throw InvalidArgument(field + " dtype " + to_string(out.dtype) + " does not match the summaries' " +
+                          to_string(shape.dtype));
   if (out.batch != shape.batch || out.heads != shape.heads || out.rows != shape.key_dim ||
       out.cols != shape.value_dim) {
     throw InvalidArgument(field + " shape [" + std::to_string(out.batch) + "," +
@@ -53,6 +70,73 @@ void check_out(const StateView& out, const SummaryShape& shape, const std::strin
                           std::to_string(out.cols) + "] does not match the summaries " +
                           to_string(shape));
   }
+}
+
+template <class T>
+void scan_impl(const Slots& slots, std::size_t first, std::size_t count, Direction direction,
+               const StateView* incoming, const StateView& out, std::optional<std::size_t> prefix_steps,
+               const StateView* prefix_out, const ExecPolicy& policy, FoldFlags flags,
+               const SummaryShape& shape) {
+  const bool fwd = direction == Direction::forward;
+  const std::size_t k = shape.key_dim, v = shape.value_dim;
+  const bool consume = (static_cast<unsigned>(flags) & static_cast<unsigned>(FoldFlags::consume_offsets)) != 0;
+  const auto step = StepFor<T>::get(policy.kernel);
+  const std::size_t slabs = shape.slabs();
+  // Ping-pong partner of `out` per participant, only when the offsets may not
+  // be overwritten: computed steps alternate so that the last lands in out.
+  const std::size_t parts = participants(policy.pool, slabs);
+  Buffer scratch(consume ? 0 : parts * k * v * sizeof(T) / sizeof(float));
+
+  parallel_ranges(policy.pool, slabs, [&](std::size_t begin, std::size_t end, std::size_t part) {
+    T* tmp = reinterpret_cast<T*>(scratch.data()) + (consume ? 0 : part * k * v);
+    for (std::size_t slab = begin; slab < end; ++slab) {
+      const T* x = incoming ? incoming->slab<T>(slab) : nullptr;
+      std::size_t ldx = incoming ? incoming->row_stride : 0;
+      T* o = out.slab<T>(slab);
+      T* pre = prefix_out ? prefix_out->slab<T>(slab) : nullptr;
+      auto save_prefix = [&](std::size_t steps_done) {
+        if (!prefix_steps || *prefix_steps != steps_done) return;
+        if (x) copy_slab(x, ldx, pre, prefix_out->row_stride, k, v);
+        else zero_slab(pre, prefix_out->row_stride, k, v);
+      };
+      save_prefix(0);
+      const std::size_t computed = incoming ? count : (count > 0 ? count - 1 : 0);
+      std::size_t done_computed = 0;
+      for (std::size_t t = 0; t < count; ++t) {
+        const std::size_t j = fwd ? first + t : first - t;
+        const StateView so = slots.offsets.slot(j);
+        const StateView sm = slots.transfers.slot(j);
+        const T* sj = so.slab<T>(slab);
+        if (x == nullptr) {
+          // From the zero state the step yields the offset itself, exactly.
+          x = sj;
+          ldx = so.row_stride;
+        } else {
+          T* dst;
+          std::size_t ldd;
+          if (done_computed + 1 == computed) {
+            dst = o, ldd = out.row_stride;
+          } else if (consume) {
+            dst = so.slab<T>(slab), ldd = so.row_stride;
+          } else if ((computed - 1 - done_computed) % 2 == 0) {
+            dst = o, ldd = out.row_stride;
+          } else {
+            dst = tmp, ldd = v;
+          }
+          step(sm.slab<T>(slab), sm.row_stride, x, ldx, sj, so.row_stride, dst, ldd, k, v, !fwd);
+          ++done_computed;
+          x = dst;
+          ldx = ldd;
+        }
+        save_prefix(t + 1);
+      }
+      if (computed == 0) {
+        // No arithmetic happened: out is the incoming state, a slot's offset or zero.
+        if (x) copy_slab(x, ldx, o, out.row_stride, k, v);
+        else zero_slab(o, out.row_stride, k, v);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -87,66 +171,11 @@ void scan(const Slots& slots, std::size_t first, std::size_t count, Direction di
     if (prefix_out == nullptr) throw InvalidArgument("scan prefix requested without an output");
     check_out(*prefix_out, shape, "scan prefix output");
   }
-
-  const std::size_t k = shape.key_dim, v = shape.value_dim;
-  const bool consume = (static_cast<unsigned>(flags) & static_cast<unsigned>(FoldFlags::consume_offsets)) != 0;
-  const detail::StepFn step = pick(policy.kernel);
-  const std::size_t slabs = shape.slabs();
-  // Ping-pong partner of `out` per participant, only when the offsets may not
-  // be overwritten: computed steps alternate so that the last lands in out.
-  const std::size_t parts = participants(policy.pool, slabs);
-  Buffer scratch(consume ? 0 : parts * k * v);
-
-  parallel_ranges(policy.pool, slabs, [&](std::size_t begin, std::size_t end, std::size_t part) {
-    float* tmp = scratch.data() + (consume ? 0 : part * k * v);
-    for (std::size_t slab = begin; slab < end; ++slab) {
-      const float* x = incoming ? incoming->slab(slab) : nullptr;
-      std::size_t ldx = incoming ? incoming->row_stride : 0;
-      float* o = out.slab(slab);
-      float* pre = prefix_out ? prefix_out->slab(slab) : nullptr;
-      auto save_prefix = [&](std::size_t steps_done) {
-        if (!prefix_steps || *prefix_steps != steps_done) return;
-        if (x) copy_slab(x, ldx, pre, prefix_out->row_stride, k, v);
-        else zero_slab(pre, prefix_out->row_stride, k, v);
-      };
-      save_prefix(0);
-      const std::size_t computed = incoming ? count : (count > 0 ? count - 1 : 0);
-      std::size_t done_computed = 0;
-      for (std::size_t t = 0; t < count; ++t) {
-        const std::size_t j = fwd ? first + t : first - t;
-        const StateView so = slots.offsets.slot(j);
-        const StateView sm = slots.transfers.slot(j);
-        const float* sj = so.slab(slab);
-        if (x == nullptr) {
-          // From the zero state the step yields the offset itself, exactly.
-          x = sj;
-          ldx = so.row_stride;
-        } else {
-          float* dst;
-          std::size_t ldd;
-          if (done_computed + 1 == computed) {
-            dst = o, ldd = out.row_stride;
-          } else if (consume) {
-            dst = so.slab(slab), ldd = so.row_stride;
-          } else if ((computed - 1 - done_computed) % 2 == 0) {
-            dst = o, ldd = out.row_stride;
-          } else {
-            dst = tmp, ldd = v;
-          }
-          step(sm.slab(slab), sm.row_stride, x, ldx, sj, so.row_stride, dst, ldd, k, v, !fwd);
-          ++done_computed;
-          x = dst;
-          ldx = ldd;
-        }
-        save_prefix(t + 1);
-      }
-      if (computed == 0) {
-        // No arithmetic happened: out is the incoming state, a slot's offset or zero.
-        if (x) copy_slab(x, ldx, o, out.row_stride, k, v);
-        else zero_slab(o, out.row_stride, k, v);
-      }
-    }
-  });
+  if (shape.dtype == DType::f64) {
+    scan_impl<double>(slots, first, count, direction, incoming, out, prefix_steps, prefix_out, policy, flags, shape);
+  } else {
+    scan_impl<float>(slots, first, count, direction, incoming, out, prefix_steps, prefix_out, policy, flags, shape);
+  }
 }
 
 void merge(const Slots& slots, std::size_t rank, Direction direction, const StateView& out,

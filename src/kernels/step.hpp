@@ -9,6 +9,15 @@ using StepFn = void (*)(const float* m, std::size_t ldm, const float* x, std::si
                         const float* s, std::size_t lds, float* c, std::size_t ldc, std::size_t k,
                         std::size_t v, bool transpose);
 
+using StepFnF64 = void (*)(const double* m, std::size_t ldm, const double* x, std::size_t ldx,
+                           const double* s, std::size_t lds, double* c, std::size_t ldc,
+                           std::size_t k, std::size_t v, bool transpose);
+
+// The float64 verification path: same operation order, scalar.
+void step_scalar_f64(const double* m, std::size_t ldm, const double* x, std::size_t ldx,
+                     const double* s, std::size_t lds, double* c, std::size_t ldc, std::size_t k,
+                     std::size_t v, bool transpose);
+
 void step_scalar(const float* m, std::size_t ldm, const float* x, std::size_t ldx, const float* s,
                  std::size_t lds, float* c, std::size_t ldc, std::size_t k, std::size_t v,
                  bool transpose);
