@@ -17,7 +17,7 @@ build-sanitize: deps
 
 # The main job on in-process ranks.
 run: build
-	./build/release/tools/kdacp exchange
+	./build/release/tools/kdacp run
 
 test-release: build
 	ctest --preset release

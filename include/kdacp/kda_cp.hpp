@@ -83,9 +83,10 @@ LayerData<T> synthetic_layer(const Shape& shape, std::uint64_t seed);
 template <class T>
 std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed);
 
-// Flops of the recurrence as this implementation runs it, per layer call on
-// `shape` (forward: summary + forward; backward: G pass + backward).
-double forward_flops(const Shape& shape);
-double backward_flops(const Shape& shape);
+// Flops of the recurrence as this implementation runs it on `shape`. The
+// context-parallel layer adds the summary (forward) and the G pass (backward)
+// to what one device runs.
+double forward_flops(const Shape& shape, bool context_parallel);
+double backward_flops(const Shape& shape, bool context_parallel);
 
 }  // namespace kdacp::kda

@@ -86,18 +86,18 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   bwd_.local += since(t0);
 }
 
-double forward_flops(const Shape& s) {
+double forward_flops(const Shape& s, bool context_parallel) {
   const double tokens = double(s.batch) * double(s.tokens) * double(s.value_heads);
   const double kv = double(s.key_dim) * double(s.value_dim), kk = double(s.key_dim) * double(s.key_dim);
-  // summary: state 5·K·V + transfer 5·K² per token; forward 7·K·V per token.
-  return tokens * (5 * kv + 5 * kk + 7 * kv);
+  // forward 7·K·V per token; summary: state 5·K·V + transfer 5·K² per token.
+  return tokens * (7 * kv + (context_parallel ? 5 * kv + 5 * kk : 0));
 }
 
-double backward_flops(const Shape& s) {
+double backward_flops(const Shape& s, bool context_parallel) {
   const double tokens = double(s.batch) * double(s.tokens) * double(s.value_heads);
   const double kv = double(s.key_dim) * double(s.value_dim);
-  // G pass 7·K·V per token; backward 27·K·V per token (recompute included).
-  return tokens * (7 * kv + 27 * kv);
+  // backward 27·K·V per token (recompute included); G pass 7·K·V per token.
+  return tokens * (27 * kv + (context_parallel ? 7 * kv : 0));
 }
 
 template <class T>

@@ -11,7 +11,9 @@ int main(int argc, char** argv) {
       "attentions with an affine recurrent state"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "kdacp 0.1.0");
+  kdacp::cli::add_run_command(app);
   kdacp::cli::add_exchange_command(app);
+  kdacp::cli::add_kda_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,114 @@
+#include "layer_runner.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+
+#include "kdacp/inprocess.hpp"
+
+namespace kdacp::cli {
+
+template <class T>
+LayerOutputs<T> allocate_outputs(const kda::Shape& s, bool grads) {
+  LayerOutputs<T> r;
+  r.o.resize(s.v_elems());
+  if (grads) {
+    r.dq.resize(s.qk_elems());
+    r.dk.resize(s.qk_elems());
+    r.dv.resize(s.v_elems());
+    r.dg.resize(s.g_elems());
+    r.dbeta.resize(s.beta_elems());
+  }
+  return r;
+}
+
+namespace {
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+template <class T>
+LayerOutputs<T> run_single(const kda::LayerData<T>& data, T scale, const std::vector<T>* d_o,
+                           std::size_t threads) {
+  LayerOutputs<T> r = allocate_outputs<T>(data.shape, d_o != nullptr);
+  r.method = "single";
+  const auto in = data.inputs(scale);
+  auto t0 = std::chrono::steady_clock::now();
+  kda::forward(in, nullptr, r.o.data(), nullptr, threads);
+  r.forward_seconds = since(t0);
+  if (d_o) {
+    t0 = std::chrono::steady_clock::now();
+    kda::backward(in, nullptr, d_o->data(), nullptr,
+                  kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), nullptr},
+                  threads);
+    r.backward_seconds = since(t0);
+  }
+  return r;
+}
+
+template <class T>
+LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
+                                     const std::vector<T>* d_o, std::size_t ranks,
+                                     const std::string& method, long long group_size,
+                                     std::size_t threads_per_rank, double timeout_s) {
+  const kda::Shape& s = data.shape;
+  LayerOutputs<T> r = allocate_outputs<T>(s, d_o != nullptr);
+  std::mutex mu;
+  InProcessOptions opts;
+  opts.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
+  run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t rank = comm->rank();
+    const kda::TokenSplit range = kda::split_tokens(s.tokens, ranks, rank);
+    const kda::LayerData<T> local = data.slice(range);
+    const kda::Shape& ls = local.shape;
+    auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
+    auto ex = make_state_exchange(mesh, method, group_size);
+    kda::ContextParallelLayer<T> layer(*ex, threads_per_rank);
+    const auto in = local.inputs(scale);
+    LayerOutputs<T> lr = allocate_outputs<T>(ls, d_o != nullptr);
+    comm->barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    const kda::Saved saved = layer.forward(in, lr.o.data());
+    const double tf = since(t0);
+    double tb = 0, exch = layer.forward_times().exchange;
+    if (d_o) {
+      std::vector<T> ldo(ls.v_elems());
+      kda::slice_tokens(d_o->data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, ldo.data());
+      comm->barrier();
+      t0 = std::chrono::steady_clock::now();
+      layer.backward(in, saved, ldo.data(),
+                     kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(), nullptr});
+      tb = since(t0);
+      exch += layer.backward_times().exchange;
+    }
+    // Token ranges are disjoint: each rank writes its own part.
+    auto put = [&](const std::vector<T>& local_v, std::vector<T>& full, std::size_t inner) {
+      if (!local_v.empty()) kda::unslice_tokens(local_v.data(), s.batch, s.tokens, inner, range, full.data());
+    };
+    put(lr.o, r.o, s.value_heads * s.value_dim);
+    put(lr.dq, r.dq, s.heads * s.key_dim);
+    put(lr.dk, r.dk, s.heads * s.key_dim);
+    put(lr.dv, r.dv, s.value_heads * s.value_dim);
+    put(lr.dg, r.dg, s.value_heads * s.key_dim);
+    put(lr.dbeta, r.dbeta, s.value_heads);
+    std::lock_guard lock(mu);
+    r.forward_seconds = std::max(r.forward_seconds, tf);
+    r.backward_seconds = std::max(r.backward_seconds, tb);
+    r.exchange_seconds = std::max(r.exchange_seconds, exch);
+    if (rank == 0) {
+      r.method = ex->method();
+      r.exact = ex->exact();
+    }
+  }, opts);
+  return r;
+}
+
+template LayerOutputs<float> allocate_outputs<float>(const kda::Shape&, bool);
+template LayerOutputs<double> allocate_outputs<double>(const kda::Shape&, bool);
+template LayerOutputs<float> run_single<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t);
+template LayerOutputs<double> run_single<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t);
+template LayerOutputs<float> run_context_parallel<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t, const std::string&, long long, std::size_t, double);
+template LayerOutputs<double> run_context_parallel<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t, const std::string&, long long, std::size_t, double);
+
+}  // namespace kdacp::cli
