@@ -301,8 +301,11 @@ TEST(Exchange, Float64SummariesRunEveryProtocolExactly) {
     g64.push_back(widen(w.g[r]));
   }
   std::vector<std::vector<State>> fwd, bwd;
-  for (const auto& [method, gw] : std::vector<std::pair<std::string, long long>>{
+  for (const auto& [name, width] : std::vector<std::pair<std::string, long long>>{
            {"p2p", 1}, {"allgather", 1}, {"grouped_allgather_p2p", 3}}) {
+    // Copies: clang 14 cannot capture structured bindings in a lambda.
+    const std::string method = name;
+    const long long gw = width;
     std::vector<State> f(P), b(P);
     run_in_process(P, [&](const std::shared_ptr<Communicator>& comm) {
       const std::size_t r = comm->rank();

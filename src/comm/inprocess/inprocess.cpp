@@ -35,6 +35,9 @@ struct Collective {
   std::vector<bool> here;
   std::size_t arrived = 0;
   std::size_t departed = 0;
+  // Set when a member gave up waiting (timeout, failed peer): its buffer is
+  // gone, so nobody may complete this collective any more.
+  std::string abandoned;
 };
 
 struct PostedRecv {
@@ -259,7 +262,20 @@ class InProcessComm final : public Communicator, public std::enable_shared_from_
         if (!c->here[r]) out.push_back(r);
       return out;
     };
-    wait_for(lock, deadline, op, not_arrived, [&] { return c->arrived == n; });
+    try {
+      wait_for(lock, deadline, op, not_arrived, [&] {
+        if (!c->abandoned.empty()) throw RemoteError(who() + op + ": " + c->abandoned);
+        return c->arrived == n;
+      });
+    } catch (const std::exception& e) {
+      // Withdraw our buffer before the caller frees it.
+      if (c->abandoned.empty()) c->abandoned = "abandoned by rank " + std::to_string(group_->members[me_]) + " (" + e.what() + ")";
+      c->here[me_] = false;
+      c->ptrs[me_] = nullptr;
+      --c->arrived;
+      world_->cv.notify_all();
+      throw;
+    }
     lock.unlock();
     fn(*c);
     lock.lock();
