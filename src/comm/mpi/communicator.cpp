@@ -1,0 +1,496 @@
+// The MPI communicator: the semantics of the in-process backend over MPI.
+//
+// Bounded waits: MPI cannot bound a blocking call, so every operation is
+// non-blocking (MPI_Iallgather, MPI_Ibcast, MPI_Isend/Irecv, MPI_Comm_idup)
+// and completed by polling MPI_Test until the communicator's deadline (see
+// poll() for the backoff: it yields the core, since with more processes than
+// cores, as in CI, a spinning waiter would starve the peer it waits for).
+//
+// Size agreement: MPI collectives with mismatched counts are erroneous
+// (undefined behaviour, in practice a hang or a corrupted buffer), so each
+// collective first all-gathers a 3-word header (operation, byte count, root)
+// from every member. That is the cheapest scheme that can also NAME the
+// disagreeing rank: an all-reduce of (min, max) costs the same one small
+// collective but only says that someone differs. The header gather also
+// proves every member entered the same collective, so it is the barrier
+// itself, and it makes split() bounded before the blocking MPI_Comm_split.
+// Point-to-point sizes are checked on the receiver from the status
+// (MPI_ERR_TRUNCATE when longer, MPI_Get_elements_x when shorter).
+//
+// Large buffers: MPI counts are int. A buffer over max_message_bytes
+// (INT_MAX by default) is described as ONE element of a derived datatype
+// (q chunks of max_message_bytes, then the remainder), resized to the exact
+// byte extent, so the in-place all-gather still places slot i at i × slot.
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "kdacp/error.hpp"
+#include "kdacp/mpi.hpp"
+
+namespace kdacp {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+bool mpi_running() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  return initialized && !finalized;
+}
+
+// Polls `req` until it completes or `deadline` passes. Returns false at the
+// deadline (the request is still active); true with the MPI return code in
+// `rc` otherwise. Large messages move in pipelined fragments that advance
+// only while a process is inside MPI, so the first 20 ms poll continuously,
+// yielding the core between tests (with more ranks than cores the peer we
+// wait for needs it). Only a wait longer than that (a peer that is far
+// behind) backs off to sleeps doubling up to 1 ms, so idle ranks stop burning
+// CPU, at the price of at most ~1 ms added latency for such long waits.
+bool poll(MPI_Request* req, MPI_Status* status, Clock::time_point deadline, int* rc) {
+  const auto busy_until = Clock::now() + std::chrono::milliseconds(20);
+  std::chrono::microseconds pause{20};
+  for (;;) {
+    int flag = 0;
+    *rc = MPI_Test(req, &flag, status);
+    if (*rc != MPI_SUCCESS || flag) return true;
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    if (now < busy_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
+// `bytes` contiguous bytes as (count, datatype) within MPI's int counts.
+class ByteType {
+ public:
+  ByteType(std::size_t bytes, std::size_t max_chunk) {
+    if (bytes <= max_chunk) {
+      count_ = static_cast<int>(bytes);
+      return;
+    }
+    const std::size_t chunks = bytes / max_chunk, rest = bytes % max_chunk;
+    if (chunks > static_cast<std::size_t>(INT_MAX))
+      throw InvalidArgument("MPI message of " + std::to_string(bytes) +
+                            " bytes, expected at most INT_MAX chunks of " +
+                            std::to_string(max_chunk) + " bytes");
+    MPI_Datatype chunk = MPI_DATATYPE_NULL, body = MPI_DATATYPE_NULL;
+    MPI_Type_contiguous(static_cast<int>(max_chunk), MPI_BYTE, &chunk);
+    const int lengths[2] = {static_cast<int>(chunks), static_cast<int>(rest)};
+    const MPI_Aint displs[2] = {0, static_cast<MPI_Aint>(chunks * max_chunk)};
+    const MPI_Datatype types[2] = {chunk, MPI_BYTE};
+    MPI_Type_create_struct(rest ? 2 : 1, lengths, displs, types, &body);
+    // The extent must be exactly `bytes` so that slot i of a gather lands at
+    // i × bytes whatever padding rules the struct constructor applies.
+    MPI_Type_create_resized(body, 0, static_cast<MPI_Aint>(bytes), &type_);
+    MPI_Type_commit(&type_);
+    MPI_Type_free(&body);
+    MPI_Type_free(&chunk);
+    count_ = 1;
+  }
+  ~ByteType() {
+    if (type_ != MPI_BYTE && mpi_running()) MPI_Type_free(&type_);
+  }
+  ByteType(const ByteType&) = delete;
+  ByteType& operator=(const ByteType&) = delete;
+
+  int count() const { return count_; }
+  MPI_Datatype type() const { return type_; }
+
+ private:
+  MPI_Datatype type_ = MPI_BYTE;
+  int count_ = 0;
+};
+
+std::string list_str(const std::vector<std::size_t>& v) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+// The collective header every member contributes before the data moves.
+enum class Op : std::uint64_t { all_gather = 1, broadcast, barrier, split };
+constexpr std::size_t kHeaderWords = 3;  // op, bytes, root
+
+const char* op_name(std::uint64_t op) {
+  switch (static_cast<Op>(op)) {
+    case Op::all_gather: return "all_gather";
+    case Op::broadcast: return "broadcast";
+    case Op::barrier: return "barrier";
+    case Op::split: return "split";
+  }
+  return "unknown collective";
+}
+
+// An operation whose deadline passed while MPI still owns its buffers: kept
+// alive with them until the communicator goes away.
+struct Abandoned {
+  MPI_Request request = MPI_REQUEST_NULL;
+  std::vector<std::uint64_t> send, recv;
+};
+
+class MpiComm final : public Communicator, public std::enable_shared_from_this<MpiComm> {
+ public:
+  MpiComm(MPI_Comm comm, MpiOptions options, std::size_t world_size)
+      : comm_(comm), options_(options), world_size_(world_size) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    int rank = 0, size = 0;
+    MPI_Comm_rank(comm_, &rank);
+    MPI_Comm_size(comm_, &size);
+    rank_ = static_cast<std::size_t>(rank);
+    size_ = static_cast<std::size_t>(size);
+    MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    MPI_Comm_group(comm_, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> local(size_), global(size_);
+    for (std::size_t i = 0; i < size_; ++i) local[i] = static_cast<int>(i);
+    MPI_Group_translate_ranks(mine, size, local.data(), world, global.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    global_.assign(global.begin(), global.end());
+    int tag_ub_flag = 0;
+    int* tag_ub = nullptr;
+    MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &tag_ub_flag);
+    tag_ub_ = tag_ub_flag ? *tag_ub : 32767;  // the standard's guaranteed minimum
+  }
+
+  ~MpiComm() override {
+    if (!mpi_running()) return;
+    for (auto& a : abandoned_) {
+      int flag = 0;
+      if (a->request != MPI_REQUEST_NULL) MPI_Test(&a->request, &flag, MPI_STATUS_IGNORE);
+      // Still active: MPI may write into its buffers at any time, so they
+      // must never be freed. Only happens after a Timeout, when the process
+      // is expected to abort anyway.
+      if (a->request != MPI_REQUEST_NULL) a.release();
+    }
+    MPI_Comm_free(&comm_);
+  }
+
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+
+  std::size_t rank() const override { return rank_; }
+  std::size_t size() const override { return size_; }
+  const std::vector<std::size_t>& global_ranks() const override { return global_; }
+  std::size_t world_size() const override { return world_size_; }
+  std::string backend() const override { return "mpi"; }
+  std::chrono::milliseconds timeout() const override { return options_.timeout; }
+  CommStats stats() const override { return stats_; }
+
+  void all_gather(std::span<std::byte> buffer) override {
+    const std::size_t n = size_;
+    if (buffer.size() % n != 0)
+      throw InvalidArgument(who() + "all_gather buffer of " + std::to_string(buffer.size()) +
+                            " bytes, expected a multiple of the group size " + std::to_string(n));
+    const std::size_t slot = buffer.size() / n;
+    agree(Op::all_gather, slot, 0);
+    const ByteType type(slot, options_.max_message_bytes);
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(),
+                         type.type(), comm_, &req),
+          "all_gather");
+    wait_collective(req, nullptr, "all_gather of " + std::to_string(slot) + " bytes per slot");
+    stats_.bytes_received += slot * (n - 1);
+    stats_.bytes_sent += slot * (n - 1);
+    ++stats_.messages_sent;
+  }
+
+  void broadcast(std::span<std::byte> buffer, std::size_t root) override {
+    check_peer(root, "broadcast");
+    agree(Op::broadcast, buffer.size(), root);
+    const ByteType type(buffer.size(), options_.max_message_bytes);
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Ibcast(buffer.data(), type.count(), type.type(), static_cast<int>(root), comm_, &req),
+          "broadcast");
+    wait_collective(req, nullptr,
+                    "broadcast of " + std::to_string(buffer.size()) + " bytes from rank " +
+                        std::to_string(global_[root]));
+    if (root == rank_) stats_.bytes_sent += buffer.size() * (size_ - 1);
+    else stats_.bytes_received += buffer.size();
+    ++stats_.messages_sent;
+  }
+
+  // Every member contributing its header proves every member arrived.
+  void barrier() override { agree(Op::barrier, 0, 0); }
+
+  std::unique_ptr<Request> isend(std::span<const std::byte> data, std::size_t peer,
+                                 int tag) override;
+  std::unique_ptr<Request> irecv(std::span<std::byte> data, std::size_t peer, int tag) override;
+
+  std::shared_ptr<Communicator> split(int color, int key) override {
+    // The header gather bounds the wait for the members; once it completed,
+    // every member is inside split() and MPI_Comm_split cannot hang on one.
+    agree(Op::split, 0, 0);
+    MPI_Comm out = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &out), "split");
+    if (out == MPI_COMM_NULL) return nullptr;
+    return std::make_shared<MpiComm>(out, options_, world_size_);
+  }
+
+  std::string who() const {
+    std::string group = size_ <= 16 ? list_str(global_)
+                                    : std::to_string(size_) + " ranks from " +
+                                          std::to_string(global_.front());
+    return "rank " + std::to_string(global_[rank_]) + " (mpi group " + group + "): ";
+  }
+
+  // Throws Error naming the operation for a failed MPI call.
+  void check(int rc, const std::string& op) const {
+    if (rc != MPI_SUCCESS) throw Error(who() + op + ": " + error_text(rc));
+  }
+
+  void check_peer(std::size_t peer, const char* op) const {
+    if (peer >= size_)
+      throw InvalidArgument(who() + op + " peer " + std::to_string(peer) +
+                            " outside the group of size " + std::to_string(size_));
+  }
+  void check_tag(int tag, const char* op) const {
+    if (tag < 0 || tag > tag_ub_)
+      throw InvalidArgument(who() + op + " tag " + std::to_string(tag) + ", expected 0.." +
+                            std::to_string(tag_ub_));
+  }
+
+  const MpiOptions& options() const { return options_; }
+  MPI_Comm handle() const { return comm_; }
+  const std::vector<std::size_t>& globals() const { return global_; }
+  CommStats& counters() { return stats_; }
+
+ private:
+  // Gathers every member's header and throws when they disagree: the member
+  // whose (op, bytes, root) differs from the most common one gets
+  // InvalidArgument, the others RemoteError; both messages list who passed
+  // what, by global rank.
+  void agree(Op op, std::size_t bytes, std::size_t root) {
+    auto pending = std::make_unique<Abandoned>();
+    pending->send = {static_cast<std::uint64_t>(op), bytes, root};
+    pending->recv.assign(kHeaderWords * size_, 0);
+    check(MPI_Iallgather(pending->send.data(), kHeaderWords, MPI_UINT64_T, pending->recv.data(),
+                         kHeaderWords, MPI_UINT64_T, comm_, &pending->request),
+          op_name(static_cast<std::uint64_t>(op)));
+    const std::string what = std::string(op_name(static_cast<std::uint64_t>(op))) +
+                             (op == Op::barrier || op == Op::split
+                                  ? ""
+                                  : " of " + std::to_string(bytes) + " bytes");
+    wait_collective(pending->request, &pending, what);
+
+    using Header = std::vector<std::uint64_t>;
+    std::map<Header, std::vector<std::size_t>> by_header;
+    for (std::size_t r = 0; r < size_; ++r) {
+      const auto* h = pending->recv.data() + r * kHeaderWords;
+      by_header[Header(h, h + kHeaderWords)].push_back(r);
+    }
+    if (by_header.size() == 1) return;
+    // The most common header is "expected"; ties go to the one that includes
+    // the lowest group rank, so every member picks the same.
+    auto expected = by_header.begin();
+    for (auto it = by_header.begin(); it != by_header.end(); ++it) {
+      if (it->second.size() > expected->second.size() ||
+          (it->second.size() == expected->second.size() &&
+           it->second.front() < expected->second.front()))
+        expected = it;
+    }
+    std::ostringstream os;
+    os << who() << what << ": the group's members disagree:";
+    for (const auto& [h, members] : by_header) {
+      std::vector<std::size_t> globals;
+      for (std::size_t r : members) globals.push_back(global_[r]);
+      os << " global rank(s) " << list_str(globals) << " called " << op_name(h[0]);
+      if (h[0] == static_cast<std::uint64_t>(Op::all_gather) ||
+          h[0] == static_cast<std::uint64_t>(Op::broadcast))
+        os << " of " << h[1] << " bytes";
+      if (h[0] == static_cast<std::uint64_t>(Op::broadcast)) os << " from group rank " << h[2];
+      os << ";";
+    }
+    const auto& mine = expected->second;
+    const bool odd_one = std::find(mine.begin(), mine.end(), rank_) == mine.end();
+    os << (odd_one ? " this rank differs from the majority, expected the same buffer size, "
+                     "operation and root on every member"
+                   : " expected the same buffer size, operation and root on every member");
+    if (odd_one) throw InvalidArgument(os.str());
+    throw RemoteError(os.str());
+  }
+
+  // Completes a collective request within the deadline. `keep` (header
+  // gathers) owns buffers that must outlive an abandoned request.
+  void wait_collective(MPI_Request& req, std::unique_ptr<Abandoned>* keep, const std::string& what) {
+    MPI_Status status;
+    int rc = MPI_SUCCESS;
+    if (!poll(&req, &status, Clock::now() + options_.timeout, &rc)) {
+      if (keep) abandoned_.push_back(std::move(*keep));
+      std::ostringstream os;
+      os << who() << what << ": timed out after " << options_.timeout.count()
+         << " ms waiting for the group's members (global ranks " << list_str(global_)
+         << ") to join";
+      throw Timeout(os.str());
+    }
+    if (rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(rc));
+  }
+
+  MPI_Comm comm_;
+  MpiOptions options_;
+  std::size_t world_size_;
+  std::size_t rank_ = 0, size_ = 0;
+  std::vector<std::size_t> global_;
+  int tag_ub_ = 32767;
+  CommStats stats_;
+  std::list<std::unique_ptr<Abandoned>> abandoned_;
+};
+
+// A posted MPI_Isend / MPI_Irecv. wait() polls within the communicator's
+// timeout; a receive then checks that exactly the posted size arrived.
+class MpiRequest final : public Request {
+ public:
+  MpiRequest(std::shared_ptr<MpiComm> comm, bool is_recv, std::size_t peer, int tag,
+             std::size_t bytes)
+      : comm_(std::move(comm)),
+        type_(bytes, comm_->options().max_message_bytes),
+        is_recv_(is_recv),
+        peer_(peer),
+        tag_(tag),
+        bytes_(bytes) {}
+
+  ~MpiRequest() override {
+    if (req_ == MPI_REQUEST_NULL || !mpi_running()) return;
+    // Dropped before completion (an exception unwound past it). A receive
+    // can be cancelled; a send cannot portably, so it is left to complete.
+    if (is_recv_) {
+      MPI_Cancel(&req_);
+      int rc = MPI_SUCCESS;
+      if (poll(&req_, MPI_STATUS_IGNORE, Clock::now() + std::chrono::milliseconds(100), &rc))
+        return;
+    }
+    MPI_Request_free(&req_);
+  }
+  MpiRequest(const MpiRequest&) = delete;
+  MpiRequest& operator=(const MpiRequest&) = delete;
+
+  void post(const void* data) {
+    const int peer = static_cast<int>(peer_);
+    const std::string op = describe();
+    if (is_recv_)
+      comm_->check(MPI_Irecv(const_cast<void*>(data), type_.count(), type_.type(), peer, tag_,
+                             comm_->handle(), &req_),
+                   op);
+    else
+      comm_->check(MPI_Isend(data, type_.count(), type_.type(), peer, tag_, comm_->handle(), &req_),
+                   op);
+  }
+
+  void wait() override {
+    if (req_ == MPI_REQUEST_NULL) return;
+    MPI_Status status;
+    int rc = MPI_SUCCESS;
+    if (!poll(&req_, &status, Clock::now() + comm_->timeout(), &rc))
+      throw Timeout(comm_->who() + describe() + ": timed out after " +
+                    std::to_string(comm_->timeout().count()) + " ms waiting for peer rank " +
+                    std::to_string(comm_->globals()[peer_]));
+    if (rc != MPI_SUCCESS) {
+      int cls = 0;
+      MPI_Error_class(rc, &cls);
+      if (cls == MPI_ERR_TRUNCATE)
+        throw RemoteError(comm_->who() + describe() + ": the message from rank " +
+                          std::to_string(comm_->globals()[peer_]) + " is longer than the " +
+                          std::to_string(bytes_) + " bytes expected (" + error_text(rc) + ")");
+      throw RemoteError(comm_->who() + describe() + ": " + error_text(rc));
+    }
+    if (is_recv_) {
+      MPI_Count elements = 0;
+      MPI_Get_elements_x(&status, type_.type(), &elements);
+      if (elements != static_cast<MPI_Count>(bytes_))
+        throw RemoteError(comm_->who() + describe() + ": message of " + std::to_string(elements) +
+                          " bytes from rank " + std::to_string(comm_->globals()[peer_]) +
+                          ", expected " + std::to_string(bytes_));
+    }
+  }
+
+ private:
+  std::string describe() const {
+    return std::string(is_recv_ ? "irecv from" : "isend to") + " rank " +
+           std::to_string(comm_->globals()[peer_]) + " (tag " + std::to_string(tag_) + ", " +
+           std::to_string(bytes_) + " bytes)";
+  }
+
+  std::shared_ptr<MpiComm> comm_;
+  ByteType type_;
+  bool is_recv_;
+  std::size_t peer_;
+  int tag_;
+  std::size_t bytes_;
+  MPI_Request req_ = MPI_REQUEST_NULL;
+};
+
+std::unique_ptr<Request> MpiComm::isend(std::span<const std::byte> data, std::size_t peer,
+                                        int tag) {
+  check_peer(peer, "isend");
+  check_tag(tag, "isend");
+  auto req = std::make_unique<MpiRequest>(shared_from_this(), false, peer, tag, data.size());
+  req->post(data.data());
+  stats_.bytes_sent += data.size();
+  ++stats_.messages_sent;
+  return req;
+}
+
+std::unique_ptr<Request> MpiComm::irecv(std::span<std::byte> data, std::size_t peer, int tag) {
+  check_peer(peer, "irecv");
+  check_tag(tag, "irecv");
+  auto req = std::make_unique<MpiRequest>(shared_from_this(), true, peer, tag, data.size());
+  req->post(data.data());
+  stats_.bytes_received += data.size();
+  return req;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> mpi_world(MpiOptions options) {
+  if (!mpi_running())
+    throw Error("mpi_world: MPI is not running, expected an initialised MPI (create an "
+                "MpiSession first, and keep it alive while communicators exist)");
+  if (options.max_message_bytes < 1 || options.max_message_bytes > static_cast<std::size_t>(INT_MAX))
+    throw InvalidArgument("mpi_world: max_message_bytes is " +
+                          std::to_string(options.max_message_bytes) + ", expected 1.." +
+                          std::to_string(INT_MAX));
+  if (options.timeout.count() <= 0)
+    throw InvalidArgument("mpi_world: timeout is " + std::to_string(options.timeout.count()) +
+                          " ms, expected > 0");
+  int world_rank = 0, world_size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  // Our own context: kdacp's tags can never match the application's.
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
+  if (rc == MPI_SUCCESS) {
+    if (!poll(&req, MPI_STATUS_IGNORE, Clock::now() + options.timeout, &rc))
+      throw Timeout("rank " + std::to_string(world_rank) + ": mpi_world: duplicating MPI_COMM_WORLD "
+                    "timed out after " + std::to_string(options.timeout.count()) +
+                    " ms waiting for the other " + std::to_string(world_size - 1) + " processes");
+  }
+  if (rc != MPI_SUCCESS)
+    throw Error("rank " + std::to_string(world_rank) + ": mpi_world: MPI_Comm_idup failed: " +
+                error_text(rc));
+  return std::make_shared<MpiComm>(dup, options, static_cast<std::size_t>(world_size));
+}
+
+}  // namespace kdacp
