@@ -15,6 +15,7 @@ namespace kdacp::cli {
 struct BackendOptions {
   std::string backend = "auto";  // auto | inprocess | mpi
   std::size_t ranks = 4;         // in-process ranks
+  bool ranks_given = false;      // --ranks on the command line
   double timeout_s = 60;
 };
 

@@ -367,8 +367,8 @@ void add_exchange_command(CLI::App& app) {
                   "read S.npy [P,B,H,K,V], M.npy [P,B,H,K,K] and optional G.npy from DIR");
   cmd->add_option("--out", cfg->out, "write incoming.npy and final_grad.npy [P,B,H,K,V] to DIR");
   cmd->add_flag("--json", cfg->json, "print JSON instead of a table");
-  cmd->callback([cfg, cmd, ob, oh, ok, ov] {
-    cfg->given_ranks = cmd->get_option("--ranks")->count() > 0;
+  cmd->callback([cfg, ob, oh, ok, ov] {
+    cfg->given_ranks = cfg->backend.ranks_given;
     cfg->given_batch = ob->count() > 0;
     cfg->given_heads = oh->count() > 0;
     cfg->given_k = ok->count() > 0;
