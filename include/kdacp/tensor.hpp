@@ -67,13 +67,15 @@ struct StackView {
   }
 };
 
-// Owning, 64-byte-aligned, zero-initialised float storage. Allocation is
+// Owning, 64-byte-aligned float storage, zero-initialised unless asked not to. Allocation is
 // reported to the calling thread's MemoryTracker (see memory.hpp) so that
 // protocols can measure their peak extra bytes.
 class Buffer {
  public:
+  // Storage a caller overwrites completely need not be zeroed first.
+  enum class Init { zero, uninitialized };
   Buffer() = default;
-  explicit Buffer(std::size_t count);
+  explicit Buffer(std::size_t count, Init init = Init::zero);
   Buffer(Buffer&&) noexcept;
   Buffer& operator=(Buffer&&) noexcept;
   Buffer(const Buffer&) = delete;

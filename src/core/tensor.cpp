@@ -55,11 +55,11 @@ namespace {
 constexpr std::size_t kAlign = 64;
 }
 
-Buffer::Buffer(std::size_t count) : size_(count) {
+Buffer::Buffer(std::size_t count, Init init) : size_(count) {
   if (count == 0) return;
   std::size_t bytes = (count * sizeof(float) + kAlign - 1) / kAlign * kAlign;
   data_ = static_cast<float*>(::operator new(bytes, std::align_val_t{kAlign}));
-  std::memset(data_, 0, count * sizeof(float));
+  if (init == Init::zero) std::memset(data_, 0, count * sizeof(float));
   MemoryScope::on_alloc(size_ * sizeof(float));
 }
 

@@ -7,7 +7,9 @@ namespace kdacp::detail {
 PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
     : shape_(shape),
       count_(count),
-      buf_(count * shape.packed_elems() * dtype_size(shape.dtype) / sizeof(float)) {}
+      // Every slot is packed or gathered before it is read.
+      buf_(count * shape.packed_elems() * dtype_size(shape.dtype) / sizeof(float),
+           Buffer::Init::uninitialized) {}
 
 void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer) {
   const Slots s = slots();
