@@ -134,6 +134,9 @@ TEST(Mesh, RejectsOrderMismatchDuplicatesAndBadSplits) {
     EXPECT_THROW(make_state_exchange(swapped, "allgather"), InvalidArgument);
     EXPECT_THROW(make_state_exchange(swapped, "p2p"), InvalidArgument);
     EXPECT_THROW(DeviceMesh::from_group(comm, {0, 0, 2, 3}, "cp"), InvalidArgument);
+    // This rank is not in the list: outside the group.
+    EXPECT_THROW(DeviceMesh::from_group(comm, {10, 11, 12, 13}, "cp"), InvalidArgument);
+    EXPECT_THROW(DeviceMesh::from_group(comm, {0, 1, 2}, "cp"), InvalidArgument);
     auto mesh2d = DeviceMesh::create(comm, {2, 2}, {"cp", "dp"});
     EXPECT_THROW(make_state_exchange(mesh2d, "allgather"), InvalidArgument);
     EXPECT_THROW(split_mesh(mesh2d, 2, "a", "b"), InvalidArgument);
