@@ -155,9 +155,11 @@ int main(int argc, char** argv) {
     double fwd, bwd;
   };
   std::vector<Row> rows;
-  for (const std::string& method : exchange_methods()) {
+  for (const MethodInfo& info : exchange_method_info()) {
+    if (info.chooser) continue;  // auto is one of the rows below
+    const std::string& method = info.name;
     std::vector<std::size_t> widths = {1};
-    if (method == "grouped_allgather_p2p") {
+    if (info.takes_group_size) {
       widths.clear();
       for (std::size_t w = 2; w < p; ++w)
         if (p % w == 0) widths.push_back(w);

@@ -20,5 +20,9 @@ struct ProtocolContext {
 std::unique_ptr<StateExchange> make_p2p(const ProtocolContext& ctx);
 std::unique_ptr<StateExchange> make_allgather(const ProtocolContext& ctx);
 std::unique_ptr<StateExchange> make_grouped_allgather_p2p(const ProtocolContext& ctx);
+std::unique_ptr<StateExchange> make_pipelined_p2p(const ProtocolContext& ctx);
+std::unique_ptr<StateExchange> make_recursive_doubling(const ProtocolContext& ctx);
+std::unique_ptr<StateExchange> make_grouped_allgather_rd(const ProtocolContext& ctx);
+std::unique_ptr<StateExchange> make_auto(const ProtocolContext& ctx);
 
 }  // namespace kdacp::detail

@@ -9,6 +9,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -274,15 +275,35 @@ std::vector<std::size_t> divisors(std::size_t p) {
   return out;
 }
 
-std::vector<std::pair<std::string, std::size_t>> method_widths(std::size_t p) {
-  std::vector<std::pair<std::string, std::size_t>> out;
-  for (const std::string& m : exchange_methods()) {
-    if (m == "grouped_allgather_p2p")
-      for (std::size_t w : divisors(p)) out.emplace_back(m, w);
+struct Variant {
+  std::string method;
+  std::size_t width;
+  bool exact;
+};
+
+// Every concrete protocol of the factory table, every width of the grouped
+// ones (auto is one of these and is tested through choose_protocol in-process).
+std::vector<Variant> method_widths(std::size_t p) {
+  std::vector<Variant> out;
+  for (const MethodInfo& m : exchange_method_info()) {
+    if (m.chooser) continue;
+    if (m.takes_group_size)
+      for (std::size_t w : divisors(p)) out.push_back({m.name, w, m.exact});
     else
-      out.emplace_back(m, 1);
+      out.push_back({m.name, 1, m.exact});
   }
   return out;
+}
+
+// Relative Frobenius distance, in double.
+double rel_distance(const State& a, const State& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double x = a.data()[i], y = b.data()[i];
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // The same protocol on in-process ranks: every rank's result.
@@ -314,7 +335,9 @@ void check_all_protocols(const DeviceMesh& cp, const Inputs& in, const std::stri
   if (r > 0) {
     ASSERT_FALSE(all_zero(chain[r].fwd)) << label;
   }
-  for (const auto& [method, width] : method_widths(p)) {
+  for (const Variant& v : method_widths(p)) {
+    const std::string& method = v.method;
+    const std::size_t width = v.width;
     SCOPED_TRACE(label + " " + method + " w=" + std::to_string(width) + " rank " +
                  std::to_string(r));
     const std::vector<Result> ref = in_process(in, method, width);
@@ -323,10 +346,22 @@ void check_all_protocols(const DeviceMesh& cp, const Inputs& in, const std::stri
     const ExchangeStats fwd_stats = ex->last_stats();
     const State bwd = ex->backward(in.g[r].view(), in.m[r].view());
     const ExchangeStats bwd_stats = ex->last_stats();
+    // A reassociating method may reduce to an exact one (grouped_allgather_rd
+    // with w = P is the allgather); an exact method never reassociates.
+    if (v.exact) {
+      EXPECT_TRUE(ex->exact());
+    }
     EXPECT_TRUE(same_bits(fwd, ref[r].fwd)) << "forward differs from in-process";
-    EXPECT_TRUE(same_bits(fwd, chain[r].fwd)) << "forward differs from the chain";
     EXPECT_TRUE(same_bits(bwd, ref[r].bwd)) << "backward differs from in-process";
-    EXPECT_TRUE(same_bits(bwd, chain[r].bwd)) << "backward differs from the chain";
+    if (ex->exact()) {
+      EXPECT_TRUE(same_bits(fwd, chain[r].fwd)) << "forward differs from the chain";
+      EXPECT_TRUE(same_bits(bwd, chain[r].bwd)) << "backward differs from the chain";
+    } else {
+      // Reassociating: same operations as in-process (above), within the
+      // documented bound of the chain ((ceil(log2 P) + 2) K 2^-24, P <= 8).
+      EXPECT_LT(rel_distance(fwd, chain[r].fwd), 1e-5) << "forward far from the chain";
+      EXPECT_LT(rel_distance(bwd, chain[r].bwd), 1e-5) << "backward far from the chain";
+    }
     EXPECT_EQ(fwd_stats.bytes_sent, ref[r].fwd_stats.bytes_sent);
     EXPECT_EQ(fwd_stats.bytes_received, ref[r].fwd_stats.bytes_received);
     EXPECT_EQ(bwd_stats.bytes_sent, ref[r].bwd_stats.bytes_sent);

@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   kdacp::cli::add_run_command(app);
   kdacp::cli::add_exchange_command(app);
   kdacp::cli::add_kda_command(app);
+  kdacp::cli::add_plan_command(app);
+  kdacp::cli::add_calibrate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

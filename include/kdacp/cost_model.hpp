@@ -1,0 +1,89 @@
+// The α-β-γ cost model of the state exchange protocols (issue 6).
+//
+// A message of n bytes costs α + β·n, a fold step of one K×V state per (b,h)
+// costs 2·K·K·V flops at γ GFLOP/s. Each protocol's critical path is written
+// in those terms (docs/protocols.md derives them); peak memory is the bytes a
+// rank holds beyond its inputs and its returned state, the quantity
+// ExchangeStats::peak_extra_bytes measures. The model is deterministic: every
+// rank given the same parameters and shape makes the same choice, which is
+// what lets `auto` choose without communicating.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace kdacp {
+
+// Machine parameters. The defaults describe an InfiniBand-like network and a
+// GPU-class fold (α = 5 µs, 45 GB/s, 40 TFLOP/s); `kdacp calibrate` measures
+// them for a backend.
+struct CostParams {
+  std::string source = "default (InfiniBand-like)";
+  double alpha_s = 5e-6;              // per-message latency, seconds
+  double beta_s_per_byte = 1 / 45e9;  // per-byte time, seconds per byte
+  double gflops = 40000;              // fold throughput of one rank, GFLOP/s
+  // Inside an all-gather group (an NVLink island); 0: same as above.
+  double group_alpha_s = 0;
+  double group_beta_s_per_byte = 0;
+};
+
+// JSON object {"source", "alpha_s", "beta_s_per_byte", "gflops",
+// "group_alpha_s", "group_beta_s_per_byte"}; missing keys keep their
+// defaults. Invalid values (non-positive α/β/γ, negative group values) throw
+// InvalidArgument naming the key; unreadable files throw IoError.
+std::string to_json(const CostParams& params);
+CostParams cost_params_from_json(const std::string& text);
+CostParams load_cost_params(const std::string& path);
+void save_cost_params(const CostParams& params, const std::string& path);
+
+// What the model needs to know about one exchange.
+struct ProblemShape {
+  std::size_t ranks = 1;         // P
+  std::size_t slabs = 1;         // B·H
+  std::size_t key_dim = 128;     // K
+  std::size_t value_dim = 128;   // V
+  std::size_t elem_bytes = 4;    // FP32
+};
+
+// One configuration of one protocol. group_size: w for the grouped
+// protocols (1 otherwise); segments: c for pipelined_p2p (0 otherwise).
+struct ProtocolConfig {
+  std::string method;
+  std::size_t group_size = 1;
+  std::size_t segments = 0;
+};
+
+struct Prediction {
+  ProtocolConfig config;
+  bool exact = true;
+  double seconds = 0;               // one forward (a backward costs the same)
+  std::size_t peak_extra_bytes = 0; // the largest over ranks
+};
+
+// Column segments of pipelined_p2p: c column blocks whose widths are
+// multiples of 16, so at most V/16.
+std::size_t max_segments(std::size_t value_dim);
+// The model's c for pipelined_p2p, in [1, V/16].
+std::size_t best_segments(const CostParams& params, const ProblemShape& shape);
+
+// Predicts one configuration. pipelined_p2p with segments 0 uses
+// best_segments. Throws InvalidArgument for an unknown method, a group size
+// that does not divide P, or more segments than V/16.
+Prediction predict(const CostParams& params, const ProblemShape& shape,
+                   const ProtocolConfig& config);
+
+// Every configuration the model weighs, in documentation order: p2p,
+// pipelined_p2p (model's c), allgather, grouped_allgather_p2p for every
+// divisor 1 < w < P, then (with include_reassociating) recursive_doubling and
+// grouped_allgather_rd for every such w.
+std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape& shape,
+                                    bool include_reassociating);
+
+// auto's rule: the fastest configuration of predict_all whose peak memory is
+// within `memory_budget_bytes` (0: unlimited); ties go to the earlier row.
+// Throws InvalidArgument when nothing fits, naming the smallest need.
+Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
+                           std::size_t memory_budget_bytes, bool allow_reassociation);
+
+}  // namespace kdacp

@@ -1,0 +1,62 @@
+// Internal: affine pairs (O, N) per (b,h), their composition, and the
+// recursive-doubling exclusive scan the reassociating protocols share.
+//
+// A pair is the map x -> op(N)·x + O, op = identity forward and transpose
+// backward (SPEC §3, §4). Composing outer∘inner (inner first in chain order):
+//   forward:  O = N_o·O_i + O_o,   N = N_o·N_i
+//   backward: O = N_oᵀ·O_i + O_o,  N = N_i·N_o   (so that op(N) = N_oᵀ·N_iᵀ)
+// Every product is one affine step of the library's kernel, so a pair
+// composition costs a K×K·K×V and a K×K·K×K step per (b,h).
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+#include "kdacp/comm.hpp"
+#include "kdacp/kernels.hpp"
+#include "kdacp/summary.hpp"
+#include "kdacp/tensor.hpp"
+
+namespace kdacp::detail {
+
+// c = op(m)·x + s for every (b,h) slab of [B,H,K,cols] views, m [B,H,K,K];
+// s == nullptr is a zero offset. c may alias s, never x or m.
+void apply_step(const StateView& m, const StateView& x, const StateView* s, const StateView& c,
+                bool transpose, const ExecPolicy& policy);
+
+// Copies a (possibly strided) [B,H,rows,cols] view into another of the same shape.
+void copy_view(const StateView& src, const StateView& dst);
+
+// One pair per (b,h): all offsets [B,H,K,V], then all transfers [B,H,K,K],
+// dense, so that the offsets alone are one contiguous message.
+class PairBuffer {
+ public:
+  PairBuffer() = default;
+  explicit PairBuffer(const SummaryShape& shape);
+  StateView offset() const;
+  StateView transfer() const;
+  // The message: offsets only, or offsets and transfers.
+  std::span<std::byte> bytes(bool with_transfer) const;
+
+ private:
+  SummaryShape shape_{};
+  Buffer buf_;
+};
+
+// dest = outer∘inner; only dest's offset when !with_transfer. dest must not
+// share storage with either operand.
+void compose(const StateView& outer_offset, const StateView& outer_transfer,
+             const StateView& inner_offset, const StateView& inner_transfer,
+             const PairBuffer& dest, bool with_transfer, Direction direction,
+             const ExecPolicy& policy);
+
+// Exclusive scan of the members' pairs in chain order (forward: group order,
+// backward: reversed) by recursive doubling, ceil(log2 P) rounds for any P.
+// Returns the offset of the composition of all earlier pairs, i.e. the
+// position's incoming state (zeros for the first position). Collective over
+// `comm`; `tag` separates it from other traffic.
+State rd_exclusive_scan(Communicator& comm, const StateView& own_offset,
+                        const StateView& own_transfer, const SummaryShape& shape,
+                        Direction direction, const ExecPolicy& policy, int tag);
+
+}  // namespace kdacp::detail

@@ -1,0 +1,136 @@
+// pipelined_p2p (exact): the chain with the V columns cut into c segments
+// whose widths are multiples of 16. M acts on every column alike and the step
+// kernel computes each element independently of the column blocking
+// (kernels.hpp), so each segment folds with exactly the chain's operations:
+// bitwise identical to p2p. Rank r+1 folds segment j while rank r computes
+// segment j+1, so the P-1 hops overlap: about (P + c - 2) stages of 1/c of a
+// hop instead of P-1 whole hops.
+//
+// Messages are contiguous: the send and receive buffers are segment-major
+// (segment j is a dense [B,H,K,w_j] block), the fold reads and writes those
+// blocks directly, and only the received blocks are copied into the
+// row-major result. Memory: two states per rank (receive and send buffers).
+#include <sstream>
+#include <vector>
+
+#include "exchange/affine_pairs.hpp"
+#include "exchange/common.hpp"
+#include "exchange/protocols.hpp"
+#include "kdacp/error.hpp"
+
+namespace kdacp::detail {
+namespace {
+
+class PipelinedExchange final : public StateExchange {
+ public:
+  PipelinedExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
+      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+
+  std::string method() const override { return "pipelined_p2p"; }
+  bool exact() const override { return true; }
+
+  State forward(const StateView& s, const StateView& m) override {
+    return run(s, m, "S", Direction::forward);
+  }
+  State backward(const StateView& g, const StateView& m) override {
+    return run(g, m, "G", Direction::backward);
+  }
+
+ private:
+  // Column ranges of the segments: V/16 units of 16 columns dealt as evenly
+  // as possible, the first ones one unit wider.
+  std::vector<std::pair<std::size_t, std::size_t>> segments(const SummaryShape& shape) const {
+    const std::size_t units = shape.value_dim / kDimMultiple;
+    std::size_t c = options_.segments;
+    if (c == 0) {
+      c = best_segments(options_.cost, ProblemShape{size_, shape.slabs(), shape.key_dim,
+                                                    shape.value_dim, dtype_size(shape.dtype)});
+    } else if (c > units) {
+      std::ostringstream os;
+      os << "rank " << rank_ << ": segments is " << c << " for value dim V = " << shape.value_dim
+         << ", expected at most V/16 = " << units << " (segments are multiples of 16 columns)";
+      throw InvalidArgument(os.str());
+    }
+    std::vector<std::pair<std::size_t, std::size_t>> out;
+    std::size_t col = 0;
+    for (std::size_t j = 0; j < c; ++j) {
+      const std::size_t width = (units / c + (j < units % c ? 1 : 0)) * kDimMultiple;
+      out.emplace_back(col, width);
+      col += width;
+    }
+    return out;
+  }
+
+  // Columns [col, col+width) of a [B,H,K,V] view.
+  static StateView columns(StateView v, std::size_t col, std::size_t width) {
+    v.data = static_cast<char*>(v.data) + col * dtype_size(v.dtype);
+    v.cols = width;
+    return v;
+  }
+  // Segment block of a segment-major buffer: dense [B,H,K,width].
+  static StateView block(const State& buf, const SummaryShape& shape, std::size_t col,
+                         std::size_t width) {
+    StateView v = StateView::dense(buf.data(), shape.batch, shape.heads, shape.key_dim, width);
+    v.dtype = shape.dtype;
+    v.data = static_cast<char*>(buf.view().data) +
+             shape.slabs() * shape.key_dim * col * dtype_size(shape.dtype);
+    return v;
+  }
+  static std::span<std::byte> block_bytes(const StateView& b) {
+    return {static_cast<std::byte*>(b.data), b.slabs() * b.rows * b.cols * dtype_size(b.dtype)};
+  }
+
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+    const SummaryShape shape = validate_summary(offset, m, name, rank_);
+    const auto segs = segments(shape);  // may throw: still before any message
+    CallMeter meter({comm_.get()});
+    const bool fwd = dir == Direction::forward;
+    const int tag = fwd ? kTagForward : kTagBackward;
+    const bool has_prev = fwd ? rank_ > 0 : rank_ + 1 < size_;
+    const bool has_next = fwd ? rank_ + 1 < size_ : rank_ > 0;
+    const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
+    const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
+
+    State result = make_state(shape);
+    State recv_buf, send_buf;
+    if (has_prev) recv_buf = make_state(shape);
+    if (has_next) send_buf = make_state(shape);
+    // All receives up front: segments arrive in order, each completes as
+    // soon as the previous rank sent it.
+    std::vector<std::unique_ptr<Request>> recvs, sends;
+    if (has_prev)
+      for (const auto& [col, width] : segs)
+        recvs.push_back(comm_->irecv(block_bytes(block(recv_buf, shape, col, width)), prev, tag));
+    for (std::size_t j = 0; j < segs.size(); ++j) {
+      const auto [col, width] = segs[j];
+      const StateView in = has_prev ? block(recv_buf, shape, col, width) : StateView{};
+      if (has_prev) recvs[j]->wait();
+      if (has_next) {
+        const StateView out = block(send_buf, shape, col, width);
+        if (has_prev) {
+          scan(single_slot(columns(offset, col, width), m), 0, 1, dir, &in, out, std::nullopt,
+               nullptr, options_.exec);
+        } else {
+          // The first rank of the chain sends its offset itself.
+          copy_view(columns(offset, col, width), out);
+        }
+        sends.push_back(comm_->isend(block_bytes(out), next, tag));
+      }
+      if (has_prev) copy_view(in, columns(result.view(), col, width));
+    }
+    for (auto& s : sends) s->wait();
+    stats_ = meter.finish(result);
+    return result;
+  }
+
+  std::shared_ptr<Communicator> comm_;
+  ExchangeOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<StateExchange> make_pipelined_p2p(const ProtocolContext& ctx) {
+  return std::make_unique<PipelinedExchange>(ctx.mesh->group(0), ctx.options);
+}
+
+}  // namespace kdacp::detail
