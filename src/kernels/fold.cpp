@@ -84,11 +84,15 @@ void scan_impl(const Slots& slots, std::size_t first, std::size_t count, Directi
   const std::size_t slabs = shape.slabs();
   // Ping-pong partner of `out` per participant, only when the offsets may not
   // be overwritten: computed steps alternate so that the last lands in out.
+  // Only a slab that computes two or more steps needs the partner: with one
+  // step the result goes straight to out (so a p2p hop allocates nothing).
+  const std::size_t computed_steps = incoming ? count : (count > 0 ? count - 1 : 0);
+  const bool need_scratch = !consume && computed_steps >= 2;
   const std::size_t parts = participants(policy.pool, slabs);
-  Buffer scratch(consume ? 0 : parts * k * v * sizeof(T) / sizeof(float));
+  Buffer scratch(need_scratch ? parts * k * v * sizeof(T) / sizeof(float) : 0);
 
   parallel_ranges(policy.pool, slabs, [&](std::size_t begin, std::size_t end, std::size_t part) {
-    T* tmp = reinterpret_cast<T*>(scratch.data()) + (consume ? 0 : part * k * v);
+    T* tmp = need_scratch ? reinterpret_cast<T*>(scratch.data()) + part * k * v : nullptr;
     for (std::size_t slab = begin; slab < end; ++slab) {
       const T* x = incoming ? incoming->slab<T>(slab) : nullptr;
       std::size_t ldx = incoming ? incoming->row_stride : 0;

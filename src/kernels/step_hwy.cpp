@@ -27,17 +27,33 @@ HWY_INLINE float MAt(const float* m, std::size_t ldm, std::size_t i, std::size_t
   return kTranspose ? m[kk * ldm + i] : m[i * ldm + kk];
 }
 
-// kRows × kCols-vector tile at (i0, j0).
+// kRows × kCols-vector tile at (i0, j0); `next_rows` rows of the next row
+// block are prefetched (0: none).
 template <bool kTranspose, std::size_t kRows, std::size_t kCols, class D>
 HWY_INLINE void Tile(D d, const float* m, std::size_t ldm, const float* x, std::size_t ldx,
                      const float* s, std::size_t lds, float* c, std::size_t ldc, std::size_t k,
-                     std::size_t i0, std::size_t j0) {
+                     std::size_t v, std::size_t i0, std::size_t j0, std::size_t next_rows) {
   using V = hn::Vec<D>;
   const std::size_t n = hn::Lanes(d);
   V acc[kRows][kCols];
+  const std::size_t s_lines = (v + 15) / 16;
   for (std::size_t r = 0; r < kRows; ++r)
     for (std::size_t q = 0; q < kCols; ++q) acc[r][q] = hn::LoadU(d, s + (i0 + r) * lds + j0 + q * n);
   for (std::size_t kk = 0; kk < k; ++kk) {
+    // Pull the next row block's M and S toward L1 while this tile computes:
+    // a chain streams fresh M and S at every step, and the hardware
+    // prefetcher does not follow kRows interleaved row streams early enough.
+    // One 64-byte line per row and 16 floats; S lines spread over the first
+    // iterations so that they never burst.
+    if (next_rows > 0) {
+      if (kTranspose) {
+        __builtin_prefetch(m + kk * ldm + i0 + kRows);
+      } else if (kk % 16 == 0) {
+        for (std::size_t r = 0; r < next_rows; ++r) __builtin_prefetch(m + (i0 + kRows + r) * ldm + kk);
+      }
+      if (kk < next_rows * s_lines)
+        __builtin_prefetch(s + (i0 + kRows + kk / s_lines) * lds + kk % s_lines * 16);
+    }
     V xv[kCols];
     for (std::size_t q = 0; q < kCols; ++q) xv[q] = hn::LoadU(d, x + kk * ldx + j0 + q * n);
     for (std::size_t r = 0; r < kRows; ++r) {
@@ -82,14 +98,17 @@ void StepImpl(const float* m, std::size_t ldm, const float* x, std::size_t ldx, 
   const std::size_t cols2 = v / (2 * n) * (2 * n);
   const std::size_t cols1 = v / n * n;
   for (std::size_t i0 = 0; i0 < rows_main; i0 += kRows) {
+    // The first tile of a row block fetches the next block's rows of M and
+    // S, each column tile of them: S rows are read once per tile.
+    const std::size_t next = i0 + kRows < k ? std::min(kRows, k - i0 - kRows) : 0;
     for (std::size_t j0 = 0; j0 < cols2; j0 += 2 * n)
-      Tile<kTranspose, kRows, 2>(d, m, ldm, x, ldx, s, lds, c, ldc, k, i0, j0);
-    if (cols1 > cols2) Tile<kTranspose, kRows, 1>(d, m, ldm, x, ldx, s, lds, c, ldc, k, i0, cols2);
+      Tile<kTranspose, kRows, 2>(d, m, ldm, x, ldx, s, lds, c, ldc, k, v, i0, j0, j0 == 0 ? next : 0);
+    if (cols1 > cols2) Tile<kTranspose, kRows, 1>(d, m, ldm, x, ldx, s, lds, c, ldc, k, v, i0, cols2, 0);
   }
   for (std::size_t i0 = rows_main; i0 < k; ++i0) {
     for (std::size_t j0 = 0; j0 < cols2; j0 += 2 * n)
-      Tile<kTranspose, 1, 2>(d, m, ldm, x, ldx, s, lds, c, ldc, k, i0, j0);
-    if (cols1 > cols2) Tile<kTranspose, 1, 1>(d, m, ldm, x, ldx, s, lds, c, ldc, k, i0, cols2);
+      Tile<kTranspose, 1, 2>(d, m, ldm, x, ldx, s, lds, c, ldc, k, v, i0, j0, 0);
+    if (cols1 > cols2) Tile<kTranspose, 1, 1>(d, m, ldm, x, ldx, s, lds, c, ldc, k, v, i0, cols2, 0);
   }
   if (v > cols1) ScalarColumns<kTranspose>(m, ldm, x, ldx, s, lds, c, ldc, k, 0, k, cols1, v);
 }

@@ -6,6 +6,7 @@
 namespace kdacp::cli {
 
 void add_exchange_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 void add_run_command(CLI::App& app);
 void add_kda_command(CLI::App& app);
 void add_plan_command(CLI::App& app);

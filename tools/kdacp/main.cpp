@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "kdacp 0.1.0");
   kdacp::cli::add_run_command(app);
   kdacp::cli::add_exchange_command(app);
+  kdacp::cli::add_bench_command(app);
   kdacp::cli::add_kda_command(app);
   kdacp::cli::add_plan_command(app);
   kdacp::cli::add_calibrate_command(app);

@@ -1,0 +1,32 @@
+# Smoke test of `kdacp bench MODE --quick --json`: the output must parse as a
+# JSON array of records carrying the fields issue 5 promises to scripts.
+#   cmake -DKDACP=<kdacp binary> -DMODE=kernels|protocols -P bench_smoke.cmake
+execute_process(COMMAND ${KDACP} bench ${MODE} --quick --json --quiet
+                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "kdacp bench ${MODE} failed (${rc}): ${err}")
+endif()
+if(MODE STREQUAL "kernels")
+  set(fields mode K V chain threads gflops peak_gflops openblas_gflops scalar_gflops)
+else()
+  set(fields mode protocol P BH direction seconds floor_seconds peak_extra_bytes
+      theoretical_extra_bytes)
+endif()
+string(JSON n ERROR_VARIABLE jerr LENGTH "${out}")
+if(jerr OR n EQUAL 0)
+  message(FATAL_ERROR "kdacp bench ${MODE}: not a non-empty JSON array (${jerr}):\n${out}")
+endif()
+math(EXPR last "${n} - 1")
+foreach(i RANGE ${last})
+  foreach(f IN LISTS fields)
+    string(JSON v ERROR_VARIABLE jerr GET "${out}" ${i} ${f})
+    if(jerr)
+      message(FATAL_ERROR "kdacp bench ${MODE}: record ${i} lacks '${f}'")
+    endif()
+  endforeach()
+  string(JSON m GET "${out}" ${i} mode)
+  if(NOT m STREQUAL MODE)
+    message(FATAL_ERROR "kdacp bench ${MODE}: record ${i} has mode '${m}'")
+  endif()
+endforeach()
+message(STATUS "kdacp bench ${MODE}: ${n} records")
