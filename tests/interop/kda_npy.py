@@ -41,7 +41,8 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items():
                 np.save(os.path.join(d, name + ".npy"), x.astype(dtype))
-            for ranks, proto, width in ((1, "p2p", 1), (4, "allgather", 1), (4, "grouped_allgather_p2p", 2)):
+            for ranks, proto, width in ((1, "p2p", 1), (4, "allgather", 1), (4, "grouped_allgather_p2p", 2),
+                                       (3, "auto", 1), (5, "pipelined_p2p", 1), (4, "recursive_doubling", 1)):
                 out = os.path.join(d, "out")
                 subprocess.run([kdacp, "kda", "--inputs", d, "--out", out, "--ranks", str(ranks),
                                 "--protocol", proto, "--group-size", str(width)], check=True)

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "commands.hpp"
+#include "exchange_flags.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/npy.hpp"
@@ -20,8 +21,7 @@ namespace fs = std::filesystem;
 struct KdaConfig {
   std::string inputs, out;
   std::size_t ranks = 1;
-  std::string protocol = "p2p";
-  long long group_size = 1;
+  ExchangeFlags exchange;
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
   double timeout_s = 120;
@@ -72,8 +72,11 @@ void run_typed(const KdaConfig& cfg, const NpyArray& q, const NpyArray& k, const
   std::vector<T> dov;
   if (d_o) dov = values<T>(*d_o);
   const std::size_t threads = cfg.threads ? cfg.threads : ThreadPool::default_threads(cfg.ranks);
-  const auto out = run_context_parallel(data, scale, d_o ? &dov : nullptr, cfg.ranks, cfg.protocol,
-                                        cfg.group_size, threads, cfg.timeout_s);
+  SummaryShape summary = layer_summary_shape(s);
+  summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+  const auto out = run_context_parallel(data, scale, d_o ? &dov : nullptr, cfg.ranks, cfg.exchange.protocol,
+                                        cfg.exchange.group_size, threads, cfg.timeout_s,
+                                        exchange_options(cfg.exchange, summary));
   fs::create_directories(cfg.out);
   const fs::path dir(cfg.out);
   write(dir, "o.npy", out.o, v.shape);
@@ -132,10 +135,7 @@ void add_kda_command(CLI::App& app) {
       ->required();
   cmd->add_option("--out", cfg->out, "DIR for o.npy and, with do.npy, dq/dk/dv/dg/dbeta.npy")->required();
   cmd->add_option("--ranks,-P", cfg->ranks, "in-process ranks")->check(CLI::Range(1, 1024))->capture_default_str();
-  cmd->add_option("--protocol", cfg->protocol, "state exchange method")
-      ->check(CLI::IsMember(exchange_methods()))
-      ->capture_default_str();
-  cmd->add_option("--group-size", cfg->group_size, "group width for grouped_allgather_p2p")->capture_default_str();
+  add_exchange_flags(*cmd, cfg->exchange);
   cmd->add_option("--scale", cfg->scale, "output scale (default 1/sqrt(K))");
   cmd->add_option("--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)")->capture_default_str();
   cmd->add_option("--timeout", cfg->timeout_s, "seconds a rank waits for a peer")->check(CLI::PositiveNumber)->capture_default_str();

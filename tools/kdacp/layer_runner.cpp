@@ -51,8 +51,10 @@ template <class T>
 LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
                                      const std::vector<T>* d_o, std::size_t ranks,
                                      const std::string& method, long long group_size,
-                                     std::size_t threads_per_rank, double timeout_s) {
+                                     std::size_t threads_per_rank, double timeout_s,
+                                     ExchangeOptions options) {
   const kda::Shape& s = data.shape;
+  if (!options.expected_shape) options.expected_shape = layer_summary_shape(s);
   LayerOutputs<T> r = allocate_outputs<T>(s, d_o != nullptr);
   std::mutex mu;
   InProcessOptions opts;
@@ -63,7 +65,7 @@ LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
     const kda::LayerData<T> local = data.slice(range);
     const kda::Shape& ls = local.shape;
     auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
-    auto ex = make_state_exchange(mesh, method, group_size);
+    auto ex = make_state_exchange(mesh, method, group_size, options);
     kda::ContextParallelLayer<T> layer(*ex, threads_per_rank);
     const auto in = local.inputs(scale);
     LayerOutputs<T> lr = allocate_outputs<T>(ls, d_o != nullptr);
@@ -104,11 +106,15 @@ LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
   return r;
 }
 
+SummaryShape layer_summary_shape(const kda::Shape& s) {
+  return SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim};
+}
+
 template LayerOutputs<float> allocate_outputs<float>(const kda::Shape&, bool);
 template LayerOutputs<double> allocate_outputs<double>(const kda::Shape&, bool);
 template LayerOutputs<float> run_single<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t);
 template LayerOutputs<double> run_single<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t);
-template LayerOutputs<float> run_context_parallel<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t, const std::string&, long long, std::size_t, double);
-template LayerOutputs<double> run_context_parallel<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t, const std::string&, long long, std::size_t, double);
+template LayerOutputs<float> run_context_parallel<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t, const std::string&, long long, std::size_t, double, ExchangeOptions);
+template LayerOutputs<double> run_context_parallel<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t, const std::string&, long long, std::size_t, double, ExchangeOptions);
 
 }  // namespace kdacp::cli

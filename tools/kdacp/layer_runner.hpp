@@ -32,6 +32,10 @@ template <class T>
 LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
                                      const std::vector<T>* d_o, std::size_t ranks,
                                      const std::string& method, long long group_size,
-                                     std::size_t threads_per_rank, double timeout_s);
+                                     std::size_t threads_per_rank, double timeout_s,
+                                     ExchangeOptions options = {});
+
+// The summary shape of the layer's state exchange: [B, HV, K, V].
+SummaryShape layer_summary_shape(const kda::Shape& s);
 
 }  // namespace kdacp::cli
