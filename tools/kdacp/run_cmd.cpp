@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "kdacp/bench.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -94,7 +95,10 @@ void run(const RunConfig& cfg) {
     if (r.out.exact && !first_exact) first_exact = &r.out;
 
   nlohmann::json records = nlohmann::json::array();
-  Table table({"protocol", "fwd ms", "bwd ms", "exchange", "GFLOP/s", "o", "dq", "dk", "dv", "dg",
+  // The machine's FP32 FMA peak with every hardware thread, measured in this
+  // run, so the layer's speed reads as a share of what the cores can do.
+  const PeakResult peak = measure_fma_peak(hw, 0.2);
+  Table table({"protocol", "fwd ms", "bwd ms", "exchange", "GFLOP/s", "% peak", "o", "dq", "dk", "dv", "dg",
                "dbeta", "bitwise"});
   double worst = 0;
   auto add = [&](const std::string& name, const LayerOutputs<float>& o, bool is_single, const std::string& bitwise) {
@@ -107,7 +111,8 @@ void run(const RunConfig& cfg) {
     if (!is_single)
       for (double e : errs) worst = std::max(worst, e);
     std::vector<std::string> row{name, fmt("%.1f", o.forward_seconds * 1e3), fmt("%.1f", o.backward_seconds * 1e3),
-                                 is_single ? "-" : fmt("%.1f%%", share * 100), fmt("%.1f", gflops)};
+                                 is_single ? "-" : fmt("%.1f%%", share * 100), fmt("%.1f", gflops),
+                                 fmt("%.1f%%", 100 * gflops / peak.gflops)};
     for (double e : errs) row.push_back(is_single ? "-" : fmt("%.1e", e));
     row.push_back(bitwise);
     table.add(row);
@@ -116,6 +121,7 @@ void run(const RunConfig& cfg) {
                        {"backward_seconds", o.backward_seconds},
                        {"exchange_share", share},
                        {"gflops", gflops},
+                       {"peak_fraction", gflops / peak.gflops},
                        {"rel_error", {{"o", errs[0]}, {"dq", errs[1]}, {"dk", errs[2]}, {"dv", errs[3]},
                                       {"dg", errs[4]}, {"dbeta", errs[5]}}},
                        {"bitwise_equal_across_exact", bitwise == "yes"}});
@@ -143,6 +149,9 @@ void run(const RunConfig& cfg) {
                         {"K", shape.key_dim},
                         {"V", shape.value_dim},
                         {"threads_per_rank", per_rank},
+                        {"peak_gflops", peak.gflops},
+                        {"peak_threads", peak.threads},
+                        {"simd_target", peak.target},
                         {"layer_flops_context_parallel", cp_flops},
                         {"layer_flops_single", one_flops},
                         {"protocols", records},
@@ -157,8 +166,9 @@ void run(const RunConfig& cfg) {
     table.print();
     std::printf("\nerrors: relative Frobenius vs the single-rank layer; exchange: share of layer time in the "
                 "state exchange;\nGFLOP/s: recurrence flops per forward+backward (%.2f GFLOP on one device, %.2f "
-                "with the CP summaries and G pass) / wall time\n",
-                one_flops / 1e9, cp_flops / 1e9);
+                "with the CP summaries and G pass) / wall time;\n%% peak: of the FP32 FMA peak measured in this run, "
+                "%.1f GFLOP/s on %zu threads (%s)\n",
+                one_flops / 1e9, cp_flops / 1e9, peak.gflops, peak.threads, peak.target.c_str());
     std::printf("max rel error %.3e; outputs and gradients bitwise equal across exact protocols: %s\n", worst,
                 all_bitwise ? "yes" : "NO");
   }
