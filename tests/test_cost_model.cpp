@@ -73,6 +73,33 @@ TEST(CostModel, PredictionsFollowTheFormulas) {
   EXPECT_THROW(predict(c, s, {"pipelined_p2p", 1, 9}), InvalidArgument);
 }
 
+// Ranks sharing cores: the compute term becomes max(critical path, all
+// ranks' folds / concurrent_ranks); 0 (or enough slots) changes nothing.
+TEST(CostModel, SharedCoresStretchOnlyWhenRanksOutnumberThem) {
+  CostParams c;
+  c.gflops = 100;  // CPU-like: compute dominates the small network terms
+  const ProblemShape s{8, 16, 128, 128, 4};
+  for (const char* m : {"p2p", "allgather", "recursive_doubling"}) {
+    const double alone = predict(c, s, {m, 1, 0}).seconds;
+    CostParams roomy = c;
+    roomy.concurrent_ranks = 8;
+    EXPECT_DOUBLE_EQ(predict(roomy, s, {m, 1, 0}).seconds, alone) << m;
+    CostParams shared = c;
+    shared.concurrent_ranks = 2;
+    EXPECT_GE(predict(shared, s, {m, 1, 0}).seconds, alone) << m;
+  }
+  // allgather: ranks fold 0, 0, 1, ..., P-2 steps; on 2 slots the total work
+  // (21 steps) beats the last rank's 6 steps on the critical path.
+  CostParams shared = c;
+  shared.concurrent_ranks = 2;
+  EXPECT_GT(predict(shared, s, {"allgather", 1, 0}).seconds,
+            predict(c, s, {"allgather", 1, 0}).seconds * 1.5);
+  const CostParams back = cost_params_from_json(to_json(shared));
+  EXPECT_EQ(back.concurrent_ranks, 2u);
+  EXPECT_THROW(cost_params_from_json(R"({"concurrent_ranks": -1})"), InvalidArgument);
+  EXPECT_THROW(cost_params_from_json(R"({"concurrent_ranks": 1.5})"), InvalidArgument);
+}
+
 TEST(CostModel, ChoiceRespectsBudgetAndReassociationFlag) {
   const CostParams c;
   const auto all = predict_all(c, kLarge, true);

@@ -26,12 +26,21 @@ struct CostParams {
   // Inside an all-gather group (an NVLink island); 0: same as above.
   double group_alpha_s = 0;
   double group_beta_s_per_byte = 0;
+  // How many ranks can fold at γ at the same time: 0 means every rank (one
+  // device, or its own cores, per rank), the usual cluster. When ranks share
+  // a host's cores (in-process ranks as threads, or more MPI processes than
+  // cores), `kdacp calibrate` sets it to the host's hardware threads divided
+  // by the threads one rank uses. With P > concurrent_ranks the compute part
+  // of a prediction becomes max(critical-path folds, all ranks' fold work /
+  // concurrent_ranks): the cores are then the bound, not the dependency chain.
+  std::size_t concurrent_ranks = 0;
 };
 
 // JSON object {"source", "alpha_s", "beta_s_per_byte", "gflops",
-// "group_alpha_s", "group_beta_s_per_byte"}; missing keys keep their
-// defaults. Invalid values (non-positive α/β/γ, negative group values) throw
-// InvalidArgument naming the key; unreadable files throw IoError.
+// "group_alpha_s", "group_beta_s_per_byte", "concurrent_ranks"}; missing keys
+// keep their defaults. Invalid values (non-positive α/β/γ, negative group
+// values, a negative or fractional concurrent_ranks) throw InvalidArgument
+// naming the key; unreadable files throw IoError.
 std::string to_json(const CostParams& params);
 CostParams cost_params_from_json(const std::string& text);
 CostParams load_cost_params(const std::string& path);

@@ -62,13 +62,33 @@ double dbl(std::size_t n) { return static_cast<double>(n); }
 // computes nothing; the middle rounds compose two full pairs each (the
 // outgoing aggregate and the received prefix); the last round moves and folds
 // states only, because its receivers need no transfer any more.
+double rd_compute(const Terms& t, std::size_t m) {
+  const std::size_t rounds = ceil_log2(m);
+  double s = 0;
+  if (rounds >= 3) s += dbl(rounds - 2) * 2 * (t.t_fold + t.t_mm);
+  if (rounds >= 2) s += 2 * t.t_fold;
+  return s;
+}
+
 double rd_time(const Terms& t, std::size_t m) {
   const std::size_t rounds = ceil_log2(m);
   if (rounds == 0) return 0;
   double s = dbl(rounds) * t.alpha + dbl(rounds - 1) * t.beta * t.n_packed + t.beta * t.n_state;
-  if (rounds >= 3) s += dbl(rounds - 2) * 2 * (t.t_fold + t.t_mm);
-  if (rounds >= 2) s += 2 * t.t_fold;
-  return s;
+  return s + rd_compute(t, m);
+}
+
+// All positions' compute of recursive_doubling over m positions (what the
+// cores must do in total; approximate: every receiver of a middle round
+// composes two pairs, every receiver of the last round folds two states, as
+// on the critical path above).
+double rd_work(const Terms& t, std::size_t m) {
+  const std::size_t rounds = ceil_log2(m);
+  double w = 0;
+  for (std::size_t k = 1; k < rounds; ++k) {
+    const double receivers = dbl(m - (std::size_t{1} << k));
+    w += receivers * (k + 1 == rounds ? 2 * t.t_fold : 2 * (t.t_fold + t.t_mm));
+  }
+  return w;
 }
 
 std::size_t rd_memory(const Terms& t, std::size_t m) {
@@ -125,6 +145,7 @@ std::string to_json(const CostParams& c) {
   j["gflops"] = c.gflops;
   j["group_alpha_s"] = c.group_alpha_s;
   j["group_beta_s_per_byte"] = c.group_beta_s_per_byte;
+  j["concurrent_ranks"] = c.concurrent_ranks;
   return j.dump(2);
 }
 
@@ -146,6 +167,14 @@ CostParams cost_params_from_json(const std::string& text) {
   number("gflops", c.gflops);
   number("group_alpha_s", c.group_alpha_s);
   number("group_beta_s_per_byte", c.group_beta_s_per_byte);
+  if (j.contains("concurrent_ranks")) {
+    const nlohmann::json& v = j["concurrent_ranks"];
+    if (!v.is_number_unsigned() &&
+        !(v.is_number_integer() && v.get<long long>() >= 0))
+      throw InvalidArgument("cost parameter concurrent_ranks is " + v.dump() +
+                            ", expected an integer >= 0 (0: every rank)");
+    c.concurrent_ranks = v.get<std::size_t>();
+  }
   check_params(c);
   return c;
 }
@@ -216,9 +245,14 @@ Prediction predict(const CostParams& params, const ProblemShape& shape,
   }
   if (!grouped) out.config.group_size = 1;
   if (m != "pipelined_p2p") out.config.segments = 0;
+  // Each branch sets the critical path (seconds, communication and compute
+  // on it) and `work`: the fold seconds of all ranks together, which bounds
+  // the time from below when the ranks share fewer cores than there are ranks.
+  const double between = p >= 3 ? dbl(p - 2) : 0;  // folds on the chain's path
+  double work = 0, path = 0;
   if (m == "p2p") {
-    out.seconds = p <= 1 ? 0 : dbl(p - 1) * (t.alpha + t.beta * t.n_state) +
-                                   (p >= 3 ? dbl(p - 2) : 0) * t.t_fold;
+    out.seconds = p <= 1 ? 0 : dbl(p - 1) * (t.alpha + t.beta * t.n_state) + between * t.t_fold;
+    work = path = between * t.t_fold;
     out.peak_extra_bytes = p >= 3 ? t.state_bytes : 0;
   } else if (m == "pipelined_p2p") {
     const std::size_t c = config.segments == 0 ? best_segments(params, shape) : config.segments;
@@ -230,19 +264,36 @@ Prediction predict(const CostParams& params, const ProblemShape& shape,
     }
     out.config.segments = c;
     out.seconds = pipelined_time(t, p, c);
+    work = between * t.t_fold;
+    path = (p >= 3 ? between + dbl(c - 1) : 0) * t.t_fold / dbl(c);
     out.peak_extra_bytes = p >= 3 ? 2 * t.state_bytes : (p == 2 ? t.state_bytes : 0);
   } else if (m == "allgather") {
-    out.seconds = t.all_gather(p, t.n_packed, false) + (p >= 3 ? dbl(p - 2) : 0) * t.t_fold;
+    out.seconds = t.all_gather(p, t.n_packed, false) + between * t.t_fold;
+    // Rank r folds r-1 slots.
+    work = (p >= 3 ? dbl(p - 1) * dbl(p - 2) / 2 : 0) * t.t_fold;
+    path = between * t.t_fold;
     out.peak_extra_bytes = p * t.packed_bytes;
   } else if (m == "grouped_allgather_p2p") {
     const std::size_t blocks = p / w;
     out.seconds = t.all_gather(w, t.n_packed, true) +
                   dbl(blocks - 1) * (t.alpha + t.beta * t.n_state + dbl(w) * t.t_fold) +
                   (blocks > 1 ? t.broadcast(w, t.n_state, true) : 0) + dbl(w - 1) * t.t_fold;
+    // Local position l of the first block folds l-1 slots, of a later block
+    // l+1 (its incoming state first); the owners of every block but the
+    // last fold their whole block.
+    for (std::size_t r = 0; r < p; ++r) {
+      const std::size_t l = r % w, b = r / w;
+      std::size_t steps = b > 0 ? l : (l >= 2 ? l - 1 : 0);
+      if (l == w - 1 && b + 1 < blocks) steps = b > 0 ? w : w - 1;
+      work += dbl(steps) * t.t_fold;
+    }
+    path = (dbl(blocks - 1) * dbl(w) + dbl(w - 1)) * t.t_fold;
     out.peak_extra_bytes = w * t.packed_bytes + 2 * t.state_bytes;
   } else if (m == "recursive_doubling") {
     out.exact = false;
     out.seconds = rd_time(t, p);
+    work = rd_work(t, p);
+    path = rd_compute(t, p);
     out.peak_extra_bytes = rd_memory(t, p);
   } else if (m == "grouped_allgather_rd") {
     const std::size_t blocks = p / w;
@@ -254,10 +305,20 @@ Prediction predict(const CostParams& params, const ProblemShape& shape,
                                     t.broadcast(w, t.n_state, true)
                               : 0) +
                   dbl(w - 1) * t.t_fold;
+    work = (blocks > 1 ? dbl(blocks) * dbl(w - 1) * (t.t_fold + t.t_mm) + rd_work(t, blocks) : 0) +
+           dbl(p) * dbl(w - 1) / 2 * t.t_fold;
+    path = (blocks > 1 ? dbl(w - 1) * (t.t_fold + t.t_mm) + rd_compute(t, blocks) : 0) +
+           dbl(w - 1) * t.t_fold;
     out.peak_extra_bytes = w * t.packed_bytes + (blocks > 1 ? t.packed_bytes : 0) +
                            rd_memory(t, blocks) + t.state_bytes;
   } else {
     throw InvalidArgument("cost model: unknown method '" + m + "'");
+  }
+  // Shared cores: the ranks' total fold work spread over the ranks that can
+  // fold at once, when that exceeds the critical path's compute.
+  const std::size_t slots = params.concurrent_ranks;
+  if (slots > 0 && slots < p) {
+    out.seconds += std::max(0.0, work / dbl(slots) - path);
   }
   return out;
 }
