@@ -27,4 +27,32 @@ class MemoryScope {
   std::size_t peak_ = 0;
 };
 
+// Large Buffers (>= 64 KiB) come from a process-wide cache of blocks in size
+// classes (4 per power of two, so at most 25 % slack). Exchange buffers live
+// for one call; returning them to the system on free (glibc unmaps blocks of
+// that size, and a thread's arena drops whole heaps) made every call fault
+// its pages in again, which cost more than the exchange on virtual machines.
+// The cache holds raw memory only, never data a later call reads: every
+// Buffer is zeroed or fully written by its owner. Idle cached bytes are
+// bounded by a limit; blocks freed beyond it go back to the system.
+struct BufferCacheStats {
+  std::size_t cached_bytes = 0;  // idle blocks held now
+  std::size_t limit_bytes = 0;
+  std::size_t hits = 0;          // allocations served from the cache
+  std::size_t misses = 0;        // large allocations that went to the system
+};
+
+BufferCacheStats buffer_cache_stats();
+// 0 disables the cache (and releases it). Default 1 GiB, or the environment
+// variable KDACP_BUFFER_CACHE_MB when set at the first large allocation.
+void set_buffer_cache_limit(std::size_t bytes);
+// Returns every idle block to the system.
+void release_buffer_cache();
+
+namespace detail {
+// Buffer's allocator: 64-byte aligned, `bytes` rounded as the cache needs.
+void* buffer_allocate(std::size_t bytes);
+void buffer_deallocate(void* ptr, std::size_t bytes) noexcept;
+}  // namespace detail
+
 }  // namespace kdacp

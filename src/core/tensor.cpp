@@ -53,12 +53,14 @@ StateView StateView::dense(float* data, std::size_t batch, std::size_t heads, st
 
 namespace {
 constexpr std::size_t kAlign = 64;
+std::size_t allocated_bytes(std::size_t floats) {
+  return (floats * sizeof(float) + kAlign - 1) / kAlign * kAlign;
 }
+}  // namespace
 
 Buffer::Buffer(std::size_t count, Init init) : size_(count) {
   if (count == 0) return;
-  std::size_t bytes = (count * sizeof(float) + kAlign - 1) / kAlign * kAlign;
-  data_ = static_cast<float*>(::operator new(bytes, std::align_val_t{kAlign}));
+  data_ = static_cast<float*>(detail::buffer_allocate(allocated_bytes(count)));
   if (init == Init::zero) std::memset(data_, 0, count * sizeof(float));
   MemoryScope::on_alloc(size_ * sizeof(float));
 }
@@ -79,7 +81,7 @@ Buffer::~Buffer() { release(); }
 
 void Buffer::release() noexcept {
   if (data_ == nullptr) return;
-  ::operator delete(data_, std::align_val_t{kAlign});
+  detail::buffer_deallocate(data_, allocated_bytes(size_));
   MemoryScope::on_free(size_ * sizeof(float));
   data_ = nullptr;
   size_ = 0;

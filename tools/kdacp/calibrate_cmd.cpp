@@ -22,10 +22,6 @@
 #include <thread>
 #include <vector>
 
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
-
 #include <nlohmann/json.hpp>
 
 #include "backend.hpp"
@@ -303,12 +299,6 @@ void report(const CalibrateConfig& cfg, const std::string& backend, const std::v
 }
 
 void run_calibrate(const CalibrateConfig& cfg) {
-#ifdef __GLIBC__
-  // Keep freed buffers in the heap: fresh mmaps per call would make page
-  // faults, not the exchange, the measured time.
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
   if (!cfg.calibration.empty() && !cfg.validate)
     throw InvalidArgument("--calibration loads parameters for --validate; pass --validate too");
   for (std::size_t p : cfg.validate_ranks)

@@ -1,23 +1,11 @@
 // kdacp: context-parallel state exchange for KDA-style linear attention.
 #include <cstdio>
 #include <exception>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 #include "commands.hpp"
 #include "kdacp/error.hpp"
 
 int main(int argc, char** argv) {
-#if defined(__GLIBC__)
-  // Exchange buffers are a few MiB and live for one call. glibc would serve
-  // each from a fresh mmap and trim it on free, so every call would fault its
-  // pages in again (on VMs a page fault costs microseconds: it dominated the
-  // in-process protocols' time). Keep freed memory in the heap instead. An
-  // application embedding kdacp decides this for itself (README, Performance).
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
   CLI::App app{
       "kdacp: context-parallel state exchange of Kimi Delta Attention and other linear "
       "attentions with an affine recurrent state"};

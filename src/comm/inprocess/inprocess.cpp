@@ -1,8 +1,11 @@
 // In-process backend: every rank is a thread; data moves by memcpy between the
 // ranks' own buffers (one copy per byte received).
 //
-// One mutex and one condition variable per world guard all matching state.
-// Copies run outside the lock. Collectives rendezvous on a per-group sequence
+// One mutex per world guards all matching state; each rank sleeps on its own
+// condition variable and is woken only by events that concern it (a message
+// for it, a collective of its group completing, a peer failing), so with more
+// ranks than cores a message does not wake every rank. Copies run outside the
+// lock. Collectives rendezvous on a per-group sequence
 // number: each member publishes a pointer, waits for all members, copies what
 // it needs from its peers, then (when peers read its buffer) waits until all
 // members are done copying before it may return.
@@ -15,12 +18,15 @@
 #include <exception>
 #include <list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kdacp/error.hpp"
+#include "kdacp/memory.hpp"
 
 namespace kdacp {
 
@@ -49,10 +55,45 @@ struct PostedRecv {
   std::string error;  // set when the matched send had the wrong size
 };
 
+// A send that arrived before its receive: a copy in cached large-buffer
+// memory (memory.hpp), so that messages of a few MiB per call do not fault
+// fresh pages in every time.
+class Bytes {
+ public:
+  Bytes() = default;
+  explicit Bytes(std::span<const std::byte> src)
+      : data_(static_cast<std::byte*>(detail::buffer_allocate(src.size() ? src.size() : 1))),
+        size_(src.size()) {
+    if (size_) std::memcpy(data_, src.data(), size_);
+  }
+  Bytes(Bytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  Bytes& operator=(Bytes&& o) noexcept {
+    if (this != &o) {
+      reset();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~Bytes() { reset(); }
+  const std::byte* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  std::span<const std::byte> span() const { return {data_, size_}; }
+
+ private:
+  void reset() noexcept {
+    if (data_) detail::buffer_deallocate(data_, size_ ? size_ : 1);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 struct Message {
   std::size_t src = 0, dst = 0;
   int tag = 0;
-  std::vector<std::byte> data;
+  Bytes data;
 };
 
 struct Group {
@@ -71,7 +112,13 @@ struct InProcessWorld::State {
   std::size_t size = 0;
   InProcessOptions options;
   std::mutex mu;
-  std::condition_variable cv;
+  std::unique_ptr<std::condition_variable[]> cvs;  // one per global rank
+
+  // Lock held.
+  void wake(std::size_t global) { cvs[global].notify_all(); }
+  void wake_all() {
+    for (std::size_t r = 0; r < size; ++r) cvs[r].notify_all();
+  }
   std::vector<Status> status;
   std::vector<std::string> failure;
   std::map<std::string, std::shared_ptr<Group>> groups;
@@ -147,13 +194,13 @@ class InProcessComm final : public Communicator, public std::enable_shared_from_
       deliver(lock, *r, data);
     } else {
       lock.unlock();
-      Message msg{me_, peer, tag, std::vector<std::byte>(data.begin(), data.end())};
+      Message msg{me_, peer, tag, Bytes(data)};
       lock.lock();
       if (PostedRecv* r2 = find_posted(peer, tag)) {
-        deliver(lock, *r2, msg.data);
+        deliver(lock, *r2, msg.data.span());
       } else {
         group_->unexpected.push_back(std::move(msg));
-        world_->cv.notify_all();
+        world_->wake(group_->members[peer]);
       }
     }
     stats_.bytes_sent += data.size();
@@ -180,7 +227,8 @@ class InProcessComm final : public Communicator, public std::enable_shared_from_
                             " " + why);
         }
       }
-      if (world_->cv.wait_until(lock, deadline) == std::cv_status::timeout && !pred()) {
+      if (world_->cvs[group_->members[me_]].wait_until(lock, deadline) == std::cv_status::timeout &&
+          !pred()) {
         std::ostringstream os;
         os << who() << op << ": timed out after " << world_->options.timeout.count()
            << " ms waiting for peer rank(s)";
@@ -226,7 +274,7 @@ class InProcessComm final : public Communicator, public std::enable_shared_from_
       lock.lock();
     }
     r.done = true;
-    world_->cv.notify_all();
+    world_->wake(group_->members[r.dst]);
   }
 
   template <class Fn>
@@ -255,7 +303,7 @@ class InProcessComm final : public Communicator, public std::enable_shared_from_
     c->ptrs[me_] = ptr;
     c->here[me_] = true;
     ++c->arrived;
-    world_->cv.notify_all();
+    if (c->arrived == n) wake_group();
     auto not_arrived = [&] {
       std::vector<std::size_t> out;
       for (std::size_t r = 0; r < n; ++r)
@@ -273,21 +321,29 @@ class InProcessComm final : public Communicator, public std::enable_shared_from_
       c->here[me_] = false;
       c->ptrs[me_] = nullptr;
       --c->arrived;
-      world_->cv.notify_all();
+      wake_group();
       throw;
     }
     lock.unlock();
     fn(*c);
     lock.lock();
     ++c->departed;
-    if (c->departed == n) group_->collectives.erase(seq);
-    world_->cv.notify_all();
+    if (c->departed == n) {
+      // Members that lent their buffer (wait_departure) may return now.
+      group_->collectives.erase(seq);
+      wake_group();
+    }
     if (wait_departure) {
       // Peers read our buffer: they all finished copying before any member
       // departs, since copies cannot fail; the wait is still bounded.
       wait_for(lock, deadline, op, [] { return std::vector<std::size_t>{}; },
                [&] { return c->departed == n; });
     }
+  }
+
+  // Lock held: every member of this group.
+  void wake_group() {
+    for (std::size_t g : group_->members) world_->wake(g);
   }
 
   std::size_t me_;
@@ -302,7 +358,8 @@ class RecvRequest final : public Request {
     if (!registered_) return;
     std::unique_lock lock(comm_->world_->mu);
     // A sender may be copying into our buffer right now: let it finish.
-    comm_->world_->cv.wait(lock, [&] { return !posted_.claimed || posted_.done; });
+    comm_->world_->cvs[comm_->global_ranks()[posted_.dst]].wait(
+        lock, [&] { return !posted_.claimed || posted_.done; });
     comm_->group_->posted.remove(&posted_);
   }
 
@@ -404,6 +461,7 @@ InProcessWorld::InProcessWorld(std::size_t size, InProcessOptions options)
     : state_(std::make_shared<State>()) {
   if (size == 0) throw InvalidArgument("in-process world size is 0, expected >= 1");
   state_->size = size;
+  state_->cvs = std::make_unique<std::condition_variable[]>(size);
   state_->options = options;
   state_->status.assign(size, Status::running);
   state_->failure.assign(size, {});
@@ -430,13 +488,13 @@ void InProcessWorld::mark_failed(std::size_t rank, const std::string& what) {
   std::lock_guard lock(state_->mu);
   state_->status.at(rank) = Status::failed;
   state_->failure.at(rank) = what;
-  state_->cv.notify_all();
+  state_->wake_all();
 }
 
 void InProcessWorld::mark_exited(std::size_t rank) {
   std::lock_guard lock(state_->mu);
   if (state_->status.at(rank) == Status::running) state_->status[rank] = Status::exited;
-  state_->cv.notify_all();
+  state_->wake_all();
 }
 
 void InProcessWorld::run(const std::function<void(const std::shared_ptr<Communicator>&)>& fn) {
