@@ -58,7 +58,7 @@ void print_protocols(const nlohmann::json& recs) {
   t.print();
   std::printf("\nfloor: the P-2 sequenced steps at the measured kernel speed + the bytes received on the\n"
               "critical path at the measured memcpy speed (a core per rank); host floor: all ranks'\n"
-              "steps spread over this host's cores when that is larger\n");
+              "steps and copies spread over this host's cores, when that is larger\n");
 }
 
 // gnuplot reads the records as inline data blocks; the terminal follows the
