@@ -4,9 +4,14 @@
 // K×V state (V contiguous elements a row): scale a row, axpy a row into a
 // V-vector, dot a row with a V-vector, rank-1 update. Each token makes one
 // pass over the rows, doing all of a row's work for the end of one token and
-// the start of the next while the row is in L1. The row loops are plain
-// indexed loops the compiler vectorises; dots keep kLanes partial sums so they
-// vectorise without reassociation flags and still sum in a fixed order.
+// the start of the next. Columns are independent in the recurrence, so the
+// forward-direction passes (sweep, the transfer M, incoming_grad) walk the
+// rows once per strip of columns (kStripVecs vectors) with the per-column
+// accumulators in registers; backward's step walks the columns once per pair
+// of rows (kStepRows) with its per-row dots in registers. Neither changes any
+// element's operations or their order, so results are the same bits as the
+// plain row loops. Dots keep kLanes partial sums so they vectorise without
+// reassociation flags and still sum in a fixed order.
 //
 // Recomputed states must equal the forward's bit for bit (backward's
 // checkpoint interval may not change results), so every forward state comes
@@ -52,7 +57,10 @@
 #include <exception>
 #include <string>
 #include <thread>
+#include <memory>
+#include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kdacp/error.hpp"
@@ -140,12 +148,37 @@ struct HeadGrads {
   T* d_incoming;
 };
 
+// An allocator whose value-initialisation leaves elements uninitialised: for
+// large scratch that is always written before it is read (a zero fill of
+// backward's checkpoints and recomputed states cost about a tenth of it).
+template <class T>
+struct NoInitAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = NoInitAllocator<U>;
+  };
+  NoInitAllocator() = default;
+  template <class U>
+  NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <class T>
+using ScratchVec = std::vector<T, NoInitAllocator<T>>;
+
 template <class T>
 struct BackwardScratch {
   SweepScratch<T> sweep;
-  std::vector<T> checkpoints;  // S_{c·interval - 1}: the state entering block c
-  std::vector<T> decayed;      // S'_t of every token of the current block
-  std::vector<T> us;           // u_t of every token of the current block
+  ScratchVec<T> checkpoints;  // S_{c·interval - 1}: the state entering block c
+  ScratchVec<T> decayed;      // S'_t of every token of the current block
+  ScratchVec<T> us;           // u_t of every token of the current block
   std::vector<T> vecs;
   std::vector<T> dstate;
 };
@@ -220,41 +253,96 @@ namespace hn = hwy::HWY_NAMESPACE;
 // element still sees the same operations in the same order as the scalar
 // loops (kept as the tails), so results do not depend on the vector width.
 
-// One row of a sweep's token pass (the scalar statements, per element j):
-//   s = pr[j] + ki·bu[j];  kQ: acc[j] += qi·s;  kStore: nr[j] = s, and with
-//   kNext: nr[j] = ai·s, w[j] += kni·nr[j].
-// pr may equal nr (the state is advanced in place).
-template <bool kQ, bool kStore, bool kNext, class T>
-HWY_INLINE void sweep_row(const T* pr, T* nr, T ki, const T* bu, T qi, T* acc, T ai, T kni,
-                          T* w, std::size_t vd) {
-  const hn::ScalableTag<T> d;
-  const std::size_t n = hn::Lanes(d);
-  const auto vki = hn::Set(d, ki), vqi = hn::Set(d, qi), vai = hn::Set(d, ai),
-             vkni = hn::Set(d, kni);
-  std::size_t j = 0;
-  for (; j + n <= vd; j += n) {
-    auto x = hn::Add(hn::LoadU(d, pr + j), hn::Mul(vki, hn::LoadU(d, bu + j)));
-    if constexpr (kQ) hn::StoreU(hn::Add(hn::LoadU(d, acc + j), hn::Mul(vqi, x)), d, acc + j);
-    if constexpr (kNext) {
-      x = hn::Mul(x, vai);
-      hn::StoreU(hn::Add(hn::LoadU(d, w + j), hn::Mul(vkni, x)), d, w + j);
+// Vectors per column strip: the strip's accumulators stay in registers while
+// a pass walks the rows. AVX-512 has 32 vector registers, the others 16.
+#if HWY_TARGET <= HWY_AVX3
+constexpr std::size_t kStripVecs = 4;
+#else
+constexpr std::size_t kStripVecs = 2;
+#endif
+
+// One token pass of a sweep over the columns [j0, j0 + NV·Lanes) (NV = 0: the
+// single column j0, scalar). Per element (i, j), in row order i, exactly the
+// scalar statements
+//   x = pr[i,j] + k_i·bu[j]   (kSub: x = pr[i,j] - k_i·bu[j]);
+//   kQ: acc[j] += q_i·x;  kNext: x *= a_i, w[j] += kn_i·x;
+//   kStore: nr[i,j] = x,
+// with acc[j] and w[j] starting at zero. Columns are independent, so walking
+// the rows once per strip with acc, w and bu in registers gives the same bits
+// as walking whole rows. pr may equal nr (the state is advanced in place).
+template <std::size_t NV, bool kSub, bool kQ, bool kStore, bool kNext, class T>
+HWY_INLINE void sweep_strip(const T* dp, T* dn, std::size_t ld, std::size_t kd, std::size_t j0,
+                            const T* k, const T* bu, const T* q, T* acc, const T* a,
+                            const T* kn, T* w) {
+  if constexpr (NV == 0) {
+    const T b = bu[j0];
+    T sacc = 0, sw = 0;
+    for (std::size_t i = 0; i < kd; ++i) {
+      T x = kSub ? dp[i * ld + j0] - k[i] * b : dp[i * ld + j0] + k[i] * b;
+      if constexpr (kQ) sacc += q[i] * x;
+      if constexpr (kNext) {
+        x *= a[i];
+        sw += kn[i] * x;
+      }
+      if constexpr (kStore) dn[i * ld + j0] = x;
     }
-    if constexpr (kStore) hn::StoreU(x, d, nr + j);
-  }
-  for (; j < vd; ++j) {
-    T x = pr[j] + ki * bu[j];
-    if constexpr (kQ) acc[j] += qi * x;
-    if constexpr (kNext) {
-      x *= ai;
-      w[j] += kni * x;
+    if constexpr (kQ) acc[j0] = sacc;
+    if constexpr (kNext) w[j0] = sw;
+  } else {
+    const hn::ScalableTag<T> d;
+    using V = hn::Vec<decltype(d)>;
+    const std::size_t n = hn::Lanes(d);
+    V vbu[NV], vacc[NV], vw[NV];
+    for (std::size_t r = 0; r < NV; ++r) {
+      vbu[r] = hn::LoadU(d, bu + j0 + r * n);
+      vacc[r] = hn::Zero(d);
+      vw[r] = hn::Zero(d);
     }
-    if constexpr (kStore) nr[j] = x;
+    for (std::size_t i = 0; i < kd; ++i) {
+      const T* pr = dp + i * ld + j0;
+      T* nr = kStore ? dn + i * ld + j0 : nullptr;
+      const V vki = hn::Set(d, k[i]);
+      const V vqi = hn::Set(d, kQ ? q[i] : T(0));
+      const V vai = hn::Set(d, kNext ? a[i] : T(0));
+      const V vkni = hn::Set(d, kNext ? kn[i] : T(0));
+      for (std::size_t r = 0; r < NV; ++r) {
+        const V p = hn::LoadU(d, pr + r * n);
+        V x = kSub ? hn::Sub(p, hn::Mul(vki, vbu[r])) : hn::Add(p, hn::Mul(vki, vbu[r]));
+        if constexpr (kQ) vacc[r] = hn::Add(vacc[r], hn::Mul(vqi, x));
+        if constexpr (kNext) {
+          x = hn::Mul(x, vai);
+          vw[r] = hn::Add(vw[r], hn::Mul(vkni, x));
+        }
+        if constexpr (kStore) hn::StoreU(x, d, nr + r * n);
+      }
+    }
+    for (std::size_t r = 0; r < NV; ++r) {
+      if constexpr (kQ) hn::StoreU(vacc[r], d, acc + j0 + r * n);
+      if constexpr (kNext) hn::StoreU(vw[r], d, w + j0 + r * n);
+    }
   }
 }
 
+// A whole token pass: strips of kStripVecs vectors, then single vectors, then
+// single columns.
+template <bool kSub, bool kQ, bool kStore, bool kNext, class T>
+HWY_INLINE void sweep_pass(const T* dp, T* dn, std::size_t ld, std::size_t kd, std::size_t vd,
+                           const T* k, const T* bu, const T* q, T* acc, const T* a,
+                           const T* kn, T* w) {
+  const hn::ScalableTag<T> d;
+  const std::size_t n = hn::Lanes(d);
+  std::size_t j = 0;
+  for (; j + kStripVecs * n <= vd; j += kStripVecs * n)
+    sweep_strip<kStripVecs, kSub, kQ, kStore, kNext>(dp, dn, ld, kd, j, k, bu, q, acc, a, kn, w);
+  for (; j + n <= vd; j += n)
+    sweep_strip<1, kSub, kQ, kStore, kNext>(dp, dn, ld, kd, j, k, bu, q, acc, a, kn, w);
+  for (; j < vd; ++j)
+    sweep_strip<0, kSub, kQ, kStore, kNext>(dp, dn, ld, kd, j, k, bu, q, acc, a, kn, w);
+}
+
 // A dot's kLanes partial sums as kLanes / Lanes(d) vectors of at most kLanes
-// lanes: element j of a full group of kLanes lands in lane j mod kLanes, as in
-// for_lanes, whatever the target's vector width.
+// lanes: element j of a full group of kLanes lands in lane j mod kLanes,
+// whatever the target's vector width.
 template <class T>
 using LaneTag = hn::CappedTag<T, kLanes>;
 
@@ -309,29 +397,19 @@ void sweep(const HeadInputs<T>& h, std::size_t t0, std::size_t t1, std::size_t k
     if (next) {
       decays(h.g_at(t + 1), a, kd);
       kn = h.k_at(t + 1);
-      for (std::size_t j = 0; j < vd; ++j) w[j] = 0;
     }
-    if (q)
-      for (std::size_t j = 0; j < vd; ++j) acc[j] = 0;
-    for (std::size_t i = 0; i < kd; ++i) {
-      const T* pr = dp + i * vd;
-      const T ki = k[i];
-      if (dn == nullptr) {
-        sweep_row<true, false, false>(pr, static_cast<T*>(nullptr), ki, bu, q[i], acc, T(0), T(0), w, vd);
-        continue;
-      }
-      T* nr = dn + i * vd;
-      const T qi = q ? q[i] : T(0);
-      const T ai = next ? a[i] : T(0), kni = next ? kn[i] : T(0);
-      if (q && next) {
-        sweep_row<true, true, true>(pr, nr, ki, bu, qi, acc, ai, kni, w, vd);
-      } else if (q) {
-        sweep_row<true, true, false>(pr, nr, ki, bu, qi, acc, ai, kni, w, vd);
-      } else if (next) {
-        sweep_row<false, true, true>(pr, nr, ki, bu, qi, acc, ai, kni, w, vd);
-      } else {
-        sweep_row<false, true, false>(pr, nr, ki, bu, qi, acc, ai, kni, w, vd);
-      }
+    // The pass sets acc (with q) and w (with next) for every column.
+    if (dn == nullptr) {
+      sweep_pass<false, true, false, false>(dp, static_cast<T*>(nullptr), vd, kd, vd, k, bu, q,
+                                            acc, a, kn, w);
+    } else if (q && next) {
+      sweep_pass<false, true, true, true>(dp, dn, vd, kd, vd, k, bu, q, acc, a, kn, w);
+    } else if (q) {
+      sweep_pass<false, true, true, false>(dp, dn, vd, kd, vd, k, bu, q, acc, a, kn, w);
+    } else if (next) {
+      sweep_pass<false, false, true, true>(dp, dn, vd, kd, vd, k, bu, q, acc, a, kn, w);
+    } else {
+      sweep_pass<false, false, true, false>(dp, dn, vd, kd, vd, k, bu, q, acc, a, kn, w);
     }
     if (q) {
       T* ot = out.o + t * out.o_stride;
@@ -347,80 +425,130 @@ void sweep(const HeadInputs<T>& h, std::size_t t0, std::size_t t1, std::size_t k
 //   dS[i,:] += scale·q_i do_t;  dq_i = scale·S_t[i,:]·do_t;  (dS u_t)_i;
 //   z += k_i dS[i,:]  (z = dSᵀk, so du = β z).
 // S_t[i,j] is rebuilt as S'_t[i,j] + k_i (β u_j), rounded as the forward did.
-template <class T>
-void push_row(T* dr, const T* sd, T ki, const T* bu, T sq, const T* d_o, const T* u, T* z,
-              std::size_t vd, T& s_do, T& ds_u) {
-  const LaneTag<T> d;
-  using V = hn::Vec<LaneTag<T>>;
-  const std::size_t n = hn::Lanes(d), groups = kLanes / n;
-  V acc_q[kLanes], acc_u[kLanes];
-  for (std::size_t r = 0; r < groups; ++r) acc_q[r] = acc_u[r] = hn::Zero(d);
-  const V vki = hn::Set(d, ki), vsq = hn::Set(d, sq);
-  std::size_t j = 0;
-  for (; j + kLanes <= vd; j += kLanes) {
-    for (std::size_t r = 0; r < groups; ++r) {
-      const std::size_t c = j + r * n;
-      const V dov = hn::LoadU(d, d_o + c);
-      const V s = hn::Add(hn::LoadU(d, sd + c), hn::Mul(vki, hn::LoadU(d, bu + c)));
-      acc_q[r] = hn::Add(acc_q[r], hn::Mul(s, dov));
-      const V x = hn::Add(hn::LoadU(d, dr + c), hn::Mul(vsq, dov));
-      hn::StoreU(x, d, dr + c);
-      acc_u[r] = hn::Add(acc_u[r], hn::Mul(x, hn::LoadU(d, u + c)));
-      hn::StoreU(hn::Add(hn::LoadU(d, z + c), hn::Mul(vki, x)), d, z + c);
-    }
-  }
-  T lanes_q[kLanes], lanes_u[kLanes];
-  for (std::size_t r = 0; r < groups; ++r) {
-    hn::StoreU(acc_q[r], d, lanes_q + r * n);
-    hn::StoreU(acc_u[r], d, lanes_u + r * n);
-  }
-  for (std::size_t l = 0; j < vd; ++j, ++l) {
-    T s = sd[j] + ki * bu[j];
-    lanes_q[l] += s * d_o[j];
-    T x = dr[j] + sq * d_o[j];
-    dr[j] = x;
-    lanes_u[l] += x * u[j];
-    z[j] += ki * x;
-  }
-  s_do = lane_sum(lanes_q);
-  ds_u = lane_sum(lanes_u);
-}
-
 // Pull (token t's key read and decay, for one row i of dS):
 //   dS'[i,:] = dS[i,:] - k_i duᵀ;  (S'_t du)_i;  dg_i = S'_t[i,:]·dS'[i,:];
 //   dS_{t-1}[i,:] = a_i dS'[i,:].
+// A step is token t's pull then token t-1's push, per element, over R rows
+// [i0, i0 + R) at once: each group of kLanes columns loads its column vectors
+// (du, bu, do, u, z) once for the R rows. Per row, the four dots keep kLanes
+// partial sums (element j into sum j mod kLanes, in column order) and z[j]
+// sums the rows in order, so the bits do not depend on R. Per row r the
+// results are sdu[r] = (S'_t du)_i, dg[r], sdo[r] = S_{t-1}[i,:]·do,
+// dsu[r] = (dS u_{t-1})_i.
 template <class T>
-void pull_row(T* dr, const T* sd, T ai, T ki, const T* du, std::size_t vd, T& s_du, T& dg) {
+struct StepArgs {
+  T* ds;
+  std::size_t vd;
+  // pull (token t)
+  const T* sd_pull;  // S'_t
+  const T* a;
+  const T* k_pull;
+  const T* du;
+  // push (token t-1)
+  const T* sd_push;  // S'_{t-1}
+  const T* k_push;
+  const T* bu;
+  const T* sq;  // scale·q_{t-1}
+  const T* d_o;
+  const T* u;
+  T* z;
+};
+
+template <std::size_t R, bool kPull, bool kPush, class T>
+HWY_INLINE void step_rows(const StepArgs<T>& p, std::size_t i0, T* sdu, T* dg, T* sdo,
+                          T* dsu) {
   const LaneTag<T> d;
   using V = hn::Vec<LaneTag<T>>;
-  const std::size_t n = hn::Lanes(d), groups = kLanes / n;
-  V acc_k[kLanes], acc_g[kLanes];
-  for (std::size_t r = 0; r < groups; ++r) acc_k[r] = acc_g[r] = hn::Zero(d);
-  const V vai = hn::Set(d, ai), vki = hn::Set(d, ki);
+  const std::size_t n = hn::Lanes(d), groups = kLanes / n, vd = p.vd;
+  V ak[R][kLanes], ag[R][kLanes], aq[R][kLanes], au[R][kLanes];
+  for (std::size_t r = 0; r < R; ++r)
+    for (std::size_t g = 0; g < groups; ++g) ak[r][g] = ag[r][g] = aq[r][g] = au[r][g] = hn::Zero(d);
   std::size_t j = 0;
   for (; j + kLanes <= vd; j += kLanes) {
-    for (std::size_t r = 0; r < groups; ++r) {
-      const std::size_t c = j + r * n;
-      const V s = hn::LoadU(d, sd + c), duv = hn::LoadU(d, du + c);
-      acc_k[r] = hn::Add(acc_k[r], hn::Mul(s, duv));
-      const V x = hn::Sub(hn::LoadU(d, dr + c), hn::Mul(vki, duv));
-      acc_g[r] = hn::Add(acc_g[r], hn::Mul(s, x));
-      hn::StoreU(hn::Mul(vai, x), d, dr + c);
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::size_t c = j + g * n;
+      const V vdu = kPull ? hn::LoadU(d, p.du + c) : hn::Zero(d);
+      const V vbu = kPush ? hn::LoadU(d, p.bu + c) : hn::Zero(d);
+      const V vdo = kPush ? hn::LoadU(d, p.d_o + c) : hn::Zero(d);
+      const V vu = kPush ? hn::LoadU(d, p.u + c) : hn::Zero(d);
+      V vz = kPush ? hn::LoadU(d, p.z + c) : hn::Zero(d);
+      for (std::size_t r = 0; r < R; ++r) {
+        const std::size_t e = (i0 + r) * vd + c;
+        V x = hn::LoadU(d, p.ds + e);
+        if constexpr (kPull) {
+          const std::size_t i = i0 + r;
+          const V s = hn::LoadU(d, p.sd_pull + e);
+          ak[r][g] = hn::Add(ak[r][g], hn::Mul(s, vdu));
+          x = hn::Sub(x, hn::Mul(hn::Set(d, p.k_pull[i]), vdu));
+          ag[r][g] = hn::Add(ag[r][g], hn::Mul(s, x));
+          x = hn::Mul(hn::Set(d, p.a[i]), x);
+        }
+        if constexpr (kPush) {
+          const std::size_t i = i0 + r;
+          const V vki = hn::Set(d, p.k_push[i]);
+          const V s = hn::Add(hn::LoadU(d, p.sd_push + e), hn::Mul(vki, vbu));
+          aq[r][g] = hn::Add(aq[r][g], hn::Mul(s, vdo));
+          x = hn::Add(x, hn::Mul(hn::Set(d, p.sq[i]), vdo));
+          au[r][g] = hn::Add(au[r][g], hn::Mul(x, vu));
+          vz = hn::Add(vz, hn::Mul(vki, x));
+        }
+        hn::StoreU(x, d, p.ds + e);
+      }
+      if constexpr (kPush) hn::StoreU(vz, d, p.z + c);
     }
   }
-  T lanes_k[kLanes], lanes_g[kLanes];
-  for (std::size_t r = 0; r < groups; ++r) {
-    hn::StoreU(acc_k[r], d, lanes_k + r * n);
-    hn::StoreU(acc_g[r], d, lanes_g + r * n);
+  for (std::size_t r = 0; r < R; ++r) {
+    const std::size_t i = i0 + r;
+    T lk[kLanes], lg[kLanes], lq[kLanes], lu[kLanes];
+    for (std::size_t g = 0; g < groups; ++g) {
+      hn::StoreU(ak[r][g], d, lk + g * n);
+      hn::StoreU(ag[r][g], d, lg + g * n);
+      hn::StoreU(aq[r][g], d, lq + g * n);
+      hn::StoreU(au[r][g], d, lu + g * n);
+    }
+    T* dr = p.ds + i * vd;
+    for (std::size_t jj = j, l = 0; jj < vd; ++jj, ++l) {
+      T x = dr[jj];
+      if constexpr (kPull) {
+        const T sv = p.sd_pull[i * vd + jj];
+        lk[l] += sv * p.du[jj];
+        x = x - p.k_pull[i] * p.du[jj];
+        lg[l] += sv * x;
+        x = p.a[i] * x;
+      }
+      if constexpr (kPush) {
+        const T sv = p.sd_push[i * vd + jj] + p.k_push[i] * p.bu[jj];
+        lq[l] += sv * p.d_o[jj];
+        x = x + p.sq[i] * p.d_o[jj];
+        lu[l] += x * p.u[jj];
+        p.z[jj] += p.k_push[i] * x;
+      }
+      dr[jj] = x;
+    }
+    if constexpr (kPull) {
+      sdu[r] = lane_sum(lk);
+      dg[r] = lane_sum(lg);
+    }
+    if constexpr (kPush) {
+      sdo[r] = lane_sum(lq);
+      dsu[r] = lane_sum(lu);
+    }
   }
-  for (std::size_t l = 0; j < vd; ++j, ++l) {
-    lanes_k[l] += sd[j] * du[j];
-    T x = dr[j] - ki * du[j];
-    lanes_g[l] += sd[j] * x;
-    dr[j] = ai * x;
-  }
-  s_du = lane_sum(lanes_k);
-  dg = lane_sum(lanes_g);
+}
+
+// Rows per step_rows call.
+#if HWY_TARGET <= HWY_AVX3
+constexpr std::size_t kStepRows = 2;
+#else
+constexpr std::size_t kStepRows = 2;
+#endif
+
+template <bool kPull, bool kPush, class T>
+HWY_INLINE void step_pass(const StepArgs<T>& p, std::size_t kd, T* sdu, T* dg, T* sdo, T* dsu) {
+  std::size_t i = 0;
+  for (; i + kStepRows <= kd; i += kStepRows)
+    step_rows<kStepRows, kPull, kPush>(p, i, sdu + i, dg + i, sdo + i, dsu + i);
+  for (; i < kd; ++i) step_rows<1, kPull, kPush>(p, i, sdu + i, dg + i, sdo + i, dsu + i);
 }
 
 template <class T>
@@ -447,23 +575,16 @@ void summary_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, st
     const T* k = h.k_at(t);
     const T beta = h.beta_at(t);
     const bool next = t + 1 < tokens;
-    for (std::size_t j = 0; j < kd; ++j) {
-      br[j] = beta * r[j];
-      r[j] = 0;
-    }
+    for (std::size_t j = 0; j < kd; ++j) br[j] = beta * r[j];
     const T* kn = next ? h.k_at(t + 1) : nullptr;
     if (next) decays(h.g_at(t + 1), a, kd);
-    for (std::size_t i = 0; i < kd; ++i) {
-      T* mr = m + i * kd;
-      const T ki = k[i];
-      for (std::size_t j = 0; j < kd; ++j) mr[j] -= ki * br[j];
-      if (next) {
-        const T ai = a[i], kni = kn[i];
-        for (std::size_t j = 0; j < kd; ++j) {
-          mr[j] *= ai;
-          r[j] += kni * mr[j];
-        }
-      }
+    // Per element M[i,j]: M -= k_i·br[j]; with next, M *= a_i, r[j] += kn_i·M.
+    if (next) {
+      sweep_pass<true, false, true, true>(m, m, kd, kd, kd, k, br, static_cast<const T*>(nullptr),
+                                          static_cast<T*>(nullptr), a, kn, r);
+    } else {
+      sweep_pass<true, false, true, false>(m, m, kd, kd, kd, k, br, static_cast<const T*>(nullptr),
+                                           static_cast<T*>(nullptr), a, kn, r);
     }
   }
 }
@@ -478,12 +599,18 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
   ws.checkpoints.resize(blocks * kv);
   ws.decayed.resize(std::min(interval, tokens) * kv);
   ws.us.resize(std::min(interval, tokens) * vd);
-  ws.vecs.assign(3 * vd + kd, T(0));
+  ws.vecs.assign(3 * vd + 6 * kd, T(0));
   ws.dstate.resize(kv);
   T* bu = ws.vecs.data();
   T* z = bu + vd;
   T* du = z + vd;
   T* a = du + vd;
+  T* sq = a + kd;
+  // Per-row results of a step: (S'_t du)_i, dg_i, S_{t-1}[i,:]·do, (dS u_{t-1})_i.
+  T* r_sdu = sq + kd;
+  T* r_dg = r_sdu + kd;
+  T* r_sdo = r_dg + kd;
+  T* r_dsu = r_sdo + kd;
   T* ds = ws.dstate.data();
 
   T* ckpt = ws.checkpoints.data();
@@ -504,7 +631,14 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
   auto u_of = [&](std::size_t t) HWY_ATTR { return ws.us.data() + (t % interval) * vd; };
 
   // Push of token t for row i; its dk_i and dq_i are final only after the pull.
-  T dbeta = 0;
+  StepArgs<T> args{};
+  args.ds = ds;
+  args.vd = vd;
+  args.a = a;
+  args.du = du;
+  args.bu = bu;
+  args.z = z;
+  args.sq = sq;
   auto prepare_push = [&](std::size_t t) HWY_ATTR {
     const T beta = h.beta_at(t);
     const T* u = u_of(t);
@@ -512,19 +646,27 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
       bu[j] = beta * u[j];
       z[j] = 0;
     }
-    dbeta = 0;
+    const T* q = h.q_at(t);
+    for (std::size_t i = 0; i < kd; ++i) sq[i] = scale * q[i];
+    args.sd_push = slot(t);
+    args.k_push = h.k_at(t);
+    args.d_o = d_o + t * do_stride;
+    args.u = u;
   };
-  auto push = [&](std::size_t t, std::size_t i) HWY_ATTR {
+  auto push_out = [&](std::size_t t) HWY_ATTR {
     const T* k = h.k_at(t);
-    T s_do = 0, ds_u = 0;
-    push_row(ds + i * vd, slot(t) + i * vd, k[i], bu, scale * h.q_at(t)[i], d_o + t * do_stride,
-             u_of(t), z, vd, s_do, ds_u);
-    out.dq[t * out.qk_stride + i] = scale * s_do;
-    out.dk[t * out.qk_stride + i] = h.beta_at(t) * ds_u;
-    dbeta += k[i] * ds_u;
+    const T beta = h.beta_at(t);
+    T* dq = out.dq + t * out.qk_stride;
+    T* dk = out.dk + t * out.qk_stride;
+    T dbeta = 0;
+    for (std::size_t i = 0; i < kd; ++i) {
+      dq[i] = scale * r_sdo[i];
+      dk[i] = beta * r_dsu[i];
+      dbeta += k[i] * r_dsu[i];
+    }
+    out.dbeta[t * out.beta_stride] = dbeta;
   };
   auto finish_push = [&](std::size_t t) HWY_ATTR {
-    out.dbeta[t * out.beta_stride] = dbeta;
     const T beta = h.beta_at(t);
     T* dv = out.dv + t * out.v_stride;
     for (std::size_t j = 0; j < vd; ++j) {
@@ -532,79 +674,141 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
       dv[j] = du[j];
     }
     decays(h.g_at(t), a, kd);
+    args.sd_pull = slot(t);
+    args.k_pull = h.k_at(t);
   };
-  auto pull = [&](std::size_t t, std::size_t i) HWY_ATTR {
-    T s_du = 0;
-    pull_row(ds + i * vd, slot(t) + i * vd, a[i], h.k_at(t)[i], du, vd, s_du,
-             out.dg[t * out.g_stride + i]);
-    out.dk[t * out.qk_stride + i] -= s_du;
+  auto pull_out = [&](std::size_t t) HWY_ATTR {
+    T* dg = out.dg + t * out.g_stride;
+    T* dk = out.dk + t * out.qk_stride;
+    for (std::size_t i = 0; i < kd; ++i) {
+      dg[i] = r_dg[i];
+      dk[i] -= r_sdu[i];
+    }
   };
 
   for (std::size_t i = 0; i < kv; ++i) ds[i] = d_final ? d_final[i] : T(0);
   recompute(blocks - 1);
   prepare_push(tokens - 1);
-  for (std::size_t i = 0; i < kd; ++i) push(tokens - 1, i);
+  step_pass<false, true>(args, kd, r_sdu, r_dg, r_sdo, r_dsu);
+  push_out(tokens - 1);
   for (std::size_t t = tokens; t-- > 0;) {
     finish_push(t);
     if (t % interval != 0) {
       prepare_push(t - 1);
-      for (std::size_t i = 0; i < kd; ++i) {
-        pull(t, i);
-        push(t - 1, i);
-      }
+      step_pass<true, true>(args, kd, r_sdu, r_dg, r_sdo, r_dsu);
+      pull_out(t);
+      push_out(t - 1);
       continue;
     }
     // Token t opens its block: finish with this block's states before the
     // previous block's replace them.
-    for (std::size_t i = 0; i < kd; ++i) pull(t, i);
+    step_pass<true, false>(args, kd, r_sdu, r_dg, r_sdo, r_dsu);
+    pull_out(t);
     if (t == 0) break;
     recompute(t / interval - 1);
     prepare_push(t - 1);
-    for (std::size_t i = 0; i < kd; ++i) push(t - 1, i);
+    step_pass<false, true>(args, kd, r_sdu, r_dg, r_sdo, r_dsu);
+    push_out(t - 1);
   }
   if (out.d_incoming) std::copy(ds, ds + kv, out.d_incoming);
+}
+
+// One token step of incoming_grad over the columns [j0, j0 + NV·Lanes) (NV = 0:
+// the single column j0), per element (i, j) in row order i, exactly
+//   pull: dr = a_i·(dr - k_i·du[j]);
+//   kPush: d = dr + sq_i·dot[j], dr = d, z[j] += kp_i·d  (z[j] from zero),
+// where sq_i = scale·q_{t-1,i} and kp = k_{t-1}. kPull off: the push alone.
+template <std::size_t NV, bool kPull, bool kPush, class T>
+HWY_INLINE void grad_strip(T* ds, std::size_t ld, std::size_t kd, std::size_t j0, const T* a,
+                           const T* k, const T* du, const T* sq, const T* kp, const T* dot,
+                           T* z) {
+  if constexpr (NV == 0) {
+    const T duj = kPull ? du[j0] : T(0), dj = kPush ? dot[j0] : T(0);
+    T sz = 0;
+    for (std::size_t i = 0; i < kd; ++i) {
+      T& e = ds[i * ld + j0];
+      if constexpr (kPull) e = a[i] * (e - k[i] * duj);
+      if constexpr (kPush) {
+        T x = e + sq[i] * dj;
+        e = x;
+        sz += kp[i] * x;
+      }
+    }
+    if constexpr (kPush) z[j0] = sz;
+  } else {
+    const hn::ScalableTag<T> d;
+    using V = hn::Vec<decltype(d)>;
+    const std::size_t n = hn::Lanes(d);
+    V vdu[NV], vdot[NV], vz[NV];
+    for (std::size_t r = 0; r < NV; ++r) {
+      vdu[r] = kPull ? hn::LoadU(d, du + j0 + r * n) : hn::Zero(d);
+      vdot[r] = kPush ? hn::LoadU(d, dot + j0 + r * n) : hn::Zero(d);
+      vz[r] = hn::Zero(d);
+    }
+    for (std::size_t i = 0; i < kd; ++i) {
+      T* dr = ds + i * ld + j0;
+      const V vai = hn::Set(d, kPull ? a[i] : T(0)), vki = hn::Set(d, kPull ? k[i] : T(0));
+      const V vsq = hn::Set(d, kPush ? sq[i] : T(0)), vkp = hn::Set(d, kPush ? kp[i] : T(0));
+      for (std::size_t r = 0; r < NV; ++r) {
+        V x = hn::LoadU(d, dr + r * n);
+        if constexpr (kPull) x = hn::Mul(vai, hn::Sub(x, hn::Mul(vki, vdu[r])));
+        if constexpr (kPush) {
+          x = hn::Add(x, hn::Mul(vsq, vdot[r]));
+          vz[r] = hn::Add(vz[r], hn::Mul(vkp, x));
+        }
+        hn::StoreU(x, d, dr + r * n);
+      }
+    }
+    if constexpr (kPush)
+      for (std::size_t r = 0; r < NV; ++r) hn::StoreU(vz[r], d, z + j0 + r * n);
+  }
+}
+
+template <bool kPull, bool kPush, class T>
+HWY_INLINE void grad_pass(T* ds, std::size_t kd, std::size_t vd, const T* a, const T* k,
+                          const T* du, const T* sq, const T* kp, const T* dot, T* z) {
+  const hn::ScalableTag<T> d;
+  const std::size_t n = hn::Lanes(d);
+  std::size_t j = 0;
+  for (; j + kStripVecs * n <= vd; j += kStripVecs * n)
+    grad_strip<kStripVecs, kPull, kPush>(ds, vd, kd, j, a, k, du, sq, kp, dot, z);
+  for (; j + n <= vd; j += n) grad_strip<1, kPull, kPush>(ds, vd, kd, j, a, k, du, sq, kp, dot, z);
+  for (; j < vd; ++j) grad_strip<0, kPull, kPush>(ds, vd, kd, j, a, k, du, sq, kp, dot, z);
 }
 
 template <class T>
 void incoming_grad_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
                         std::size_t vd, T scale, const T* d_o, std::size_t do_stride, T* ds,
                         std::vector<T>& scratch) {
-  scratch.assign(2 * vd + kd, T(0));
+  scratch.assign(2 * vd + 2 * kd, T(0));
   T* z = scratch.data();
   T* du = z + vd;
   T* a = du + vd;
+  T* sq = a + kd;
   for (std::size_t i = 0; i < kd * vd; ++i) ds[i] = 0;
-  // The state-gradient half of backward's push and pull, rounded identically.
-  auto push = [&](std::size_t t, std::size_t i) HWY_ATTR {
-    T* dr = ds + i * vd;
-    const T* dot = d_o + t * do_stride;
-    const T sq = scale * h.q_at(t)[i], ki = h.k_at(t)[i];
-    for (std::size_t j = 0; j < vd; ++j) {
-      T d = dr[j] + sq * dot[j];
-      dr[j] = d;
-      z[j] += ki * d;
-    }
+  // The state-gradient half of backward's push and pull, rounded identically:
+  // token t's pull and token t-1's push, one pass over the rows.
+  auto scaled_q = [&](std::size_t t) HWY_ATTR {
+    const T* q = h.q_at(t);
+    for (std::size_t i = 0; i < kd; ++i) sq[i] = scale * q[i];
   };
-  auto pull = [&](std::size_t t, std::size_t i) HWY_ATTR {
-    T* dr = ds + i * vd;
-    const T ai = a[i], ki = h.k_at(t)[i];
-    for (std::size_t j = 0; j < vd; ++j) dr[j] = ai * (dr[j] - ki * du[j]);
-  };
-  for (std::size_t i = 0; i < kd; ++i) push(tokens - 1, i);
+  scaled_q(tokens - 1);
+  grad_pass<false, true>(ds, kd, vd, a, static_cast<const T*>(nullptr), du, sq,
+                         h.k_at(tokens - 1), d_o + (tokens - 1) * do_stride, z);
   for (std::size_t t = tokens; t-- > 0;) {
     const T beta = h.beta_at(t);
-    for (std::size_t j = 0; j < vd; ++j) {
-      du[j] = beta * z[j];
-      z[j] = 0;
-    }
+    for (std::size_t j = 0; j < vd; ++j) du[j] = beta * z[j];
     decays(h.g_at(t), a, kd);
-    for (std::size_t i = 0; i < kd; ++i) {
-      pull(t, i);
-      if (t > 0) push(t - 1, i);
+    if (t > 0) {
+      scaled_q(t - 1);
+      grad_pass<true, true>(ds, kd, vd, a, h.k_at(t), du, sq, h.k_at(t - 1),
+                            d_o + (t - 1) * do_stride, z);
+    } else {
+      grad_pass<true, false>(ds, kd, vd, a, h.k_at(t), du, sq, static_cast<const T*>(nullptr),
+                             static_cast<const T*>(nullptr), z);
     }
   }
 }
-
 
 template <class T>
 constexpr Kernels<T> kernels_of() {
