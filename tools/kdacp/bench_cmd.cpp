@@ -65,7 +65,7 @@ void print_protocols(const nlohmann::json& recs) {
 // file's extension.
 void plot(const std::string& mode, const nlohmann::json& recs, const std::string& file) {
   const bool svg = file.size() > 4 && file.substr(file.size() - 4) == ".svg";
-  std::string script = std::string("set terminal ") + (svg ? "svg size 1200,500" : "pngcairo size 1200,500") +
+  std::string script = std::string("set terminal ") + (svg ? "svg size 1200,500 noenhanced" : "pngcairo size 1200,500 noenhanced") +
                        "\nset output '" + file + "'\nset grid\nset key top left\n";
   if (mode == "kernels") {
     // One panel per thread count: GFLOP/s against chain length per K, the

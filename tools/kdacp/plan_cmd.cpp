@@ -87,7 +87,7 @@ void write_plot(const PlanConfig& cfg, const CostParams& params, const ProblemSh
   const std::string script = cfg.plot + ".gp";
   {
     std::ofstream gp(script);
-    gp << "set terminal png size 900,600\nset output '" << cfg.plot << "'\n"
+    gp << "set terminal png size 900,600 noenhanced\nset output '" << cfg.plot << "'\n"
        << "set logscale xy\nset xlabel 'P (ranks)'\nset ylabel 'predicted time (ms)'\n"
        << "set key left top\nset grid\nset title 'kdacp plan: B*H=" << base.slabs
        << " K=" << base.key_dim << " V=" << base.value_dim << " (" << params.source << ")'\n"
