@@ -8,23 +8,15 @@
 namespace kdacp::detail {
 namespace {
 
-class AllGatherExchange final : public StateExchange {
+class AllGatherExchange final : public CommExchange {
  public:
-  AllGatherExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
-      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+  using CommExchange::CommExchange;
 
   std::string method() const override { return "allgather"; }
   bool exact() const override { return true; }
 
-  State forward(const StateView& s, const StateView& m) override {
-    return run(s, m, "S", Direction::forward);
-  }
-  State backward(const StateView& g, const StateView& m) override {
-    return run(g, m, "G", Direction::backward);
-  }
-
  private:
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
     const SummaryShape shape = validate_summary(offset, m, name, rank_);
     CallMeter meter({comm_.get()});
     PackedSlots gathered(shape, size_);
@@ -36,8 +28,6 @@ class AllGatherExchange final : public StateExchange {
     return result;
   }
 
-  std::shared_ptr<Communicator> comm_;
-  ExchangeOptions options_;
 };
 
 }  // namespace

@@ -1,6 +1,9 @@
 #include "exchange/common.hpp"
 
 #include <cstring>
+#include <string>
+
+#include "kdacp/error.hpp"
 
 namespace kdacp::detail {
 
@@ -62,6 +65,13 @@ std::span<std::byte> bytes_of(const State& s) {
 std::span<const std::byte> bytes_of(const StateView& v) {
   const std::size_t n = v.batch * v.heads * v.rows * v.cols * dtype_size(v.dtype);
   return {static_cast<const std::byte*>(v.data), n};
+}
+
+void check_group_width(std::size_t rank, std::size_t size, std::size_t width) {
+  if (size % width != 0)
+    throw InvalidArgument("rank " + std::to_string(rank) + ": allgather_group_size " +
+                          std::to_string(width) + " does not divide the state CP size " +
+                          std::to_string(size) + ", expected a divisor");
 }
 
 Slots single_slot(const StateView& offset, const StateView& transfer) {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <utility>
 
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
@@ -18,6 +19,37 @@ namespace kdacp::detail {
 // the same order by every rank, and messages between a pair match in order.
 inline constexpr int kTagForward = 11;
 inline constexpr int kTagBackward = 12;
+
+// Forward and backward both run one routine, told the direction and the
+// offset's name ("S" or "G"): the shape of every protocol here.
+class DirectedExchange : public StateExchange {
+ public:
+  State forward(const StateView& s, const StateView& m) final {
+    return run(s, m, "S", Direction::forward);
+  }
+  State backward(const StateView& g, const StateView& m) final {
+    return run(g, m, "G", Direction::backward);
+  }
+
+ protected:
+  using StateExchange::StateExchange;
+  virtual State run(const StateView& offset, const StateView& m, const char* name, Direction dir) = 0;
+};
+
+// The single-communicator protocols: the CP group and the options.
+class CommExchange : public DirectedExchange {
+ public:
+  // Public so that protocols can inherit it (`using`); the class is abstract.
+  CommExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
+      : DirectedExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+
+ protected:
+  std::shared_ptr<Communicator> comm_;
+  ExchangeOptions options_;
+};
+
+// The grouped protocols' width rule: w divides P (InvalidArgument otherwise).
+void check_group_width(std::size_t rank, std::size_t size, std::size_t width);
 
 // `count` packed [offset | M] slots, as the gather buffer of a protocol.
 class PackedSlots {

@@ -121,10 +121,7 @@ class GroupedExchange final : public StateExchange {
 
 std::unique_ptr<StateExchange> make_grouped_allgather_p2p(const ProtocolContext& ctx) {
   const std::size_t w = ctx.group_size;
-  if (ctx.size % w != 0)
-    throw InvalidArgument("rank " + std::to_string(ctx.rank) + ": allgather_group_size " +
-                          std::to_string(w) + " does not divide the state CP size " +
-                          std::to_string(ctx.size) + ", expected a divisor");
+  check_group_width(ctx.rank, ctx.size, w);
   // The degenerate widths are the other two protocols, exactly.
   if (w == 1) return make_p2p(ctx);
   if (w == ctx.size) return make_allgather(ctx);

@@ -15,11 +15,11 @@
 namespace kdacp::detail {
 namespace {
 
-class GroupedRdExchange final : public StateExchange {
+class GroupedRdExchange final : public DirectedExchange {
  public:
   GroupedRdExchange(std::shared_ptr<Communicator> owners, std::shared_ptr<Communicator> intra,
                     std::size_t rank, std::size_t size, std::size_t width, ExchangeOptions options)
-      : StateExchange(rank, size),
+      : DirectedExchange(rank, size),
         owners_(std::move(owners)),
         intra_(std::move(intra)),
         width_(width),
@@ -31,15 +31,8 @@ class GroupedRdExchange final : public StateExchange {
   std::string method() const override { return "grouped_allgather_rd"; }
   bool exact() const override { return false; }
 
-  State forward(const StateView& s, const StateView& m) override {
-    return run(s, m, "S", Direction::forward);
-  }
-  State backward(const StateView& g, const StateView& m) override {
-    return run(g, m, "G", Direction::backward);
-  }
-
  private:
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
     const SummaryShape shape = validate_summary(offset, m, name, rank_);
     // The outer communicator of a non-owner links the other blocks' members
     // of the same local index; only the owners' one carries traffic.
@@ -100,10 +93,7 @@ class GroupedRdExchange final : public StateExchange {
 
 std::unique_ptr<StateExchange> make_grouped_allgather_rd(const ProtocolContext& ctx) {
   const std::size_t w = ctx.group_size;
-  if (ctx.size % w != 0)
-    throw InvalidArgument("rank " + std::to_string(ctx.rank) + ": allgather_group_size " +
-                          std::to_string(w) + " does not divide the state CP size " +
-                          std::to_string(ctx.size) + ", expected a divisor");
+  check_group_width(ctx.rank, ctx.size, w);
   // Degenerate widths: one rank per group is the plain scan, one group is
   // the allgather (nothing left to reassociate).
   if (w == 1) return make_recursive_doubling(ctx);

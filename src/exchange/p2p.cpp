@@ -7,23 +7,15 @@
 namespace kdacp::detail {
 namespace {
 
-class P2PExchange final : public StateExchange {
+class P2PExchange final : public CommExchange {
  public:
-  P2PExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
-      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+  using CommExchange::CommExchange;
 
   std::string method() const override { return "p2p"; }
   bool exact() const override { return true; }
 
-  State forward(const StateView& s, const StateView& m) override {
-    return run(s, m, "S", Direction::forward);
-  }
-  State backward(const StateView& g, const StateView& m) override {
-    return run(g, m, "G", Direction::backward);
-  }
-
  private:
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
     const SummaryShape shape = validate_summary(offset, m, name, rank_);
     CallMeter meter({comm_.get()});
     const bool fwd = dir == Direction::forward;
@@ -61,8 +53,6 @@ class P2PExchange final : public StateExchange {
     return result;
   }
 
-  std::shared_ptr<Communicator> comm_;
-  ExchangeOptions options_;
 };
 
 }  // namespace

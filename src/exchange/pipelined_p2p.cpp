@@ -21,20 +21,12 @@
 namespace kdacp::detail {
 namespace {
 
-class PipelinedExchange final : public StateExchange {
+class PipelinedExchange final : public CommExchange {
  public:
-  PipelinedExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
-      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+  using CommExchange::CommExchange;
 
   std::string method() const override { return "pipelined_p2p"; }
   bool exact() const override { return true; }
-
-  State forward(const StateView& s, const StateView& m) override {
-    return run(s, m, "S", Direction::forward);
-  }
-  State backward(const StateView& g, const StateView& m) override {
-    return run(g, m, "G", Direction::backward);
-  }
 
  private:
   // Column ranges of the segments: V/16 units of 16 columns dealt as evenly
@@ -80,7 +72,7 @@ class PipelinedExchange final : public StateExchange {
     return {static_cast<std::byte*>(b.data), b.slabs() * b.rows * b.cols * dtype_size(b.dtype)};
   }
 
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
     const SummaryShape shape = validate_summary(offset, m, name, rank_);
     const auto segs = segments(shape);  // may throw: still before any message
     CallMeter meter({comm_.get()});
@@ -123,8 +115,6 @@ class PipelinedExchange final : public StateExchange {
     return result;
   }
 
-  std::shared_ptr<Communicator> comm_;
-  ExchangeOptions options_;
 };
 
 }  // namespace

@@ -10,23 +10,15 @@
 namespace kdacp::detail {
 namespace {
 
-class RecursiveDoublingExchange final : public StateExchange {
+class RecursiveDoublingExchange final : public CommExchange {
  public:
-  RecursiveDoublingExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
-      : StateExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
+  using CommExchange::CommExchange;
 
   std::string method() const override { return "recursive_doubling"; }
   bool exact() const override { return false; }
 
-  State forward(const StateView& s, const StateView& m) override {
-    return run(s, m, "S", Direction::forward);
-  }
-  State backward(const StateView& g, const StateView& m) override {
-    return run(g, m, "G", Direction::backward);
-  }
-
  private:
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) {
+  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
     const SummaryShape shape = validate_summary(offset, m, name, rank_);
     CallMeter meter({comm_.get()});
     State result = rd_exclusive_scan(*comm_, offset, m, shape, dir, options_.exec,
@@ -35,8 +27,6 @@ class RecursiveDoublingExchange final : public StateExchange {
     return result;
   }
 
-  std::shared_ptr<Communicator> comm_;
-  ExchangeOptions options_;
 };
 
 }  // namespace
