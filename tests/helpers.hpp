@@ -1,9 +1,13 @@
 // Shared test utilities: synthetic per-rank inputs and the FP64 chain.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/inprocess.hpp"
 #include "kdacp/synthetic.hpp"
@@ -43,6 +47,22 @@ inline State copy_of(const State& a) {
   State out(a.batch(), a.heads(), a.rows(), a.cols());
   std::memcpy(out.data(), a.data(), a.bytes());
   return out;
+}
+
+// forward(s, m) on rank r must throw InvalidArgument naming `fragment` and
+// the rank, before this rank sends any message (SPEC §8).
+inline void expect_rejected_before_sending(StateExchange& ex, const Communicator& comm,
+                                           const StateView& s, const StateView& m,
+                                           const std::string& fragment, std::size_t r) {
+  const auto before = comm.stats().messages_sent;
+  try {
+    ex.forward(s, m);
+    ADD_FAILURE() << "no error for " << fragment;
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(r)), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(comm.stats().messages_sent, before);
 }
 
 }  // namespace kdacp::test

@@ -34,16 +34,7 @@ void expect_rejected(const std::string& method, long long width, const Mutator& 
     StateView s = w.s[r].view(), m = w.m[r].view();
     std::vector<float> own = big;  // per-rank storage for resized views
     mutate(s, m, own.data());
-    const auto before = comm->stats();
-    try {
-      ex->forward(s, m);
-      ADD_FAILURE() << "no error for " << fragment;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(r)), std::string::npos)
-          << e.what();
-    }
-    EXPECT_EQ(comm->stats().messages_sent, before.messages_sent);
+    test::expect_rejected_before_sending(*ex, *comm, s, m, fragment, r);
     State f = ex->forward(w.s[r].view(), w.m[r].view());
     std::lock_guard lock(mu);
     got[r] = std::move(f);
