@@ -97,8 +97,9 @@ class Buffer {
 class State {
  public:
   State() = default;
+  // Zeroed unless `init` says the caller overwrites every element.
   State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols,
-        DType dtype = DType::f32);
+        DType dtype = DType::f32, Buffer::Init init = Buffer::Init::zero);
 
   StateView view() const;
   template <class T = float>

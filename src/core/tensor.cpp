@@ -62,6 +62,9 @@ Buffer::Buffer(std::size_t count, Init init) : size_(count) {
   if (count == 0) return;
   data_ = static_cast<float*>(detail::buffer_allocate(allocated_bytes(count)));
   if (init == Init::zero) std::memset(data_, 0, count * sizeof(float));
+#if defined(KDACP_FILL_UNINITIALIZED)
+  if (init == Init::uninitialized) std::memset(data_, 0xff, count * sizeof(float));  // NaN
+#endif
   MemoryScope::on_alloc(size_ * sizeof(float));
 }
 
@@ -95,8 +98,9 @@ std::size_t floats_for(std::size_t elements, DType dtype) {
 }
 }  // namespace
 
-State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols, DType dtype)
-    : buf_(floats_for(batch * heads * rows * cols, dtype)),
+State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols, DType dtype,
+             Buffer::Init init)
+    : buf_(floats_for(batch * heads * rows * cols, dtype), init),
       batch_(batch),
       heads_(heads),
       rows_(rows),

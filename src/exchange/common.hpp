@@ -77,8 +77,10 @@ Slots single_slot(const StateView& offset, const StateView& transfer);
 State dense_copy(const StateView& view);
 
 // A zeroed [B,H,K,V] state of the summaries' dtype.
-inline State make_state(const SummaryShape& s) {
-  return State(s.batch, s.heads, s.key_dim, s.value_dim, s.dtype);
+// A [B,H,K,V] state of the summaries' dtype: zeroed, or (Init::uninitialized)
+// for a buffer the protocol overwrites completely (a receive, a fold's output).
+inline State make_state(const SummaryShape& s, Buffer::Init init = Buffer::Init::zero) {
+  return State(s.batch, s.heads, s.key_dim, s.value_dim, s.dtype, init);
 }
 
 // Measures one protocol call: traffic from the communicators' counters and

@@ -36,7 +36,7 @@ class GroupedExchange final : public StateExchange {
     const bool has_incoming = block_ > 0;
     const bool has_successor = block_ + 1 < blocks_;
     State incoming;
-    if (has_incoming) incoming = make_state(shape);
+    if (has_incoming) incoming = make_state(shape, Buffer::Init::uninitialized);  // received whole
     // Post the owner's receive before the group gather (step 1).
     std::unique_ptr<Request> recv;
     if (is_owner && has_incoming) recv = cp_->irecv(bytes_of(incoming), owner_ - width_, kTagForward);
@@ -54,7 +54,7 @@ class GroupedExchange final : public StateExchange {
     if (is_owner) {
       if (recv) recv->wait();
       if (has_successor) {
-        send = make_state(shape);
+        send = make_state(shape, Buffer::Init::uninitialized);  // the scan writes it all
         const StateView res = result.view();
         scan(gathered.slots(), 0, width_, Direction::forward, in_ptr, send.view(), local_, &res,
              options_.exec, FoldFlags::consume_offsets);
@@ -78,7 +78,7 @@ class GroupedExchange final : public StateExchange {
     const bool has_incoming = block_ + 1 < blocks_;  // gradient arriving from the next block
     const bool has_predecessor = block_ > 0;
     State incoming;
-    if (has_incoming) incoming = make_state(shape);
+    if (has_incoming) incoming = make_state(shape, Buffer::Init::uninitialized);  // received whole
     std::unique_ptr<Request> recv;
     if (is_owner && has_incoming)
       recv = cp_->irecv(bytes_of(incoming), owner_ + width_, kTagBackward);
@@ -94,7 +94,7 @@ class GroupedExchange final : public StateExchange {
     if (is_owner) {
       if (recv) recv->wait();
       if (has_predecessor) {
-        send = make_state(shape);
+        send = make_state(shape, Buffer::Init::uninitialized);  // the scan writes it all
         scan(gathered.slots(), width_ - 1, width_, Direction::backward, in_ptr, send.view(),
              std::nullopt, nullptr, options_.exec, FoldFlags::consume_offsets);
         sent = cp_->isend(bytes_of(send), owner_ - width_, kTagBackward);

@@ -26,7 +26,8 @@ class P2PExchange final : public CommExchange {
     const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
     const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
 
-    State result = make_state(shape);
+    // Received whole, or the zero state of the chain's first rank.
+    State result = make_state(shape, has_prev ? Buffer::Init::uninitialized : Buffer::Init::zero);
     if (has_prev) comm_->irecv(bytes_of(result), prev, tag)->wait();
     if (has_next) {
       State send;
@@ -41,7 +42,7 @@ class P2PExchange final : public CommExchange {
           payload = bytes_of(send);
         }
       } else {
-        send = make_state(shape);
+        send = make_state(shape, Buffer::Init::uninitialized);  // the step writes it all
         const StateView in = result.view();
         scan(single_slot(offset, m), 0, 1, dir, &in, send.view(), std::nullopt, nullptr,
              options_.exec);

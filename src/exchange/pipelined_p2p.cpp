@@ -83,10 +83,13 @@ class PipelinedExchange final : public CommExchange {
     const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
     const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
 
-    State result = make_state(shape);
+    // The segments cover every column: each buffer is received, folded or
+    // copied whole (the first rank's result stays the zero state).
+    constexpr auto kWhole = Buffer::Init::uninitialized;
+    State result = make_state(shape, has_prev ? kWhole : Buffer::Init::zero);
     State recv_buf, send_buf;
-    if (has_prev) recv_buf = make_state(shape);
-    if (has_next) send_buf = make_state(shape);
+    if (has_prev) recv_buf = make_state(shape, kWhole);
+    if (has_next) send_buf = make_state(shape, kWhole);
     // All receives up front: segments arrive in order, each completes as
     // soon as the previous rank sent it.
     std::vector<std::unique_ptr<Request>> recvs, sends;
