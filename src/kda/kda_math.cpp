@@ -25,8 +25,9 @@
 // changes. Results are bitwise identical across targets because
 //  - every element-wise loop computes each element with the same operations
 //    in the same order whatever the vector width,
-//  - dots sum into kLanes fixed partial sums, then lane_sum, the same
-//    association for every width, and
+//  - dots sum into kLanes<T> fixed partial sums (64 bytes: 16 floats, one
+//    AVX-512 vector, two AVX2 or four SSE4 ones), then tree_sum's fixed
+//    pairwise order, the same association for every width, and
 //  - nothing is contracted into FMA (see the pragmas below): an FMA rounds
 //    once where a*b+c rounds twice, and only some targets have FMA.
 // tests/test_kda_dispatch.cpp forces each target and compares bitwise.
@@ -65,13 +66,16 @@
 
 #include "kdacp/error.hpp"
 #include "kdacp/kda.hpp"
+#include "kdacp/memory.hpp"
 
 namespace kdacp::kda {
 namespace {
 
-// Partial sums per dot product. Part of the results' definition (it fixes the
-// summation order), so it is the same for every target and vector width.
-constexpr std::size_t kLanes = 8;
+// Partial sums per dot product: 64 bytes of them (16 floats, 8 doubles), one
+// AVX-512 vector. Part of the results' definition (it fixes the summation
+// order), so it is the same for every target and vector width.
+template <class T>
+constexpr std::size_t kLanes = 64 / sizeof(T);
 
 // One (batch, value head) slice of the inputs: token t of a field starts at
 // base + t * stride.
@@ -123,6 +127,7 @@ struct SweepOut {
   T scale = 0;
   T* decayed = nullptr;      // S'_t at decayed + (t - t0)·K·V; null: one reused buffer
   T* us = nullptr;           // u_t at us + (t - t0)·V
+  T* decays = nullptr;       // a_t = exp(g_t) at decays + (t - t0)·K
   T* final_state = nullptr;  // S_{t1-1}
 };
 
@@ -151,8 +156,11 @@ struct HeadGrads {
 // An allocator whose value-initialisation leaves elements uninitialised: for
 // large scratch that is always written before it is read (a zero fill of
 // backward's checkpoints and recomputed states cost about a tenth of it).
+// Blocks come from kdacp's large-buffer cache (memory.hpp), so the megabytes
+// of scratch a backward call takes do not fault fresh pages in every call.
 template <class T>
 struct NoInitAllocator : std::allocator<T> {
+  using value_type = T;
   template <class U>
   struct rebind {
     using other = NoInitAllocator<U>;
@@ -160,6 +168,12 @@ struct NoInitAllocator : std::allocator<T> {
   NoInitAllocator() = default;
   template <class U>
   NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(kdacp::detail::buffer_allocate(std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t n) noexcept {
+    kdacp::detail::buffer_deallocate(p, std::max<std::size_t>(n, 1) * sizeof(T));
+  }
   template <class U>
   void construct(U* p) noexcept {
     ::new (static_cast<void*>(p)) U;
@@ -179,6 +193,7 @@ struct BackwardScratch {
   ScratchVec<T> checkpoints;  // S_{c·interval - 1}: the state entering block c
   ScratchVec<T> decayed;      // S'_t of every token of the current block
   ScratchVec<T> us;           // u_t of every token of the current block
+  ScratchVec<T> decays;       // a_t of every token of the current block
   std::vector<T> vecs;
   std::vector<T> dstate;
 };
@@ -222,17 +237,6 @@ namespace kdacp::kda::HWY_NAMESPACE {
 // Lambdas below carry HWY_ATTR: clang does not apply HWY_BEFORE_NAMESPACE's
 // target attribute to lambdas, and a lambda left at the baseline ISA would
 // keep its loops at SSE2.
-
-// A dot product keeps kLanes partial sums: element j of each full group of
-// kLanes elements adds into sum j mod kLanes, the tail's elements into sums
-// 0, 1, ...; lane_sum then adds the sums in order. The order is fixed, so it
-// vectorises without reassociation and is the same for every vector width.
-template <class T>
-T lane_sum(const T (&acc)[kLanes]) {
-  T sum = 0;
-  for (std::size_t l = 0; l < kLanes; ++l) sum += acc[l];
-  return sum;
-}
 
 template <class T>
 void decays(const T* g, T* a, std::size_t n) {
@@ -341,10 +345,37 @@ HWY_INLINE void sweep_pass(const T* dp, T* dn, std::size_t ld, std::size_t kd, s
 }
 
 // A dot's kLanes partial sums as kLanes / Lanes(d) vectors of at most kLanes
-// lanes: element j of a full group of kLanes lands in lane j mod kLanes,
-// whatever the target's vector width.
+// lanes: element j of a full group of kLanes lands in lane j mod kLanes
+// (vector (j mod kLanes) / Lanes(d)), whatever the target's vector width.
 template <class T>
-using LaneTag = hn::CappedTag<T, kLanes>;
+using LaneTag = hn::CappedTag<T, kLanes<T>>;
+
+// The partial sums' one reduction order, the same for every target: while
+// more than one sum is left, with m = half their number, sum l becomes
+// sum l + sum (l + m) for l < m; the result is sum 0 (a fixed pairwise tree).
+// Across vectors that is acc[g] + acc[g + m / Lanes], within one vector its
+// lower half plus its upper half.
+template <class D>
+HWY_INLINE hn::TFromD<D> tree_sum_vec(D d, hn::Vec<D> v) {
+  (void)d;
+#if HWY_TARGET == HWY_SCALAR  // one lane, and no UpperHalf
+  return hn::GetLane(v);
+#else
+  if constexpr (hn::MaxLanes(D()) == 1) {
+    return hn::GetLane(v);
+  } else {
+    const hn::Half<D> dh;
+    return tree_sum_vec(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)));
+  }
+#endif
+}
+
+template <std::size_t G, class D>
+HWY_INLINE hn::TFromD<D> tree_sum(D d, hn::Vec<D> (&acc)[G]) {
+  for (std::size_t m = G / 2; m >= 1; m /= 2)
+    for (std::size_t g = 0; g < m; ++g) acc[g] = hn::Add(acc[g], acc[g + m]);
+  return tree_sum_vec(d, acc[0]);
+}
 
 template <class T>
 void sweep(const HeadInputs<T>& h, std::size_t t0, std::size_t t1, std::size_t kd,
@@ -356,7 +387,13 @@ void sweep(const HeadInputs<T>& h, std::size_t t0, std::size_t t1, std::size_t k
   T* bu = w + vd;
   T* acc = bu + vd;
   T* u_scratch = acc + vd;
-  T* a = u_scratch + vd;
+  T* a_scratch = u_scratch + vd;
+  // a_t, kept for the caller with out.decays.
+  auto decay_of = [&](std::size_t t) HWY_ATTR {
+    T* a_t = out.decays ? out.decays + (t - t0) * kd : a_scratch;
+    decays(h.g_at(t), a_t, kd);
+    return static_cast<const T*>(a_t);
+  };
   auto decayed = [&](std::size_t t) HWY_ATTR {
     return out.decayed ? out.decayed + (t - t0) * kv : ws.work.data();
   };
@@ -366,7 +403,7 @@ void sweep(const HeadInputs<T>& h, std::size_t t0, std::size_t t1, std::size_t k
     for (std::size_t i = 0; i < kv; ++i) d[i] = 0;
     s_in = d;
   }
-  decays(h.g_at(t0), a, kd);
+  const T* a = decay_of(t0);
   const T* k0 = h.k_at(t0);
   for (std::size_t i = 0; i < kd; ++i) {
     const T* sr = s_in + i * vd;
@@ -395,7 +432,7 @@ void sweep(const HeadInputs<T>& h, std::size_t t0, std::size_t t1, std::size_t k
     if (dn == nullptr && q == nullptr) continue;
     const T* kn = nullptr;
     if (next) {
-      decays(h.g_at(t + 1), a, kd);
+      a = decay_of(t + 1);
       kn = h.k_at(t + 1);
     }
     // The pass sets acc (with q) and w (with next) for every column.
@@ -457,15 +494,29 @@ struct StepArgs {
 template <std::size_t R, bool kPull, bool kPush, class T>
 HWY_INLINE void step_rows(const StepArgs<T>& p, std::size_t i0, T* sdu, T* dg, T* sdo,
                           T* dsu) {
-  const LaneTag<T> d;
-  using V = hn::Vec<LaneTag<T>>;
-  const std::size_t n = hn::Lanes(d), groups = kLanes / n, vd = p.vd;
-  V ak[R][kLanes], ag[R][kLanes], aq[R][kLanes], au[R][kLanes];
-  for (std::size_t r = 0; r < R; ++r)
-    for (std::size_t g = 0; g < groups; ++g) ak[r][g] = ag[r][g] = aq[r][g] = au[r][g] = hn::Zero(d);
+  constexpr std::size_t L = kLanes<T>;
+  using D = LaneTag<T>;
+  const D d;
+  using V = hn::Vec<D>;
+  constexpr std::size_t n = hn::MaxLanes(D()), G = L / n;
+  const std::size_t vd = p.vd;
+  V ak[R][G], ag[R][G], aq[R][G], au[R][G];
+  // The rows' scalars, broadcast once.
+  V bkl[R], ba[R], bkp[R], bsq[R];
+  for (std::size_t r = 0; r < R; ++r) {
+    const std::size_t i = i0 + r;
+    for (std::size_t g = 0; g < G; ++g) ak[r][g] = ag[r][g] = aq[r][g] = au[r][g] = hn::Zero(d);
+    bkl[r] = hn::Set(d, kPull ? p.k_pull[i] : T(0));
+    ba[r] = hn::Set(d, kPull ? p.a[i] : T(0));
+    bkp[r] = hn::Set(d, kPush ? p.k_push[i] : T(0));
+    bsq[r] = hn::Set(d, kPush ? p.sq[i] : T(0));
+  }
+  T* const ds = p.ds + i0 * vd;
+  const T* const spl = kPull ? p.sd_pull + i0 * vd : nullptr;
+  const T* const sph = kPush ? p.sd_push + i0 * vd : nullptr;
   std::size_t j = 0;
-  for (; j + kLanes <= vd; j += kLanes) {
-    for (std::size_t g = 0; g < groups; ++g) {
+  for (; j + L <= vd; j += L) {
+    for (std::size_t g = 0; g < G; ++g) {
       const std::size_t c = j + g * n;
       const V vdu = kPull ? hn::LoadU(d, p.du + c) : hn::Zero(d);
       const V vbu = kPush ? hn::LoadU(d, p.bu + c) : hn::Zero(d);
@@ -473,74 +524,81 @@ HWY_INLINE void step_rows(const StepArgs<T>& p, std::size_t i0, T* sdu, T* dg, T
       const V vu = kPush ? hn::LoadU(d, p.u + c) : hn::Zero(d);
       V vz = kPush ? hn::LoadU(d, p.z + c) : hn::Zero(d);
       for (std::size_t r = 0; r < R; ++r) {
-        const std::size_t e = (i0 + r) * vd + c;
-        V x = hn::LoadU(d, p.ds + e);
+        const std::size_t e = r * vd + c;
+        V x = hn::LoadU(d, ds + e);
         if constexpr (kPull) {
-          const std::size_t i = i0 + r;
-          const V s = hn::LoadU(d, p.sd_pull + e);
+          const V s = hn::LoadU(d, spl + e);
           ak[r][g] = hn::Add(ak[r][g], hn::Mul(s, vdu));
-          x = hn::Sub(x, hn::Mul(hn::Set(d, p.k_pull[i]), vdu));
+          x = hn::Sub(x, hn::Mul(bkl[r], vdu));
           ag[r][g] = hn::Add(ag[r][g], hn::Mul(s, x));
-          x = hn::Mul(hn::Set(d, p.a[i]), x);
+          x = hn::Mul(ba[r], x);
         }
         if constexpr (kPush) {
-          const std::size_t i = i0 + r;
-          const V vki = hn::Set(d, p.k_push[i]);
-          const V s = hn::Add(hn::LoadU(d, p.sd_push + e), hn::Mul(vki, vbu));
+          const V s = hn::Add(hn::LoadU(d, sph + e), hn::Mul(bkp[r], vbu));
           aq[r][g] = hn::Add(aq[r][g], hn::Mul(s, vdo));
-          x = hn::Add(x, hn::Mul(hn::Set(d, p.sq[i]), vdo));
+          x = hn::Add(x, hn::Mul(bsq[r], vdo));
           au[r][g] = hn::Add(au[r][g], hn::Mul(x, vu));
-          vz = hn::Add(vz, hn::Mul(vki, x));
+          vz = hn::Add(vz, hn::Mul(bkp[r], x));
         }
-        hn::StoreU(x, d, p.ds + e);
+        hn::StoreU(x, d, ds + e);
       }
       if constexpr (kPush) hn::StoreU(vz, d, p.z + c);
     }
   }
   for (std::size_t r = 0; r < R; ++r) {
-    const std::size_t i = i0 + r;
-    T lk[kLanes], lg[kLanes], lq[kLanes], lu[kLanes];
-    for (std::size_t g = 0; g < groups; ++g) {
-      hn::StoreU(ak[r][g], d, lk + g * n);
-      hn::StoreU(ag[r][g], d, lg + g * n);
-      hn::StoreU(aq[r][g], d, lq + g * n);
-      hn::StoreU(au[r][g], d, lu + g * n);
-    }
-    T* dr = p.ds + i * vd;
-    for (std::size_t jj = j, l = 0; jj < vd; ++jj, ++l) {
-      T x = dr[jj];
-      if constexpr (kPull) {
-        const T sv = p.sd_pull[i * vd + jj];
-        lk[l] += sv * p.du[jj];
-        x = x - p.k_pull[i] * p.du[jj];
-        lg[l] += sv * x;
-        x = p.a[i] * x;
+    if (j < vd) {
+      // A partial group: element j + l adds into partial sum l.
+      const std::size_t i = i0 + r;
+      HWY_ALIGN T lk[L], lg[L], lq[L], lu[L];
+      for (std::size_t g = 0; g < G; ++g) {
+        hn::Store(ak[r][g], d, lk + g * n);
+        hn::Store(ag[r][g], d, lg + g * n);
+        hn::Store(aq[r][g], d, lq + g * n);
+        hn::Store(au[r][g], d, lu + g * n);
       }
-      if constexpr (kPush) {
-        const T sv = p.sd_push[i * vd + jj] + p.k_push[i] * p.bu[jj];
-        lq[l] += sv * p.d_o[jj];
-        x = x + p.sq[i] * p.d_o[jj];
-        lu[l] += x * p.u[jj];
-        p.z[jj] += p.k_push[i] * x;
+      T* dr = p.ds + i * vd;
+      for (std::size_t jj = j, l = 0; jj < vd; ++jj, ++l) {
+        T x = dr[jj];
+        if constexpr (kPull) {
+          const T sv = p.sd_pull[i * vd + jj];
+          lk[l] += sv * p.du[jj];
+          x = x - p.k_pull[i] * p.du[jj];
+          lg[l] += sv * x;
+          x = p.a[i] * x;
+        }
+        if constexpr (kPush) {
+          const T sv = p.sd_push[i * vd + jj] + p.k_push[i] * p.bu[jj];
+          lq[l] += sv * p.d_o[jj];
+          x = x + p.sq[i] * p.d_o[jj];
+          lu[l] += x * p.u[jj];
+          p.z[jj] += p.k_push[i] * x;
+        }
+        dr[jj] = x;
       }
-      dr[jj] = x;
+      for (std::size_t g = 0; g < G; ++g) {
+        ak[r][g] = hn::Load(d, lk + g * n);
+        ag[r][g] = hn::Load(d, lg + g * n);
+        aq[r][g] = hn::Load(d, lq + g * n);
+        au[r][g] = hn::Load(d, lu + g * n);
+      }
     }
     if constexpr (kPull) {
-      sdu[r] = lane_sum(lk);
-      dg[r] = lane_sum(lg);
+      sdu[r] = tree_sum(d, ak[r]);
+      dg[r] = tree_sum(d, ag[r]);
     }
     if constexpr (kPush) {
-      sdo[r] = lane_sum(lq);
-      dsu[r] = lane_sum(lu);
+      sdo[r] = tree_sum(d, aq[r]);
+      dsu[r] = tree_sum(d, au[r]);
     }
   }
 }
 
-// Rows per step_rows call.
+// Rows per step_rows call: the rows' accumulators and broadcasts stay in
+// registers (AVX-512 has 32 vector registers, the others 16).
 #if HWY_TARGET <= HWY_AVX3
 constexpr std::size_t kStepRows = 2;
 #else
-constexpr std::size_t kStepRows = 2;
+constexpr std::size_t kStepRows = 1;
 #endif
 
 template <bool kPull, bool kPush, class T>
@@ -599,13 +657,13 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
   ws.checkpoints.resize(blocks * kv);
   ws.decayed.resize(std::min(interval, tokens) * kv);
   ws.us.resize(std::min(interval, tokens) * vd);
-  ws.vecs.assign(3 * vd + 6 * kd, T(0));
+  ws.decays.resize(std::min(interval, tokens) * kd);
+  ws.vecs.assign(3 * vd + 5 * kd, T(0));
   ws.dstate.resize(kv);
   T* bu = ws.vecs.data();
   T* z = bu + vd;
   T* du = z + vd;
-  T* a = du + vd;
-  T* sq = a + kd;
+  T* sq = du + vd;
   // Per-row results of a step: (S'_t du)_i, dg_i, S_{t-1}[i,:]·do, (dS u_{t-1})_i.
   T* r_sdu = sq + kd;
   T* r_dg = r_sdu + kd;
@@ -624,6 +682,7 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
     SweepOut<T> so;
     so.decayed = ws.decayed.data();
     so.us = ws.us.data();
+    so.decays = ws.decays.data();
     sweep(h, c * interval, std::min(tokens, (c + 1) * interval), kd, vd, ckpt + c * kv, so,
           ws.sweep);
   };
@@ -634,7 +693,6 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
   StepArgs<T> args{};
   args.ds = ds;
   args.vd = vd;
-  args.a = a;
   args.du = du;
   args.bu = bu;
   args.z = z;
@@ -673,7 +731,7 @@ void backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, s
       du[j] = beta * z[j];
       dv[j] = du[j];
     }
-    decays(h.g_at(t), a, kd);
+    args.a = ws.decays.data() + (t % interval) * kd;  // exp(g_t), from the recompute
     args.sd_pull = slot(t);
     args.k_pull = h.k_at(t);
   };
