@@ -87,18 +87,22 @@ class PipelinedExchange final : public CommExchange {
     // copied whole (the first rank's result stays the zero state).
     constexpr auto kWhole = Buffer::Init::uninitialized;
     State result = make_state(shape, has_prev ? kWhole : Buffer::Init::zero);
+    // One segment is the whole row-major state: receive straight into the
+    // result (then c = 1 costs what p2p costs, no extra copy).
+    const bool single = segs.size() == 1;
     State recv_buf, send_buf;
-    if (has_prev) recv_buf = make_state(shape, kWhole);
+    if (has_prev && !single) recv_buf = make_state(shape, kWhole);
+    const State& recv_into = single ? result : recv_buf;
     if (has_next) send_buf = make_state(shape, kWhole);
     // All receives up front: segments arrive in order, each completes as
     // soon as the previous rank sent it.
     std::vector<std::unique_ptr<Request>> recvs, sends;
     if (has_prev)
       for (const auto& [col, width] : segs)
-        recvs.push_back(comm_->irecv(block_bytes(block(recv_buf, shape, col, width)), prev, tag));
+        recvs.push_back(comm_->irecv(block_bytes(block(recv_into, shape, col, width)), prev, tag));
     for (std::size_t j = 0; j < segs.size(); ++j) {
       const auto [col, width] = segs[j];
-      const StateView in = has_prev ? block(recv_buf, shape, col, width) : StateView{};
+      const StateView in = has_prev ? block(recv_into, shape, col, width) : StateView{};
       if (has_prev) recvs[j]->wait();
       if (has_next) {
         const StateView out = block(send_buf, shape, col, width);
@@ -111,7 +115,7 @@ class PipelinedExchange final : public CommExchange {
         }
         sends.push_back(comm_->isend(block_bytes(out), next, tag));
       }
-      if (has_prev) copy_view(in, columns(result.view(), col, width));
+      if (has_prev && !single) copy_view(in, columns(result.view(), col, width));
     }
     for (auto& s : sends) s->wait();
     stats_ = meter.finish(result);
