@@ -368,8 +368,8 @@ void add_exchange_command(CLI::App& app) {
   auto cfg = std::make_shared<Config>();
   CLI::App* cmd = app.add_subcommand(
       "exchange",
-      "run one protocol's forward + backward on P ranks and check it against the FP64 chain "
-      "and the p2p chain");
+      "run one protocol's forward + backward on P ranks (default: auto, the cost model's "
+      "choice) and check it against the FP64 chain and, when exact, the p2p chain bit for bit");
   add_backend_flags(*cmd, cfg->backend);
   add_exchange_flags(*cmd, cfg->exchange);
   auto* ob = cmd->add_option("--batch,-B", cfg->batch, "batch size B")->check(CLI::PositiveNumber)->capture_default_str();
