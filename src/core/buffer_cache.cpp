@@ -51,7 +51,6 @@ void unpoison(void* p, std::size_t n) {
 
 class Cache {
  public:
-  ~Cache() { release(); }
 
   void* allocate(std::size_t bytes) {
     const std::size_t cls = size_class(bytes);
@@ -133,9 +132,12 @@ class Cache {
   bool limit_set_ = false;
 };
 
+// Never destroyed: a Buffer that outlives static destruction (a global of
+// the application's) must still find the cache. Its idle blocks stay
+// reachable until exit.
 Cache& cache() {
-  static Cache c;
-  return c;
+  static Cache* c = new Cache;
+  return *c;
 }
 
 }  // namespace
