@@ -13,26 +13,19 @@
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/mpi.hpp"
+#include "kda_helpers.hpp"
 
 namespace kdacp::kda {
 namespace {
 
+using test::alloc;
+using test::rel;
 template <class T>
-struct Outputs {
-  std::vector<T> o, dq, dk, dv, dg, dbeta;
-  std::vector<const std::vector<T>*> all() const { return {&o, &dq, &dk, &dv, &dg, &dbeta}; }
-};
+using Outputs = test::LayerResult<T>;
 
 template <class T>
-Outputs<T> alloc(const Shape& s) {
-  Outputs<T> r;
-  r.o.resize(s.v_elems());
-  r.dq.resize(s.qk_elems());
-  r.dk.resize(s.qk_elems());
-  r.dv.resize(s.v_elems());
-  r.dg.resize(s.g_elems());
-  r.dbeta.resize(s.beta_elems());
-  return r;
+std::vector<const std::vector<T>*> fields(const Outputs<T>& r) {
+  return {&r.o, &r.dq, &r.dk, &r.dv, &r.dg, &r.dbeta};
 }
 
 // One device's outputs, cut to this rank's tokens.
@@ -55,16 +48,6 @@ Outputs<T> single_slice(const LayerData<T>& d, const std::vector<T>& d_o, TokenS
   slice_tokens(full.dg.data(), s.batch, s.tokens, s.value_heads * s.key_dim, range, part.dg.data());
   slice_tokens(full.dbeta.data(), s.batch, s.tokens, s.value_heads, range, part.dbeta.data());
   return part;
-}
-
-template <class T>
-double rel(const std::vector<T>& a, const std::vector<T>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
-    den += double(b[i]) * double(b[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 template <class T>
@@ -101,7 +84,7 @@ void check(double tol) {
       layer.backward(in, saved, ldo.data(),
                      Grads<T>{got.dq.data(), got.dk.data(), got.dv.data(), got.dg.data(), got.dbeta.data(),
                               nullptr});
-      const auto g = got.all(), e = want.all();
+      const auto g = fields(got), e = fields(want);
       const char* names[] = {"o", "dq", "dk", "dv", "dg", "dbeta"};
       for (std::size_t i = 0; i < g.size(); ++i) EXPECT_LT(rel(*g[i], *e[i]), tol) << names[i];
       if (!ex->exact()) continue;
@@ -110,7 +93,7 @@ void check(double tol) {
         have_chain = true;
         continue;
       }
-      const auto c = chain.all();
+      const auto c = fields(chain);
       for (std::size_t i = 0; i < g.size(); ++i)
         EXPECT_EQ(std::memcmp(g[i]->data(), c[i]->data(), g[i]->size() * sizeof(T)), 0)
             << names[i] << " differs bitwise from p2p";
