@@ -3,6 +3,8 @@
 // turns it off.
 #include <gtest/gtest.h>
 
+#include <cstddef>
+
 #include "kdacp/memory.hpp"
 #include "kdacp/tensor.hpp"
 
@@ -11,36 +13,36 @@ namespace {
 
 TEST(BufferCache, ReusesFreedLargeBlocksWithinTheLimit) {
   set_buffer_cache_limit(64 << 20);
-  const std::size_t floats = (3 << 20) / sizeof(float);  // 3 MiB
-  float* first = nullptr;
+  const std::size_t bytes = std::size_t{3} << 20;
+  std::byte* first = nullptr;
   {
-    Buffer b(floats, Buffer::Init::uninitialized);
+    Buffer b(bytes, Buffer::Init::uninitialized);
     first = b.data();
-    b.data()[floats - 1] = 1.0f;
+    b.data()[bytes - 1] = std::byte{1};
   }
   const BufferCacheStats after_free = buffer_cache_stats();
   EXPECT_GE(after_free.cached_bytes, std::size_t{3} << 20);
   EXPECT_LE(after_free.cached_bytes, after_free.limit_bytes);
   {
     // The same size class: served from the cache, and zeroed when asked.
-    Buffer b(floats, Buffer::Init::zero);
+    Buffer b(bytes, Buffer::Init::zero);
     EXPECT_EQ(b.data(), first);
-    EXPECT_EQ(b.data()[floats - 1], 0.0f);
+    EXPECT_EQ(b.data()[bytes - 1], std::byte{0});
   }
   const BufferCacheStats again = buffer_cache_stats();
   EXPECT_EQ(again.hits, after_free.hits + 1);
   // Small buffers bypass the cache.
-  { Buffer small(16); }
+  { Buffer small(64); }
   EXPECT_EQ(buffer_cache_stats().hits, again.hits);
   EXPECT_EQ(buffer_cache_stats().misses, again.misses);
 
   // Limit 0: nothing is kept.
   set_buffer_cache_limit(0);
-  { Buffer b(floats); }
+  { Buffer b(bytes); }
   EXPECT_EQ(buffer_cache_stats().cached_bytes, 0u);
   // A limit smaller than a block: that block goes back to the system.
   set_buffer_cache_limit(1 << 20);
-  { Buffer b(floats); }
+  { Buffer b(bytes); }
   EXPECT_EQ(buffer_cache_stats().cached_bytes, 0u);
   set_buffer_cache_limit(std::size_t{1} << 30);
   release_buffer_cache();

@@ -22,9 +22,9 @@ template <class T>
 LayerResult<T> single_rank(const LayerData<T>& d, const std::vector<T>& d_o) {
   LayerResult<T> r = alloc<T>(d.shape);
   const auto in = d.inputs(default_scale<T>(d.shape.key_dim));
-  forward(in, nullptr, r.o.data(), nullptr, 1);
+  forward(in, nullptr, r.o.data(), nullptr);
   backward(in, nullptr, d_o.data(), nullptr,
-           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), r.d_incoming0.data()}, 1);
+           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), r.d_incoming0.data()});
   return r;
 }
 
@@ -41,8 +41,7 @@ LayerResult<T> context_parallel(const LayerData<T>& d, const std::vector<T>& d_o
     std::vector<T> ldo(ls.v_elems());
     slice_tokens(d_o.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, ldo.data());
     auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    auto ex = make_state_exchange(mesh, method, width);
-    ContextParallelLayer<T> layer(*ex, 1);
+    ContextParallelLayer<T> layer(mesh, method, width);
     const auto in = local.inputs(default_scale<T>(s.key_dim));
     LayerResult<T> lr = alloc<T>(ls);
     const Saved saved = layer.forward(in, lr.o.data());
@@ -71,17 +70,18 @@ struct Method {
   bool exact;
 };
 
-// Every concrete protocol of the factory (p2p first), every proper width.
+// Every concrete protocol of the registry (p2p first), every proper width
+// (w = 1 and w = P build the chain and the allgather themselves).
 std::vector<Method> methods_for(std::size_t p) {
   std::vector<Method> out;
-  for (const MethodInfo& m : exchange_method_info()) {
-    if (m.chooser) continue;
-    if (!m.takes_group_size) {
-      out.push_back({m.name, 1, m.exact});
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser()) continue;
+    if (!row->takes_group_size) {
+      out.push_back({std::string(row->name), 1, row->exact()});
       continue;
     }
     for (std::size_t w = 2; w < p; ++w)
-      if (p % w == 0) out.push_back({m.name, static_cast<long long>(w), m.exact});
+      if (p % w == 0) out.push_back({std::string(row->name), static_cast<long long>(w), row->exact()});
   }
   return out;
 }

@@ -1,42 +1,36 @@
-// The KDA kernels are compiled once per SIMD target and chosen at run time
-// (src/kda/kda_math.cpp). Results must not depend on that choice: this forces
-// each target the CPU supports and compares o, the final state, the summary,
-// G and every gradient bitwise against the first target's.
-//
-// Highway's target mock lives in libhwy, which the library links privately,
-// so the test binary does not link it; the functions are looked up in the
-// already loaded libhwy instead. Without them (a static libhwy) the test is
-// skipped.
-#include <dlfcn.h>
-#include <gtest/gtest.h>
-#include <hwy/targets.h>
+// The KDA kernels are compiled once per SIMD target (src/kda/kda_math.cpp).
+// Results must not depend on the target: for every compiled target the CPU
+// supports, Highway's test macros run every entry point on that target's
+// kernels (recurrent-inl.h, reverse-inl.h, compiled here per target) and
+// compare o, the final state, the summary, G and every gradient bitwise with
+// the baseline target's and with the library's own choice.
+#include "kernels/hwy_targets.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "test_kda_dispatch.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+#include <hwy/tests/test_util-inl.h>
+
+#include "kda/recurrent-inl.h"
+#include "kda/reverse-inl.h"
+
+// Shared by every target: defined once, on the first inclusion.
+#ifndef KDACP_TEST_KDA_DISPATCH_SHARED_
+#define KDACP_TEST_KDA_DISPATCH_SHARED_
 
 #include <cmath>
 #include <cstddef>
-#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
+#include "kda/kda_kernels.hpp"
 #include "kdacp/kda.hpp"
+#include "kdacp/thread_pool.hpp"
 
-namespace kdacp::kda {
-namespace {
-
-using SetTargetsFn = void (*)(std::int64_t);
-using GetTargetsFn = std::int64_t (*)();
-
-// Mangled names of hwy::SetSupportedTargetsForTest(int64_t) and
-// hwy::SupportedTargets() (int64_t is long on LP64).
-SetTargetsFn set_targets() {
-  return reinterpret_cast<SetTargetsFn>(
-      dlsym(RTLD_DEFAULT, "_ZN3hwy26SetSupportedTargetsForTestEl"));
-}
-GetTargetsFn supported_targets() {
-  return reinterpret_cast<GetTargetsFn>(dlsym(RTLD_DEFAULT, "_ZN3hwy16SupportedTargetsEv"));
-}
+namespace kdacp::kda::detail {
 
 template <class T>
 struct Case {
@@ -65,25 +59,29 @@ struct Case {
     fill(d_final, s.state_elems(), -0.5, 0.5);
   }
 
-  // Every output of every entry point, concatenated.
-  std::vector<T> run() const {
-    Inputs<T> in;
-    in.q = q.data();
-    in.k = k.data();
-    in.v = v.data();
-    in.g = g.data();
-    in.beta = beta.data();
-    in.shape = shape;
-    in.scale = default_scale<T>(shape.key_dim);
+  // Every output of every entry point, concatenated; on `kernels`, or on the
+  // library's choice when null.
+  std::vector<T> run(const Kernels<T>* kernels) const {
+    Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), shape,
+                 default_scale<T>(shape.key_dim)};
     const Shape& s = shape;
     std::vector<T> o(s.v_elems()), fin(s.state_elems()), st(s.state_elems()),
         m(s.transfer_elems()), gs(s.state_elems()), dq(s.qk_elems()), dk(s.qk_elems()),
         dv(s.v_elems()), dg(s.g_elems()), db(s.beta_elems()), di(s.state_elems());
-    forward(in, incoming.data(), o.data(), fin.data(), 2);
-    chunk_summary(in, st.data(), m.data(), 2);
-    incoming_grad(in, d_o.data(), gs.data(), 2);
-    Grads<T> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), di.data()};
-    backward(in, incoming.data(), d_o.data(), d_final.data(), grads, 2, 5);
+    ThreadPool pool(2);
+    const ExecPolicy exec{&pool};
+    const Grads<T> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), di.data()};
+    if (kernels != nullptr) {
+      forward_on(*kernels, in, incoming.data(), o.data(), fin.data(), exec);
+      chunk_summary_on(*kernels, in, st.data(), m.data(), exec);
+      incoming_grad_on(*kernels, in, d_o.data(), gs.data(), exec);
+      backward_on(*kernels, in, incoming.data(), d_o.data(), d_final.data(), grads, exec, 5);
+    } else {
+      forward(in, incoming.data(), o.data(), fin.data(), exec);
+      chunk_summary(in, st.data(), m.data(), exec);
+      incoming_grad(in, d_o.data(), gs.data(), exec);
+      backward(in, incoming.data(), d_o.data(), d_final.data(), grads, exec, 5);
+    }
     std::vector<T> all;
     for (const auto* x : {&o, &fin, &st, &m, &gs, &dq, &dk, &dv, &dg, &db, &di})
       all.insert(all.end(), x->begin(), x->end());
@@ -91,59 +89,68 @@ struct Case {
   }
 };
 
-// Restores the real target set however the test ends.
-struct TargetMock {
-  SetTargetsFn set;
-  ~TargetMock() { set(0); }
-};
+// The kernels of the baseline target (HWY_STATIC_TARGET), defined below with
+// the last, static inclusion of this file.
+template <class T>
+Kernels<T> baseline_kernels();
 
 template <class T>
-void expect_same_on_every_target(const Shape& shape) {
-  SetTargetsFn set = set_targets();
-  GetTargetsFn get = supported_targets();
-  if (set == nullptr || get == nullptr) GTEST_SKIP() << "libhwy's target mock not found";
-  TargetMock restore{set};
-  const std::int64_t targets = get() & HWY_TARGETS;
+void expect_bitwise(const std::vector<T>& got, const std::vector<T>& want, const char* target,
+                    const char* against) {
+  ASSERT_EQ(got.size(), want.size());
+  std::size_t differ = 0, first = got.size();
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0 && differ++ == 0) first = i;
+  EXPECT_EQ(differ, 0u) << target << " differs from " << against << " in " << differ << " of "
+                        << got.size() << " outputs, first at " << first;
+}
+
+}  // namespace kdacp::kda::detail
+
+#endif  // KDACP_TEST_KDA_DISPATCH_SHARED_
+
+HWY_BEFORE_NAMESPACE();
+namespace kdacp::kda::detail::HWY_NAMESPACE {
+
+template <class T>
+void ExpectSameAsBaseline(const Shape& shape) {
+  const Kernels<T> kernels{&sweep<T>, &summary_head<T>, &backward_head<T>,
+                           &incoming_grad_head<T>};
   const Case<T> c(shape);
-  std::vector<T> reference;
-  std::string reference_name;
-  int tried = 0;
-  // Lowest bit first: the best target first, down to the baseline.
-  for (std::int64_t rest = targets; rest != 0; rest &= rest - 1) {
-    const std::int64_t target = rest & -rest;
-    set(target);
-    ASSERT_EQ(get() & HWY_TARGETS, target) << "could not force " << hwy::TargetName(target);
-    std::vector<T> out = c.run();
-    ++tried;
-    if (reference.empty()) {
-      reference = std::move(out);
-      reference_name = hwy::TargetName(target);
-      continue;
-    }
-    ASSERT_EQ(out.size(), reference.size());
-    std::size_t differ = 0, first = out.size();
-    for (std::size_t i = 0; i < out.size(); ++i)
-      if (std::memcmp(&out[i], &reference[i], sizeof(T)) != 0) {
-        if (differ++ == 0) first = i;
-      }
-    EXPECT_EQ(differ, 0u) << hwy::TargetName(target) << " differs from " << reference_name
-                          << " in " << differ << " of " << out.size()
-                          << " outputs, first at " << first;
-  }
-  EXPECT_GE(tried, 1);
+  const std::vector<T> got = c.run(&kernels);
+  const Kernels<T> baseline = baseline_kernels<T>();
+  expect_bitwise(got, c.run(&baseline), hwy::TargetName(HWY_TARGET),
+                 hwy::TargetName(HWY_STATIC_TARGET));
+  expect_bitwise(got, c.run(nullptr), hwy::TargetName(HWY_TARGET), "the library's choice");
 }
 
 // K, V multiples of 8 and 16 (whole vectors) and ragged (vector tails and
 // partial lane groups); grouped value heads and B > 1.
-TEST(KdaDispatch, FloatBitwiseEqualAcrossTargets) {
-  expect_same_on_every_target<float>(Shape{1, 40, 2, 2, 32, 48});
-  expect_same_on_every_target<float>(Shape{2, 23, 1, 2, 19, 37});
+void FloatBitwiseEqualAcrossTargets() {
+  ExpectSameAsBaseline<float>(Shape{1, 40, 2, 2, 32, 48});
+  ExpectSameAsBaseline<float>(Shape{2, 23, 1, 2, 19, 37});
 }
 
-TEST(KdaDispatch, DoubleBitwiseEqualAcrossTargets) {
-  expect_same_on_every_target<double>(Shape{1, 40, 2, 2, 32, 48});
-  expect_same_on_every_target<double>(Shape{2, 23, 1, 2, 19, 37});
+void DoubleBitwiseEqualAcrossTargets() {
+  ExpectSameAsBaseline<double>(Shape{1, 40, 2, 2, 32, 48});
+  ExpectSameAsBaseline<double>(Shape{2, 23, 1, 2, 19, 37});
 }
 
-}  // namespace
-}  // namespace kdacp::kda
+}  // namespace kdacp::kda::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kdacp::kda::detail {
+
+template <class T>
+Kernels<T> baseline_kernels() {
+  return {&HWY_NAMESPACE::sweep<T>, &HWY_NAMESPACE::summary_head<T>,
+          &HWY_NAMESPACE::backward_head<T>, &HWY_NAMESPACE::incoming_grad_head<T>};
+}
+
+HWY_BEFORE_TEST(KdaDispatch);
+HWY_EXPORT_AND_TEST_P(KdaDispatch, FloatBitwiseEqualAcrossTargets);
+HWY_EXPORT_AND_TEST_P(KdaDispatch, DoubleBitwiseEqualAcrossTargets);
+
+}  // namespace kdacp::kda::detail
+#endif

@@ -13,6 +13,7 @@
 
 #include "kdacp/error.hpp"
 #include "kdacp/kda.hpp"
+#include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda {
 namespace {
@@ -83,7 +84,8 @@ struct Outputs {
 template <class T>
 Outputs<T> run_forward(const Problem<T>& p, const T* incoming, std::size_t threads = 1) {
   Outputs<T> out{std::vector<T>(p.shape.v_elems()), std::vector<T>(p.shape.state_elems())};
-  forward(p.inputs(), incoming, out.o.data(), out.final_state.data(), threads);
+  ThreadPool pool(threads);
+  forward(p.inputs(), incoming, out.o.data(), out.final_state.data(), ExecPolicy{&pool});
   return out;
 }
 
@@ -104,7 +106,8 @@ Gradients<T> run_backward(const Problem<T>& p, const T* incoming, const std::vec
                           const T* d_final, std::size_t threads = 1,
                           std::size_t interval = kDefaultCheckpointInterval) {
   Gradients<T> grads(p.shape);
-  backward(p.inputs(), incoming, d_o.data(), d_final, grads.view(), threads, interval);
+  ThreadPool pool(threads);
+  backward(p.inputs(), incoming, d_o.data(), d_final, grads.view(), ExecPolicy{&pool}, interval);
   return grads;
 }
 
@@ -174,7 +177,8 @@ void check_summary(const Shape& s, double tolerance) {
   auto h0d = uniform(s.state_elems(), -1, 1, rng);
   std::vector<T> h0(h0d.begin(), h0d.end());
   std::vector<T> state(s.state_elems()), transfer(s.transfer_elems());
-  chunk_summary(p.inputs(), state.data(), transfer.data(), 2);
+  ThreadPool pool(2);
+  chunk_summary(p.inputs(), state.data(), transfer.data(), ExecPolicy{&pool});
   auto fwd = run_forward(p, h0.data());
 
   const std::size_t kd = s.key_dim, vd = s.value_dim;
@@ -291,7 +295,8 @@ void check_incoming_grad(const Shape& s, double tolerance) {
   std::vector<T> h0(h0d.begin(), h0d.end()), d_o(dod.begin(), dod.end());
   auto grads = run_backward(p, h0.data(), d_o, static_cast<const T*>(nullptr), 3, 7);
   std::vector<T> g(s.state_elems());
-  incoming_grad(p.inputs(), d_o.data(), g.data(), 3);
+  ThreadPool pool(3);
+  incoming_grad(p.inputs(), d_o.data(), g.data(), ExecPolicy{&pool});
   EXPECT_LE(rel_error(g, grads.d_incoming), tolerance);
 }
 
@@ -327,8 +332,8 @@ TEST(KdaMath, FloatAgreesWithDouble) {
 
   std::vector<float> sf(s.state_elems()), mf(s.transfer_elems());
   std::vector<double> sd(s.state_elems()), md(s.transfer_elems());
-  chunk_summary(pf.inputs(), sf.data(), mf.data(), 1);
-  chunk_summary(pd.inputs(), sd.data(), md.data(), 1);
+  chunk_summary(pf.inputs(), sf.data(), mf.data());
+  chunk_summary(pd.inputs(), sd.data(), md.data());
   EXPECT_LE(rel_error(sf, sd), 2e-5);
   EXPECT_LE(rel_error(mf, md), 2e-5);
 }
@@ -359,7 +364,7 @@ TEST(KdaMath, SingleTokenHasClosedForm) {
   const Shape s = shape_of(1, 1, 1, 1, 4, 3);
   auto p = make_problem(s, 13);
   std::vector<double> state(s.state_elems()), transfer(s.transfer_elems());
-  chunk_summary(p.inputs(), state.data(), transfer.data(), 1);
+  chunk_summary(p.inputs(), state.data(), transfer.data());
   auto out = run_forward(p, static_cast<const double*>(nullptr));
   double qk = 0;
   for (std::size_t i = 0; i < 4; ++i) qk += p.q[i] * p.k[i];
@@ -397,7 +402,7 @@ TEST(KdaMath, BadArgumentsThrow) {
   std::vector<double> o(good.v_elems()), st(good.state_elems()), m(good.transfer_elems());
   Gradients<double> grads(good);
   auto run_all = [&](const Inputs<double>& in) {
-    forward(in, nullptr, o.data(), st.data(), 1);
+    forward(in, nullptr, o.data(), st.data());
   };
 
   const std::pair<std::size_t Shape::*, const char*> fields[] = {
@@ -412,11 +417,11 @@ TEST(KdaMath, BadArgumentsThrow) {
   }
   auto in = p.inputs();
   in.shape.value_heads = 3;
-  expect_invalid([&] { chunk_summary(in, st.data(), m.data(), 1); }, "multiple of heads");
+  expect_invalid([&] { chunk_summary(in, st.data(), m.data()); }, "multiple of heads");
 
   in = p.inputs();
   in.g = nullptr;
-  expect_invalid([&] { incoming_grad(in, o.data(), st.data(), 1); }, "g is null");
+  expect_invalid([&] { incoming_grad(in, o.data(), st.data()); }, "g is null");
   in = p.inputs();
   in.scale = std::nan("");
   expect_invalid([&] { run_all(in); }, "scale");
@@ -425,15 +430,15 @@ TEST(KdaMath, BadArgumentsThrow) {
   expect_invalid([&] { run_all(in); }, "scale");
 
   in = p.inputs();
-  expect_invalid([&] { forward(in, nullptr, nullptr, st.data(), 1); }, "o is null");
-  expect_invalid([&] { chunk_summary(in, st.data(), nullptr, 1); }, "transfer is null");
+  expect_invalid([&] { forward(in, nullptr, nullptr, st.data()); }, "o is null");
+  expect_invalid([&] { chunk_summary(in, st.data(), nullptr); }, "transfer is null");
   expect_invalid(
-      [&] { backward(in, nullptr, o.data(), nullptr, grads.view(), 1, 0); },
+      [&] { backward(in, nullptr, o.data(), nullptr, grads.view(), {}, 0); },
       "checkpoint_interval");
   auto no_dg = grads.view();
   no_dg.dg = nullptr;
-  expect_invalid([&] { backward(in, nullptr, o.data(), nullptr, no_dg, 1); }, "dg is null");
-  expect_invalid([&] { backward(in, nullptr, nullptr, nullptr, grads.view(), 1); },
+  expect_invalid([&] { backward(in, nullptr, o.data(), nullptr, no_dg); }, "dg is null");
+  expect_invalid([&] { backward(in, nullptr, nullptr, nullptr, grads.view()); },
                  "d_o is null");
 }
 

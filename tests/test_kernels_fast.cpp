@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "kdacp/bench.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/memory.hpp"
-#include "kdacp/synthetic.hpp"
+#include "kdacp/testing/bench.hpp"
+#include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp {

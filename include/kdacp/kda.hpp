@@ -12,14 +12,18 @@
 //
 // Every function is instantiated for float and double and accumulates in T
 // (FP32 for the float path). Work is split over the B·HV (batch, value head)
-// pairs; each pair is computed by one thread with the same code, so results are
-// bitwise independent of `threads` (0 and 1 both mean the calling thread).
+// pairs on `exec.pool` (none: the calling thread); each pair is computed by
+// one thread with the same code, so results are bitwise independent of the
+// pool's size. The kernels are chosen once per process for the CPU and agree
+// bit for bit on every instruction set, so `exec.kernel` does not apply.
 // Outputs must not overlap inputs. Bad shapes or a non-finite scale throw
 // InvalidArgument before anything is written.
 #pragma once
 
 #include <cstddef>
 #include <type_traits>
+
+#include "kdacp/kernels.hpp"
 
 namespace kdacp::kda {
 
@@ -70,13 +74,14 @@ struct Inputs {
 // the left, so that forward(h).final == M·h + state for every incoming h.
 // O(T·K·(K+V)) per value head.
 template <class T>
-void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer, std::size_t threads);
+void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
+                   const ExecPolicy& exec = {});
 
 // Runs the recurrence from `incoming` [B,HV,K,V] (nullptr: the zero state),
 // writing o [B,T,HV,V] and, when `final_state` is not null, S_T [B,HV,K,V].
 template <class T>
 void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
-             std::size_t threads);
+             const ExecPolicy& exec = {});
 
 // Gradients of a loss L(o, S_T), in the layouts of the matching inputs.
 // Every pointer is required except d_incoming (skipped when null).
@@ -102,7 +107,7 @@ inline constexpr std::size_t kDefaultCheckpointInterval = 64;
 // trades memory for nothing else: results are bitwise the same for every value.
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
-              const Elem<T>* d_final, const Grads<Elem<T>>& grads, std::size_t threads,
+              const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec = {},
               std::size_t checkpoint_interval = kDefaultCheckpointInterval);
 
 // G = ∂L/∂S_0 [B,HV,K,V] for a loss on this chunk's outputs alone (d_final = 0),
@@ -113,6 +118,6 @@ void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
 // d_final = nullptr up to rounding.
 template <class T>
 void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
-                   std::size_t threads);
+                   const ExecPolicy& exec = {});
 
 }  // namespace kdacp::kda

@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "kdacp/exchange.hpp"
@@ -45,8 +47,14 @@ struct PhaseTimes {
 template <class T>
 class ContextParallelLayer {
  public:
-  // `exchange` must outlive the layer; `threads` is the intra-rank count.
-  ContextParallelLayer(StateExchange& exchange, std::size_t threads);
+  // Builds the layer's exchange with make_state_exchange(mesh, method,
+  // allgather_group_size, options), collective over the mesh as that is, and
+  // hands it `exec` in place of options.exec: one policy (one pool) runs this
+  // rank's KDA math and its exchange. exec.pool, when set, must outlive the
+  // layer and is used by one call at a time.
+  ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
+                       long long allgather_group_size = 1, ExchangeOptions options = {},
+                       const ExecPolicy& exec = {});
 
   // in: this rank's chunk, dense [B,T_r,...]; writes o [B,T_r,HV,V].
   Saved forward(const Inputs<T>& in, Elem<T>* o);
@@ -57,10 +65,11 @@ class ContextParallelLayer {
 
   const PhaseTimes& forward_times() const { return fwd_; }
   const PhaseTimes& backward_times() const { return bwd_; }
+  const StateExchange& exchange() const { return *exchange_; }
 
  private:
-  StateExchange& exchange_;
-  std::size_t threads_;
+  std::unique_ptr<StateExchange> exchange_;
+  ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;
 };
 
@@ -73,20 +82,5 @@ struct LayerData {
   // This rank's tokens as a dense chunk.
   LayerData slice(TokenSplit range) const;
 };
-
-// Random but well-conditioned inputs (deterministic in seed): k L2-normalised
-// per token and head, g = log(a) with a in [0.9, 1) so g <= 0, beta in
-// [0.1, 0.9]; q uniform in [-1, 1).
-template <class T>
-LayerData<T> synthetic_layer(const Shape& shape, std::uint64_t seed);
-// A uniform [-1,1) tensor of n elements (for d_o).
-template <class T>
-std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed);
-
-// Flops of the recurrence as this implementation runs it on `shape`. The
-// context-parallel layer adds the summary (forward) and the G pass (backward)
-// to what one device runs.
-double forward_flops(const Shape& shape, bool context_parallel);
-double backward_flops(const Shape& shape, bool context_parallel);
 
 }  // namespace kdacp::kda

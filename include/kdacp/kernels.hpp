@@ -26,6 +26,9 @@ std::string to_string(KernelKind kind);
 // Name of the instruction set the SIMD kernel dispatches to on this host.
 std::string simd_target_name();
 
+// How a call runs: over (b,h) slabs on `pool` (the caller's, used by one call
+// at a time), with the `kernel` fold step. The KDA math (kda.hpp), the layer
+// (kda_cp.hpp) and the exchange (ExchangeOptions::exec) all take it.
 struct ExecPolicy {
   ThreadPool* pool = nullptr;  // nullptr: the calling thread only
   KernelKind kernel = KernelKind::best;

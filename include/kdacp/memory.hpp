@@ -15,7 +15,6 @@ class MemoryScope {
   MemoryScope& operator=(const MemoryScope&) = delete;
 
   std::size_t peak() const { return peak_; }
-  std::size_t live() const { return live_; }
 
   // Called by Buffer; no-ops when no scope is open on this thread.
   static void on_alloc(std::size_t bytes) noexcept;
@@ -48,11 +47,5 @@ BufferCacheStats buffer_cache_stats();
 void set_buffer_cache_limit(std::size_t bytes);
 // Returns every idle block to the system.
 void release_buffer_cache();
-
-namespace detail {
-// Buffer's allocator: 64-byte aligned, `bytes` rounded as the cache needs.
-void* buffer_allocate(std::size_t bytes);
-void buffer_deallocate(void* ptr, std::size_t bytes) noexcept;
-}  // namespace detail
 
 }  // namespace kdacp

@@ -1,5 +1,5 @@
 // Non-owning strided views for summaries and states, and an owning,
-// 64-byte-aligned buffer. Deliberately tiny: no tensor library dependency.
+// 64-byte-aligned byte buffer. Deliberately tiny: no tensor library dependency.
 //
 // Layouts (SPEC §2): per-rank state/summary [B,H,rows,cols] and rank-stacked
 // [P,B,H,rows,cols]. Strides are in elements. The column stride must be 1 and
@@ -14,7 +14,8 @@
 
 namespace kdacp {
 
-enum class DType : std::uint8_t { f32, f64, f16, bf16 };
+// float32 is the exchange's production type, float64 the verification path.
+enum class DType : std::uint8_t { f32, f64 };
 std::string to_string(DType dtype);
 std::size_t dtype_size(DType dtype);
 
@@ -34,9 +35,9 @@ struct StateView {
   std::size_t batch = 0, heads = 0, rows = 0, cols = 0;
   std::size_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 1;
 
-  // Dense row-major view of float data.
-  static StateView dense(float* data, std::size_t batch, std::size_t heads, std::size_t rows,
-                         std::size_t cols);
+  // Dense row-major view of `dtype` elements at `data`.
+  static StateView dense(void* data, std::size_t batch, std::size_t heads, std::size_t rows,
+                         std::size_t cols, DType dtype = DType::f32);
   std::size_t slabs() const { return batch * heads; }
   // Start of the (b,h) matrix; T must match dtype (float for f32).
   template <class T = float>
@@ -67,29 +68,34 @@ struct StackView {
   }
 };
 
-// Owning, 64-byte-aligned float storage, zero-initialised unless asked not to. Allocation is
-// reported to the calling thread's MemoryTracker (see memory.hpp) so that
-// protocols can measure their peak extra bytes.
+// Owning, 64-byte-aligned raw storage of `bytes` bytes, zero-filled unless
+// asked not to. Allocation is reported to the calling thread's MemoryScope
+// (see memory.hpp) so that protocols can measure their peak extra bytes.
 class Buffer {
  public:
   // Storage a caller overwrites completely need not be zeroed first.
   enum class Init { zero, uninitialized };
   Buffer() = default;
-  explicit Buffer(std::size_t count, Init init = Init::zero);
+  explicit Buffer(std::size_t bytes, Init init = Init::zero);
   Buffer(Buffer&&) noexcept;
   Buffer& operator=(Buffer&&) noexcept;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
 
-  float* data() const { return data_; }
-  std::size_t size() const { return size_; }
-  std::size_t bytes() const { return size_ * sizeof(float); }
+  std::byte* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+  // The storage as an array of T (float or double): the caller sized it in
+  // elements of T, and the 64-byte alignment suits either.
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(static_cast<void*>(data_));
+  }
 
  private:
   void release() noexcept;
-  float* data_ = nullptr;
-  std::size_t size_ = 0;
+  std::byte* data_ = nullptr;
+  std::size_t bytes_ = 0;
 };
 
 // A dense, zero-initialised [B,H,rows,cols] tensor of float32 (the exchange's
@@ -102,9 +108,10 @@ class State {
         DType dtype = DType::f32, Buffer::Init init = Buffer::Init::zero);
 
   StateView view() const;
+  // T must match dtype (float for f32, double for f64).
   template <class T = float>
   T* data() const {
-    return reinterpret_cast<T*>(buf_.data());
+    return buf_.as<T>();
   }
   DType dtype() const { return dtype_; }
   // Elements (not floats) and bytes.

@@ -1,7 +1,10 @@
-// A small fixed-size worker pool for intra-rank parallelism over (b,h) slabs.
-// parallel_for splits [0, n) into contiguous ranges, one per worker, so work
-// assignment is deterministic; results never depend on the thread count
-// because every index is computed by exactly one thread with the same code.
+// A small fixed-size worker pool for intra-rank parallelism over (b,h) slabs:
+// the one execution model of kdacp. The caller creates it and passes it in an
+// ExecPolicy (kernels.hpp) to the KDA math, the layer and the exchange;
+// nothing in kdacp starts threads per call. parallel_ranges splits [0, n)
+// into contiguous ranges, one per worker, so work assignment is
+// deterministic; results never depend on the thread count because every
+// index is computed by exactly one thread with the same code.
 #pragma once
 
 #include <cstddef>
@@ -36,7 +39,6 @@ class ThreadPool {
 };
 
 // Runs fn over [0, n) on `pool` when given and worth it, else inline.
-void parallel_for(ThreadPool* pool, std::size_t n, const std::function<void(std::size_t)>& fn);
 void parallel_ranges(ThreadPool* pool, std::size_t n,
                      const std::function<void(std::size_t, std::size_t, std::size_t)>& fn);
 // Upper bound (exclusive) of the `part` values parallel_ranges passes for n items.

@@ -5,6 +5,7 @@
 #include <new>
 #include <string>
 
+#include "core/buffer_allocator.hpp"
 #include "kdacp/memory.hpp"
 
 #if defined(__has_feature)

@@ -5,6 +5,7 @@
 #include <new>
 #include <utility>
 
+#include "core/buffer_allocator.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/memory.hpp"
 
@@ -14,8 +15,6 @@ std::string to_string(DType dtype) {
   switch (dtype) {
     case DType::f32: return "float32";
     case DType::f64: return "float64";
-    case DType::f16: return "float16";
-    case DType::bf16: return "bfloat16";
   }
   return "unknown";
 }
@@ -24,10 +23,9 @@ std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::f32: return 4;
     case DType::f64: return 8;
-    case DType::f16:
-    case DType::bf16: return 2;
   }
-  return 0;
+  throw InvalidArgument("dtype " + std::to_string(static_cast<int>(dtype)) +
+                        ", expected float32 or float64");
 }
 
 std::string to_string(Device device) {
@@ -37,10 +35,11 @@ std::string to_string(Device device) {
   return std::string(kind) + ":" + std::to_string(device.index);
 }
 
-StateView StateView::dense(float* data, std::size_t batch, std::size_t heads, std::size_t rows,
-                           std::size_t cols) {
+StateView StateView::dense(void* data, std::size_t batch, std::size_t heads, std::size_t rows,
+                           std::size_t cols, DType dtype) {
   StateView v;
   v.data = data;
+  v.dtype = dtype;
   v.batch = batch;
   v.heads = heads;
   v.rows = rows;
@@ -53,29 +52,27 @@ StateView StateView::dense(float* data, std::size_t batch, std::size_t heads, st
 
 namespace {
 constexpr std::size_t kAlign = 64;
-std::size_t allocated_bytes(std::size_t floats) {
-  return (floats * sizeof(float) + kAlign - 1) / kAlign * kAlign;
-}
+std::size_t allocated_bytes(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-Buffer::Buffer(std::size_t count, Init init) : size_(count) {
-  if (count == 0) return;
-  data_ = static_cast<float*>(detail::buffer_allocate(allocated_bytes(count)));
-  if (init == Init::zero) std::memset(data_, 0, count * sizeof(float));
+Buffer::Buffer(std::size_t bytes, Init init) : bytes_(bytes) {
+  if (bytes == 0) return;
+  data_ = static_cast<std::byte*>(detail::buffer_allocate(allocated_bytes(bytes)));
+  if (init == Init::zero) std::memset(data_, 0, bytes);
 #if defined(KDACP_FILL_UNINITIALIZED)
-  if (init == Init::uninitialized) std::memset(data_, 0xff, count * sizeof(float));  // NaN
+  if (init == Init::uninitialized) std::memset(data_, 0xff, bytes);  // NaN
 #endif
-  MemoryScope::on_alloc(size_ * sizeof(float));
+  MemoryScope::on_alloc(bytes_);
 }
 
 Buffer::Buffer(Buffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
     release();
     data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
+    bytes_ = std::exchange(other.bytes_, 0);
   }
   return *this;
 }
@@ -84,23 +81,15 @@ Buffer::~Buffer() { release(); }
 
 void Buffer::release() noexcept {
   if (data_ == nullptr) return;
-  detail::buffer_deallocate(data_, allocated_bytes(size_));
-  MemoryScope::on_free(size_ * sizeof(float));
+  detail::buffer_deallocate(data_, allocated_bytes(bytes_));
+  MemoryScope::on_free(bytes_);
   data_ = nullptr;
-  size_ = 0;
+  bytes_ = 0;
 }
-
-namespace {
-std::size_t floats_for(std::size_t elements, DType dtype) {
-  if (dtype != DType::f32 && dtype != DType::f64)
-    throw InvalidArgument("State dtype " + to_string(dtype) + ", expected float32 or float64");
-  return elements * (dtype_size(dtype) / sizeof(float));
-}
-}  // namespace
 
 State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t cols, DType dtype,
              Buffer::Init init)
-    : buf_(floats_for(batch * heads * rows * cols, dtype), init),
+    : buf_(batch * heads * rows * cols * dtype_size(dtype), init),
       batch_(batch),
       heads_(heads),
       rows_(rows),
@@ -108,9 +97,7 @@ State::State(std::size_t batch, std::size_t heads, std::size_t rows, std::size_t
       dtype_(dtype) {}
 
 StateView State::view() const {
-  StateView v = StateView::dense(buf_.data(), batch_, heads_, rows_, cols_);
-  v.dtype = dtype_;
-  return v;
+  return StateView::dense(buf_.data(), batch_, heads_, rows_, cols_, dtype_);
 }
 
 }  // namespace kdacp

@@ -99,14 +99,6 @@ std::size_t ThreadPool::default_threads(std::size_t ranks_per_process) {
   return std::max<std::size_t>(hw / std::max<std::size_t>(ranks_per_process, 1), 1);
 }
 
-void parallel_for(ThreadPool* pool, std::size_t n, const std::function<void(std::size_t)>& fn) {
-  if (pool == nullptr) {
-    for (std::size_t i = 0; i < n; ++i) fn(i);
-  } else {
-    pool->parallel_for(n, fn);
-  }
-}
-
 void parallel_ranges(ThreadPool* pool, std::size_t n,
                      const std::function<void(std::size_t, std::size_t, std::size_t)>& fn) {
   if (pool == nullptr) {

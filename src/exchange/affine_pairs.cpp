@@ -16,8 +16,8 @@ void apply_slabs(Step step, const StateView& m, const StateView& x, const StateV
                  const StateView& c, bool transpose, const ExecPolicy& policy) {
   const std::size_t k = m.rows, cols = c.cols;
   // A zero offset for products: one shared read-only slab.
-  Buffer zero(s ? 0 : k * cols * sizeof(T) / sizeof(float));
-  const T* z = reinterpret_cast<const T*>(zero.data());
+  Buffer zero(s ? 0 : k * cols * sizeof(T));
+  const T* z = zero.as<T>();
   parallel_ranges(policy.pool, c.slabs(), [&](std::size_t begin, std::size_t end, std::size_t) {
     for (std::size_t slab = begin; slab < end; ++slab) {
       step(m.slab<T>(slab), m.row_stride, x.slab<T>(slab), x.row_stride,
@@ -32,10 +32,9 @@ void apply_slabs(Step step, const StateView& m, const StateView& x, const StateV
 void apply_step(const StateView& m, const StateView& x, const StateView* s, const StateView& c,
                 bool transpose, const ExecPolicy& policy) {
   if (c.dtype == DType::f64) {
-    apply_slabs<double>(step_scalar_f64, m, x, s, c, transpose, policy);
+    apply_slabs<double>(step_kernel<double>(policy.kernel), m, x, s, c, transpose, policy);
   } else {
-    apply_slabs<float>(policy.kernel == KernelKind::scalar ? step_scalar : step_simd, m, x, s, c,
-                       transpose, policy);
+    apply_slabs<float>(step_kernel<float>(policy.kernel), m, x, s, c, transpose, policy);
   }
 }
 
@@ -54,7 +53,7 @@ PairBuffer::PairBuffer(const SummaryShape& shape)
     : shape_(shape),
       // Every part is written before it is read.
       buf_((shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
-               dtype_size(shape.dtype) / sizeof(float),
+               dtype_size(shape.dtype),
            Buffer::Init::uninitialized) {}
 
 StateView PairBuffer::offset() const {

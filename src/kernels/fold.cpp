@@ -30,10 +30,6 @@ std::string simd_target_name() { return detail::simd_target(); }
 
 namespace {
 
-detail::StepFn pick(KernelKind kind) {
-  return kind == KernelKind::scalar ? detail::step_scalar : detail::step_simd;
-}
-
 template <class T>
 void copy_slab(const T* src, std::size_t lds, T* dst, std::size_t ldd, std::size_t rows,
                std::size_t cols) {
@@ -44,19 +40,6 @@ template <class T>
 void zero_slab(T* dst, std::size_t ldd, std::size_t rows, std::size_t cols) {
   for (std::size_t i = 0; i < rows; ++i) std::memset(dst + i * ldd, 0, cols * sizeof(T));
 }
-
-// The step for each element type: float uses the chosen kernel; double (the
-// verification path) the scalar kernel with the same operation order.
-template <class T>
-struct StepFor;
-template <>
-struct StepFor<float> {
-  static detail::StepFn get(KernelKind kind) { return pick(kind); }
-};
-template <>
-struct StepFor<double> {
-  static detail::StepFnF64 get(KernelKind) { return detail::step_scalar_f64; }
-};
 
 void check_out(const StateView& out, const SummaryShape& shape, const std::string& field) {
   validate_view(out, field, 0);
@@ -80,7 +63,7 @@ void scan_impl(const Slots& slots, std::size_t first, std::size_t count, Directi
   const bool fwd = direction == Direction::forward;
   const std::size_t k = shape.key_dim, v = shape.value_dim;
   const bool consume = (static_cast<unsigned>(flags) & static_cast<unsigned>(FoldFlags::consume_offsets)) != 0;
-  const auto step = StepFor<T>::get(policy.kernel);
+  const detail::StepFn<T> step = detail::step_kernel<T>(policy.kernel);
   const std::size_t slabs = shape.slabs();
   // Ping-pong partner of `out` per participant, only when the offsets may not
   // be overwritten: computed steps alternate so that the last lands in out.
@@ -89,10 +72,10 @@ void scan_impl(const Slots& slots, std::size_t first, std::size_t count, Directi
   const std::size_t computed_steps = incoming ? count : (count > 0 ? count - 1 : 0);
   const bool need_scratch = !consume && computed_steps >= 2;
   const std::size_t parts = participants(policy.pool, slabs);
-  Buffer scratch(need_scratch ? parts * k * v * sizeof(T) / sizeof(float) : 0);
+  Buffer scratch(need_scratch ? parts * k * v * sizeof(T) : 0);
 
   parallel_ranges(policy.pool, slabs, [&](std::size_t begin, std::size_t end, std::size_t part) {
-    T* tmp = need_scratch ? reinterpret_cast<T*>(scratch.data()) + part * k * v : nullptr;
+    T* tmp = need_scratch ? scratch.as<T>() + part * k * v : nullptr;
     for (std::size_t slab = begin; slab < end; ++slab) {
       const T* x = incoming ? incoming->slab<T>(slab) : nullptr;
       std::size_t ldx = incoming ? incoming->row_stride : 0;
@@ -148,7 +131,8 @@ void scan_impl(const Slots& slots, std::size_t first, std::size_t count, Directi
 void affine_step(const float* m, std::size_t ldm, const float* x, std::size_t ldx, const float* s,
                  std::size_t lds, float* c, std::size_t ldc, std::size_t k, std::size_t v,
                  Direction direction, KernelKind kernel) {
-  pick(kernel)(m, ldm, x, ldx, s, lds, c, ldc, k, v, direction == Direction::backward);
+  detail::step_kernel<float>(kernel)(m, ldm, x, ldx, s, lds, c, ldc, k, v,
+                                     direction == Direction::backward);
 }
 
 void scan(const Slots& slots, std::size_t first, std::size_t count, Direction direction,
