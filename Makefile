@@ -1,6 +1,6 @@
 # Entry points. `make run` and `make test` work on a fresh Debian machine:
 # they install the Debian packages kdacp needs, build, and run.
-.PHONY: deps build build-sanitize run test test-release test-sanitize clean
+.PHONY: deps build build-sanitize build-tsan run test test-release test-sanitize test-tsan clean
 
 JOBS ?= $(shell nproc)
 
@@ -15,6 +15,10 @@ build-sanitize: deps
 	cmake --preset sanitize
 	cmake --build --preset sanitize -j $(JOBS)
 
+build-tsan: deps
+	cmake --preset tsan
+	cmake --build --preset tsan -j $(JOBS)
+
 # The main job on in-process ranks.
 run: build
 	./build/release/tools/kdacp run
@@ -25,9 +29,20 @@ test-release: build
 test-sanitize: build-sanitize
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --preset sanitize
 
-# Every test: the release build (g++) and the in-process suite under
-# AddressSanitizer + UndefinedBehaviorSanitizer (clang).
-test: test-release test-sanitize
+# The whole in-process suite (kdacp_tests, ctest label "inprocess") under
+# ThreadSanitizer: every rank is a thread, so this is where races show. It
+# builds and runs only kdacp_tests. Excluded: the CLI, interop and bench
+# tests, which drive the same library code through the kdacp executable (the
+# bench and calibrate ones measure time, which TSan stretches 5-15x), the
+# installed-package check, and the MPI tests (one rank per process, no MPI in
+# this build). TSAN_OPTIONS comes from the test preset.
+test-tsan: build-tsan
+	ctest --preset tsan
+
+# Every test: the release build (g++), then the in-process suite under
+# AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer
+# (clang).
+test: test-release test-sanitize test-tsan
 
 clean:
 	rm -rf build

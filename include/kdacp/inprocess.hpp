@@ -38,10 +38,10 @@ class InProcessWorld {
   // exception (by rank order of the root cause) is rethrown here.
   void run(const std::function<void(const std::shared_ptr<Communicator>&)>& fn);
 
-  struct State;
-
  private:
-  std::shared_ptr<State> state_;
+  // The world's shared state; communicators keep it alive past the world.
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // Convenience: a fresh world of `size` ranks running fn on each.
