@@ -52,7 +52,8 @@ TEST(CostModel, PredictionsFollowTheFormulas) {
   EXPECT_LE(piped.seconds, chain.seconds);
   EXPECT_GE(piped.config.segments, 1u);
   EXPECT_LE(piped.config.segments, 8u);
-  EXPECT_EQ(piped.config.segments, best_segments(c, s));
+  EXPECT_EQ(piped.config.segments, best_segments(c, s, "pipelined_p2p"));
+  EXPECT_EQ(best_segments(c, s, "p2p"), 0u);
   // The chain is linear in P, recursive doubling logarithmic.
   s.ranks = 512;
   const double half = predict(c, s, {"p2p", 1, 0}).seconds;

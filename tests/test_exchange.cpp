@@ -38,69 +38,6 @@ Results run_protocol(const World& w, const std::string& method, long long width,
   return res;
 }
 
-// The float chain, serially, with the library's step kernel.
-std::vector<State> serial_fold(const World& w, Direction dir) {
-  const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
-  std::vector<State> out;
-  for (std::size_t r = 0; r < p; ++r) out.emplace_back(w.shape.batch, w.shape.heads, k, v);
-  const bool fwd = dir == Direction::forward;
-  for (std::size_t step = 1; step < p; ++step) {
-    const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
-    const State& off = fwd ? w.s[from] : w.g[from];
-    for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab) {
-      if (step == 1) {
-        std::memcpy(out[to].data() + slab * k * v, off.data() + slab * k * v, k * v * 4);
-      } else {
-        affine_step(w.m[from].data() + slab * k * k, k, out[from].data() + slab * k * v, v,
-                    off.data() + slab * k * v, v, out[to].data() + slab * k * v, v, k, v, dir);
-      }
-    }
-  }
-  return out;
-}
-
-struct MatrixCase {
-  std::size_t p, w;
-};
-
-class ProtocolMatrix : public ::testing::TestWithParam<MatrixCase> {};
-
-TEST_P(ProtocolMatrix, EveryProtocolBitwiseEqualsChainAndFoldWithinFp64Bound) {
-  const auto [p, width] = GetParam();
-  const SummaryShape shape{2, 2, 32, 48};  // K != V, B·H > 1
-  World w(p, shape, 1000 + p * 10 + width);
-  const auto chain = run_protocol(w, "p2p", 1);
-  const auto fold_f = serial_fold(w, Direction::forward);
-  const auto fold_b = serial_fold(w, Direction::backward);
-  const auto ref_f = w.reference(Direction::forward);
-  const auto ref_b = w.reference(Direction::backward);
-  const std::vector<std::pair<std::string, long long>> protocols = {
-      {"p2p", 1}, {"allgather", 1}, {"grouped_allgather_p2p", static_cast<long long>(width)}};
-  for (const auto& [method, gw] : protocols) {
-    const auto res = run_protocol(w, method, gw);
-    for (std::size_t r = 0; r < p; ++r) {
-      SCOPED_TRACE(::testing::Message() << method << " rank " << r);
-      EXPECT_TRUE(test::bitwise_equal(res.fwd[r], chain.fwd[r]));
-      EXPECT_TRUE(test::bitwise_equal(res.bwd[r], chain.bwd[r]));
-      EXPECT_TRUE(test::bitwise_equal(res.fwd[r], fold_f[r]));
-      EXPECT_TRUE(test::bitwise_equal(res.bwd[r], fold_b[r]));
-      EXPECT_LT(reference::compare(res.fwd[r].data(), ref_f[r]).rel_fro, 1e-6);
-      EXPECT_LT(reference::compare(res.bwd[r].data(), ref_b[r]).rel_fro, 1e-6);
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Sizes, ProtocolMatrix,
-                         ::testing::Values(MatrixCase{1, 1}, MatrixCase{2, 2}, MatrixCase{3, 3},
-                                           MatrixCase{4, 4}, MatrixCase{4, 2}, MatrixCase{6, 2},
-                                           MatrixCase{6, 3}, MatrixCase{8, 2}, MatrixCase{8, 4},
-                                           MatrixCase{16, 4}),
-                         [](const auto& info) {
-                           std::ostringstream name;
-                           name << "P" << info.param.p << "_w" << info.param.w;
-                           return name.str();
-                         });
-
 TEST(Exchange, ThreadCountDoesNotChangeBits) {
   World w(4, SummaryShape{2, 3, 32, 32}, 5);
   for (const std::string method : {"allgather", "grouped_allgather_p2p"}) {

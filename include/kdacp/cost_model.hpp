@@ -1,8 +1,9 @@
-// The α-β-γ cost model of the state exchange protocols (issue 6).
+// The α-β-γ cost model of the state exchange protocols.
 //
 // A message of n bytes costs α + β·n, a fold step of one K×V state per (b,h)
-// costs 2·K·K·V flops at γ GFLOP/s. Each protocol's critical path is written
-// in those terms (docs/protocols.md derives them); peak memory is the bytes a
+// costs 2·K·K·V flops at γ GFLOP/s. Each protocol states its critical path in
+// those terms in its registry row (protocol.hpp; docs/protocols.md derives
+// them); peak memory is the bytes a
 // rank holds beyond its inputs and its returned state, the quantity
 // ExchangeStats::peak_extra_bytes measures. The model is deterministic: every
 // rank given the same parameters and shape makes the same choice, which is
@@ -70,22 +71,24 @@ struct Prediction {
   std::size_t peak_extra_bytes = 0; // the largest over ranks
 };
 
-// Column segments of pipelined_p2p: c column blocks whose widths are
-// multiples of 16, so at most V/16.
+// Column segments of a protocol that takes segments: c column blocks whose
+// widths are multiples of 16, so at most V/16.
 std::size_t max_segments(std::size_t value_dim);
-// The model's c for pipelined_p2p, in [1, V/16].
-std::size_t best_segments(const CostParams& params, const ProblemShape& shape);
+// The model's c for `method` in [1, V/16]; 0 for a method without segments.
+std::size_t best_segments(const CostParams& params, const ProblemShape& shape,
+                          const std::string& method);
 
-// Predicts one configuration. pipelined_p2p with segments 0 uses
-// best_segments. Throws InvalidArgument for an unknown method, a group size
-// that does not divide P, or more segments than V/16.
+// Predicts one configuration. Segments 0 on a row that takes segments uses
+// best_segments; knobs a row does not take are reset (group size 1, segments
+// 0). Throws InvalidArgument for an unknown method or the chooser, a group
+// size that does not divide P, or more segments than V/16.
 Prediction predict(const CostParams& params, const ProblemShape& shape,
                    const ProtocolConfig& config);
 
-// Every configuration the model weighs, in documentation order: p2p,
-// pipelined_p2p (model's c), allgather, grouped_allgather_p2p for every
-// divisor 1 < w < P, then (with include_reassociating) recursive_doubling and
-// grouped_allgather_rd for every such w.
+// Every configuration the model weighs, in registry order (protocol.hpp):
+// each exact row (with include_reassociating also each reassociating row),
+// rows with a group size once per divisor 1 < w < P (w = 1 and w = P are the
+// chain and the allgather), rows with segments at the model's c.
 std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape& shape,
                                     bool include_reassociating);
 

@@ -16,10 +16,15 @@
 #include "kdacp/cost_model.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/mesh.hpp"
+#include "kdacp/protocol.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
 
 namespace kdacp {
+
+namespace detail {
+struct ExchangeAccess;
+}
 
 // Measurements of the last call on this executor (metadata, not tensors).
 struct ExchangeStats {
@@ -51,48 +56,71 @@ struct ExchangeOptions {
 class StateExchange {
  public:
   virtual ~StateExchange() = default;
-  virtual State forward(const StateView& s, const StateView& m) = 0;
-  virtual State backward(const StateView& g, const StateView& m) = 0;
+  StateExchange(const StateExchange&) = delete;
+  StateExchange& operator=(const StateExchange&) = delete;
 
-  virtual std::string method() const = 0;
+  // Validates the summary (summary.hpp) before any message, runs the
+  // protocol's step and records last_stats(). Not virtual: a protocol writes
+  // only its communication and folds (run()).
+  State forward(const StateView& s, const StateView& m);
+  State backward(const StateView& g, const StateView& m);
+
+  // The registry row of the protocol that runs (for auto: the chosen one).
+  const ProtocolDescriptor& descriptor() const { return *descriptor_; }
+  std::string method() const { return std::string(descriptor_->name); }
   // True when the protocol performs exactly the chain's operations (SPEC §5).
-  virtual bool exact() const = 0;
+  bool exact() const { return descriptor_->exact(); }
+  // The group size and segment count in force (segments 0: chosen per call).
+  const ProtocolConfig& config() const { return config_; }
   // For auto: the chosen configuration and its predicted time and memory;
   // empty for an explicitly named method.
-  virtual std::optional<Prediction> prediction() const { return std::nullopt; }
+  const std::optional<Prediction>& prediction() const { return prediction_; }
   std::size_t rank() const { return rank_; }
   std::size_t size() const { return size_; }
   const ExchangeStats& last_stats() const { return stats_; }
 
  protected:
-  StateExchange(std::size_t rank, std::size_t size) : rank_(rank), size_(size) {}
+  // What run() is asked: this rank's offset (S forward, G backward) and M,
+  // already validated, with their shape.
+  struct Call {
+    const StateView& offset;
+    const StateView& transfer;
+    SummaryShape shape;
+    Direction direction;
+    int tag;  // message tag of this direction
+  };
+
+  StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
+  // Returns this rank's result; every message it sends goes through
+  // communicators(), whose traffic the call's stats count.
+  virtual State run(const Call& call) = 0;
+  virtual std::vector<const Communicator*> communicators() const = 0;
+
+  const ExchangeOptions& options() const { return options_; }
   std::size_t rank_;
   std::size_t size_;
+
+ private:
+  friend struct detail::ExchangeAccess;  // the chooser attaches its prediction
+  State call(const StateView& offset, const StateView& m, Direction direction);
+
+  const ProtocolDescriptor* descriptor_;
+  ProtocolConfig config_;
+  ExchangeOptions options_;
+  std::optional<Prediction> prediction_;
   ExchangeStats stats_;
 };
 
-// Methods the factory knows, in the order they are documented (auto last).
+// Methods the factory knows: the registry's names in documentation order
+// (auto last). protocol.hpp has the rows themselves.
 std::vector<std::string> exchange_methods();
 
-// What the factory table says about each method.
-struct MethodInfo {
-  std::string name;
-  bool exact = true;              // the chain's operations: bitwise equal to p2p
-  bool takes_group_size = false;  // accepts allgather_group_size != 1
-  bool takes_segments = false;    // accepts ExchangeOptions::segments != 0
-  bool chooser = false;           // auto: builds one of the other methods
-};
-std::vector<MethodInfo> exchange_method_info();
-
-// The concrete protocols: every method except the chooser (auto).
-std::vector<std::string> exchange_protocols();
-
 // Builds the executor for `method` over the 1-D chronological CP mesh (SPEC
-// §6 Factory): unknown method, non-positive group size, group size != 1 for a
-// method other than grouped_allgather_p2p / grouped_allgather_rd, or a width
-// not dividing P throw InvalidArgument. grouped with w = 1 is the chain
-// (grouped_allgather_rd: recursive_doubling), with w = P the allgather.
-// Segments other than 0 are only valid for pipelined_p2p and auto.
+// §6 Factory): an unknown method, a non-positive group size, a group size != 1
+// for a row that takes none, or a width not dividing P throw InvalidArgument.
+// grouped with w = 1 is the chain (grouped_allgather_rd: recursive_doubling),
+// with w = P the allgather. Segments other than 0 are only valid for rows that
+// take segments.
 // "auto" needs options.expected_shape and picks with choose_protocol();
 // method() then names the chosen protocol and prediction() reports it.
 // Collective over the mesh's root when the grouped protocol splits the mesh.

@@ -55,6 +55,16 @@ void compose(const StateView& outer_offset, const StateView& outer_transfer,
 // Returns the offset of the composition of all earlier pairs, i.e. the
 // position's incoming state (zeros for the first position). Collective over
 // `comm`; `tag` separates it from other traffic.
+// The documented bound of a recursive-doubling scan over P positions: the
+// relative Frobenius error against the FP64 chain is at most
+// (ceil(log2 P) + 2) · K · 2^-24 for transfers of spectral norm <= 1
+// (docs/protocols.md derives it; the protocol tests hold every P to it).
+inline double reassociation_bound(std::size_t ranks, std::size_t key_dim) {
+  std::size_t rounds = 0;
+  while ((std::size_t{1} << rounds) < ranks) ++rounds;
+  return static_cast<double>(rounds + 2) * static_cast<double>(key_dim) * 0x1p-24;
+}
+
 State rd_exclusive_scan(Communicator& comm, const StateView& own_offset,
                         const StateView& own_transfer, const SummaryShape& shape,
                         Direction direction, const ExecPolicy& policy, int tag);

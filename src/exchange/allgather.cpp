@@ -3,37 +3,52 @@
 // One collective; P packed slots per rank; the fold consumes the gathered
 // offsets in place, so no scratch beyond the gather buffer.
 #include "exchange/common.hpp"
-#include "exchange/protocols.hpp"
+#include "exchange/cost_terms.hpp"
 
 namespace kdacp::detail {
 namespace {
 
 class AllGatherExchange final : public CommExchange {
  public:
-  using CommExchange::CommExchange;
-
-  std::string method() const override { return "allgather"; }
-  bool exact() const override { return true; }
+  explicit AllGatherExchange(const ProtocolContext& ctx) : CommExchange(ctx, allgather_protocol) {}
 
  private:
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
-    const SummaryShape shape = validate_summary(offset, m, name, rank_);
-    CallMeter meter({comm_.get()});
-    PackedSlots gathered(shape, size_);
-    gathered.pack(rank_, offset, m);
+  State run(const Call& c) override {
+    PackedSlots gathered(c.shape, size_);
+    gathered.pack(rank_, c.offset, c.transfer);
     comm_->all_gather(gathered.bytes());
-    State result = make_state(shape);
-    merge(gathered.slots(), rank_, dir, result.view(), options_.exec, FoldFlags::consume_offsets);
-    stats_ = meter.finish(result);
+    State result = make_state(c.shape);
+    merge(gathered.slots(), rank_, c.direction, result.view(), options().exec,
+          FoldFlags::consume_offsets);
     return result;
   }
-
 };
+
+CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
+  CostTerms t;
+  // The gather crosses the network: its terms count as network terms.
+  if (s.ranks > 1) {
+    t.messages = dbl(ceil_log2(s.ranks));
+    t.bytes = dbl(s.ranks - 1) * dbl(packed_bytes(s));
+  }
+  // The last rank folds P-1 slots (the first a copy); rank r folds r-1.
+  t.folds = chain_folds(s.ranks);
+  t.work_folds = s.ranks >= 3 ? dbl(s.ranks - 1) * dbl(s.ranks - 2) / 2 : 0;
+  t.peak_extra_bytes = s.ranks * packed_bytes(s);
+  return t;
+}
 
 }  // namespace
 
-std::unique_ptr<StateExchange> make_allgather(const ProtocolContext& ctx) {
-  return std::make_unique<AllGatherExchange>(ctx.mesh->group(0), ctx.options);
-}
+const ProtocolDescriptor allgather_protocol{
+    .name = "allgather",
+    .kind = ProtocolClass::exact,
+    .memory = "P packed slots",
+    .use_when = "small P on fast links with memory to spare",
+    .cost = allgather_cost,
+    .build = [](const ProtocolContext& ctx) -> std::unique_ptr<StateExchange> {
+      return std::make_unique<AllGatherExchange>(ctx);
+    },
+};
 
 }  // namespace kdacp::detail

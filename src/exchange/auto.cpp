@@ -1,46 +1,17 @@
-// auto: the cost model's choice (choose_protocol) behind the same interface.
-// The choice is made at construction, identically on every rank (same
-// parameters, same expected shape, deterministic model), because the grouped
-// protocols split the mesh collectively there. The executor then is the
-// chosen protocol; this wrapper only adds the prediction.
+// auto: the cost model's choice (choose_protocol). The choice is made at
+// construction, identically on every rank (same parameters, same expected
+// shape, deterministic model), because the grouped protocols split the mesh
+// collectively there. The executor returned is the chosen protocol's own,
+// carrying the prediction.
 #include <sstream>
 
-#include "exchange/protocols.hpp"
+#include "exchange/common.hpp"
 #include "kdacp/error.hpp"
 
 namespace kdacp::detail {
 namespace {
 
-class AutoExchange final : public StateExchange {
- public:
-  AutoExchange(std::unique_ptr<StateExchange> chosen, Prediction prediction)
-      : StateExchange(chosen->rank(), chosen->size()),
-        chosen_(std::move(chosen)),
-        prediction_(std::move(prediction)) {}
-
-  std::string method() const override { return chosen_->method(); }
-  bool exact() const override { return chosen_->exact(); }
-  std::optional<Prediction> prediction() const override { return prediction_; }
-
-  State forward(const StateView& s, const StateView& m) override {
-    State out = chosen_->forward(s, m);
-    stats_ = chosen_->last_stats();
-    return out;
-  }
-  State backward(const StateView& g, const StateView& m) override {
-    State out = chosen_->backward(g, m);
-    stats_ = chosen_->last_stats();
-    return out;
-  }
-
- private:
-  std::unique_ptr<StateExchange> chosen_;
-  Prediction prediction_;
-};
-
-}  // namespace
-
-std::unique_ptr<StateExchange> make_auto(const ProtocolContext& ctx) {
+std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
   const ExchangeOptions& o = ctx.options;
   if (!o.expected_shape) {
     throw InvalidArgument("rank " + std::to_string(ctx.rank) +
@@ -56,17 +27,31 @@ std::unique_ptr<StateExchange> make_auto(const ProtocolContext& ctx) {
   }
   ProblemShape shape{ctx.size, s.slabs(), s.key_dim, s.value_dim, dtype_size(s.dtype)};
   Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation);
+  const ProtocolDescriptor& row = find_protocol(choice.config.method);
   // An explicit segment count overrides the model's (the prediction follows it).
-  if (choice.config.method == "pipelined_p2p" && o.segments != 0) {
+  if (row.takes_segments && o.segments != 0) {
     ProtocolConfig forced = choice.config;
     forced.segments = o.segments;
     choice = predict(o.cost, shape, forced);
   }
-  ExchangeOptions inner = o;
-  inner.segments = choice.config.segments;
-  auto chosen = make_state_exchange(*ctx.mesh, choice.config.method,
-                                    static_cast<long long>(choice.config.group_size), inner);
-  return std::make_unique<AutoExchange>(std::move(chosen), std::move(choice));
+  ProtocolContext inner = ctx;
+  inner.group_size = choice.config.group_size;
+  inner.options.segments = choice.config.segments;
+  auto chosen = row.build(inner);
+  ExchangeAccess::set_prediction(*chosen, std::move(choice));
+  return chosen;
 }
+
+}  // namespace
+
+const ProtocolDescriptor auto_protocol{
+    .name = "auto",
+    .kind = ProtocolClass::chooser,
+    .takes_segments = true,
+    .memory = "within --memory-budget",
+    .use_when = "always, unless you know better: the fastest exact one (or any, with "
+                "--allow-reassociation)",
+    .build = build_auto,
+};
 
 }  // namespace kdacp::detail

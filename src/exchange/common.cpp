@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "kdacp/error.hpp"
 
@@ -11,7 +12,7 @@ PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
     : shape_(shape),
       count_(count),
       // Every slot is packed or gathered before it is read.
-      buf_(count * shape.packed_elems() * dtype_size(shape.dtype) / sizeof(float),
+      buf_(count * shape.packed_elems() * dtype_size(shape.dtype),
            Buffer::Init::uninitialized) {}
 
 void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer) {
@@ -92,7 +93,7 @@ State dense_copy(const StateView& view) {
   return out;
 }
 
-CallMeter::CallMeter(std::initializer_list<const Communicator*> comms) : comms_(comms) {
+CallMeter::CallMeter(std::vector<const Communicator*> comms) : comms_(std::move(comms)) {
   for (const Communicator* c : comms_) before_.push_back(c ? c->stats() : CommStats{});
 }
 

@@ -6,9 +6,11 @@
 #include <memory>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
+#include "exchange/protocols.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/memory.hpp"
 #include "kdacp/summary.hpp"
@@ -20,32 +22,14 @@ namespace kdacp::detail {
 inline constexpr int kTagForward = 11;
 inline constexpr int kTagBackward = 12;
 
-// Forward and backward both run one routine, told the direction and the
-// offset's name ("S" or "G"): the shape of every protocol here.
-class DirectedExchange : public StateExchange {
- public:
-  State forward(const StateView& s, const StateView& m) final {
-    return run(s, m, "S", Direction::forward);
-  }
-  State backward(const StateView& g, const StateView& m) final {
-    return run(g, m, "G", Direction::backward);
-  }
-
+// The protocols over one communicator, the CP group itself.
+class CommExchange : public StateExchange {
  protected:
-  using StateExchange::StateExchange;
-  virtual State run(const StateView& offset, const StateView& m, const char* name, Direction dir) = 0;
-};
+  CommExchange(const ProtocolContext& ctx, const ProtocolDescriptor& descriptor)
+      : StateExchange(ctx, descriptor), comm_(ctx.mesh->group(0)) {}
+  std::vector<const Communicator*> communicators() const final { return {comm_.get()}; }
 
-// The single-communicator protocols: the CP group and the options.
-class CommExchange : public DirectedExchange {
- public:
-  // Public so that protocols can inherit it (`using`); the class is abstract.
-  CommExchange(std::shared_ptr<Communicator> comm, ExchangeOptions options)
-      : DirectedExchange(comm->rank(), comm->size()), comm_(std::move(comm)), options_(options) {}
-
- protected:
   std::shared_ptr<Communicator> comm_;
-  ExchangeOptions options_;
 };
 
 // The grouped protocols' width rule: w divides P (InvalidArgument otherwise).
@@ -76,7 +60,6 @@ Slots single_slot(const StateView& offset, const StateView& transfer);
 // Dense copy of a (possibly strided) view.
 State dense_copy(const StateView& view);
 
-// A zeroed [B,H,K,V] state of the summaries' dtype.
 // A [B,H,K,V] state of the summaries' dtype: zeroed, or (Init::uninitialized)
 // for a buffer the protocol overwrites completely (a receive, a fold's output).
 inline State make_state(const SummaryShape& s, Buffer::Init init = Buffer::Init::zero) {
@@ -87,7 +70,8 @@ inline State make_state(const SummaryShape& s, Buffer::Init init = Buffer::Init:
 // the peak of kdacp buffers allocated on this thread, less the returned state.
 class CallMeter {
  public:
-  explicit CallMeter(std::initializer_list<const Communicator*> comms);
+  // Null entries are skipped.
+  explicit CallMeter(std::vector<const Communicator*> comms);
   ExchangeStats finish(const State& result) const;
 
  private:

@@ -1,4 +1,5 @@
-// The α-β-γ model of every protocol's critical path (docs/protocols.md).
+// The α-β-γ model: prices the registry rows' cost terms (protocol.hpp) with
+// a machine's parameters, and auto's rule.
 #include "kdacp/cost_model.hpp"
 
 #include <algorithm>
@@ -10,92 +11,11 @@
 #include <nlohmann/json.hpp>
 
 #include "kdacp/error.hpp"
+#include "kdacp/protocol.hpp"
 
 namespace kdacp {
 
 namespace {
-
-std::size_t ceil_log2(std::size_t n) {
-  std::size_t r = 0;
-  while ((std::size_t{1} << r) < n) ++r;
-  return r;
-}
-
-// The quantities every formula is written in.
-struct Terms {
-  double alpha, beta, group_alpha, group_beta;
-  double n_state, n_packed;  // bytes of one [B,H,K,V] state, one packed [S|M] slot
-  double t_fold;             // one K×V step for all slabs
-  double t_mm;               // one K×K·K×K product for all slabs
-  std::size_t state_bytes, packed_bytes;
-
-  Terms(const CostParams& c, const ProblemShape& s) {
-    alpha = c.alpha_s;
-    beta = c.beta_s_per_byte;
-    group_alpha = c.group_alpha_s > 0 ? c.group_alpha_s : alpha;
-    group_beta = c.group_beta_s_per_byte > 0 ? c.group_beta_s_per_byte : beta;
-    state_bytes = s.slabs * s.key_dim * s.value_dim * s.elem_bytes;
-    packed_bytes = s.slabs * s.key_dim * (s.value_dim + s.key_dim) * s.elem_bytes;
-    n_state = static_cast<double>(state_bytes);
-    n_packed = static_cast<double>(packed_bytes);
-    const double flop_rate = c.gflops * 1e9;
-    const double kk = static_cast<double>(s.key_dim) * static_cast<double>(s.key_dim);
-    t_fold = 2 * static_cast<double>(s.slabs) * kk * static_cast<double>(s.value_dim) / flop_rate;
-    t_mm = 2 * static_cast<double>(s.slabs) * kk * static_cast<double>(s.key_dim) / flop_rate;
-  }
-  // A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes
-  // (Bruck / recursive doubling, what MPI picks for these sizes).
-  double all_gather(std::size_t m, double n, bool group) const {
-    if (m <= 1) return 0;
-    return static_cast<double>(ceil_log2(m)) * (group ? group_alpha : alpha) +
-           static_cast<double>(m - 1) * n * (group ? group_beta : beta);
-  }
-  double broadcast(std::size_t m, double n, bool group) const {
-    return static_cast<double>(ceil_log2(m)) *
-           ((group ? group_alpha : alpha) + n * (group ? group_beta : beta));
-  }
-};
-
-double dbl(std::size_t n) { return static_cast<double>(n); }
-
-// Recursive doubling over m positions: round 0 moves a packed pair and
-// computes nothing; the middle rounds compose two full pairs each (the
-// outgoing aggregate and the received prefix); the last round moves and folds
-// states only, because its receivers need no transfer any more.
-double rd_compute(const Terms& t, std::size_t m) {
-  const std::size_t rounds = ceil_log2(m);
-  double s = 0;
-  if (rounds >= 3) s += dbl(rounds - 2) * 2 * (t.t_fold + t.t_mm);
-  if (rounds >= 2) s += 2 * t.t_fold;
-  return s;
-}
-
-double rd_time(const Terms& t, std::size_t m) {
-  const std::size_t rounds = ceil_log2(m);
-  if (rounds == 0) return 0;
-  double s = dbl(rounds) * t.alpha + dbl(rounds - 1) * t.beta * t.n_packed + t.beta * t.n_state;
-  return s + rd_compute(t, m);
-}
-
-// All positions' compute of recursive_doubling over m positions (what the
-// cores must do in total; approximate: every receiver of a middle round
-// composes two pairs, every receiver of the last round folds two states, as
-// on the critical path above).
-double rd_work(const Terms& t, std::size_t m) {
-  const std::size_t rounds = ceil_log2(m);
-  double w = 0;
-  for (std::size_t k = 1; k < rounds; ++k) {
-    const double receivers = dbl(m - (std::size_t{1} << k));
-    w += receivers * (k + 1 == rounds ? 2 * t.t_fold : 2 * (t.t_fold + t.t_mm));
-  }
-  return w;
-}
-
-std::size_t rd_memory(const Terms& t, std::size_t m) {
-  if (m <= 1) return 0;
-  // The prefix, the outgoing aggregate and the receive buffer, one pair each.
-  return m == 2 ? t.packed_bytes : 3 * t.packed_bytes;
-}
 
 void check_params(const CostParams& c) {
   auto positive = [](double v, const char* key) {
@@ -126,13 +46,6 @@ void check_shape(const ProblemShape& s) {
        << " V=" << s.value_dim << ", expected every size positive";
     throw InvalidArgument(os.str());
   }
-}
-
-std::vector<std::size_t> proper_divisors(std::size_t p) {
-  std::vector<std::size_t> out;
-  for (std::size_t w = 2; w < p; ++w)
-    if (p % w == 0) out.push_back(w);
-  return out;
 }
 
 }  // namespace
@@ -198,29 +111,70 @@ std::size_t max_segments(std::size_t value_dim) { return std::max<std::size_t>(1
 
 namespace {
 
-// Pipelined chain with c segments: the first segment crosses P-1 hops and is
-// folded on P-2 of them; every further segment arrives one stage later, a
-// stage being the slowest rank's per-segment work (receive, fold, send).
-double pipelined_time(const Terms& t, std::size_t p, std::size_t c) {
-  if (p <= 1) return 0;
-  const double cd = dbl(c);
-  const double hop = t.alpha + t.beta * t.n_state / cd;
-  const double fold = t.t_fold / cd;
-  const double folds_on_path = p >= 3 ? dbl(p - 2) : 0;
-  const double stage = hop + (p >= 3 ? fold : 0);
-  return dbl(p - 1) * hop + folds_on_path * fold + (cd - 1) * stage;
+// The terms priced with the machine's parameters. `work` and `path` are the
+// compute seconds of all ranks together and of the critical path: with fewer
+// cores than ranks (concurrent_ranks < P) the cores, not the dependency
+// chain, bound the time.
+double seconds_of(const CostParams& c, const ProblemShape& s, const CostTerms& t) {
+  const double group_alpha = c.group_alpha_s > 0 ? c.group_alpha_s : c.alpha_s;
+  const double group_beta = c.group_beta_s_per_byte > 0 ? c.group_beta_s_per_byte : c.beta_s_per_byte;
+  const double flop_rate = c.gflops * 1e9;
+  const double kk = static_cast<double>(s.key_dim) * static_cast<double>(s.key_dim);
+  const double slabs = static_cast<double>(s.slabs);
+  const double t_fold = 2 * slabs * kk * static_cast<double>(s.value_dim) / flop_rate;
+  const double t_mm = 2 * slabs * kk * static_cast<double>(s.key_dim) / flop_rate;
+  const double path = t.folds * t_fold + t.products * t_mm;
+  double seconds = t.messages * c.alpha_s + t.bytes * c.beta_s_per_byte +
+                   t.group_messages * group_alpha + t.group_bytes * group_beta + path;
+  const std::size_t slots = c.concurrent_ranks;
+  if (slots > 0 && slots < s.ranks) {
+    const double work = t.work_folds * t_fold + t.work_products * t_mm;
+    seconds += std::max(0.0, work / static_cast<double>(slots) - path);
+  }
+  return seconds;
+}
+
+// The row of `config`, with its knobs checked and normalised: the group size
+// 1 and segments 0 for rows without those knobs, segments 0 resolved to the
+// model's choice.
+const ProtocolDescriptor& checked_row(const ProtocolConfig& config, const ProblemShape& shape,
+                                      ProtocolConfig& out) {
+  const ProtocolDescriptor& row = find_protocol(config.method);
+  if (row.chooser())
+    throw InvalidArgument("cost model: '" + config.method +
+                          "' chooses among the protocols (choose_protocol), it has no cost of its own");
+  out = config;
+  if (!row.takes_group_size) out.group_size = 1;
+  if (!row.takes_segments) out.segments = 0;
+  if (out.group_size == 0 || shape.ranks % out.group_size != 0) {
+    std::ostringstream os;
+    os << "cost model: group size " << out.group_size << " for " << config.method
+       << " does not divide P = " << shape.ranks << ", expected a divisor";
+    throw InvalidArgument(os.str());
+  }
+  if (out.segments > max_segments(shape.value_dim)) {
+    std::ostringstream os;
+    os << "cost model: segments " << out.segments << " for V = " << shape.value_dim
+       << ", expected at most V/16 = " << max_segments(shape.value_dim);
+    throw InvalidArgument(os.str());
+  }
+  return row;
 }
 
 }  // namespace
 
-std::size_t best_segments(const CostParams& params, const ProblemShape& shape) {
+std::size_t best_segments(const CostParams& params, const ProblemShape& shape,
+                          const std::string& method) {
   check_params(params);
   check_shape(shape);
-  const Terms t(params, shape);
+  ProtocolConfig config;
+  const ProtocolDescriptor& row = checked_row({method, 1, 0}, shape, config);
+  if (!row.takes_segments) return 0;
   std::size_t best = 1;
   double best_time = std::numeric_limits<double>::infinity();
   for (std::size_t c = 1; c <= max_segments(shape.value_dim); ++c) {
-    const double time = pipelined_time(t, shape.ranks, c);
+    config.segments = c;
+    const double time = seconds_of(params, shape, row.cost(shape, config));
     if (time < best_time) best = c, best_time = time;
   }
   return best;
@@ -230,110 +184,30 @@ Prediction predict(const CostParams& params, const ProblemShape& shape,
                    const ProtocolConfig& config) {
   check_params(params);
   check_shape(shape);
-  const Terms t(params, shape);
-  const std::size_t p = shape.ranks;
   Prediction out;
-  out.config = config;
-  const std::string& m = config.method;
-  const std::size_t w = config.group_size;
-  const bool grouped = m == "grouped_allgather_p2p" || m == "grouped_allgather_rd";
-  if (grouped && (w == 0 || p % w != 0)) {
-    std::ostringstream os;
-    os << "cost model: group size " << w << " for " << m << " does not divide P = " << p
-       << ", expected a divisor";
-    throw InvalidArgument(os.str());
-  }
-  if (!grouped) out.config.group_size = 1;
-  if (m != "pipelined_p2p") out.config.segments = 0;
-  // Each branch sets the critical path (seconds, communication and compute
-  // on it) and `work`: the fold seconds of all ranks together, which bounds
-  // the time from below when the ranks share fewer cores than there are ranks.
-  const double between = p >= 3 ? dbl(p - 2) : 0;  // folds on the chain's path
-  double work = 0, path = 0;
-  if (m == "p2p") {
-    out.seconds = p <= 1 ? 0 : dbl(p - 1) * (t.alpha + t.beta * t.n_state) + between * t.t_fold;
-    work = path = between * t.t_fold;
-    out.peak_extra_bytes = p >= 3 ? t.state_bytes : 0;
-  } else if (m == "pipelined_p2p") {
-    const std::size_t c = config.segments == 0 ? best_segments(params, shape) : config.segments;
-    if (c > max_segments(shape.value_dim)) {
-      std::ostringstream os;
-      os << "cost model: segments " << c << " for V = " << shape.value_dim
-         << ", expected at most V/16 = " << max_segments(shape.value_dim);
-      throw InvalidArgument(os.str());
-    }
-    out.config.segments = c;
-    out.seconds = pipelined_time(t, p, c);
-    work = between * t.t_fold;
-    path = (p >= 3 ? between + dbl(c - 1) : 0) * t.t_fold / dbl(c);
-    out.peak_extra_bytes = p >= 3 ? 2 * t.state_bytes : (p == 2 ? t.state_bytes : 0);
-  } else if (m == "allgather") {
-    out.seconds = t.all_gather(p, t.n_packed, false) + between * t.t_fold;
-    // Rank r folds r-1 slots.
-    work = (p >= 3 ? dbl(p - 1) * dbl(p - 2) / 2 : 0) * t.t_fold;
-    path = between * t.t_fold;
-    out.peak_extra_bytes = p * t.packed_bytes;
-  } else if (m == "grouped_allgather_p2p") {
-    const std::size_t blocks = p / w;
-    out.seconds = t.all_gather(w, t.n_packed, true) +
-                  dbl(blocks - 1) * (t.alpha + t.beta * t.n_state + dbl(w) * t.t_fold) +
-                  (blocks > 1 ? t.broadcast(w, t.n_state, true) : 0) + dbl(w - 1) * t.t_fold;
-    // Local position l of the first block folds l-1 slots, of a later block
-    // l+1 (its incoming state first); the owners of every block but the
-    // last fold their whole block.
-    for (std::size_t r = 0; r < p; ++r) {
-      const std::size_t l = r % w, b = r / w;
-      std::size_t steps = b > 0 ? l : (l >= 2 ? l - 1 : 0);
-      if (l == w - 1 && b + 1 < blocks) steps = b > 0 ? w : w - 1;
-      work += dbl(steps) * t.t_fold;
-    }
-    path = (dbl(blocks - 1) * dbl(w) + dbl(w - 1)) * t.t_fold;
-    out.peak_extra_bytes = w * t.packed_bytes + 2 * t.state_bytes;
-  } else if (m == "recursive_doubling") {
-    out.exact = false;
-    out.seconds = rd_time(t, p);
-    work = rd_work(t, p);
-    path = rd_compute(t, p);
-    out.peak_extra_bytes = rd_memory(t, p);
-  } else if (m == "grouped_allgather_rd") {
-    const std::size_t blocks = p / w;
-    out.exact = false;
-    // Owners fold their group into one pair (w-1 state folds and w-1 K×K
-    // products), scan across the blocks, broadcast; everyone folds its prefix.
-    out.seconds = t.all_gather(w, t.n_packed, true) +
-                  (blocks > 1 ? dbl(w - 1) * (t.t_fold + t.t_mm) + rd_time(t, blocks) +
-                                    t.broadcast(w, t.n_state, true)
-                              : 0) +
-                  dbl(w - 1) * t.t_fold;
-    work = (blocks > 1 ? dbl(blocks) * dbl(w - 1) * (t.t_fold + t.t_mm) + rd_work(t, blocks) : 0) +
-           dbl(p) * dbl(w - 1) / 2 * t.t_fold;
-    path = (blocks > 1 ? dbl(w - 1) * (t.t_fold + t.t_mm) + rd_compute(t, blocks) : 0) +
-           dbl(w - 1) * t.t_fold;
-    out.peak_extra_bytes = w * t.packed_bytes + (blocks > 1 ? t.packed_bytes : 0) +
-                           rd_memory(t, blocks) + t.state_bytes;
-  } else {
-    throw InvalidArgument("cost model: unknown method '" + m + "'");
-  }
-  // Shared cores: the ranks' total fold work spread over the ranks that can
-  // fold at once, when that exceeds the critical path's compute.
-  const std::size_t slots = params.concurrent_ranks;
-  if (slots > 0 && slots < p) {
-    out.seconds += std::max(0.0, work / dbl(slots) - path);
-  }
+  const ProtocolDescriptor& row = checked_row(config, shape, out.config);
+  if (row.takes_segments && out.config.segments == 0)
+    out.config.segments = best_segments(params, shape, out.config.method);
+  const CostTerms terms = row.cost(shape, out.config);
+  out.exact = row.exact();
+  out.seconds = seconds_of(params, shape, terms);
+  out.peak_extra_bytes = terms.peak_extra_bytes;
   return out;
 }
 
 std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape& shape,
                                     bool include_reassociating) {
+  check_shape(shape);
   std::vector<Prediction> out;
-  out.push_back(predict(params, shape, {"p2p", 1, 0}));
-  out.push_back(predict(params, shape, {"pipelined_p2p", 1, 0}));
-  out.push_back(predict(params, shape, {"allgather", 1, 0}));
-  const auto widths = proper_divisors(shape.ranks);
-  for (std::size_t w : widths) out.push_back(predict(params, shape, {"grouped_allgather_p2p", w, 0}));
-  if (include_reassociating) {
-    out.push_back(predict(params, shape, {"recursive_doubling", 1, 0}));
-    for (std::size_t w : widths) out.push_back(predict(params, shape, {"grouped_allgather_rd", w, 0}));
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser() || (!row->exact() && !include_reassociating)) continue;
+    if (row->takes_group_size) {
+      // w = 1 and w = P are the chain and the allgather: weighed as themselves.
+      for (std::size_t w = 2; w < shape.ranks; ++w)
+        if (shape.ranks % w == 0) out.push_back(predict(params, shape, {std::string(row->name), w, 0}));
+    } else {
+      out.push_back(predict(params, shape, {std::string(row->name), 1, 0}));
+    }
   }
   return out;
 }

@@ -5,8 +5,7 @@
 // same order as the chain, so bitwise identical to it. Memory: w slots plus
 // at most two states.
 #include "exchange/common.hpp"
-#include "kdacp/error.hpp"
-#include "exchange/protocols.hpp"
+#include "exchange/cost_terms.hpp"
 
 namespace kdacp::detail {
 
@@ -14,24 +13,27 @@ namespace {
 
 class GroupedExchange final : public StateExchange {
  public:
-  GroupedExchange(std::shared_ptr<Communicator> cp, std::shared_ptr<Communicator> intra,
-                  std::size_t rank, std::size_t size, std::size_t width, ExchangeOptions options)
-      : StateExchange(rank, size),
-        cp_(std::move(cp)),
+  GroupedExchange(const ProtocolContext& ctx, std::shared_ptr<Communicator> intra)
+      : StateExchange(ctx, grouped_allgather_p2p_protocol),
+        cp_(ctx.mesh->group(0)),
         intra_(std::move(intra)),
-        width_(width),
-        block_(rank / width),
-        local_(rank % width),
-        blocks_(size / width),
-        owner_(block_ * width + width - 1),
-        options_(options) {}
+        width_(ctx.group_size),
+        block_(rank_ / width_),
+        local_(rank_ % width_),
+        blocks_(size_ / width_),
+        owner_(block_ * width_ + width_ - 1) {}
 
-  std::string method() const override { return "grouped_allgather_p2p"; }
-  bool exact() const override { return true; }
+ private:
+  std::vector<const Communicator*> communicators() const override {
+    return {cp_.get(), intra_.get()};
+  }
 
-  State forward(const StateView& s, const StateView& m) override {
-    const SummaryShape shape = validate_summary(s, m, "S", rank_);
-    CallMeter meter({cp_.get(), intra_.get()});
+  State run(const Call& c) override {
+    return c.direction == Direction::forward ? forward_step(c.offset, c.transfer, c.shape)
+                                             : backward_step(c.offset, c.transfer, c.shape);
+  }
+
+  State forward_step(const StateView& s, const StateView& m, const SummaryShape& shape) {
     const bool is_owner = rank_ == owner_;
     const bool has_incoming = block_ > 0;
     const bool has_successor = block_ + 1 < blocks_;
@@ -57,7 +59,7 @@ class GroupedExchange final : public StateExchange {
         send = make_state(shape, Buffer::Init::uninitialized);  // the scan writes it all
         const StateView res = result.view();
         scan(gathered.slots(), 0, width_, Direction::forward, in_ptr, send.view(), local_, &res,
-             options_.exec, FoldFlags::consume_offsets);
+             options().exec, FoldFlags::consume_offsets);
         have_result = true;
         sent = cp_->isend(bytes_of(send), owner_ + width_, kTagForward);
       }
@@ -65,15 +67,12 @@ class GroupedExchange final : public StateExchange {
     if (has_incoming) intra_->broadcast(bytes_of(incoming), width_ - 1);
     if (!have_result)
       scan(gathered.slots(), 0, local_, Direction::forward, in_ptr, result.view(), std::nullopt,
-           nullptr, options_.exec, FoldFlags::consume_offsets);
+           nullptr, options().exec, FoldFlags::consume_offsets);
     if (sent) sent->wait();
-    stats_ = meter.finish(result);
     return result;
   }
 
-  State backward(const StateView& g, const StateView& m) override {
-    const SummaryShape shape = validate_summary(g, m, "G", rank_);
-    CallMeter meter({cp_.get(), intra_.get()});
+  State backward_step(const StateView& g, const StateView& m, const SummaryShape& shape) {
     const bool is_owner = rank_ == owner_;
     const bool has_incoming = block_ + 1 < blocks_;  // gradient arriving from the next block
     const bool has_predecessor = block_ > 0;
@@ -96,7 +95,7 @@ class GroupedExchange final : public StateExchange {
       if (has_predecessor) {
         send = make_state(shape, Buffer::Init::uninitialized);  // the scan writes it all
         scan(gathered.slots(), width_ - 1, width_, Direction::backward, in_ptr, send.view(),
-             std::nullopt, nullptr, options_.exec, FoldFlags::consume_offsets);
+             std::nullopt, nullptr, options().exec, FoldFlags::consume_offsets);
         sent = cp_->isend(bytes_of(send), owner_ - width_, kTagBackward);
       }
     }
@@ -104,30 +103,59 @@ class GroupedExchange final : public StateExchange {
     State result = make_state(shape);
     // The owner (local = w-1) scans nothing: its result is the block's incoming gradient.
     scan(gathered.slots(), width_ - 1, width_ - 1 - local_, Direction::backward, in_ptr,
-         result.view(), std::nullopt, nullptr, options_.exec, FoldFlags::consume_offsets);
+         result.view(), std::nullopt, nullptr, options().exec, FoldFlags::consume_offsets);
     if (sent) sent->wait();
-    stats_ = meter.finish(result);
     return result;
   }
 
- private:
   std::shared_ptr<Communicator> cp_;
   std::shared_ptr<Communicator> intra_;
   std::size_t width_, block_, local_, blocks_, owner_;
-  ExchangeOptions options_;
 };
 
-}  // namespace
+CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
+  const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
+  CostTerms t;
+  add_group_all_gather(t, w, packed_bytes(s));
+  // The owners' relay: one state per block boundary, each owner folding its
+  // whole block before it sends.
+  t.messages = dbl(blocks - 1);
+  t.bytes = dbl(blocks - 1) * dbl(state_bytes(s));
+  if (blocks > 1) add_group_broadcast(t, w, state_bytes(s));
+  t.folds = dbl(blocks - 1) * dbl(w) + dbl(w - 1);
+  // Local position l of the first block folds l-1 slots, of a later block
+  // l+1 (its incoming state first); the owners of every block but the last
+  // fold their whole block.
+  for (std::size_t r = 0; r < p; ++r) {
+    const std::size_t l = r % w, b = r / w;
+    std::size_t steps = b > 0 ? l : (l >= 2 ? l - 1 : 0);
+    if (l == w - 1 && b + 1 < blocks) steps = b > 0 ? w : w - 1;
+    t.work_folds += dbl(steps);
+  }
+  t.peak_extra_bytes = w * packed_bytes(s) + 2 * state_bytes(s);
+  return t;
+}
 
-std::unique_ptr<StateExchange> make_grouped_allgather_p2p(const ProtocolContext& ctx) {
+std::unique_ptr<StateExchange> build_grouped(const ProtocolContext& ctx) {
   const std::size_t w = ctx.group_size;
   check_group_width(ctx.rank, ctx.size, w);
   // The degenerate widths are the other two protocols, exactly.
-  if (w == 1) return make_p2p(ctx);
-  if (w == ctx.size) return make_allgather(ctx);
+  if (w == 1) return p2p_protocol.build(ctx);
+  if (w == ctx.size) return allgather_protocol.build(ctx);
   const DeviceMesh split = split_mesh(*ctx.mesh, w, "kda_outer", "kda_group");
-  return std::make_unique<GroupedExchange>(ctx.mesh->group(0), split.group(1), ctx.rank, ctx.size,
-                                           w, ctx.options);
+  return std::make_unique<GroupedExchange>(ctx, split.group(1));
 }
+
+}  // namespace
+
+const ProtocolDescriptor grouped_allgather_p2p_protocol{
+    .name = "grouped_allgather_p2p",
+    .kind = ProtocolClass::exact,
+    .takes_group_size = true,
+    .memory = "w packed slots + 2 states",
+    .use_when = "the exact choice at P ≈ 1000 (w ≈ 32)",
+    .cost = grouped_cost,
+    .build = build_grouped,
+};
 
 }  // namespace kdacp::detail

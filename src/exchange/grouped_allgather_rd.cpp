@@ -9,34 +9,35 @@
 // holds. Memory: w slots, one aggregate pair, the scan's three pairs.
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
-#include "exchange/protocols.hpp"
-#include "kdacp/error.hpp"
+#include "exchange/cost_terms.hpp"
 
 namespace kdacp::detail {
 namespace {
 
-class GroupedRdExchange final : public DirectedExchange {
+class GroupedRdExchange final : public StateExchange {
  public:
-  GroupedRdExchange(std::shared_ptr<Communicator> owners, std::shared_ptr<Communicator> intra,
-                    std::size_t rank, std::size_t size, std::size_t width, ExchangeOptions options)
-      : DirectedExchange(rank, size),
+  GroupedRdExchange(const ProtocolContext& ctx, std::shared_ptr<Communicator> owners,
+                    std::shared_ptr<Communicator> intra)
+      : StateExchange(ctx, grouped_allgather_rd_protocol),
         owners_(std::move(owners)),
         intra_(std::move(intra)),
-        width_(width),
-        block_(rank / width),
-        local_(rank % width),
-        blocks_(size / width),
-        options_(options) {}
-
-  std::string method() const override { return "grouped_allgather_rd"; }
-  bool exact() const override { return false; }
+        width_(ctx.group_size),
+        block_(rank_ / width_),
+        local_(rank_ % width_),
+        blocks_(size_ / width_) {}
 
  private:
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
-    const SummaryShape shape = validate_summary(offset, m, name, rank_);
-    // The outer communicator of a non-owner links the other blocks' members
-    // of the same local index; only the owners' one carries traffic.
-    CallMeter meter({intra_.get(), local_ + 1 == width_ ? owners_.get() : nullptr});
+  // The outer communicator of a non-owner links the other blocks' members of
+  // the same local index; only the owners' one carries traffic.
+  std::vector<const Communicator*> communicators() const override {
+    return {intra_.get(), local_ + 1 == width_ ? owners_.get() : nullptr};
+  }
+
+  State run(const Call& call) override {
+    const StateView& offset = call.offset;
+    const StateView& m = call.transfer;
+    const SummaryShape& shape = call.shape;
+    const Direction dir = call.direction;
     const bool fwd = dir == Direction::forward;
     const bool is_owner = local_ + 1 == width_;
     const bool has_incoming = fwd ? block_ > 0 : block_ + 1 < blocks_;
@@ -53,17 +54,17 @@ class GroupedRdExchange final : public DirectedExchange {
       // backward the pair's op is its transpose).
       PairBuffer block_pair(shape);
       scan(slots, fwd ? 0 : width_ - 1, width_, dir, nullptr, block_pair.offset(), std::nullopt,
-           nullptr, options_.exec);
+           nullptr, options().exec);
       State tmp(shape.batch, shape.heads, shape.key_dim, shape.key_dim, shape.dtype);
       StateView cur = slots.transfers.slot(0);
       for (std::size_t j = 1; j < width_; ++j) {
         // Alternate so that the last product lands in the pair.
         const StateView dst = (width_ - 1 - j) % 2 == 0 ? block_pair.transfer() : tmp.view();
-        apply_step(slots.transfers.slot(j), cur, nullptr, dst, false, options_.exec);
+        apply_step(slots.transfers.slot(j), cur, nullptr, dst, false, options().exec);
         cur = dst;
       }
       incoming = rd_exclusive_scan(*owners_, block_pair.offset(), block_pair.transfer(), shape,
-                                   dir, options_.exec, fwd ? kTagForward : kTagBackward);
+                                   dir, options().exec, call.tag);
     } else if (has_incoming) {
       incoming = make_state(shape);
     }
@@ -73,34 +74,64 @@ class GroupedRdExchange final : public DirectedExchange {
     const StateView in = incoming.view();
     const StateView* in_ptr = has_incoming ? &in : nullptr;
     if (fwd) {
-      scan(slots, 0, local_, dir, in_ptr, result.view(), std::nullopt, nullptr, options_.exec,
+      scan(slots, 0, local_, dir, in_ptr, result.view(), std::nullopt, nullptr, options().exec,
            FoldFlags::consume_offsets);
     } else {
       scan(slots, width_ - 1, width_ - 1 - local_, dir, in_ptr, result.view(), std::nullopt,
-           nullptr, options_.exec, FoldFlags::consume_offsets);
+           nullptr, options().exec, FoldFlags::consume_offsets);
     }
-    stats_ = meter.finish(result);
     return result;
   }
 
   std::shared_ptr<Communicator> owners_;
   std::shared_ptr<Communicator> intra_;
   std::size_t width_, block_, local_, blocks_;
-  ExchangeOptions options_;
 };
 
-}  // namespace
+// Owners fold their group into one pair (w-1 state folds and w-1 K×K
+// products), scan across the blocks, broadcast; everyone folds its prefix.
+CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config) {
+  const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
+  CostTerms t;
+  add_group_all_gather(t, w, packed_bytes(s));
+  if (blocks > 1) {
+    t.folds += dbl(w - 1);
+    t.products += dbl(w - 1);
+    add_recursive_doubling(t, s, blocks);
+    add_group_broadcast(t, w, state_bytes(s));
+    t.work_folds += dbl(blocks) * dbl(w - 1);
+    t.work_products += dbl(blocks) * dbl(w - 1);
+  }
+  t.folds += dbl(w - 1);
+  t.work_folds += dbl(p) * dbl(w - 1) / 2;
+  t.peak_extra_bytes = w * packed_bytes(s) + (blocks > 1 ? packed_bytes(s) : 0) +
+                       recursive_doubling_memory(s, blocks) + state_bytes(s);
+  return t;
+}
 
-std::unique_ptr<StateExchange> make_grouped_allgather_rd(const ProtocolContext& ctx) {
+std::unique_ptr<StateExchange> build_grouped_rd(const ProtocolContext& ctx) {
   const std::size_t w = ctx.group_size;
   check_group_width(ctx.rank, ctx.size, w);
   // Degenerate widths: one rank per group is the plain scan, one group is
   // the allgather (nothing left to reassociate).
-  if (w == 1) return make_recursive_doubling(ctx);
-  if (w == ctx.size) return make_allgather(ctx);
+  if (w == 1) return recursive_doubling_protocol.build(ctx);
+  if (w == ctx.size) return allgather_protocol.build(ctx);
   const DeviceMesh split = split_mesh(*ctx.mesh, w, "kda_outer", "kda_group");
-  return std::make_unique<GroupedRdExchange>(split.group(0), split.group(1), ctx.rank, ctx.size,
-                                             w, ctx.options);
+  return std::make_unique<GroupedRdExchange>(ctx, split.group(0), split.group(1));
 }
+
+}  // namespace
+
+const ProtocolDescriptor grouped_allgather_rd_protocol{
+    .name = "grouped_allgather_rd",
+    .kind = ProtocolClass::reassociating,
+    .takes_group_size = true,
+    .memory = "w packed slots + 4 pairs + 1 state",
+    .use_when = "NVLink islands of w joined by a slower network",
+    .cost = grouped_rd_cost,
+    .error_bound = reassociation_bound,
+    .error_bound_text = "(⌈log₂P⌉+2)·K·2⁻²⁴",
+    .build = build_grouped_rd,
+};
 
 }  // namespace kdacp::detail

@@ -15,7 +15,7 @@
 
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
-#include "exchange/protocols.hpp"
+#include "exchange/cost_terms.hpp"
 #include "kdacp/error.hpp"
 
 namespace kdacp::detail {
@@ -23,20 +23,19 @@ namespace {
 
 class PipelinedExchange final : public CommExchange {
  public:
-  using CommExchange::CommExchange;
-
-  std::string method() const override { return "pipelined_p2p"; }
-  bool exact() const override { return true; }
+  explicit PipelinedExchange(const ProtocolContext& ctx) : CommExchange(ctx, pipelined_p2p_protocol) {}
 
  private:
   // Column ranges of the segments: V/16 units of 16 columns dealt as evenly
   // as possible, the first ones one unit wider.
   std::vector<std::pair<std::size_t, std::size_t>> segments(const SummaryShape& shape) const {
     const std::size_t units = shape.value_dim / kDimMultiple;
-    std::size_t c = options_.segments;
+    std::size_t c = config().segments;
     if (c == 0) {
-      c = best_segments(options_.cost, ProblemShape{size_, shape.slabs(), shape.key_dim,
-                                                    shape.value_dim, dtype_size(shape.dtype)});
+      c = best_segments(options().cost,
+                        ProblemShape{size_, shape.slabs(), shape.key_dim, shape.value_dim,
+                                     dtype_size(shape.dtype)},
+                        config().method);
     } else if (c > units) {
       std::ostringstream os;
       os << "rank " << rank_ << ": segments is " << c << " for value dim V = " << shape.value_dim
@@ -72,12 +71,13 @@ class PipelinedExchange final : public CommExchange {
     return {static_cast<std::byte*>(b.data), b.slabs() * b.rows * b.cols * dtype_size(b.dtype)};
   }
 
-  State run(const StateView& offset, const StateView& m, const char* name, Direction dir) override {
-    const SummaryShape shape = validate_summary(offset, m, name, rank_);
+  State run(const Call& call) override {
+    const StateView& offset = call.offset;
+    const SummaryShape& shape = call.shape;
+    const Direction dir = call.direction;
+    const int tag = call.tag;
     const auto segs = segments(shape);  // may throw: still before any message
-    CallMeter meter({comm_.get()});
     const bool fwd = dir == Direction::forward;
-    const int tag = fwd ? kTagForward : kTagBackward;
     const bool has_prev = fwd ? rank_ > 0 : rank_ + 1 < size_;
     const bool has_next = fwd ? rank_ + 1 < size_ : rank_ > 0;
     const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
@@ -107,8 +107,8 @@ class PipelinedExchange final : public CommExchange {
       if (has_next) {
         const StateView out = block(send_buf, shape, col, width);
         if (has_prev) {
-          scan(single_slot(columns(offset, col, width), m), 0, 1, dir, &in, out, std::nullopt,
-               nullptr, options_.exec);
+          scan(single_slot(columns(offset, col, width), call.transfer), 0, 1, dir, &in, out,
+               std::nullopt, nullptr, options().exec);
         } else {
           // The first rank of the chain sends its offset itself.
           copy_view(columns(offset, col, width), out);
@@ -118,16 +118,38 @@ class PipelinedExchange final : public CommExchange {
       if (has_prev && !single) copy_view(in, columns(result.view(), col, width));
     }
     for (auto& s : sends) s->wait();
-    stats_ = meter.finish(result);
     return result;
   }
-
 };
+
+// The first segment crosses P-1 hops and is folded on P-2 of them; every
+// further segment arrives one stage later, a stage being the slowest rank's
+// per-segment work (receive, fold, send).
+CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
+  CostTerms t;
+  const std::size_t p = s.ranks, c = config.segments;
+  if (p <= 1) return t;
+  t.messages = dbl(p - 1 + c - 1);
+  t.bytes = t.messages * dbl(state_bytes(s)) / dbl(c);
+  t.folds = (chain_folds(p) + (p >= 3 ? dbl(c - 1) : 0)) / dbl(c);
+  t.work_folds = chain_folds(p);
+  // Receive and send buffers; the ends of the chain hold one of them.
+  t.peak_extra_bytes = p >= 3 ? 2 * state_bytes(s) : state_bytes(s);
+  return t;
+}
 
 }  // namespace
 
-std::unique_ptr<StateExchange> make_pipelined_p2p(const ProtocolContext& ctx) {
-  return std::make_unique<PipelinedExchange>(ctx.mesh->group(0), ctx.options);
-}
+const ProtocolDescriptor pipelined_p2p_protocol{
+    .name = "pipelined_p2p",
+    .kind = ProtocolClass::exact,
+    .takes_segments = true,
+    .memory = "2 states",
+    .use_when = "the exact default from P = 8 to a few hundred, any network",
+    .cost = pipelined_cost,
+    .build = [](const ProtocolContext& ctx) -> std::unique_ptr<StateExchange> {
+      return std::make_unique<PipelinedExchange>(ctx);
+    },
+};
 
 }  // namespace kdacp::detail

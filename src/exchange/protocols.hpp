@@ -1,10 +1,13 @@
-// Internal: the builders the factory table points at, one per protocol file.
+// Internal: what every protocol file sees — its place in the mesh and the
+// registry's descriptors (protocols.def), so that a protocol may build
+// another one (grouped with w = 1 is the chain).
 #pragma once
 
 #include <cstddef>
 #include <memory>
 
 #include "kdacp/exchange.hpp"
+#include "kdacp/protocol.hpp"
 
 namespace kdacp::detail {
 
@@ -17,12 +20,13 @@ struct ProtocolContext {
   ExchangeOptions options;
 };
 
-std::unique_ptr<StateExchange> make_p2p(const ProtocolContext& ctx);
-std::unique_ptr<StateExchange> make_allgather(const ProtocolContext& ctx);
-std::unique_ptr<StateExchange> make_grouped_allgather_p2p(const ProtocolContext& ctx);
-std::unique_ptr<StateExchange> make_pipelined_p2p(const ProtocolContext& ctx);
-std::unique_ptr<StateExchange> make_recursive_doubling(const ProtocolContext& ctx);
-std::unique_ptr<StateExchange> make_grouped_allgather_rd(const ProtocolContext& ctx);
-std::unique_ptr<StateExchange> make_auto(const ProtocolContext& ctx);
+// The chooser's way to attach its prediction to the executor it picked.
+struct ExchangeAccess {
+  static void set_prediction(StateExchange& exchange, Prediction prediction);
+};
+
+#define KDACP_PROTOCOL(name) extern const ProtocolDescriptor name##_protocol;
+#include "exchange/protocols.def"
+#undef KDACP_PROTOCOL
 
 }  // namespace kdacp::detail

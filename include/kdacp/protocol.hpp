@@ -1,0 +1,101 @@
+// The protocol registry: one descriptor per state exchange protocol, the only
+// place where a protocol's facts live. The factory (make_state_exchange), auto,
+// the cost model, `kdacp plan|bench|run|exchange`, the docs tables
+// (`kdacp protocols --markdown`) and the test matrix all read these rows, so a
+// protocol added to the registry is in every table, command and test.
+//
+// Adding a protocol: one file in src/exchange/ that defines its executor and
+// its descriptor, and one line in src/exchange/protocols.def.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kdacp/cost_model.hpp"
+
+namespace kdacp {
+
+class StateExchange;
+namespace detail {
+struct ProtocolContext;
+}
+
+// A protocol's critical path and memory in counts, not seconds: the cost model
+// turns them into time with a machine's α, β, γ (cost_model.hpp), and the
+// protocol benchmark into its floor with the host's measured copy and fold
+// speed. Counts are for one forward call; a backward costs the same.
+struct CostTerms {
+  double messages = 0;        // network messages on the critical path (α each)
+  double bytes = 0;           // network bytes on the critical path (β each)
+  double group_messages = 0;  // messages inside an all-gather group (group α)
+  double group_bytes = 0;     // bytes inside an all-gather group (group β)
+  double folds = 0;           // K×V affine steps over all B·H slabs on the critical path
+  double products = 0;        // K×K·K×K products over all slabs on the critical path
+  double work_folds = 0;      // all ranks' fold steps together (bounds shared cores)
+  double work_products = 0;   // all ranks' K×K products together
+  std::size_t peak_extra_bytes = 0;  // largest over ranks; what ExchangeStats measures
+};
+
+enum class ProtocolClass {
+  exact,          // the chain's operations in the chain's order: bitwise equal to p2p
+  reassociating,  // regroups the products of transfers; within error_bound of FP64
+  chooser,        // picks one of the other rows (auto)
+};
+std::string to_string(ProtocolClass kind);
+
+struct ProtocolDescriptor {
+  std::string_view name;
+  ProtocolClass kind = ProtocolClass::exact;
+  bool takes_group_size = false;  // accepts allgather_group_size w != 1 (w | P)
+  bool takes_segments = false;    // accepts ExchangeOptions::segments c != 0 (c <= V/16)
+  // One line each for the docs table and --help: extra memory in words, and
+  // when a user should pick it.
+  std::string_view memory{};
+  std::string_view use_when{};
+  // The critical path for `config` (group_size and segments in force, both
+  // already checked); nullptr for the chooser.
+  CostTerms (*cost)(const ProblemShape& shape, const ProtocolConfig& config) = nullptr;
+  // Documented relative Frobenius error bound against the FP64 chain for
+  // transfers of spectral norm <= 1, as a function and as text; nullptr and
+  // empty for exact protocols (bound 0).
+  double (*error_bound)(std::size_t ranks, std::size_t key_dim) = nullptr;
+  std::string_view error_bound_text{};
+  // Builds the executor; collective over the mesh's root when it splits the mesh.
+  std::unique_ptr<StateExchange> (*build)(const detail::ProtocolContext& ctx) = nullptr;
+
+  bool exact() const { return kind == ProtocolClass::exact; }
+  bool chooser() const { return kind == ProtocolClass::chooser; }
+};
+
+// The reference system's protocol: `kdacp plan` and the docs state speed-ups
+// against it.
+inline constexpr std::string_view kBaselineProtocol = "allgather";
+// The chain (SPEC §3, §4): the operations every exact protocol reproduces bit
+// for bit, and the result reports compare the others with.
+inline constexpr std::string_view kChainProtocol = "p2p";
+
+// Every row, in documentation order (the chooser last).
+std::span<const ProtocolDescriptor* const> protocol_registry();
+// The row named `name`; InvalidArgument naming the known ones otherwise.
+const ProtocolDescriptor& find_protocol(std::string_view name);
+// The names of every row, comma-separated (for messages and --help).
+std::string protocol_names();
+
+// The documented bound of `name` at P ranks and key dim K (0 for exact rows).
+double error_bound(const ProtocolDescriptor& protocol, std::size_t ranks, std::size_t key_dim);
+
+// "grouped_allgather_p2p w=4", "pipelined_p2p c=8", "p2p": the one label every
+// table, benchmark record and report uses.
+std::string protocol_label(const ProtocolConfig& config);
+
+// Every configuration of `protocol` that is valid at P ranks and value dim V:
+// each group size dividing P (1 and P included) when it takes one, each
+// segment count 1..V/16 when it takes segments. The chooser has none.
+std::vector<ProtocolConfig> valid_configs(const ProtocolDescriptor& protocol, std::size_t ranks,
+                                          std::size_t value_dim);
+
+}  // namespace kdacp

@@ -1,0 +1,73 @@
+// Internal: the building blocks of the protocols' cost terms (protocol.hpp),
+// in counts of messages, bytes and steps. docs/protocols.md derives them.
+#pragma once
+
+#include <cstddef>
+
+#include "kdacp/protocol.hpp"
+
+namespace kdacp::detail {
+
+inline std::size_t ceil_log2(std::size_t n) {
+  std::size_t r = 0;
+  while ((std::size_t{1} << r) < n) ++r;
+  return r;
+}
+
+inline double dbl(std::size_t n) { return static_cast<double>(n); }
+
+// Bytes of one [B,H,K,V] state and of one packed [S|M] slot (or affine pair).
+inline std::size_t state_bytes(const ProblemShape& s) {
+  return s.slabs * s.key_dim * s.value_dim * s.elem_bytes;
+}
+inline std::size_t packed_bytes(const ProblemShape& s) {
+  return s.slabs * s.key_dim * (s.value_dim + s.key_dim) * s.elem_bytes;
+}
+
+// Fold steps on the chain's critical path: positions 1..P-2 fold once each
+// (position 1 receives S_0 itself, never a product with the zero state).
+inline double chain_folds(std::size_t p) { return p >= 3 ? dbl(p - 2) : 0; }
+
+// A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
+// a group (Bruck / recursive doubling, what MPI picks for these sizes).
+inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n) {
+  if (m <= 1) return;
+  t.group_messages += dbl(ceil_log2(m));
+  t.group_bytes += dbl(m - 1) * dbl(n);
+}
+// A binomial broadcast of n bytes over m members of a group.
+inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n) {
+  t.group_messages += dbl(ceil_log2(m));
+  t.group_bytes += dbl(ceil_log2(m)) * dbl(n);
+}
+
+// Recursive doubling over m positions (affine_pairs.hpp): round 0 moves a
+// packed pair and computes nothing; the middle rounds compose two full pairs
+// each (the outgoing aggregate and the received prefix); the last round moves
+// and folds states only, because its receivers need no transfer any more.
+inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m) {
+  const std::size_t rounds = ceil_log2(m);
+  if (rounds == 0) return;
+  t.messages += dbl(rounds);
+  t.bytes += dbl(rounds - 1) * dbl(packed_bytes(s)) + dbl(state_bytes(s));
+  if (rounds >= 3) {
+    t.folds += dbl(rounds - 2) * 2;
+    t.products += dbl(rounds - 2) * 2;
+  }
+  if (rounds >= 2) t.folds += 2;
+  // All positions together (approximate: every receiver of a middle round
+  // composes two pairs, every receiver of the last round folds two states).
+  for (std::size_t k = 1; k < rounds; ++k) {
+    const double receivers = dbl(m - (std::size_t{1} << k));
+    t.work_folds += receivers * 2;
+    if (k + 1 != rounds) t.work_products += receivers * 2;
+  }
+}
+
+// The prefix, the outgoing aggregate and the receive buffer, one pair each,
+// on every position but the first (which holds the outgoing one only).
+inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t m) {
+  return m <= 1 ? 0 : 3 * packed_bytes(s);
+}
+
+}  // namespace kdacp::detail

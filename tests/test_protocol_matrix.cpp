@@ -1,0 +1,176 @@
+// The protocol matrix, generated from the registry (protocol.hpp): every row ×
+// P × every valid group size × every valid segment count. Exact rows must give
+// the chain's bits, which are the serial fold's bits; reassociating rows must
+// stay within their documented bound of the FP64 chain; every row's measured
+// peak memory must stay within its cost model's. A protocol added to the
+// registry is tested here without a line of this file changing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "helpers.hpp"
+#include "kdacp/protocol.hpp"
+
+namespace kdacp {
+namespace {
+
+using test::World;
+
+struct ConfigRun {
+  std::vector<State> fwd, bwd;
+  std::vector<ExchangeStats> fwd_stats, bwd_stats;
+  std::string method;  // what the factory built (degenerate widths build another row)
+  bool exact = true;
+};
+
+ConfigRun run_config(const World& w, const ProtocolConfig& config) {
+  const std::size_t p = w.size();
+  ConfigRun res{std::vector<State>(p), std::vector<State>(p), std::vector<ExchangeStats>(p),
+          std::vector<ExchangeStats>(p), {}, true};
+  std::vector<std::string> methods(p);
+  std::vector<char> exact(p);
+  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t r = comm->rank();
+    ExchangeOptions o;
+    o.segments = config.segments;
+    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
+    auto ex = make_state_exchange(mesh, config.method, static_cast<long long>(config.group_size), o);
+    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view());
+    res.fwd_stats[r] = ex->last_stats();
+    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view());
+    res.bwd_stats[r] = ex->last_stats();
+    methods[r] = ex->method();
+    exact[r] = ex->exact();
+  });
+  for (std::size_t r = 1; r < p; ++r) {
+    EXPECT_EQ(methods[r], methods[0]) << "rank " << r;
+    EXPECT_EQ(exact[r], exact[0]) << "rank " << r;
+  }
+  res.method = methods[0];
+  res.exact = exact[0] != 0;
+  return res;
+}
+
+// The float chain, serially, with the library's step kernel: what every exact
+// protocol must reproduce bit for bit (SPEC §5).
+std::vector<State> serial_fold(const World& w, Direction dir) {
+  const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
+  std::vector<State> out;
+  for (std::size_t r = 0; r < p; ++r) out.emplace_back(w.shape.batch, w.shape.heads, k, v);
+  const bool fwd = dir == Direction::forward;
+  for (std::size_t step = 1; step < p; ++step) {
+    const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
+    const State& off = fwd ? w.s[from] : w.g[from];
+    for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab) {
+      if (step == 1) {
+        std::memcpy(out[to].data() + slab * k * v, off.data() + slab * k * v, k * v * sizeof(float));
+      } else {
+        affine_step(w.m[from].data() + slab * k * k, k, out[from].data() + slab * k * v, v,
+                    off.data() + slab * k * v, v, out[to].data() + slab * k * v, v, k, v, dir);
+      }
+    }
+  }
+  return out;
+}
+
+class ProtocolMatrix : public ::testing::TestWithParam<std::size_t> {};
+
+TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
+  const std::size_t p = GetParam();
+  const SummaryShape shape{1, 2, 16, 32};  // K != V, B·H > 1, two column segments
+  World w(p, shape, 9000 + p);
+  const std::vector<State> fold_f = serial_fold(w, Direction::forward);
+  const std::vector<State> fold_b = serial_fold(w, Direction::backward);
+  const auto ref_f = w.reference(Direction::forward);
+  const auto ref_b = w.reference(Direction::backward);
+  const ProblemShape ps{p, shape.slabs(), shape.key_dim, shape.value_dim, sizeof(float)};
+  std::size_t configs = 0;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    for (const ProtocolConfig& config : valid_configs(*row, p, shape.value_dim)) {
+      ++configs;
+      SCOPED_TRACE(protocol_label(config) + " P=" + std::to_string(p));
+      const ConfigRun res = run_config(w, config);
+      const ProtocolDescriptor& built = find_protocol(res.method);
+      EXPECT_EQ(res.exact, built.exact());
+      // Only the degenerate widths (1 and P) may build another row.
+      if (res.method != row->name) {
+        EXPECT_TRUE(row->takes_group_size && (config.group_size == 1 || config.group_size == p))
+            << "built " << res.method;
+      }
+      const double bound = error_bound(built, p, shape.key_dim);
+      for (std::size_t r = 0; r < p; ++r) {
+        SCOPED_TRACE("rank " + std::to_string(r));
+        if (built.exact()) {
+          EXPECT_TRUE(test::bitwise_equal(res.fwd[r], fold_f[r]));
+          EXPECT_TRUE(test::bitwise_equal(res.bwd[r], fold_b[r]));
+        } else {
+          EXPECT_GT(bound, 0);
+          EXPECT_LE(reference::compare(res.fwd[r].data(), ref_f[r]).rel_fro, bound);
+          EXPECT_LE(reference::compare(res.bwd[r].data(), ref_b[r]).rel_fro, bound);
+          // Position 1 receives S_0 (and P-2 receives G_{P-1}) exactly, in every protocol.
+          if (r == 1) {
+            EXPECT_TRUE(test::bitwise_equal(res.fwd[r], fold_f[r]));
+          }
+          if (r + 2 == p) {
+            EXPECT_TRUE(test::bitwise_equal(res.bwd[r], fold_b[r]));
+          }
+        }
+      }
+      // Memory: the row's model bounds what any rank held; for the row itself
+      // (not a degenerate width) it is also tight within one state.
+      std::size_t peak = 0;
+      for (std::size_t r = 0; r < p; ++r)
+        peak = std::max({peak, std::size_t{res.fwd_stats[r].peak_extra_bytes},
+                         std::size_t{res.bwd_stats[r].peak_extra_bytes}});
+      const Prediction pred = predict(CostParams{}, ps, config);
+      EXPECT_LE(peak, pred.peak_extra_bytes);
+      if (res.method == row->name) {
+        EXPECT_GE(peak + shape.state_elems() * sizeof(float), pred.peak_extra_bytes);
+      }
+    }
+  }
+  EXPECT_GT(configs, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, ProtocolMatrix,
+                         ::testing::Values(1, 2, 3, 4, 5, 7, 8, 16, 64),
+                         [](const auto& info) { return "P" + std::to_string(info.param); });
+
+// The registry itself: names unique, knobs and classes consistent, and every
+// row reachable through the factory's and the model's public names.
+TEST(Registry, RowsAreConsistent) {
+  std::vector<std::string> names;
+  std::size_t choosers = 0;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    names.emplace_back(row->name);
+    EXPECT_EQ(&find_protocol(row->name), row);
+    EXPECT_NE(row->build, nullptr) << row->name;
+    EXPECT_FALSE(row->memory.empty()) << row->name;
+    EXPECT_FALSE(row->use_when.empty()) << row->name;
+    if (row->chooser()) {
+      ++choosers;
+      EXPECT_EQ(row->cost, nullptr);
+      EXPECT_TRUE(valid_configs(*row, 4, 32).empty());
+      continue;
+    }
+    EXPECT_NE(row->cost, nullptr) << row->name;
+    EXPECT_EQ(row->exact(), row->error_bound == nullptr) << row->name;
+    EXPECT_EQ(row->exact(), row->error_bound_text.empty()) << row->name;
+    EXPECT_EQ(error_bound(*row, 64, 128) > 0, !row->exact()) << row->name;
+  }
+  EXPECT_EQ(choosers, 1u);
+  EXPECT_EQ(names, exchange_methods());
+  std::vector<std::string> sorted = names;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end());
+  EXPECT_NO_THROW(find_protocol(kBaselineProtocol));
+  EXPECT_THROW(find_protocol("ring"), InvalidArgument);
+  EXPECT_EQ(protocol_label({"a", 4, 0}), "a w=4");
+  EXPECT_EQ(protocol_label({"b", 1, 8}), "b c=8");
+  EXPECT_EQ(protocol_label({"c", 1, 0}), "c");
+}
+
+}  // namespace
+}  // namespace kdacp
