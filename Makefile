@@ -1,6 +1,6 @@
 # Entry points. `make run` and `make test` work on a fresh Debian machine:
 # they install the Debian packages kdacp needs, build, and run.
-.PHONY: deps build build-sanitize build-tsan run test test-release test-sanitize test-tsan clean
+.PHONY: deps build build-sanitize build-tsan run test test-release test-sanitize test-tsan fuzz clean
 
 JOBS ?= $(shell nproc)
 
@@ -26,8 +26,21 @@ run: build
 test-release: build
 	ctest --preset release
 
+# The in-process suite under ASan + UBSan, and each libFuzzer target (.npy
+# reader, calibration JSON, numeric flag parser) for 30 s each plus a replay
+# of fuzz/regressions.
 test-sanitize: build-sanitize
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --preset sanitize
+
+# The fuzz targets for longer (FUZZ_SECONDS each); new inputs stay in the build
+# tree, crashes are written to build/sanitize/fuzz/artifacts/.
+FUZZ_SECONDS ?= 600
+fuzz: build-sanitize
+	for t in npy cost_json units; do \
+	  ./build/sanitize/fuzz/kdacp_fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
+	    -rss_limit_mb=2048 -artifact_prefix=build/sanitize/fuzz/artifacts/$$t- \
+	    build/sanitize/fuzz/corpus/$$t fuzz/corpus/$$t || exit 1; \
+	done
 
 # The whole in-process suite (kdacp_tests, ctest label "inprocess") under
 # ThreadSanitizer: every rank is a thread, so this is where races show. It

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,12 @@ struct NpyArray {
   std::vector<float> to_f32(bool allow_f64) const;
 };
 
+// Reads a whole file. The header's shape is checked against the file's size
+// before anything is allocated: a truncated file, or bytes after the data,
+// raise IoError naming the file, the shape and both sizes.
 NpyArray read_npy(const std::string& path);
+// The same from memory; `name` stands for the path in messages.
+NpyArray parse_npy(std::span<const std::byte> bytes, const std::string& name);
 void write_npy(const std::string& path, const float* data, const std::vector<std::size_t>& shape);
 void write_npy(const std::string& path, const double* data, const std::vector<std::size_t>& shape);
 

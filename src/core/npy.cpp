@@ -53,7 +53,7 @@ std::size_t NpyArray::elements() const {
 std::vector<float> NpyArray::to_f32(bool allow_f64) const {
   std::vector<float> out(elements());
   if (dtype == DType::f32) {
-    std::memcpy(out.data(), data.data(), out.size() * sizeof(float));
+    if (!out.empty()) std::memcpy(out.data(), data.data(), out.size() * sizeof(float));
   } else if (dtype == DType::f64 && allow_f64) {
     for (std::size_t i = 0; i < out.size(); ++i) {
       double d;
@@ -66,9 +66,11 @@ std::vector<float> NpyArray::to_f32(bool allow_f64) const {
   return out;
 }
 
-NpyArray read_npy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) bad(path, "cannot open for reading");
+namespace {
+
+// Reads the header from `in` (positioned at the start) and returns the array
+// with its dtype and shape but no data, and the data's byte count.
+NpyArray read_header(const std::string& path, std::istream& in, std::size_t& data_bytes) {
   char magic[6];
   if (!in.read(magic, 6) || std::memcmp(magic, kMagic, 6) != 0)
     bad(path, "not a .npy file (bad magic string)");
@@ -109,22 +111,66 @@ NpyArray read_npy(const std::string& path) {
     const auto first = item.find_first_not_of(' ');
     if (first == std::string::npos) continue;
     item = item.substr(first, item.find_last_not_of(' ') - first + 1);
-    std::size_t used = 0;
-    unsigned long long d = 0;
-    try {
-      d = std::stoull(item, &used);
-    } catch (const std::exception&) {
+    if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 19)
       bad(path, "shape entry '" + item + "' is not a non-negative integer");
-    }
-    if (used != item.size() || item[0] == '-') bad(path, "shape entry '" + item + "' is not a non-negative integer");
+    const unsigned long long d = std::stoull(item);
     if (d != 0 && total > kMaxElements / d) bad(path, "shape " + shape + " is too large");
     total *= d;
     arr.shape.push_back(static_cast<std::size_t>(d));
   }
-  const std::size_t bytes = total * dtype_size(arr.dtype);
+  data_bytes = total * dtype_size(arr.dtype);
+  return arr;
+}
+
+// Reads exactly `bytes` of data, which the caller checked against what the
+// source holds, and insists that nothing follows.
+void read_data(const std::string& path, std::istream& in, std::size_t bytes,
+               std::size_t available, const std::string& shape_text, NpyArray& arr) {
+  if (available < bytes)
+    bad(path, "data truncated: the header's shape " + shape_text + " needs " + std::to_string(bytes) +
+                  " bytes, the file holds " + std::to_string(available));
+  if (available > bytes)
+    bad(path, std::to_string(available - bytes) + " bytes after the data of shape " + shape_text +
+                  ", expected none");
   arr.data.resize(bytes);
-  if (!in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
-    bad(path, "data truncated: expected " + std::to_string(bytes) + " bytes for shape " + shape);
+  if (bytes > 0 && !in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
+    bad(path, "read failed after " + std::to_string(in.gcount()) + " of " + std::to_string(bytes) +
+                  " data bytes");
+}
+
+std::string shape_text(const std::vector<std::size_t>& shape) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + (shape.size() == 1 ? ",)" : ")");
+}
+
+}  // namespace
+
+NpyArray read_npy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) bad(path, "cannot open for reading");
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.seekg(0, std::ios::beg);
+  if (size < 0 || !in) bad(path, "cannot determine the file size");
+  std::size_t bytes = 0;
+  NpyArray arr = read_header(path, in, bytes);
+  const std::streamoff at = in.tellg();
+  if (at < 0) bad(path, "cannot determine the header size");
+  // The file's size bounds what is allocated: a header claiming more data
+  // than the file holds is an error before any allocation.
+  read_data(path, in, bytes, static_cast<std::size_t>(size - at), shape_text(arr.shape), arr);
+  return arr;
+}
+
+NpyArray parse_npy(std::span<const std::byte> bytes, const std::string& name) {
+  std::istringstream in(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                        std::ios::binary);
+  std::size_t data_bytes = 0;
+  NpyArray arr = read_header(name, in, data_bytes);
+  const std::streamoff at = in.tellg();
+  if (at < 0) bad(name, "cannot determine the header size");
+  read_data(name, in, data_bytes, bytes.size() - static_cast<std::size_t>(at), shape_text(arr.shape), arr);
   return arr;
 }
 
@@ -155,7 +201,7 @@ void write_impl(const std::string& path, const void* data, std::size_t elem_size
   const char lb[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
   out.write(lb, 2);
   out.write(header.data(), static_cast<std::streamsize>(len));
-  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n * elem_size));
+  if (n > 0) out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n * elem_size));
   if (!out) throw IoError(path + ": write failed");
 }
 

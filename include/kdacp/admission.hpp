@@ -1,0 +1,47 @@
+// Memory admission: a command estimates what it will allocate and refuses a
+// need larger than its limit before the first large allocation, instead of
+// being killed by the kernel halfway through.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "kdacp/cost_model.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/exchange.hpp"
+
+namespace kdacp {
+
+// A need above the memory limit; raised before anything is allocated.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+// Bytes this process may still allocate: the smaller of MemAvailable in
+// /proc/meminfo and the room left under the cgroup's memory.max (a container's
+// limit, which MemAvailable does not show); sysconf's available pages where
+// /proc is absent.
+std::size_t available_memory_bytes();
+
+// "1.5 GiB", for messages.
+std::string format_bytes(double bytes);
+
+// Throws OutOfMemory "<what> needs N, more than the limit of L (<limit_name>)"
+// when need_bytes > limit_bytes.
+void require_memory(double need_bytes, std::size_t limit_bytes, const std::string& what,
+                    const std::string& limit_name);
+
+// The configuration make_state_exchange(mesh, method, group_size, options)
+// runs at P = shape.ranks and its prediction: auto's choice (choose_protocol,
+// with an explicit segment count in force) or predict() of the named method.
+// Throws what the factory would (unknown method, bad group size, nothing
+// within the memory budget).
+Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
+                            const ExchangeOptions& options);
+
+// Bytes one rank holds during a call of that exchange: its offset and
+// transfer, the returned state and the protocol's peak extra bytes.
+double exchange_rank_bytes(const ProblemShape& shape, const Prediction& prediction);
+
+}  // namespace kdacp

@@ -1,0 +1,92 @@
+#include "kdacp/admission.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+
+#include "kdacp/protocol.hpp"
+
+namespace kdacp {
+namespace {
+
+// A number from the first line of a cgroup file; nullopt for "max" or no file.
+std::optional<double> cgroup_value(const char* path) {
+  std::ifstream in(path);
+  double v = 0;
+  if (in >> v) return v;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::size_t available_memory_bytes() {
+  double avail = std::numeric_limits<double>::infinity();
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemAvailable:") {
+      avail = kib * 1024;
+      break;
+    }
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  if (avail == std::numeric_limits<double>::infinity()) {
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) avail = double(pages) * double(page);
+  }
+  const auto max = cgroup_value("/sys/fs/cgroup/memory.max");
+  const auto current = cgroup_value("/sys/fs/cgroup/memory.current");
+  if (max && current) avail = std::min(avail, std::max(*max - *current, 0.0));
+  if (!(avail < 9.2e18)) return std::numeric_limits<std::size_t>::max();
+  return static_cast<std::size_t>(avail);
+}
+
+std::string format_bytes(double bytes) {
+  const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, unit[u]);
+  return buf;
+}
+
+void require_memory(double need_bytes, std::size_t limit_bytes, const std::string& what,
+                    const std::string& limit_name) {
+  if (need_bytes <= double(limit_bytes)) return;
+  throw OutOfMemory(what + " needs " + format_bytes(need_bytes) + ", more than the limit of " +
+                    format_bytes(double(limit_bytes)) + " (" + limit_name + ")");
+}
+
+Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
+                            const ExchangeOptions& options) {
+  const ProtocolDescriptor& row = find_protocol(method);
+  if (!row.chooser()) {
+    if (group_size < 1)
+      throw InvalidArgument("group size is " + std::to_string(group_size) + ", expected a positive divisor of P");
+    return predict(options.cost, shape,
+                   ProtocolConfig{method, static_cast<std::size_t>(group_size), options.segments});
+  }
+  Prediction choice = choose_protocol(options.cost, shape, options.memory_budget_bytes, options.allow_reassociation);
+  if (find_protocol(choice.config.method).takes_segments && options.segments != 0) {
+    choice.config.segments = options.segments;
+    choice = predict(options.cost, shape, choice.config);
+  }
+  return choice;
+}
+
+double exchange_rank_bytes(const ProblemShape& shape, const Prediction& prediction) {
+  const double state = double(shape.slabs) * double(shape.key_dim) * double(shape.value_dim);
+  const double transfer = double(shape.slabs) * double(shape.key_dim) * double(shape.key_dim);
+  return (2 * state + transfer) * double(shape.elem_bytes) + double(prediction.peak_extra_bytes);
+}
+
+}  // namespace kdacp
