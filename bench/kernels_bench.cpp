@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "kdacp/kernels.hpp"
-#include "kdacp/synthetic.hpp"
+#include "kdacp/testing/synthetic.hpp"
 #include "kdacp/tensor.hpp"
 
 namespace {

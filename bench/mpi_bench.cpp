@@ -91,8 +91,8 @@ int main(int argc, char** argv) {
   const StateView s = in.s[r].view(), m = in.m[r].view();
 
   // Raw collective baseline on a buffer shaped like the protocol's.
-  Buffer gathered(p * sh.packed_elems());
-  const Slots slots = packed_slots(gathered.data(), sh, p);
+  Buffer gathered(p * sh.packed_elems() * sizeof(float));
+  const Slots slots = packed_slots(gathered.as<float>(), sh, p);
   for (std::size_t slab = 0; slab < sh.slabs(); ++slab)
     for (std::size_t i = 0; i < sh.key_dim; ++i) {
       std::memcpy(slots.offsets.slot(r).slab(slab) + i * sh.packed_cols(),
@@ -155,11 +155,11 @@ int main(int argc, char** argv) {
     double fwd, bwd;
   };
   std::vector<Row> rows;
-  for (const MethodInfo& info : exchange_method_info()) {
-    if (info.chooser) continue;  // auto is one of the rows below
-    const std::string& method = info.name;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser()) continue;  // auto is one of the rows below
+    const std::string method(row->name);
     std::vector<std::size_t> widths = {1};
-    if (info.takes_group_size) {
+    if (row->takes_group_size) {
       widths.clear();
       for (std::size_t w = 2; w < p; ++w)
         if (p % w == 0) widths.push_back(w);
@@ -168,7 +168,7 @@ int main(int argc, char** argv) {
       auto ex = make_state_exchange(mesh, method, static_cast<long long>(w));
       const double f = time_op(iters, [&] { (void)ex->forward(s, m); });
       const double b = time_op(iters, [&] { (void)ex->backward(in.g[r].view(), m); });
-      rows.push_back({method + (w > 1 ? " w=" + std::to_string(w) : ""), f, b});
+      rows.push_back({protocol_label({method, w, 0}), f, b});
     }
   }
 

@@ -1,5 +1,5 @@
 # Smoke test of `kdacp bench MODE --quick --json`: the output must parse as a
-# JSON array of records carrying the fields issue 5 promises to scripts.
+# JSON array of records carrying the fields scripts rely on.
 #   cmake -DKDACP=<kdacp binary> -DMODE=kernels|protocols -P bench_smoke.cmake
 execute_process(COMMAND ${KDACP} bench ${MODE} --quick --json --quiet
                 OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)

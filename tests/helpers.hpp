@@ -10,8 +10,8 @@
 #include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/inprocess.hpp"
-#include "kdacp/synthetic.hpp"
-#include "reference.hpp"
+#include "kdacp/testing/reference.hpp"
+#include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp::test {
 

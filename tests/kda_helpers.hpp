@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kdacp/kda_cp.hpp"
+#include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp::kda::test {
 

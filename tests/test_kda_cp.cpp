@@ -1,4 +1,4 @@
-// The context-parallel KDA layer equals one device (issue 4).
+// The context-parallel KDA layer equals one device.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// Issue 5: the tuned fold path. A fused scan must equal the same steps taken
+// The tuned fold path. A fused scan must equal the same steps taken
 // one affine_step at a time, bit for bit, for every step count (the ping-pong
 // scratch is only used from two steps on), thread count, direction and
 // strided (packed) layout; a one-step scan allocates no scratch; the peak

@@ -1,12 +1,16 @@
-#include "layer_runner.hpp"
+#include "kdacp/testing/layer_runner.hpp"
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <mutex>
+#include <utility>
 
 #include "kdacp/inprocess.hpp"
+#include "kdacp/testing/reference.hpp"
+#include "kdacp/thread_pool.hpp"
 
-namespace kdacp::cli {
+namespace kdacp::testing {
 
 template <class T>
 LayerOutputs<T> allocate_outputs(const kda::Shape& s, bool grads) {
@@ -34,14 +38,16 @@ LayerOutputs<T> run_single(const kda::LayerData<T>& data, T scale, const std::ve
   LayerOutputs<T> r = allocate_outputs<T>(data.shape, d_o != nullptr);
   r.method = "single";
   const auto in = data.inputs(scale);
+  ThreadPool pool(threads);
+  const ExecPolicy exec{&pool};
   auto t0 = std::chrono::steady_clock::now();
-  kda::forward(in, nullptr, r.o.data(), nullptr, threads);
+  kda::forward(in, nullptr, r.o.data(), nullptr, exec);
   r.forward_seconds = since(t0);
   if (d_o) {
     t0 = std::chrono::steady_clock::now();
     kda::backward(in, nullptr, d_o->data(), nullptr,
                   kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), nullptr},
-                  threads);
+                  exec);
     r.backward_seconds = since(t0);
   }
   return r;
@@ -65,8 +71,9 @@ LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
     const kda::LayerData<T> local = data.slice(range);
     const kda::Shape& ls = local.shape;
     auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
-    auto ex = make_state_exchange(mesh, method, group_size, options);
-    kda::ContextParallelLayer<T> layer(*ex, threads_per_rank);
+    ThreadPool pool(threads_per_rank);
+    kda::ContextParallelLayer<T> layer(mesh, method, group_size, options,
+                                       ExecPolicy{&pool, options.exec.kernel});
     const auto in = local.inputs(scale);
     LayerOutputs<T> lr = allocate_outputs<T>(ls, d_o != nullptr);
     comm->barrier();
@@ -99,11 +106,46 @@ LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
     r.backward_seconds = std::max(r.backward_seconds, tb);
     r.exchange_seconds = std::max(r.exchange_seconds, exch);
     if (rank == 0) {
-      r.method = ex->method();
-      r.exact = ex->exact();
+      r.method = layer.exchange().method();
+      r.exact = layer.exchange().exact();
     }
   }, opts);
   return r;
+}
+
+double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes) {
+  // In double: a shape too large for size_t products must still be refused.
+  const double bt = double(s.batch) * double(s.tokens), hv = double(s.value_heads);
+  const double qk = bt * double(s.heads) * double(s.key_dim), v = bt * hv * double(s.value_dim);
+  const double g = bt * hv * double(s.key_dim), beta = bt * hv;
+  return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
+}
+
+double layer_run_bytes(const kda::Shape& s, std::size_t ranks, bool grads, std::size_t elem_bytes,
+                       double rank_exchange_bytes) {
+  const double state = double(s.batch) * double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
+  // The ranks' slices of the inputs (as large as the gradients) and of the
+  // outputs, the outputs, checkpoints every 64 tokens, per rank S, M, the
+  // incoming state and G.
+  const double tensors = layer_output_bytes(s, true, elem_bytes) + 2 * layer_output_bytes(s, grads, elem_bytes);
+  const double states = state * (double(s.tokens) / 64 + 5 * double(ranks)) * double(elem_bytes);
+  return tensors + states + double(ranks) * rank_exchange_bytes;
+}
+
+std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want) {
+  std::vector<double> errs;
+  for (auto [a, b] : {std::pair{&got.o, &want.o}, {&got.dq, &want.dq}, {&got.dk, &want.dk},
+                      {&got.dv, &want.dv}, {&got.dg, &want.dg}, {&got.dbeta, &want.dbeta}})
+    errs.push_back(reference::relative_error(*a, *b));
+  return errs;
+}
+
+bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
+  auto eq = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  return eq(a.o, b.o) && eq(a.dq, b.dq) && eq(a.dk, b.dk) && eq(a.dv, b.dv) && eq(a.dg, b.dg) &&
+         eq(a.dbeta, b.dbeta);
 }
 
 SummaryShape layer_summary_shape(const kda::Shape& s) {
@@ -117,4 +159,4 @@ template LayerOutputs<double> run_single<double>(const kda::LayerData<double>&, 
 template LayerOutputs<float> run_context_parallel<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t, const std::string&, long long, std::size_t, double, ExchangeOptions);
 template LayerOutputs<double> run_context_parallel<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t, const std::string&, long long, std::size_t, double, ExchangeOptions);
 
-}  // namespace kdacp::cli
+}  // namespace kdacp::testing

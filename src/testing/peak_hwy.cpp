@@ -1,11 +1,12 @@
-// FP32 FMA peak probe (bench.hpp), compiled per target like step_hwy.cpp so
-// that it measures the vector width the fold kernels are dispatched to.
+// FP32 FMA peak probe (kdacp/testing/bench.hpp), compiled per target like
+// kernels/step_hwy.cpp so that it measures the vector width the fold kernels
+// are dispatched to.
 #ifndef HWY_DISABLED_TARGETS
 #define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128)
 #endif
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "kernels/peak_hwy.cpp"
+#define HWY_TARGET_INCLUDE "testing/peak_hwy.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
@@ -16,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "kdacp/bench.hpp"
+#include "kdacp/testing/bench.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace kdacp::detail::HWY_NAMESPACE {

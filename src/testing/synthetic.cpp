@@ -1,4 +1,4 @@
-#include "kdacp/synthetic.hpp"
+#include "kdacp/testing/synthetic.hpp"
 
 #include <cmath>
 #include <vector>
@@ -49,3 +49,46 @@ SyntheticSummary synthetic_summary(const SummaryShape& shape, std::uint64_t seed
 }
 
 }  // namespace kdacp
+
+namespace kdacp::kda {
+
+template <class T>
+LayerData<T> synthetic_layer(const Shape& shape, std::uint64_t seed) {
+  validate(shape);
+  LayerData<T> d;
+  d.shape = shape;
+  Rng rng(seed * 0x9E3779B97F4A7C15ull + 17);
+  auto fill = [&](std::vector<T>& x, std::size_t n, float lo, float hi) {
+    x.resize(n);
+    for (auto& e : x) e = static_cast<T>(rng.uniform(lo, hi));
+  };
+  fill(d.q, shape.qk_elems(), -1, 1);
+  fill(d.k, shape.qk_elems(), -1, 1);
+  for (std::size_t row = 0; row < shape.qk_elems() / shape.key_dim; ++row) {
+    T* kr = d.k.data() + row * shape.key_dim;
+    T norm = 0;
+    for (std::size_t i = 0; i < shape.key_dim; ++i) norm += kr[i] * kr[i];
+    norm = std::sqrt(norm);
+    for (std::size_t i = 0; i < shape.key_dim; ++i) kr[i] /= norm;
+  }
+  fill(d.v, shape.v_elems(), -1, 1);
+  fill(d.g, shape.g_elems(), 0.9f, 1.0f);
+  for (auto& e : d.g) e = std::log(e);
+  fill(d.beta, shape.beta_elems(), 0.1f, 0.9f);
+  return d;
+}
+
+template <class T>
+std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed) {
+  Rng rng(seed * 0xD1B54A32D192ED03ull + 5);
+  std::vector<T> x(n);
+  for (auto& e : x) e = static_cast<T>(rng.uniform(-1, 1));
+  return x;
+}
+
+template LayerData<float> synthetic_layer<float>(const Shape&, std::uint64_t);
+template LayerData<double> synthetic_layer<double>(const Shape&, std::uint64_t);
+template std::vector<float> synthetic_tensor<float>(std::size_t, std::uint64_t);
+template std::vector<double> synthetic_tensor<double>(std::size_t, std::uint64_t);
+
+}  // namespace kdacp::kda

@@ -6,7 +6,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${KDACP_BUILD_DIR} --prefix $
 if(rc)
   message(FATAL_ERROR "cmake --install failed: ${rc}")
 endif()
-foreach(f include/kdacp/exchange.hpp bin/kdacp)
+foreach(f include/kdacp/exchange.hpp include/kdacp/testing/reference.hpp bin/kdacp)
   if(NOT EXISTS ${WORK_DIR}/prefix/${f})
     message(FATAL_ERROR "install tree lacks ${f}")
   endif()

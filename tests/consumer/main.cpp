@@ -1,7 +1,9 @@
 // A downstream project: installs nothing of its own, uses kdacp through
-// find_package and checks a 3-rank allgather against the chain by hand.
+// find_package and checks a 3-rank allgather against the chain by hand and
+// against kdacp_testing's FP64 reference.
 #include <kdacp/exchange.hpp>
 #include <kdacp/inprocess.hpp>
+#include <kdacp/testing/reference.hpp>
 
 #include <cstdio>
 #include <vector>
@@ -27,6 +29,21 @@ int main() {
         std::printf("rank %zu element %zu: %g, expected %g\n", r, i, got[r * K * V + i], expect[r]);
         return 1;
       }
+  std::vector<float> s(P * K * V), m(P * K * K);
+  std::vector<const float*> offsets, maps;
+  for (std::size_t r = 0; r < P; ++r) {
+    for (std::size_t i = 0; i < K * V; ++i) s[r * K * V + i] = float(r + 1);
+    for (std::size_t i = 0; i < K; ++i) m[r * K * K + i * K + i] = 0.5f;
+    offsets.push_back(s.data() + r * K * V);
+    maps.push_back(m.data() + r * K * K);
+  }
+  const auto ref = kdacp::reference::chain(offsets, maps, kdacp::SummaryShape{1, 1, K, V},
+                                           kdacp::Direction::forward);
+  for (std::size_t r = 0; r < P; ++r)
+    if (kdacp::reference::compare(got.data() + r * K * V, ref[r]).max_abs != 0) {
+      std::printf("rank %zu differs from the FP64 reference\n", r);
+      return 1;
+    }
   std::printf("consumer ok\n");
   return 0;
 }

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstddef>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -31,9 +30,5 @@ struct BenchConfig {
 
 nlohmann::json run_kernel_bench(const BenchConfig& cfg);
 nlohmann::json run_protocol_bench(const BenchConfig& cfg);
-
-// Best-of timing helper shared by both modes: runs fn until `min_time` has
-// passed and at least `min_runs` runs were made; returns every run's seconds.
-std::vector<double> time_runs(double min_time, std::size_t min_runs, const std::function<void()>& fn);
 
 }  // namespace kdacp::cli

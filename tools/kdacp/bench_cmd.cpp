@@ -9,7 +9,9 @@
 
 #include "bench.hpp"
 #include "commands.hpp"
+#include "flags.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/testing/plot.hpp"
 #include "table.hpp"
 
 namespace kdacp::cli {
@@ -61,80 +63,41 @@ void print_protocols(const nlohmann::json& recs) {
               "steps and copies spread over this host's cores, when that is larger\n");
 }
 
-// gnuplot reads the records as inline data blocks; the terminal follows the
-// file's extension.
+// Kernels: one panel per thread count, GFLOP/s against chain length per K
+// with the OpenBLAS loop dashed and the measured peak as a flat line.
+// Protocols: one panel per B·H, time over floor against P per protocol.
+// Both of the first direction swept.
 void plot(const std::string& mode, const nlohmann::json& recs, const std::string& file) {
-  const bool svg = file.size() > 4 && file.substr(file.size() - 4) == ".svg";
-  std::string script = std::string("set terminal ") + (svg ? "svg size 1200,500 noenhanced" : "pngcairo size 1200,500 noenhanced") +
-                       "\nset output '" + file + "'\nset grid\nset key top left\n";
-  if (mode == "kernels") {
-    // One panel per thread count: GFLOP/s against chain length per K, the
-    // OpenBLAS loop dashed, the measured peak as a flat line (forward only).
-    std::vector<std::size_t> threads, dims;
-    for (const auto& r : recs) {
-      const auto t = r["threads"].get<std::size_t>(), k = r["K"].get<std::size_t>();
-      if (std::find(threads.begin(), threads.end(), t) == threads.end()) threads.push_back(t);
-      if (std::find(dims.begin(), dims.end(), k) == dims.end()) dims.push_back(k);
+  const bool kernels = mode == "kernels";
+  const std::string dir = recs.empty() ? "forward" : recs[0]["direction"].get<std::string>();
+  std::vector<testing::PlotPanel> panels;
+  auto series = [](testing::PlotPanel& panel, const std::string& title, bool dashed) -> testing::PlotSeries& {
+    for (auto& s : panel.series)
+      if (s.title == title) return s;
+    return panel.series.emplace_back(testing::PlotSeries{title, {}, dashed});
+  };
+  for (const auto& r : recs) {
+    if (r["direction"] != dir) continue;
+    const std::string key = std::to_string(r[kernels ? "threads" : "BH"].get<std::size_t>());
+    const std::string title = kernels ? dir + ", " + key + " thread(s)" : dir + ", B·H = " + key;
+    auto it = std::find_if(panels.begin(), panels.end(), [&](const auto& p) { return p.title == title; });
+    if (it == panels.end()) {
+      panels.push_back({title, kernels ? "chain length" : "P (in-process ranks)", kernels ? "GFLOP/s" : "time / floor",
+                        true, false, true, {}, kernels ? r["peak_gflops"].get<double>() : 1.15,
+                        kernels ? "measured FMA peak" : "target 1.15"});
+      it = panels.end() - 1;
     }
-    std::string dir = recs.empty() ? "forward" : recs[0]["direction"].get<std::string>();
-    script += "set logscale x 2\nset xlabel 'chain length'\nset ylabel 'GFLOP/s'\nset yrange [0:*]\n";
-    script += "set multiplot layout 1," + std::to_string(threads.size()) + "\n";
-    for (std::size_t t : threads) {
-      std::string blocks, plots;
-      double peak = 0;
-      for (std::size_t k : dims) {
-        const std::string name = "$k" + std::to_string(k) + "t" + std::to_string(t);
-        blocks += name + " << EOD\n";
-        for (const auto& r : recs)
-          if (r["threads"] == t && r["K"] == k && r["direction"] == dir) {
-            blocks += std::to_string(r["chain"].get<std::size_t>()) + " " + num(r["gflops"], "%.3f") + " " +
-                      num(r["openblas_gflops"], "%.3f") + "\n";
-            peak = r["peak_gflops"].get<double>();
-          }
-        blocks += "EOD\n";
-        plots += (plots.empty() ? "" : ", ") + name + " using 1:2 with linespoints lw 2 title 'kdacp K=V=" +
-                 std::to_string(k) + "', " + name + " using 1:3 with linespoints dt 2 title 'OpenBLAS K=V=" +
-                 std::to_string(k) + "'";
-      }
-      script += blocks + "set title '" + dir + ", " + std::to_string(t) + " thread(s)'\nplot " + plots + ", " +
-                fmt("%.3f", peak) + " with lines lw 2 lc rgb 'black' title 'measured FMA peak'\n";
+    if (kernels) {
+      const std::string k = std::to_string(r["K"].get<std::size_t>());
+      const double x = double(r["chain"].get<std::size_t>());
+      series(*it, "kdacp K=V=" + k, false).points.emplace_back(x, r["gflops"].get<double>());
+      series(*it, "OpenBLAS K=V=" + k, true).points.emplace_back(x, r["openblas_gflops"].get<double>());
+    } else {
+      series(*it, r["protocol"].get<std::string>(), false)
+          .points.emplace_back(double(r["P"].get<std::size_t>()), r["ratio_to_floor"].get<double>());
     }
-    script += "unset multiplot\n";
-  } else {
-    // One panel per B·H: time over floor against P per protocol (forward).
-    std::vector<std::size_t> bhs;
-    std::vector<std::string> protos;
-    for (const auto& r : recs) {
-      const auto b = r["BH"].get<std::size_t>();
-      const auto p = r["protocol"].get<std::string>();
-      if (std::find(bhs.begin(), bhs.end(), b) == bhs.end()) bhs.push_back(b);
-      if (std::find(protos.begin(), protos.end(), p) == protos.end()) protos.push_back(p);
-    }
-    script += "set logscale x 2\nset xlabel 'P (in-process ranks)'\nset ylabel 'time / floor'\nset yrange [0:*]\n";
-    script += "set multiplot layout 1," + std::to_string(bhs.size()) + "\n";
-    for (std::size_t b : bhs) {
-      std::string blocks, plots;
-      for (std::size_t i = 0; i < protos.size(); ++i) {
-        const std::string name = "$p" + std::to_string(i) + "b" + std::to_string(b);
-        std::string rows;
-        for (const auto& r : recs)
-          if (r["BH"] == b && r["protocol"] == protos[i] && r["direction"] == "forward")
-            rows += std::to_string(r["P"].get<std::size_t>()) + " " + num(r["ratio_to_floor"], "%.4f") + "\n";
-        if (rows.empty()) continue;
-        blocks += name + " << EOD\n" + rows + "EOD\n";
-        plots += (plots.empty() ? "" : ", ") + name + " using 1:2 with linespoints lw 2 title '" + protos[i] + "'";
-      }
-      if (plots.empty()) continue;
-      script += blocks + "set title 'forward, B·H = " + std::to_string(b) + "'\nplot " + plots +
-                ", 1.15 with lines dt 2 lc rgb 'black' title 'target 1.15'\n";
-    }
-    script += "unset multiplot\n";
   }
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> gp(popen("gnuplot", "w"), pclose);
-  if (!gp) throw IoError("--plot: cannot start gnuplot (install gnuplot-nox)");
-  std::fputs(script.c_str(), gp.get());
-  if (pclose(gp.release()) != 0)
-    throw IoError("--plot: gnuplot failed to draw " + file + " (is gnuplot installed?)");
+  testing::draw_plot(panels, file, 1200 / int(std::max<std::size_t>(panels.size(), 1)), 500);
 }
 
 void run(const std::string& mode, BenchArgs& args) {
@@ -165,9 +128,7 @@ void add_common(CLI::App& cmd, BenchArgs& a) {
   cmd.add_option("--plot", a.plot, "also draw the records with gnuplot into FILE (.png or .svg)");
   cmd.add_flag("--quick", a.quick, "tiny sweep for smoke tests (seconds)");
   cmd.add_flag("--quiet,-q", a.quiet, "no progress lines on stderr");
-  cmd.add_option("--min-time", a.cfg.min_time, "seconds each timing repeats for (at least 3 runs)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_real(cmd, "--min-time", a.cfg.min_time, "seconds each timing repeats for (at least 3 runs)", kMinTimeRange);
   cmd.add_option("--direction", a.cfg.directions, "forward and/or backward")
       ->check(CLI::IsMember({"forward", "backward"}))
       ->capture_default_str();
@@ -182,19 +143,17 @@ void add_bench_command(CLI::App& app) {
   CLI::App* kern = bench->add_subcommand(
       "kernels", "GFLOP/s of the fused fold vs the measured FMA peak, an OpenBLAS loop and the scalar kernel");
   add_common(*kern, *args);
-  kern->add_option("--dims", args->cfg.dims, "K = V values")->capture_default_str();
-  kern->add_option("--chains", args->cfg.chains, "chain lengths")->capture_default_str();
-  kern->add_option("--threads", args->cfg.threads, "thread counts (0: all hardware threads)")->capture_default_str();
-  kern->add_option("--bh", args->cfg.slabs, "B·H slabs folded in parallel")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_ints(*kern, "--dims", args->cfg.dims, "K = V values", kDimRange);
+  add_ints(*kern, "--chains", args->cfg.chains, "chain lengths", IntRange{1, 1 << 20});
+  add_ints(*kern, "--threads", args->cfg.threads, "thread counts (0: all hardware threads)", kThreadsRange);
+  add_int(*kern, "--bh", args->cfg.slabs, "B·H slabs folded in parallel", kSizeRange);
   kern->callback([args] { run("kernels", *args); });
   CLI::App* prot = bench->add_subcommand(
       "protocols", "each protocol's time vs its floor and its peak extra memory vs the theoretical one");
   add_common(*prot, *args);
-  prot->add_option("--ranks,-P", args->cfg.ranks, "in-process CP sizes")->capture_default_str();
-  prot->add_option("--bh", args->cfg.bhs, "B·H values")->capture_default_str();
-  prot->add_option("--key-dim,-K", args->cfg.key_dim, "K = V")->capture_default_str();
+  add_ints(*prot, "--ranks,-P", args->cfg.ranks, "in-process CP sizes", IntRange{1, 1024});
+  add_ints(*prot, "--bh", args->cfg.bhs, "B·H values", kSizeRange);
+  add_int(*prot, "--key-dim,-K", args->cfg.key_dim, "K = V", kDimRange);
   prot->callback([args] { run("protocols", *args); });
 }
 

@@ -11,5 +11,6 @@ void add_run_command(CLI::App& app);
 void add_kda_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
 void add_calibrate_command(CLI::App& app);
+void add_protocols_command(CLI::App& app);
 
 }  // namespace kdacp::cli

@@ -3,8 +3,10 @@
 #include <sstream>
 
 #include "kdacp/cost_model.hpp"
+#include "kdacp/protocol.hpp"
+#include "flags.hpp"
+#include "kdacp/units.hpp"
 #include "table.hpp"
-#include "units.hpp"
 
 namespace kdacp::cli {
 
@@ -14,18 +16,19 @@ void add_exchange_flags(CLI::App& cmd, ExchangeFlags& f) {
                  "(see kdacp plan)")
       ->check(CLI::IsMember(exchange_methods()))
       ->capture_default_str();
-  cmd.add_option("--group-size", f.group_size,
-                 "group width w for grouped_allgather_p2p / grouped_allgather_rd (must divide P)")
-      ->capture_default_str();
-  cmd.add_option("--segments", f.segments,
-                 "column segments c of pipelined_p2p (and auto when it picks it), 1..V/16; "
-                 "0: the cost model's choice")
-      ->capture_default_str();
-  cmd.add_option("--memory-budget", f.memory_budget,
-                 "auto: per-rank budget for the exchange's extra memory, e.g. 512MiB (default: none)");
+  add_int(cmd, "--group-size", f.group_size,
+          "group width w for the protocols that take one (must divide P; see kdacp protocols)",
+          IntRange{1, kRanksRange.max});
+  add_int(cmd, "--segments", f.segments,
+          "column segments c of pipelined_p2p (and auto when it picks it), at most V/16; "
+          "0: the cost model's choice",
+          IntRange{0, kMaxDim / kDimMultiple});
+  add_quantity(cmd, "--memory-budget", f.memory_budget,
+               "auto: per-rank budget for the exchange's extra memory, e.g. 512MiB (default: none)",
+               Quantity::bytes);
   cmd.add_flag("--allow-reassociation", f.allow_reassociation,
-               "auto: also weigh recursive_doubling and grouped_allgather_rd (not bitwise equal to "
-               "the chain; error bound in docs/protocols.md)");
+               "auto: also weigh the reassociating protocols (not bitwise equal to the chain; "
+               "error bound in kdacp protocols)");
   cmd.add_option("--calibration", f.calibration,
                  "auto: cost parameters from `kdacp calibrate` (default: the built-in "
                  "InfiniBand-like machine)");
@@ -36,7 +39,7 @@ ExchangeOptions exchange_options(const ExchangeFlags& f, const SummaryShape& sha
   o.segments = f.segments;
   o.allow_reassociation = f.allow_reassociation;
   if (!f.memory_budget.empty())
-    o.memory_budget_bytes = static_cast<std::size_t>(parse_bytes(f.memory_budget, "--memory-budget"));
+    o.memory_budget_bytes = parse_bytes(f.memory_budget, "--memory-budget");
   if (!f.calibration.empty()) o.cost = load_cost_params(f.calibration);
   o.expected_shape = shape;
   return o;
@@ -46,10 +49,7 @@ std::string describe_method(const StateExchange& ex, const ExchangeFlags& flags)
   const auto pred = ex.prediction();
   if (!pred) return ex.method();
   std::ostringstream os;
-  os << flags.protocol << " -> " << pred->config.method;
-  if (pred->config.group_size > 1) os << " w=" << pred->config.group_size;
-  if (pred->config.segments > 0) os << " c=" << pred->config.segments;
-  os << " (predicted " << fmt("%.3g", pred->seconds * 1e3) << " ms per call, "
+  os << flags.protocol << " -> " << protocol_label(pred->config) << " (predicted " << fmt("%.3g", pred->seconds * 1e3) << " ms per call, "
      << fmt_bytes(static_cast<double>(pred->peak_extra_bytes)) << " extra per rank, "
      << (pred->exact ? "exact" : "reassociating") << ")";
   return os.str();

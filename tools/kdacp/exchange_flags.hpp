@@ -16,7 +16,7 @@ struct ExchangeFlags {
   long long group_size = 1;
   std::size_t segments = 0;          // pipelined_p2p / auto: 0 = the model's c
   std::string memory_budget;         // auto: per-rank budget, e.g. "2GiB"; empty = none
-  bool allow_reassociation = false;  // auto: weigh recursive_doubling and grouped_allgather_rd
+  bool allow_reassociation = false;  // auto: weigh the reassociating protocols too
   std::string calibration;           // auto: CostParams JSON from `kdacp calibrate`
 };
 

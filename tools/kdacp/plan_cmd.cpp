@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -12,8 +10,11 @@
 #include "commands.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/protocol.hpp"
+#include "kdacp/testing/plot.hpp"
+#include "flags.hpp"
+#include "kdacp/units.hpp"
 #include "table.hpp"
-#include "units.hpp"
 
 namespace kdacp::cli {
 
@@ -26,12 +27,7 @@ std::string fmt_time(double s) {
   return fmt("%.3f s", s);
 }
 
-std::string config_name(const Prediction& p) {
-  std::string name = p.config.method;
-  if (p.config.group_size > 1) name += " w=" + std::to_string(p.config.group_size);
-  if (p.config.segments > 0) name += " c=" + std::to_string(p.config.segments);
-  return name;
-}
+std::string config_name(const Prediction& p) { return protocol_label(p.config); }
 
 struct PlanConfig {
   std::size_t ranks = 1024, batch = 1, heads = 32, key_dim = 128, value_dim = 128;
@@ -61,53 +57,30 @@ std::map<std::string, Prediction> best_per_method(const CostParams& params, Prob
   return best;
 }
 
+// Predicted time of each protocol's best configuration against P = 2, 4, ...
 void write_plot(const PlanConfig& cfg, const CostParams& params, const ProblemShape& base) {
-  const std::vector<std::string> methods = {"p2p", "pipelined_p2p", "allgather",
-                                            "grouped_allgather_p2p", "recursive_doubling",
-                                            "grouped_allgather_rd"};
-  const std::string data = cfg.plot + ".dat";
-  {
-    std::ofstream out(data);
-    out << "# P";
-    for (const auto& m : methods) out << " " << m;
-    out << "\n";
-    for (std::size_t p = 2; p <= std::max<std::size_t>(base.ranks, 2); p *= 2) {
-      ProblemShape s = base;
-      s.ranks = p;
-      const auto best = best_per_method(params, s);
-      out << p;
-      for (const auto& m : methods) {
-        const auto it = best.find(m);
-        out << " " << (it == best.end() ? std::string("NaN") : fmt("%.9g", it->second.seconds * 1e3));
-      }
-      out << "\n";
+  testing::PlotPanel panel{"kdacp plan: B*H=" + std::to_string(base.slabs) + " K=" + std::to_string(base.key_dim) +
+                               " V=" + std::to_string(base.value_dim) + " (" + params.source + ")",
+                           "P (ranks)", "predicted time (ms)", true, true, false, {}, NAN, ""};
+  for (const ProtocolDescriptor* row : protocol_registry())
+    if (!row->chooser()) panel.series.push_back({std::string(row->name), {}, false});
+  for (std::size_t p = 2; p <= std::max<std::size_t>(base.ranks, 2); p *= 2) {
+    ProblemShape s = base;
+    s.ranks = p;
+    const auto best = best_per_method(params, s);
+    for (auto& series : panel.series) {
+      const auto it = best.find(series.title);
+      series.points.emplace_back(double(p), it == best.end() ? NAN : it->second.seconds * 1e3);
     }
-    if (!out) throw IoError("cannot write '" + data + "'");
   }
-  const std::string script = cfg.plot + ".gp";
-  {
-    std::ofstream gp(script);
-    gp << "set terminal png size 900,600 noenhanced\nset output '" << cfg.plot << "'\n"
-       << "set logscale xy\nset xlabel 'P (ranks)'\nset ylabel 'predicted time (ms)'\n"
-       << "set key left top\nset grid\nset title 'kdacp plan: B*H=" << base.slabs
-       << " K=" << base.key_dim << " V=" << base.value_dim << " (" << params.source << ")'\n"
-       << "plot";
-    for (std::size_t i = 0; i < methods.size(); ++i)
-      gp << (i ? "," : "") << " '" << data << "' using 1:" << i + 2 << " with linespoints title '"
-         << methods[i] << "'";
-    gp << "\n";
-  }
-  const std::string cmd = "gnuplot '" + script + "'";
-  if (std::system(cmd.c_str()) != 0) throw IoError("gnuplot failed on '" + script + "'");
-  std::printf("plot written to %s (data %s)\n", cfg.plot.c_str(), data.c_str());
+  testing::draw_plot({panel}, cfg.plot, 900, 600, true);
+  std::printf("plot written to %s (gnuplot script with the data: %s.gp)\n", cfg.plot.c_str(), cfg.plot.c_str());
 }
 
 void run_plan(const PlanConfig& cfg) {
   const CostParams params = params_of(cfg);
   const ProblemShape shape{cfg.ranks, cfg.batch * cfg.heads, cfg.key_dim, cfg.value_dim, 4};
-  const std::size_t budget =
-      cfg.memory_budget.empty() ? 0
-                                : static_cast<std::size_t>(parse_bytes(cfg.memory_budget, "--memory-budget"));
+  const std::size_t budget = cfg.memory_budget.empty() ? 0 : parse_bytes(cfg.memory_budget, "--memory-budget");
   std::printf("cluster: P=%zu, B*H=%zu, K=%zu, V=%zu; alpha %s, bandwidth %.3g GB/s, %.6g GFLOP/s (%s)\n",
               shape.ranks, shape.slabs, shape.key_dim, shape.value_dim,
               fmt_time(params.alpha_s).c_str(), 1e-9 / params.beta_s_per_byte, params.gflops,
@@ -115,7 +88,7 @@ void run_plan(const PlanConfig& cfg) {
   const auto all = predict_all(params, shape, true);
   double allgather = 0;
   for (const auto& p : all)
-    if (p.config.method == "allgather") allgather = p.seconds;
+    if (p.config.method == kBaselineProtocol) allgather = p.seconds;
   Table t({"protocol", "exact", "time", "vs allgather", "peak memory/rank", "within budget"});
   for (const auto& p : all) {
     t.add({config_name(p), p.exact ? "yes" : "no", fmt_time(p.seconds),
@@ -140,19 +113,23 @@ void add_plan_command(CLI::App& app) {
   auto cfg = std::make_shared<PlanConfig>();
   CLI::App* cmd = app.add_subcommand(
       "plan", "predict every protocol's time and memory for a hypothetical cluster (cost model)");
-  cmd->add_option("--ranks,-P", cfg->ranks, "CP size P")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--batch,-B", cfg->batch, "batch size B")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--heads,-H", cfg->heads, "heads H")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--key-dim,-K", cfg->key_dim, "key dim K")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--value-dim,-V", cfg->value_dim, "value dim V")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--alpha", cfg->alpha, "per-message latency, e.g. 5us (default 5us)");
-  cmd->add_option("--bandwidth", cfg->bandwidth, "per-rank bandwidth, e.g. 50GB/s (default 45GB/s)");
-  cmd->add_option("--gflops", cfg->gflops, "fold throughput per rank in GFLOP/s (default 40000)");
-  cmd->add_option("--group-alpha", cfg->group_alpha, "latency inside an all-gather group (NVLink)");
-  cmd->add_option("--group-bandwidth", cfg->group_bandwidth, "bandwidth inside an all-gather group");
+  // P is hypothetical here, so larger than any run; the shape limits are the runs'.
+  add_int(*cmd, "--ranks,-P", cfg->ranks, "CP size P", IntRange{1, 1 << 20});
+  add_int(*cmd, "--batch,-B", cfg->batch, "batch size B", kSizeRange);
+  add_int(*cmd, "--heads,-H", cfg->heads, "heads H", kSizeRange);
+  add_int(*cmd, "--key-dim,-K", cfg->key_dim, "key dim K", kDimRange);
+  add_int(*cmd, "--value-dim,-V", cfg->value_dim, "value dim V", kDimRange);
+  add_quantity(*cmd, "--alpha", cfg->alpha, "per-message latency, e.g. 5us (default 5us)", Quantity::seconds);
+  add_quantity(*cmd, "--bandwidth", cfg->bandwidth, "per-rank bandwidth, e.g. 50GB/s (default 45GB/s)",
+               Quantity::rate);
+  add_real(*cmd, "--gflops", cfg->gflops, "fold throughput per rank in GFLOP/s", kPositive)->default_str("40000");
+  add_quantity(*cmd, "--group-alpha", cfg->group_alpha, "latency inside an all-gather group (NVLink)",
+               Quantity::seconds);
+  add_quantity(*cmd, "--group-bandwidth", cfg->group_bandwidth, "bandwidth inside an all-gather group",
+               Quantity::rate);
   cmd->add_option("--calibration", cfg->calibration, "JSON from `kdacp calibrate` (flags override it)");
-  cmd->add_option("--memory-budget", cfg->memory_budget, "per-rank budget for auto, e.g. 2GiB");
-  cmd->add_option("--plot", cfg->plot, "write a PNG of time vs P per protocol (gnuplot)");
+  add_quantity(*cmd, "--memory-budget", cfg->memory_budget, "per-rank budget for auto, e.g. 2GiB", Quantity::bytes);
+  cmd->add_option("--plot", cfg->plot, "write a PNG of time vs P per protocol (gnuplot) and its script FILE.gp");
   cmd->callback([cfg] { run_plan(*cfg); });
 }
 

@@ -1,10 +1,13 @@
-// Measurement helpers behind `kdacp bench`: what the hardware can do, so that
-// kernel and protocol timings can be printed as ratios of it in the same run.
-// Not used by the exchange itself.
+// Measurement helpers behind `kdacp bench` and `kdacp run`: what the hardware
+// can do and how much work the layer is, so that timings can be printed as
+// ratios of it in the same run. Part of kdacp_testing; the exchange never
+// uses them.
 #pragma once
 
 #include <cstddef>
 #include <string>
+
+#include "kdacp/kda.hpp"
 
 namespace kdacp {
 
@@ -23,3 +26,13 @@ struct PeakResult {
 PeakResult measure_fma_peak(std::size_t threads, double seconds = 0.1);
 
 }  // namespace kdacp
+
+namespace kdacp::kda {
+
+// Flops of the recurrence as this implementation runs it on `shape`. The
+// context-parallel layer adds the summary (forward) and the G pass (backward)
+// to what one device runs.
+double forward_flops(const Shape& shape, bool context_parallel);
+double backward_flops(const Shape& shape, bool context_parallel);
+
+}  // namespace kdacp::kda

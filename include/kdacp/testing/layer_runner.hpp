@@ -1,6 +1,7 @@
 // Runs the context-parallel KDA layer on in-process ranks over a whole
-// sequence and collects outputs and gradients in the global layout. Shared by
-// `kdacp run` and `kdacp kda`.
+// sequence and collects outputs and gradients in the global layout, to compare
+// it with one device or another implementation (`kdacp run`, `kdacp kda`).
+// Part of kdacp_testing.
 #pragma once
 
 #include <string>
@@ -8,7 +9,7 @@
 
 #include "kdacp/kda_cp.hpp"
 
-namespace kdacp::cli {
+namespace kdacp::testing {
 
 template <class T>
 struct LayerOutputs {
@@ -19,6 +20,7 @@ struct LayerOutputs {
   bool exact = true;  // the protocol performs the chain's operations (SPEC §5)
 };
 
+// Zeroed outputs of `s`; the gradients stay empty unless `grads`.
 template <class T>
 LayerOutputs<T> allocate_outputs(const kda::Shape& s, bool grads);
 
@@ -27,7 +29,11 @@ template <class T>
 LayerOutputs<T> run_single(const kda::LayerData<T>& data, T scale, const std::vector<T>* d_o,
                            std::size_t threads);
 
-// P in-process ranks, each holding its tokens; d_o == nullptr: forward only.
+// P in-process ranks, each holding its tokens, each with its own exchange
+// made by make_state_exchange(mesh, method, group_size, options) and
+// `threads_per_rank` threads; d_o == nullptr: forward only. A rank that waits
+// longer than timeout_s for a peer fails the run; the first error is
+// rethrown.
 template <class T>
 LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
                                      const std::vector<T>* d_o, std::size_t ranks,
@@ -35,7 +41,26 @@ LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
                                      std::size_t threads_per_rank, double timeout_s,
                                      ExchangeOptions options = {});
 
+// Bytes of o and, with grads, of the gradients (as large as the inputs
+// q, k, v, g, beta) of `s` in T of elem_bytes.
+double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes);
+
+// Bytes run_context_parallel allocates for `s` on `ranks` ranks with T of
+// elem_bytes: the ranks' slices, the outputs (gradients too when `grads`),
+// the checkpoints and the summaries, and rank_exchange_bytes per rank for its
+// exchange (exchange_rank_bytes in kdacp/admission.hpp). The caller's inputs
+// are not counted.
+double layer_run_bytes(const kda::Shape& s, std::size_t ranks, bool grads, std::size_t elem_bytes,
+                       double rank_exchange_bytes);
+
+// Relative Frobenius errors of o, dq, dk, dv, dg and dbeta of `got` against
+// `want` (reference::relative_error), in that order.
+std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want);
+
+// Whether o and every gradient are bitwise equal.
+bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b);
+
 // The summary shape of the layer's state exchange: [B, HV, K, V].
 SummaryShape layer_summary_shape(const kda::Shape& s);
 
-}  // namespace kdacp::cli
+}  // namespace kdacp::testing

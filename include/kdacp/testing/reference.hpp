@@ -1,8 +1,7 @@
-// FP64 reference of the chain (SPEC §3, §4), kept out of the library: the CLI
-// and the tests measure the library against it.
+// FP64 reference of the chain (SPEC §3, §4), kept out of the core library: the
+// CLI and the tests measure the library against it. Part of kdacp_testing.
 #pragma once
 
-#include <cmath>
 #include <cstddef>
 #include <vector>
 
@@ -12,53 +11,21 @@
 namespace kdacp::reference {
 
 // Per rank r: incoming_r (forward) or out_r (backward), dense [B,H,K,V] in
-// double. offsets[r] / maps[r] are dense [B,H,K,V] / [B,H,K,K] float arrays.
-inline std::vector<std::vector<double>> chain(const std::vector<const float*>& offsets,
-                                              const std::vector<const float*>& maps,
-                                              const SummaryShape& shape, Direction dir) {
-  const std::size_t p = offsets.size(), k = shape.key_dim, v = shape.value_dim;
-  const std::size_t n = shape.state_elems();
-  std::vector<std::vector<double>> out(p, std::vector<double>(n, 0.0));
-  const bool fwd = dir == Direction::forward;
-  // Walk the chain from its start; position `to` receives from `from`.
-  for (std::size_t step = 1; step < p; ++step) {
-    const std::size_t from = fwd ? step - 1 : p - step;
-    const std::size_t to = fwd ? step : p - 1 - step;
-    for (std::size_t slab = 0; slab < shape.slabs(); ++slab) {
-      const float* s = offsets[from] + slab * k * v;
-      const float* m = maps[from] + slab * k * k;
-      const double* x = out[from].data() + slab * k * v;
-      double* y = out[to].data() + slab * k * v;
-      for (std::size_t i = 0; i < k; ++i)
-        for (std::size_t j = 0; j < v; ++j) {
-          double acc = s[i * v + j];
-          for (std::size_t kk = 0; kk < k; ++kk) {
-            const double a = fwd ? m[i * k + kk] : m[kk * k + i];
-            acc += a * x[kk * v + j];
-          }
-          y[i * v + j] = acc;
-        }
-    }
-  }
-  return out;
-}
+// double, evaluated in the chain's order. offsets[r] / maps[r] are dense
+// [B,H,K,V] / [B,H,K,K] float arrays of rank r.
+std::vector<std::vector<double>> chain(const std::vector<const float*>& offsets,
+                                       const std::vector<const float*>& maps,
+                                       const SummaryShape& shape, Direction dir);
 
 struct ErrorStats {
-  double max_abs = 0;
-  double rel_fro = 0;  // ||x - ref||_F / ||ref||_F (0 when both are zero)
+  double max_abs = 0;  // NaN when any difference is NaN
+  double rel_fro = 0;  // ||x - ref||_F / ||ref||_F (||x - ref||_F when ref is zero)
 };
 
-inline ErrorStats compare(const float* x, const std::vector<double>& ref) {
-  ErrorStats e;
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const double d = static_cast<double>(x[i]) - ref[i];
-    e.max_abs = std::max(e.max_abs, std::abs(d));
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  e.rel_fro = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  return e;
-}
+// x has ref.size() elements.
+ErrorStats compare(const float* x, const std::vector<double>& ref);
+
+// ||a - b||_F / ||b||_F (||a - b||_F when b is zero); a and b have one size.
+double relative_error(const std::vector<float>& a, const std::vector<float>& b);
 
 }  // namespace kdacp::reference

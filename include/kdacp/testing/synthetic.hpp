@@ -1,11 +1,14 @@
-// Deterministic synthetic summaries for tests, benchmarks and the CLI: the
-// same (seed, rank) gives the same bits on every platform and backend, so
-// separate processes can regenerate each other's inputs.
+// Deterministic synthetic inputs for tests, benchmarks and the CLI: summaries
+// of the exchange and inputs of the KDA layer. The same (seed, rank) gives the
+// same bits on every platform and backend, so separate processes can
+// regenerate each other's inputs. Part of kdacp_testing.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "kdacp/kda_cp.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
 
@@ -34,3 +37,16 @@ SyntheticSummary synthetic_summary(const SummaryShape& shape, std::uint64_t seed
                                    bool gradient);
 
 }  // namespace kdacp
+
+namespace kdacp::kda {
+
+// Random but well-conditioned inputs (deterministic in seed): k L2-normalised
+// per token and head, g = log(a) with a in [0.9, 1) so g <= 0, beta in
+// [0.1, 0.9]; q uniform in [-1, 1).
+template <class T>
+LayerData<T> synthetic_layer(const Shape& shape, std::uint64_t seed);
+// A uniform [-1,1) tensor of n elements (for d_o).
+template <class T>
+std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed);
+
+}  // namespace kdacp::kda

@@ -1,0 +1,105 @@
+// Checking a state exchange on a live world (`kdacp exchange`): every rank's
+// summaries from one process, timed calls on every rank, the bitwise
+// comparison with the p2p chain and the errors against the FP64 chain, all
+// collected on rank 0. Part of kdacp_testing. Calls that take a
+// communicator are collective.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdacp/comm.hpp"
+#include "kdacp/exchange.hpp"
+#include "kdacp/mesh.hpp"
+#include "kdacp/summary.hpp"
+#include "kdacp/tensor.hpp"
+#include "kdacp/testing/reference.hpp"
+
+namespace kdacp::testing {
+
+// Every rank's summaries, dense: S and G [B,H,K,V], M [B,H,K,K] per rank.
+struct WorldSummaries {
+  SummaryShape shape;
+  std::vector<std::vector<float>> s, m, g;
+  std::size_t ranks() const { return s.size(); }
+};
+
+// synthetic_summary(shape, seed, r, ...) of ranks r = 0..ranks-1.
+WorldSummaries synthetic_world(const SummaryShape& shape, std::size_t ranks, std::uint64_t seed);
+
+// S.npy [P,B,H,K,V], M.npy [P,B,H,K,K] and optional G.npy [P,B,H,K,V] from
+// `dir`, all float32; without G.npy the gradients are synthetic (seed). A
+// missing or malformed file throws IoError naming it, a NaN or infinity
+// InvalidArgument naming the file and the element.
+WorldSummaries read_world_npy(const std::string& dir, std::uint64_t seed);
+
+// What read_world_npy(dir) allocates at most, from the files' sizes.
+double world_npy_bytes(const std::string& dir);
+
+// Bytes the check allocates in a process that runs `ranks_here` ranks of a
+// world of `world` ranks, rank 0 among them (its gathered world, results and
+// FP64 chain), where one call of the exchange holds rank_call_bytes per rank
+// (exchange_rank_bytes in kdacp/admission.hpp).
+double exchange_check_bytes(const SummaryShape& shape, std::size_t world, std::size_t ranks_here,
+                            double rank_call_bytes);
+
+// This rank's summaries.
+struct RankSummaries {
+  SummaryShape shape;
+  State s, m, g;
+};
+
+// Rank 0 calls make() and sends every rank its own summaries; *world (rank
+// 0's) keeps what make() returned. When make() throws kdacp::Error, rank 0
+// throws InvalidArgument with its message and the other ranks return nullopt
+// instead of waiting for inputs that never come.
+std::optional<RankSummaries> scatter_summaries(Communicator& comm,
+                                               const std::function<WorldSummaries()>& make,
+                                               WorldSummaries* world);
+
+// One rank's measurements: medians per call over the repetitions, traffic
+// and peak extra bytes of the last one. Plain data: it travels as bytes.
+struct ExchangeRecord {
+  double forward_seconds = 0, backward_seconds = 0;
+  double forward_bytes_sent = 0, forward_bytes_received = 0;
+  double backward_bytes_sent = 0, backward_bytes_received = 0;
+  double peak_extra_bytes = 0;
+  double equal_to_p2p = 1;  // 1 or 0; stays 1 unless compare_with_p2p found a difference
+};
+
+struct RankRun {
+  ExchangeRecord record;
+  State incoming, final_grad;  // of the last repetition
+};
+
+// `repeat` forward + backward calls of ex, each started after a barrier.
+RankRun time_exchange(Communicator& comm, StateExchange& ex, const RankSummaries& in,
+                      std::size_t repeat);
+
+// For an exact protocol other than p2p: runs the p2p chain on the same
+// summaries with `exec` and records whether run's results equal it bit for
+// bit. Reassociating protocols and p2p itself leave run untouched (every
+// rank decides alike, so the call stays collective).
+void compare_with_p2p(const DeviceMesh& mesh, const StateExchange& ex, const ExecPolicy& exec,
+                      const RankSummaries& in, RankRun& run);
+
+// Every rank's run on rank 0, in rank order; the other ranks get none.
+std::vector<RankRun> gather_runs(Communicator& comm, const SummaryShape& shape, RankRun mine);
+
+struct RankErrors {
+  reference::ErrorStats forward, backward;
+};
+
+// Each run's incoming state and final-state gradient against the FP64 chain
+// of `world` (one run per rank of world).
+std::vector<RankErrors> chain_errors(const WorldSummaries& world, const std::vector<RankRun>& runs);
+
+// incoming.npy and final_grad.npy [P,B,H,K,V] of the runs into `dir`
+// (created if needed).
+void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std::vector<RankRun>& runs);
+
+}  // namespace kdacp::testing

@@ -1,0 +1,49 @@
+// The KDA layer's inputs and outputs as .npy files in flash-linear-attention's
+// layout (SPEC §9), for comparison with other implementations (`kdacp kda`).
+// Part of kdacp_testing.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdacp/kda_cp.hpp"
+#include "kdacp/npy.hpp"
+#include "kdacp/testing/layer_runner.hpp"
+
+namespace kdacp::testing {
+
+// q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy
+// [B,T,HV] and optional do.npy [B,T,HV,V], all float32 or all float64.
+struct LayerNpy {
+  NpyArray q, k, v, g, beta;
+  std::optional<NpyArray> d_o;
+};
+
+// Reads and checks the files of `dir`: a missing file, a wrong rank, a shape
+// that disagrees with q.npy and v.npy or a dtype unlike q.npy's throws
+// IoError naming the file. Values outside the layer's domain throw
+// InvalidArgument naming the file, the element and the domain: NaN or ±Inf
+// anywhere, g > 0 (g is the log of a decay in (0, 1]), beta outside [0, 1].
+LayerNpy read_layer_npy(const std::string& dir);
+
+// Bytes of the files read_layer_npy(dir) would read.
+double layer_npy_bytes(const std::string& dir);
+
+// The arrays as layer data of T (T must be the files' dtype); the shape is
+// checked with kda::validate.
+template <class T>
+kda::LayerData<T> layer_data(const LayerNpy& in);
+
+// do.npy as T (empty without one).
+template <class T>
+std::vector<T> output_grad(const LayerNpy& in);
+
+// o.npy and, when `in` has do.npy, dq/dk/dv/dg/dbeta.npy into `dir`
+// (created if needed), in the shapes and dtype of the inputs.
+inline const std::vector<std::string> kLayerOutputFiles{"o.npy",  "dq.npy", "dk.npy",
+                                                        "dv.npy", "dg.npy", "dbeta.npy"};
+template <class T>
+void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const LayerOutputs<T>& out);
+
+}  // namespace kdacp::testing

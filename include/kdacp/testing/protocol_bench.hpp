@@ -1,0 +1,78 @@
+// `kdacp bench protocols`: forward and backward time of every exact protocol
+// on in-process ranks beside its floor, and its peak extra memory beside the
+// theoretical one. Part of kdacp_testing.
+//
+// Floor. Each protocol's registry row states its critical path as counts
+// (protocol.hpp CostTerms: fold steps, bytes, messages). The floor prices them
+// with this host's speeds measured in the same run: the fold steps at the
+// kernel speed, the bytes at the memcpy speed measured on exactly that many
+// bytes (the in-process transport is a memcpy), messages free. It is the cost
+// model's prediction with α = 0, β = memcpy and γ = the kernel, so the bench
+// and the model cannot disagree about what a protocol must do. The floor
+// assumes a core per rank; with more ranks than cores the ranks' total work
+// (every rank's fold steps and received bytes) spread over the host's cores
+// is the bound instead when larger: the host floor. The reassociating
+// protocols perform other operations (a log-depth scan) and are measured
+// against the cost model by `kdacp calibrate`, not here.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+#include "kdacp/cost_model.hpp"
+#include "kdacp/kernels.hpp"
+#include "kdacp/summary.hpp"
+
+namespace kdacp::testing {
+
+struct ProtocolBenchConfig {
+  std::vector<std::size_t> ranks;  // in-process P values
+  std::vector<std::size_t> slabs;  // B·H values (B = 1, H = B·H)
+  std::size_t key_dim = 128;       // K = V
+  std::vector<Direction> directions;
+  double min_time = 0.2;  // seconds of timed calls per configuration (median kept)
+};
+
+struct ProtocolRecord {
+  ProtocolConfig config;
+  std::size_t ranks = 0, slabs = 0, key_dim = 0, threads_per_rank = 0;
+  Direction direction = Direction::forward;
+  double seconds = 0;             // median over calls of the slowest rank
+  double floor_seconds = 0;       // critical path at the measured speeds, a core per rank
+  double host_floor_seconds = 0;  // >= floor: all ranks' work over this host's cores
+  std::size_t peak_extra_bytes = 0, theoretical_extra_bytes = 0;
+};
+
+// After each protocol configuration: its forward and backward time and how
+// many of the sweep's configurations are done.
+using ProtocolBenchProgress = std::function<void(const ProtocolConfig& config, std::size_t ranks,
+                                                 std::size_t slabs, double forward_seconds,
+                                                 double backward_seconds, std::size_t done,
+                                                 std::size_t total)>;
+
+// Every exact registry row at each P (group sizes 2 and P/2 where they are
+// proper divisors, a few column segments for rows that take them) and B·H.
+std::vector<ProtocolRecord> bench_protocols(const ProtocolBenchConfig& cfg,
+                                            const ProtocolBenchProgress& progress = {});
+
+// Seconds of one affine step over `slabs` K×K slabs with `threads` threads,
+// best of repeated runs for about min_time: the kernel speed of the floor.
+double step_seconds(std::size_t key_dim, std::size_t slabs, std::size_t threads, Direction dir,
+                    double min_time);
+// Seconds to memcpy `bytes` once (best of repeated runs): the in-process
+// transport's cost.
+double memcpy_seconds(std::size_t bytes, double min_time);
+
+// One configuration on P in-process ranks: per call the slowest rank's time
+// (every rank starts after a barrier), median over the calls; peak extra
+// bytes are the largest of any rank; received bytes are all ranks' together.
+struct ProtocolTiming {
+  double forward_seconds = 0, backward_seconds = 0;
+  std::size_t forward_peak = 0, backward_peak = 0;
+  std::size_t forward_received_all = 0, backward_received_all = 0;
+};
+ProtocolTiming time_protocol(const ProtocolConfig& config, std::size_t ranks, const SummaryShape& shape,
+                             double min_time);
+
+}  // namespace kdacp::testing

@@ -1,0 +1,268 @@
+#include "kdacp/testing/exchange_check.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <type_traits>
+
+#include "kdacp/error.hpp"
+#include "kdacp/finite.hpp"
+#include "kdacp/npy.hpp"
+#include "kdacp/protocol.hpp"
+#include "kdacp/testing/synthetic.hpp"
+
+namespace kdacp::testing {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kTagInputs = 1000;
+constexpr int kTagResults = 2000;
+
+// Fixed-size header rank 0 broadcasts after making the inputs, so that a bad
+// input fails every rank with the same message instead of hanging them.
+struct Header {
+  std::uint64_t ok = 1, p = 0, b = 0, h = 0, k = 0, v = 0;
+  char message[456] = {};
+};
+
+static_assert(std::is_trivially_copyable_v<ExchangeRecord>, "gather_runs sends records as bytes");
+
+std::span<std::byte> raw(void* p, std::size_t n) { return {static_cast<std::byte*>(p), n}; }
+
+std::vector<float> as_vector(const State& st) {
+  return std::vector<float>(st.data(), st.data() + st.size());
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+std::optional<NpyArray> load_summary(const fs::path& dir, const char* name, bool required) {
+  const fs::path p = dir / name;
+  if (!fs::exists(p)) {
+    if (required) throw IoError(p.string() + ": missing (required with --summaries)");
+    return std::nullopt;
+  }
+  NpyArray a = read_npy(p.string());
+  require_finite(a, p.string());
+  if (a.dtype != DType::f32)
+    throw IoError(p.string() + ": dtype " + to_string(a.dtype) + ", expected float32 (summaries are FP32)");
+  if (a.shape.size() != 5)
+    throw IoError(p.string() + ": " + std::to_string(a.shape.size()) +
+                  "-d array, expected 5-d [P,B,H,rows,cols]");
+  return a;
+}
+
+void expect_shape(const std::string& file, const std::vector<std::size_t>& got,
+                  const std::vector<std::size_t>& want) {
+  if (got == want) return;
+  std::string a, b;
+  for (auto x : got) a += std::to_string(x) + ",";
+  for (auto x : want) b += std::to_string(x) + ",";
+  throw IoError(file + ": shape (" + a + ") does not match (" + b + ") implied by S.npy");
+}
+
+// Splits a [P, n] array into P per-rank vectors.
+std::vector<std::vector<float>> per_rank(const std::vector<float>& all, std::size_t p, std::size_t n) {
+  std::vector<std::vector<float>> out;
+  for (std::size_t r = 0; r < p; ++r) out.emplace_back(all.begin() + r * n, all.begin() + (r + 1) * n);
+  return out;
+}
+
+}  // namespace
+
+WorldSummaries synthetic_world(const SummaryShape& shape, std::size_t ranks, std::uint64_t seed) {
+  WorldSummaries w;
+  w.shape = shape;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    auto f = synthetic_summary(shape, seed, r, false);
+    w.s.push_back(as_vector(f.offset));
+    w.m.push_back(as_vector(f.transfer));
+    w.g.push_back(as_vector(synthetic_summary(shape, seed, r, true).offset));
+  }
+  return w;
+}
+
+double world_npy_bytes(const std::string& dir) {
+  double bytes = 0;
+  for (const char* name : {"S.npy", "M.npy", "G.npy"}) {
+    std::error_code ec;
+    const auto size = fs::file_size(fs::path(dir) / name, ec);
+    if (!ec) bytes += double(size);
+  }
+  // The file's bytes, their float32 copy and the per-rank split.
+  return 3 * bytes;
+}
+
+double exchange_check_bytes(const SummaryShape& shape, std::size_t world, std::size_t ranks_here,
+                            double rank_call_bytes) {
+  const double state = double(shape.state_elems()) * sizeof(float);
+  const double transfer = double(shape.slabs()) * double(shape.key_dim) * double(shape.key_dim) * sizeof(float);
+  const double p = double(world);
+  // Per rank: its summaries, the call, the last results and the p2p chain's.
+  const double per_rank = 2 * state + transfer + rank_call_bytes + 4 * state;
+  // Rank 0: every rank's summaries and results, the FP64 chain of both
+  // directions and the buffer of the .npy output.
+  const double root = p * (2 * state + transfer) + p * 2 * state + 2 * p * 2 * state + p * state;
+  return double(ranks_here) * per_rank + root;
+}
+
+WorldSummaries read_world_npy(const std::string& dir, std::uint64_t seed) {
+  if (!fs::is_directory(dir)) throw IoError(dir + ": not a directory");
+  const NpyArray s = *load_summary(dir, "S.npy", true);
+  const NpyArray m = *load_summary(dir, "M.npy", true);
+  const std::optional<NpyArray> g = load_summary(dir, "G.npy", false);
+  WorldSummaries w;
+  w.shape = {s.shape[1], s.shape[2], s.shape[3], s.shape[4]};
+  const std::size_t p = s.shape[0], k = w.shape.key_dim;
+  expect_shape("M.npy", m.shape, {p, w.shape.batch, w.shape.heads, k, k});
+  if (g) expect_shape("G.npy", g->shape, s.shape);
+  const std::size_t ns = w.shape.state_elems(), nm = w.shape.slabs() * k * k;
+  w.s = per_rank(s.to_f32(false), p, ns);
+  w.m = per_rank(m.to_f32(false), p, nm);
+  if (g) {
+    w.g = per_rank(g->to_f32(false), p, ns);
+  } else {
+    for (std::size_t r = 0; r < p; ++r) w.g.push_back(as_vector(synthetic_summary(w.shape, seed, r, true).offset));
+  }
+  return w;
+}
+
+std::optional<RankSummaries> scatter_summaries(Communicator& comm,
+                                               const std::function<WorldSummaries()>& make,
+                                               WorldSummaries* world) {
+  const std::size_t p = comm.size(), r = comm.rank();
+  Header hdr;
+  if (r == 0) {
+    try {
+      *world = make();
+      hdr.p = p;
+      hdr.b = world->shape.batch, hdr.h = world->shape.heads;
+      hdr.k = world->shape.key_dim, hdr.v = world->shape.value_dim;
+    } catch (const Error& e) {
+      hdr.ok = 0;
+      std::snprintf(hdr.message, sizeof hdr.message, "%s", e.what());
+    }
+  }
+  comm.broadcast(raw(&hdr, sizeof hdr), 0);
+  if (!hdr.ok) {
+    if (r == 0) throw InvalidArgument(hdr.message);
+    return std::nullopt;
+  }
+  const SummaryShape shape{hdr.b, hdr.h, hdr.k, hdr.v};
+  RankSummaries in{shape, State(shape.batch, shape.heads, shape.key_dim, shape.value_dim),
+                   State(shape.batch, shape.heads, shape.key_dim, shape.key_dim),
+                   State(shape.batch, shape.heads, shape.key_dim, shape.value_dim)};
+  if (r == 0) {
+    std::vector<std::unique_ptr<Request>> sends;
+    for (std::size_t q = 1; q < p; ++q) {
+      sends.push_back(comm.isend(std::as_bytes(std::span(world->s[q])), q, kTagInputs));
+      sends.push_back(comm.isend(std::as_bytes(std::span(world->m[q])), q, kTagInputs));
+      sends.push_back(comm.isend(std::as_bytes(std::span(world->g[q])), q, kTagInputs));
+    }
+    for (auto& req : sends) req->wait();
+    std::memcpy(in.s.data(), world->s[0].data(), in.s.bytes());
+    std::memcpy(in.m.data(), world->m[0].data(), in.m.bytes());
+    std::memcpy(in.g.data(), world->g[0].data(), in.g.bytes());
+  } else {
+    comm.irecv(raw(in.s.data(), in.s.bytes()), 0, kTagInputs)->wait();
+    comm.irecv(raw(in.m.data(), in.m.bytes()), 0, kTagInputs)->wait();
+    comm.irecv(raw(in.g.data(), in.g.bytes()), 0, kTagInputs)->wait();
+  }
+  return in;
+}
+
+RankRun time_exchange(Communicator& comm, StateExchange& ex, const RankSummaries& in,
+                      std::size_t repeat) {
+  using clock = std::chrono::steady_clock;
+  RankRun run;
+  ExchangeRecord& rec = run.record;
+  std::vector<double> tf, tb;
+  for (std::size_t it = 0; it < repeat; ++it) {
+    comm.barrier();
+    auto t0 = clock::now();
+    run.incoming = ex.forward(in.s.view(), in.m.view());
+    auto t1 = clock::now();
+    const ExchangeStats fs = ex.last_stats();
+    comm.barrier();
+    auto t2 = clock::now();
+    run.final_grad = ex.backward(in.g.view(), in.m.view());
+    auto t3 = clock::now();
+    const ExchangeStats bs = ex.last_stats();
+    tf.push_back(std::chrono::duration<double>(t1 - t0).count());
+    tb.push_back(std::chrono::duration<double>(t3 - t2).count());
+    rec.forward_bytes_sent = double(fs.bytes_sent), rec.forward_bytes_received = double(fs.bytes_received);
+    rec.backward_bytes_sent = double(bs.bytes_sent), rec.backward_bytes_received = double(bs.bytes_received);
+    rec.peak_extra_bytes = double(std::max(fs.peak_extra_bytes, bs.peak_extra_bytes));
+  }
+  rec.forward_seconds = median(tf);
+  rec.backward_seconds = median(tb);
+  return run;
+}
+
+void compare_with_p2p(const DeviceMesh& mesh, const StateExchange& ex, const ExecPolicy& exec,
+                      const RankSummaries& in, RankRun& run) {
+  if (ex.method() == kChainProtocol || !ex.exact()) return;
+  ExchangeOptions chain_opts;
+  chain_opts.exec = exec;
+  auto chain = make_state_exchange(mesh, std::string(kChainProtocol), 1, chain_opts);
+  State ci = chain->forward(in.s.view(), in.m.view());
+  State cg = chain->backward(in.g.view(), in.m.view());
+  run.record.equal_to_p2p = std::memcmp(ci.data(), run.incoming.data(), ci.bytes()) == 0 &&
+                            std::memcmp(cg.data(), run.final_grad.data(), cg.bytes()) == 0;
+}
+
+std::vector<RankRun> gather_runs(Communicator& comm, const SummaryShape& shape, RankRun mine) {
+  if (comm.rank() != 0) {
+    comm.isend(std::as_bytes(std::span(&mine.record, 1)), 0, kTagResults)->wait();
+    comm.isend(raw(mine.incoming.data(), mine.incoming.bytes()), 0, kTagResults)->wait();
+    comm.isend(raw(mine.final_grad.data(), mine.final_grad.bytes()), 0, kTagResults)->wait();
+    return {};
+  }
+  std::vector<RankRun> all(comm.size());
+  all[0] = std::move(mine);
+  for (std::size_t q = 1; q < all.size(); ++q) {
+    RankRun& r = all[q];
+    r.incoming = State(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+    r.final_grad = State(shape.batch, shape.heads, shape.key_dim, shape.value_dim);
+    comm.irecv(raw(&r.record, sizeof(ExchangeRecord)), q, kTagResults)->wait();
+    comm.irecv(raw(r.incoming.data(), r.incoming.bytes()), q, kTagResults)->wait();
+    comm.irecv(raw(r.final_grad.data(), r.final_grad.bytes()), q, kTagResults)->wait();
+  }
+  return all;
+}
+
+std::vector<RankErrors> chain_errors(const WorldSummaries& world, const std::vector<RankRun>& runs) {
+  std::vector<const float*> sp, mp, gp;
+  for (std::size_t q = 0; q < world.ranks(); ++q) {
+    sp.push_back(world.s[q].data());
+    mp.push_back(world.m[q].data());
+    gp.push_back(world.g[q].data());
+  }
+  const auto ref_f = reference::chain(sp, mp, world.shape, Direction::forward);
+  const auto ref_b = reference::chain(gp, mp, world.shape, Direction::backward);
+  std::vector<RankErrors> errors;
+  for (std::size_t q = 0; q < runs.size(); ++q)
+    errors.push_back({reference::compare(runs[q].incoming.data(), ref_f[q]),
+                      reference::compare(runs[q].final_grad.data(), ref_b[q])});
+  return errors;
+}
+
+void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std::vector<RankRun>& runs) {
+  const std::size_t p = runs.size(), n = shape.state_elems();
+  fs::create_directories(dir);
+  std::vector<float> buf(p * n);
+  const std::vector<std::size_t> dims{p, shape.batch, shape.heads, shape.key_dim, shape.value_dim};
+  for (std::size_t q = 0; q < p; ++q) std::memcpy(buf.data() + q * n, runs[q].incoming.data(), runs[q].incoming.bytes());
+  write_npy((fs::path(dir) / "incoming.npy").string(), buf.data(), dims);
+  for (std::size_t q = 0; q < p; ++q) std::memcpy(buf.data() + q * n, runs[q].final_grad.data(), runs[q].final_grad.bytes());
+  write_npy((fs::path(dir) / "final_grad.npy").string(), buf.data(), dims);
+}
+
+}  // namespace kdacp::testing

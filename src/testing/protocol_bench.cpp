@@ -1,0 +1,183 @@
+#include "kdacp/testing/protocol_bench.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+
+#include "kdacp/calibrate.hpp"
+#include "kdacp/exchange.hpp"
+#include "kdacp/inprocess.hpp"
+#include "kdacp/mesh.hpp"
+#include "kdacp/protocol.hpp"
+#include "kdacp/testing/synthetic.hpp"
+#include "kdacp/thread_pool.hpp"
+
+namespace kdacp::testing {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+// pipelined_p2p's column segments in this bench (at most V/16).
+constexpr std::size_t kBenchSegments = 4;
+
+// Every exact row of the registry; a group size of 2 and of P/2 when those
+// are proper divisors (w = 1 and w = P are the chain and allgather), and
+// kBenchSegments segments for rows that take them.
+std::vector<ProtocolConfig> variants(std::size_t p, std::size_t v) {
+  const std::size_t c = std::min(kBenchSegments, max_segments(v));
+  std::vector<ProtocolConfig> out;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (!row->exact()) continue;
+    const std::string m(row->name);
+    if (!row->takes_group_size) {
+      out.push_back({m, 1, row->takes_segments ? c : 0});
+      continue;
+    }
+    for (std::size_t w : {std::size_t{2}, p / 2})
+      if (w > 1 && w < p && p % w == 0 && std::none_of(out.begin(), out.end(), [&](const ProtocolConfig& x) {
+            return x.method == m && x.group_size == w;
+          }))
+        out.push_back({m, w, 0});
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+double step_seconds(std::size_t k, std::size_t slabs, std::size_t threads, Direction dir, double min_time) {
+  constexpr std::size_t kSteps = 4;
+  const SummaryShape shape{1, slabs, k, k};
+  const std::size_t elems = kSteps * shape.state_elems();
+  Buffer offsets(elems * sizeof(float)), transfers(elems * sizeof(float));
+  Rng rng(slabs);
+  for (std::size_t i = 0; i < elems; ++i) transfers.as<float>()[i] = rng.uniform(-1, 1) / float(2 * k);
+  for (std::size_t i = 0; i < elems; ++i) offsets.as<float>()[i] = rng.uniform(-1, 1);
+  State in(1, slabs, k, k), out(1, slabs, k, k);
+  Slots slots;
+  slots.offsets = {StateView::dense(offsets.data(), 1, slabs, k, k), kSteps, shape.state_elems()};
+  slots.transfers = {StateView::dense(transfers.data(), 1, slabs, k, k), kSteps, shape.state_elems()};
+  ThreadPool pool(threads);
+  const ExecPolicy policy{&pool, KernelKind::best};
+  const StateView iv = in.view();
+  const std::size_t first = dir == Direction::forward ? 0 : kSteps - 1;
+  auto run = [&] { scan(slots, first, kSteps, dir, &iv, out.view(), std::nullopt, nullptr, policy); };
+  run();
+  const auto runs = time_runs(min_time, 3, run);
+  return *std::min_element(runs.begin(), runs.end()) / double(kSteps);
+}
+
+double memcpy_seconds(std::size_t bytes, double min_time) {
+  if (bytes == 0) return 0;
+  Buffer src(bytes), dst(bytes);
+  std::memset(src.data(), 1, bytes);
+  const auto runs = time_runs(min_time, 3, [&] { std::memcpy(dst.data(), src.data(), bytes); });
+  return *std::min_element(runs.begin(), runs.end());
+}
+
+ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const SummaryShape& shape, double min_time) {
+  std::vector<std::vector<double>> fwd(p), bwd(p);
+  std::vector<std::size_t> peak_f(p), peak_b(p), recv_f(p), recv_b(p);
+  const std::size_t threads = ThreadPool::default_threads(p);
+  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t r = comm->rank();
+    const SyntheticSummary sm = synthetic_summary(shape, 0, r, false);
+    const SyntheticSummary gm = synthetic_summary(shape, 0, r, true);
+    ThreadPool pool(threads);
+    ExchangeOptions opts;
+    opts.exec.pool = &pool;
+    opts.segments = var.segments;
+    const DeviceMesh mesh = DeviceMesh::create(comm, {p}, {"cp"});
+    auto ex = make_state_exchange(mesh, var.method, static_cast<long long>(var.group_size), opts);
+    auto once = [&](bool record) {
+      comm->barrier();
+      const auto t0 = clock::now();
+      State in = ex->forward(sm.offset.view(), sm.transfer.view());
+      const auto t1 = clock::now();
+      peak_f[r] = std::max(peak_f[r], ex->last_stats().peak_extra_bytes);
+      recv_f[r] = ex->last_stats().bytes_received;
+      comm->barrier();
+      const auto t2 = clock::now();
+      State g = ex->backward(gm.offset.view(), sm.transfer.view());
+      const auto t3 = clock::now();
+      peak_b[r] = std::max(peak_b[r], ex->last_stats().peak_extra_bytes);
+      recv_b[r] = ex->last_stats().bytes_received;
+      const double f = std::chrono::duration<double>(t1 - t0).count();
+      const double b = std::chrono::duration<double>(t3 - t2).count();
+      if (record) fwd[r].push_back(f), bwd[r].push_back(b);
+      return f + b;
+    };
+    // Rank 0 sizes the run from a warm-up call; every rank must make the
+    // same number of collective calls.
+    std::uint64_t iters = 0;
+    const double warm = once(false);
+    if (r == 0) iters = std::clamp<std::uint64_t>(std::uint64_t(min_time / std::max(warm, 1e-6)), 3, 200);
+    comm->broadcast(std::as_writable_bytes(std::span(&iters, 1)), 0);
+    for (std::uint64_t it = 0; it < iters; ++it) once(true);
+  });
+  ProtocolTiming m;
+  std::vector<double> slow_f(fwd[0].size()), slow_b(bwd[0].size());
+  for (std::size_t it = 0; it < slow_f.size(); ++it)
+    for (std::size_t r = 0; r < p; ++r) {
+      slow_f[it] = std::max(slow_f[it], fwd[r][it]);
+      slow_b[it] = std::max(slow_b[it], bwd[r][it]);
+    }
+  m.forward_seconds = median(slow_f);
+  m.backward_seconds = median(slow_b);
+  m.forward_peak = *std::max_element(peak_f.begin(), peak_f.end());
+  m.backward_peak = *std::max_element(peak_b.begin(), peak_b.end());
+  for (std::size_t r = 0; r < p; ++r) m.forward_received_all += recv_f[r], m.backward_received_all += recv_b[r];
+  return m;
+}
+
+std::vector<ProtocolRecord> bench_protocols(const ProtocolBenchConfig& cfg, const ProtocolBenchProgress& progress) {
+  const std::size_t hw = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+  const std::size_t k = cfg.key_dim;
+  std::size_t total = 0, done = 0;
+  for (std::size_t p : cfg.ranks) total += variants(p, k).size() * cfg.slabs.size();
+  std::vector<ProtocolRecord> records;
+  for (std::size_t bh : cfg.slabs) {
+    const SummaryShape shape{1, bh, k, k};
+    for (std::size_t p : cfg.ranks) {
+      const std::size_t threads = ThreadPool::default_threads(p);
+      const double step_s[2] = {step_seconds(k, bh, threads, Direction::forward, cfg.min_time / 4),
+                                step_seconds(k, bh, threads, Direction::backward, cfg.min_time / 4)};
+      for (const ProtocolConfig& var : variants(p, k)) {
+        const ProtocolTiming got = time_protocol(var, p, shape, cfg.min_time);
+        const CostTerms terms = find_protocol(var.method).cost(ProblemShape{p, bh, k, k, sizeof(float)}, var);
+        const auto recv = static_cast<std::size_t>(terms.bytes + terms.group_bytes);
+        const double copy_s = memcpy_seconds(recv, cfg.min_time / 8);
+        for (Direction dir : cfg.directions) {
+          const bool fw = dir == Direction::forward;
+          ProtocolRecord rec{var, p, bh, k, threads, dir};
+          rec.seconds = fw ? got.forward_seconds : got.backward_seconds;
+          rec.peak_extra_bytes = fw ? got.forward_peak : got.backward_peak;
+          rec.theoretical_extra_bytes = terms.peak_extra_bytes;
+          rec.floor_seconds = terms.folds * step_s[fw ? 0 : 1] + copy_s;
+          // Core-seconds of all ranks' steps and of all ranks' copies (every
+          // received byte is one memcpy in-process, at the speed measured on
+          // the critical path's bytes) spread over the host's cores.
+          const std::size_t recv_all = fw ? got.forward_received_all : got.backward_received_all;
+          const double copy_all_s = recv > 0 ? copy_s * double(recv_all) / double(recv) : 0.0;
+          rec.host_floor_seconds =
+              std::max(rec.floor_seconds, (terms.work_folds * step_s[fw ? 0 : 1] * double(threads) + copy_all_s) /
+                                              double(std::min(hw, p * threads)));
+          records.push_back(rec);
+        }
+        ++done;
+        if (progress) progress(var, p, bh, got.forward_seconds, got.backward_seconds, done, total);
+      }
+    }
+  }
+  return records;
+}
+
+}  // namespace kdacp::testing

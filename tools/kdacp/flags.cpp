@@ -1,0 +1,68 @@
+#include "flags.hpp"
+
+#include "kdacp/admission.hpp"
+#include "kdacp/error.hpp"
+
+namespace kdacp::cli {
+
+std::string flag_name(const std::string& names) {
+  std::stringstream in(names);
+  std::string name, first;
+  while (std::getline(in, name, ',')) {
+    if (first.empty()) first = name;
+    if (name.rfind("--", 0) == 0) return name;
+  }
+  return first;
+}
+
+CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
+                      const RealRange& range) {
+  const std::string flag = flag_name(names);
+  std::ostringstream shown;
+  shown << value;
+  return cmd
+      .add_option_function<std::string>(
+          names, [&value, range, flag](const std::string& t) { value = parse_real(t, range, flag); },
+          help + " (" + describe(range) + ")")
+      ->type_name("FLOAT")
+      ->default_str(shown.str());
+}
+
+CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& text, const std::string& help,
+                          Quantity kind) {
+  const std::string flag = flag_name(names);
+  return cmd.add_option_function<std::string>(
+      names,
+      [&text, kind, flag](const std::string& t) {
+        if (kind == Quantity::bytes) parse_bytes(t, flag);
+        else if (kind == Quantity::seconds) parse_seconds(t, flag);
+        else parse_rate(t, flag);
+        text = t;
+      },
+      help);
+}
+
+CLI::Option* add_max_memory(CLI::App& cmd, std::string& text) {
+  return add_quantity(cmd, "--max-memory", text,
+                      "refuse to start when the run's estimated memory exceeds this, e.g. 8GiB "
+                      "(default: what the machine has available now, MemAvailable or the cgroup's limit)",
+                      Quantity::bytes);
+}
+
+std::size_t max_memory_bytes(const std::string& text) {
+  return text.empty() ? available_memory_bytes() : parse_bytes(text, "--max-memory");
+}
+
+std::string max_memory_name(const std::string& text) {
+  return text.empty() ? "memory available now; --max-memory sets another limit" : "--max-memory " + text;
+}
+
+void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank) {
+  const double total = double(ranks_in_process) * double(std::max<std::size_t>(threads_per_rank, 1));
+  if (total > double(kMaxThreadsPerProcess))
+    throw InvalidArgument("--threads " + std::to_string(threads_per_rank) + " on " + std::to_string(ranks_in_process) +
+                          " ranks of this process is " + std::to_string(std::size_t(total)) +
+                          " threads, expected at most " + std::to_string(kMaxThreadsPerProcess));
+}
+
+}  // namespace kdacp::cli

@@ -1,0 +1,84 @@
+// Every numeric flag of every subcommand goes through these: the text is
+// parsed and range-checked by kdacp/units.hpp (no sign wrap, no overflow,
+// finite reals) before the value is stored; a bad value throws
+// InvalidArgument naming the flag, the text and the limits. The limits are
+// shared so that `plan` accepts exactly the shapes `exchange` runs.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "kdacp/summary.hpp"
+#include "kdacp/units.hpp"
+
+namespace kdacp::cli {
+
+inline constexpr IntRange kDimRange{kMinDim, kMaxDim, kDimMultiple};  // K, V
+inline constexpr IntRange kSizeRange{1, 65536};                       // B, H, B·H
+inline constexpr IntRange kRanksRange{1, 4096};                       // P of a run
+inline constexpr IntRange kThreadsRange{0, 1024};                     // per rank; 0: default
+inline constexpr RealRange kPositive{0, std::numeric_limits<double>::max(), true};
+inline constexpr RealRange kMinTimeRange{0, 3600, true};  // seconds a measurement repeats
+// Ranks of a process times their threads: beyond this, thread creation
+// fails on an ordinary host.
+inline constexpr std::size_t kMaxThreadsPerProcess = 16384;
+
+// The option's long name ("--key-dim") from CLI11's "--key-dim,-K".
+std::string flag_name(const std::string& names);
+
+template <class T>
+CLI::Option* add_int(CLI::App& cmd, const std::string& names, T& value, const std::string& help,
+                     const IntRange& range) {
+  const std::string flag = flag_name(names);
+  return cmd
+      .add_option_function<std::string>(
+          names, [&value, range, flag](const std::string& t) { value = static_cast<T>(parse_integer(t, range, flag)); },
+          help + " (" + describe(range) + ")")
+      ->type_name("UINT")
+      ->default_str(std::to_string(value));
+}
+
+template <class T>
+CLI::Option* add_ints(CLI::App& cmd, const std::string& names, std::vector<T>& values, const std::string& help,
+                      const IntRange& range) {
+  const std::string flag = flag_name(names);
+  std::string shown;
+  for (const T& v : values) {
+    if (!shown.empty()) shown += ' ';
+    shown += std::to_string(v);
+  }
+  return cmd
+      .add_option_function<std::vector<std::string>>(
+          names,
+          [&values, range, flag](const std::vector<std::string>& texts) {
+            values.clear();
+            for (const std::string& t : texts) values.push_back(static_cast<T>(parse_integer(t, range, flag)));
+          },
+          help + " (each " + describe(range) + ")")
+      ->type_name("UINT ...")
+      ->default_str(shown);
+}
+
+CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
+                      const RealRange& range);
+
+// A quantity with a unit, kept as text and checked at parse time with
+// parse_bytes / parse_seconds / parse_rate; converted where it is used.
+enum class Quantity { bytes, seconds, rate };
+CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& text, const std::string& help,
+                          Quantity kind);
+
+// --max-memory: what a command may allocate; empty text means what the
+// machine has available now (kdacp/admission.hpp).
+CLI::Option* add_max_memory(CLI::App& cmd, std::string& text);
+std::size_t max_memory_bytes(const std::string& text);
+std::string max_memory_name(const std::string& text);
+
+// InvalidArgument when ranks × threads of one process exceed kMaxThreadsPerProcess.
+void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank);
+
+}  // namespace kdacp::cli
