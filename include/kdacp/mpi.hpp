@@ -11,8 +11,10 @@
 // communicators of one process at the same time.
 //
 // Failure model: every wait polls with a bound (the communicator timeout), so
-// a peer that stops answering turns into Timeout on the waiting rank. Open MPI
-// itself ends the whole job when a process dies. After a Timeout or
+// a peer that stops answering turns into Timeout on the waiting rank, naming
+// the peer it waited for (a rank blocked behind a stopped one is such a peer
+// too: MPI has no failure detector to name the stopped rank instead). Open
+// MPI itself ends the whole job when a process dies. After a Timeout or
 // RemoteError an MPI communicator must not be used again: the abandoned
 // operation may still complete later and write into its buffers. The usual
 // reaction is to report the error and call MpiSession::abort().
@@ -74,10 +76,12 @@ struct MpiOptions {
 // traffic never matches the application's. Collective over MPI_COMM_WORLD.
 // Requires an initialised MPI (an MpiSession, or the host application).
 // Every collective first agrees on its byte count and root across the group
-// (one small all-gather), so a rank whose buffer differs from its peers' gets
+// (one small message to every member, on the top tag MPI allows, which user
+// tags must stay below), so a rank whose buffer differs from its peers' gets
 // InvalidArgument and its peers RemoteError, naming the rank, before any data
-// moves; a point-to-point message of the wrong size is a RemoteError on the
-// receiver naming the sender.
+// moves, and a member that never joins is a Timeout naming it; a
+// point-to-point message of the wrong size is a RemoteError on the receiver
+// naming the sender.
 std::shared_ptr<Communicator> mpi_world(MpiOptions options = {});
 
 // True when this process was started by an MPI launcher (mpirun/mpiexec,

@@ -8,12 +8,15 @@
 //
 // Size agreement: MPI collectives with mismatched counts are erroneous
 // (undefined behaviour, in practice a hang or a corrupted buffer), so each
-// collective first all-gathers a 3-word header (operation, byte count, root)
-// from every member. That is the cheapest scheme that can also NAME the
-// disagreeing rank: an all-reduce of (min, max) costs the same one small
-// collective but only says that someone differs. The header gather also
-// proves every member entered the same collective, so it is the barrier
-// itself, and it makes split() bounded before the blocking MPI_Comm_split.
+// collective first exchanges a 3-word header (operation, byte count, root)
+// with every member, as point-to-point messages on a reserved tag. That can
+// NAME the disagreeing rank, which an all-reduce of (min, max) cannot, and,
+// unlike a header all-gather (which costs about the same P-1 small messages
+// per rank in Open MPI's non-blocking collectives), it also names the members
+// that never arrived when a peer stopped answering: the ones whose header is
+// missing at the deadline. The header exchange proves every member entered
+// the same collective, so it is the barrier itself, and it makes split()
+// bounded before the blocking MPI_Comm_split.
 // Point-to-point sizes are checked on the receiver from the status
 // (MPI_ERR_TRUNCATE when longer, MPI_Get_elements_x when shorter).
 //
@@ -54,21 +57,19 @@ bool mpi_running() {
   return initialized && !finalized;
 }
 
-// Polls `req` until it completes or `deadline` passes. Returns false at the
-// deadline (the request is still active); true with the MPI return code in
-// `rc` otherwise. Large messages move in pipelined fragments that advance
-// only while a process is inside MPI, so the first 20 ms poll continuously,
+// Calls done() until it returns true or `deadline` passes; returns false at
+// the deadline. Large messages move in pipelined fragments that advance only
+// while a process is inside MPI, so the first 20 ms poll continuously,
 // yielding the core between tests (with more ranks than cores the peer we
 // wait for needs it). Only a wait longer than that (a peer that is far
 // behind) backs off to sleeps doubling up to 1 ms, so idle ranks stop burning
 // CPU, at the price of at most ~1 ms added latency for such long waits.
-bool poll(MPI_Request* req, MPI_Status* status, Clock::time_point deadline, int* rc) {
+template <class Done>
+bool poll_until(Clock::time_point deadline, Done done) {
   const auto busy_until = Clock::now() + std::chrono::milliseconds(20);
   std::chrono::microseconds pause{20};
   for (;;) {
-    int flag = 0;
-    *rc = MPI_Test(req, &flag, status);
-    if (*rc != MPI_SUCCESS || flag) return true;
+    if (done()) return true;
     const auto now = Clock::now();
     if (now >= deadline) return false;
     if (now < busy_until) {
@@ -78,6 +79,17 @@ bool poll(MPI_Request* req, MPI_Status* status, Clock::time_point deadline, int*
       pause = std::min(pause * 2, std::chrono::microseconds(1000));
     }
   }
+}
+
+// Polls `req` until it completes or `deadline` passes. Returns false at the
+// deadline (the request is still active); true with the MPI return code in
+// `rc` otherwise.
+bool poll(MPI_Request* req, MPI_Status* status, Clock::time_point deadline, int* rc) {
+  return poll_until(deadline, [&] {
+    int flag = 0;
+    *rc = MPI_Test(req, &flag, status);
+    return *rc != MPI_SUCCESS || flag;
+  });
 }
 
 // `bytes` contiguous bytes as (count, datatype) within MPI's int counts.
@@ -143,10 +155,10 @@ const char* op_name(std::uint64_t op) {
   return "unknown collective";
 }
 
-// An operation whose deadline passed while MPI still owns its buffers: kept
+// Operations whose deadline passed while MPI still owns their buffers: kept
 // alive with them until the communicator goes away.
 struct Abandoned {
-  MPI_Request request = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> requests;
   std::vector<std::uint64_t> send, recv;
 };
 
@@ -172,18 +184,21 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     int tag_ub_flag = 0;
     int* tag_ub = nullptr;
     MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &tag_ub_flag);
-    tag_ub_ = tag_ub_flag ? *tag_ub : 32767;  // the standard's guaranteed minimum
+    // The standard guarantees at least 32767; the top tag carries the
+    // collective headers, so user tags end one below it.
+    header_tag_ = tag_ub_flag ? *tag_ub : 32767;
   }
 
   ~MpiComm() override {
     if (!mpi_running()) return;
     for (auto& a : abandoned_) {
       int flag = 0;
-      if (a->request != MPI_REQUEST_NULL) MPI_Test(&a->request, &flag, MPI_STATUS_IGNORE);
+      MPI_Testall(static_cast<int>(a->requests.size()), a->requests.data(), &flag,
+                  MPI_STATUSES_IGNORE);
       // Still active: MPI may write into its buffers at any time, so they
       // must never be freed. Only happens after a Timeout, when the process
       // is expected to abort anyway.
-      if (a->request != MPI_REQUEST_NULL) a.release();
+      if (!flag) a.release();
     }
     MPI_Comm_free(&comm_);
   }
@@ -211,7 +226,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(),
                          type.type(), comm_, &req),
           "all_gather");
-    wait_collective(req, nullptr, "all_gather of " + std::to_string(slot) + " bytes per slot");
+    wait_collective(req, "all_gather of " + std::to_string(slot) + " bytes per slot");
     stats_.bytes_received += slot * (n - 1);
     stats_.bytes_sent += slot * (n - 1);
     ++stats_.messages_sent;
@@ -224,7 +239,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Ibcast(buffer.data(), type.count(), type.type(), static_cast<int>(root), comm_, &req),
           "broadcast");
-    wait_collective(req, nullptr,
+    wait_collective(req,
                     "broadcast of " + std::to_string(buffer.size()) + " bytes from rank " +
                         std::to_string(global_[root]));
     if (root == rank_) stats_.bytes_sent += buffer.size() * (size_ - 1);
@@ -267,9 +282,9 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
                             " outside the group of size " + std::to_string(size_));
   }
   void check_tag(int tag, const char* op) const {
-    if (tag < 0 || tag > tag_ub_)
+    if (tag < 0 || tag >= header_tag_)
       throw InvalidArgument(who() + op + " tag " + std::to_string(tag) + ", expected 0.." +
-                            std::to_string(tag_ub_));
+                            std::to_string(header_tag_ - 1));
   }
 
   const MpiOptions& options() const { return options_; }
@@ -278,22 +293,63 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   CommStats& counters() { return stats_; }
 
  private:
-  // Gathers every member's header and throws when they disagree: the member
-  // whose (op, bytes, root) differs from the most common one gets
+  // Exchanges headers with every member and throws when they disagree: the
+  // member whose (op, bytes, root) differs from the most common one gets
   // InvalidArgument, the others RemoteError; both messages list who passed
-  // what, by global rank.
+  // what, by global rank. A member whose header does not arrive in time is a
+  // Timeout naming it.
   void agree(Op op, std::size_t bytes, std::size_t root) {
-    auto pending = std::make_unique<Abandoned>();
-    pending->send = {static_cast<std::uint64_t>(op), bytes, root};
-    pending->recv.assign(kHeaderWords * size_, 0);
-    check(MPI_Iallgather(pending->send.data(), kHeaderWords, MPI_UINT64_T, pending->recv.data(),
-                         kHeaderWords, MPI_UINT64_T, comm_, &pending->request),
-          op_name(static_cast<std::uint64_t>(op)));
     const std::string what = std::string(op_name(static_cast<std::uint64_t>(op))) +
                              (op == Op::barrier || op == Op::split
                                   ? ""
                                   : " of " + std::to_string(bytes) + " bytes");
-    wait_collective(pending->request, &pending, what);
+    auto pending = std::make_unique<Abandoned>();
+    pending->send = {static_cast<std::uint64_t>(op), bytes, root};
+    pending->recv.assign(kHeaderWords * size_, 0);
+    std::copy(pending->send.begin(), pending->send.end(),
+              pending->recv.begin() + static_cast<std::ptrdiff_t>(rank_ * kHeaderWords));
+    // Receives first, in group order (request q - (q > rank) is member q's),
+    // then the sends.
+    pending->requests.assign(2 * (size_ - 1), MPI_REQUEST_NULL);
+    for (std::size_t q = 0, i = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      check(MPI_Irecv(pending->recv.data() + q * kHeaderWords, kHeaderWords, MPI_UINT64_T,
+                      static_cast<int>(q), header_tag_, comm_, &pending->requests[i]),
+            what);
+      check(MPI_Isend(pending->send.data(), kHeaderWords, MPI_UINT64_T, static_cast<int>(q),
+                      header_tag_, comm_, &pending->requests[size_ - 1 + i]),
+            what);
+      ++i;
+    }
+    int rc = MPI_SUCCESS;
+    const bool done = poll_until(Clock::now() + options_.timeout, [&] {
+      int flag = 0;
+      rc = MPI_Testall(static_cast<int>(pending->requests.size()), pending->requests.data(), &flag,
+                       MPI_STATUSES_IGNORE);
+      return rc != MPI_SUCCESS || flag;
+    });
+    if (!done) {
+      std::vector<std::size_t> missing;
+      for (std::size_t q = 0, i = 0; q < size_; ++q) {
+        if (q == rank_) continue;
+        int arrived = 0;
+        MPI_Request_get_status(pending->requests[i++], &arrived, MPI_STATUS_IGNORE);
+        if (!arrived) missing.push_back(global_[q]);
+      }
+      abandoned_.push_back(std::move(pending));
+      std::ostringstream os;
+      os << who() << what << ": timed out after " << options_.timeout.count() << " ms ";
+      if (missing.empty()) {
+        os << "waiting for the group's members (global ranks " << list_str(global_)
+           << ") to take this rank's header";
+      } else {
+        os << "waiting for peer rank(s)";
+        for (std::size_t g : missing) os << " " << g;
+        os << " to join";
+      }
+      throw Timeout(os.str());
+    }
+    if (rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(rc));
 
     using Header = std::vector<std::uint64_t>;
     std::map<Header, std::vector<std::size_t>> by_header;
@@ -332,17 +388,18 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     throw RemoteError(os.str());
   }
 
-  // Completes a collective request within the deadline. `keep` (header
-  // gathers) owns buffers that must outlive an abandoned request.
-  void wait_collective(MPI_Request& req, std::unique_ptr<Abandoned>* keep, const std::string& what) {
+  // Completes a collective's data transfer within the deadline. Every member
+  // joined (the header exchange proved it), so a timeout here means one
+  // stopped answering in the middle of the transfer, which MPI cannot
+  // attribute to a member.
+  void wait_collective(MPI_Request& req, const std::string& what) {
     MPI_Status status;
     int rc = MPI_SUCCESS;
     if (!poll(&req, &status, Clock::now() + options_.timeout, &rc)) {
-      if (keep) abandoned_.push_back(std::move(*keep));
       std::ostringstream os;
       os << who() << what << ": timed out after " << options_.timeout.count()
-         << " ms waiting for the group's members (global ranks " << list_str(global_)
-         << ") to join";
+         << " ms in the data transfer with the group's members (global ranks "
+         << list_str(global_) << "), which all joined it";
       throw Timeout(os.str());
     }
     if (rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(rc));
@@ -353,7 +410,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   std::size_t world_size_;
   std::size_t rank_ = 0, size_ = 0;
   std::vector<std::size_t> global_;
-  int tag_ub_ = 32767;
+  int header_tag_ = 32767;
   CommStats stats_;
   std::list<std::unique_ptr<Abandoned>> abandoned_;
 };
