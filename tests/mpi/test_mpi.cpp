@@ -285,12 +285,13 @@ struct Variant {
 // ones (auto is one of these and is tested through choose_protocol in-process).
 std::vector<Variant> method_widths(std::size_t p) {
   std::vector<Variant> out;
-  for (const MethodInfo& m : exchange_method_info()) {
-    if (m.chooser) continue;
-    if (m.takes_group_size)
-      for (std::size_t w : divisors(p)) out.push_back({m.name, w, m.exact});
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser()) continue;
+    const std::string name(row->name);
+    if (row->takes_group_size)
+      for (std::size_t w : divisors(p)) out.push_back({name, w, row->exact()});
     else
-      out.push_back({m.name, 1, m.exact});
+      out.push_back({name, 1, row->exact()});
   }
   return out;
 }

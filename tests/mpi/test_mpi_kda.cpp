@@ -1,4 +1,4 @@
-// The context-parallel KDA layer over MPI (issue 4: every backend): each
+// The context-parallel KDA layer over MPI: each
 // process holds its tokens, runs the layer over the MPI CP mesh, and compares
 // its slice of o and of every gradient with one device, computed in the same
 // process from the same seeded inputs; exact protocols agree bit for bit.
@@ -34,10 +34,9 @@ Outputs<T> single_slice(const LayerData<T>& d, const std::vector<T>& d_o, TokenS
   const Shape& s = d.shape;
   Outputs<T> full = alloc<T>(s);
   const auto in = d.inputs(default_scale<T>(s.key_dim));
-  forward(in, nullptr, full.o.data(), nullptr, 1);
+  forward(in, nullptr, full.o.data(), nullptr);
   backward(in, nullptr, d_o.data(), nullptr,
-           Grads<T>{full.dq.data(), full.dk.data(), full.dv.data(), full.dg.data(), full.dbeta.data(), nullptr},
-           1);
+           Grads<T>{full.dq.data(), full.dk.data(), full.dv.data(), full.dg.data(), full.dbeta.data(), nullptr});
   Shape ls = s;
   ls.tokens = range.count;
   Outputs<T> part = alloc<T>(ls);
@@ -67,17 +66,17 @@ void check(double tol) {
 
   Outputs<T> chain;
   bool have_chain = false;
-  for (const MethodInfo& info : exchange_method_info()) {
-    if (info.chooser) continue;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser()) continue;
+    const std::string name(row->name);
     std::vector<long long> widths{1};
-    if (info.takes_group_size)
+    if (row->takes_group_size)
       for (std::size_t w = 2; w <= p; ++w)
         if (p % w == 0) widths.push_back(static_cast<long long>(w));
     for (long long w : widths) {
-      SCOPED_TRACE(info.name + " w=" + std::to_string(w) + " rank " + std::to_string(rank) + " of " +
+      SCOPED_TRACE(name + " w=" + std::to_string(w) + " rank " + std::to_string(rank) + " of " +
                    std::to_string(p));
-      auto ex = make_state_exchange(mesh, info.name, w);
-      ContextParallelLayer<T> layer(*ex, 1);
+      ContextParallelLayer<T> layer(mesh, name, w);
       const auto in = local.inputs(default_scale<T>(shape.key_dim));
       Outputs<T> got = alloc<T>(local.shape);
       const Saved saved = layer.forward(in, got.o.data());
@@ -87,7 +86,7 @@ void check(double tol) {
       const auto g = fields(got), e = fields(want);
       const char* names[] = {"o", "dq", "dk", "dv", "dg", "dbeta"};
       for (std::size_t i = 0; i < g.size(); ++i) EXPECT_LT(rel(*g[i], *e[i]), tol) << names[i];
-      if (!ex->exact()) continue;
+      if (!layer.exchange().exact()) continue;
       if (!have_chain) {
         chain = got;
         have_chain = true;
