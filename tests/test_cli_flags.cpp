@@ -49,7 +49,9 @@ TEST(CliFlags, QuantitiesWithUnits) {
   EXPECT_DOUBLE_EQ(parse_seconds("5us", "--alpha"), 5e-6);
   EXPECT_DOUBLE_EQ(parse_rate("50GB/s", "--bandwidth"), 50e9);
   EXPECT_EQ(parse_bytes("2GiB", "--memory-budget"), std::size_t{2} << 30);
-  for (const char* bad : {"1e30GiB", "-1GiB", "0", "nanMiB", "5parsecs", "1e400"})
+  EXPECT_EQ(parse_bytes("1.5KiB", "--memory-budget"), 1536u);
+  // A fraction of a byte would truncate to 0, the "unlimited" budget (found by fuzz/units_fuzz.cpp).
+  for (const char* bad : {"1e30GiB", "-1GiB", "0", "nanMiB", "5parsecs", "1e400", ".81", "0.5B"})
     EXPECT_THROW(parse_bytes(bad, "--memory-budget"), InvalidArgument) << bad;
   EXPECT_THROW(parse_seconds("inf", "--alpha"), InvalidArgument);
   EXPECT_THROW(parse_rate("-5GB/s", "--bandwidth"), InvalidArgument);

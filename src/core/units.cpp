@@ -107,6 +107,9 @@ std::size_t parse_bytes(std::string_view text, std::string_view what) {
                            {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
   // 2^63: every larger value is no budget a machine has, and the cast stays defined.
   const double x = parse_with_unit(text, units, what, 9223372036854775808.0);
+  // A positive fraction of a byte would truncate to 0, which budgets read as
+  // "unlimited": refuse it rather than change its meaning.
+  if (x < 1) reject(what, text, "a size of at least 1 byte");
   return static_cast<std::size_t>(x);
 }
 
