@@ -181,7 +181,8 @@ TEST(Exchange, ReportsTrafficAndPeakMemory) {
   constexpr std::size_t P = 4;
   const SummaryShape shape{1, 4, 32, 32};
   World w(P, shape, 12);
-  const std::size_t state = shape.state_elems() * 4, slot = shape.packed_elems() * 4;
+  // A packed slot carries 64 bytes of flags (the cut) after [S|M].
+  const std::size_t state = shape.state_elems() * 4, slot = shape.packed_elems() * 4 + 64;
   run_in_process(P, [&](const std::shared_ptr<Communicator>& comm) {
     const std::size_t r = comm->rank();
     auto mesh = DeviceMesh::create(comm, {P}, {"cp"});

@@ -1,9 +1,10 @@
 // The protocol matrix, generated from the registry (protocol.hpp): every row ×
-// P × every valid group size × every valid segment count. Exact rows must give
-// the chain's bits, which are the serial fold's bits; reassociating rows must
-// stay within their documented bound of the FP64 chain; every row's measured
-// peak memory must stay within its cost model's. A protocol added to the
-// registry is tested here without a line of this file changing.
+// P × every valid group size × every valid segment count × cut patterns
+// (SPEC §10: parts that contain a sequence start). Exact rows must give the
+// chain-with-cuts bits, which are the serial fold's bits; reassociating rows
+// must stay within their documented bound of the FP64 chain with cuts; every
+// row's measured peak memory must stay within its cost model's. A protocol
+// added to the registry is tested here without a line of this file changing.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,7 +26,7 @@ struct ConfigRun {
   bool exact = true;
 };
 
-ConfigRun run_config(const World& w, const ProtocolConfig& config) {
+ConfigRun run_config(const World& w, const ProtocolConfig& config, const std::vector<char>& cuts) {
   const std::size_t p = w.size();
   ConfigRun res{std::vector<State>(p), std::vector<State>(p), std::vector<ExchangeStats>(p),
           std::vector<ExchangeStats>(p), {}, true};
@@ -37,9 +38,10 @@ ConfigRun run_config(const World& w, const ProtocolConfig& config) {
     o.segments = config.segments;
     auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
     auto ex = make_state_exchange(mesh, config.method, static_cast<long long>(config.group_size), o);
-    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view());
+    const PartFlags part{cuts[r] != 0};
+    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view(), part);
     res.fwd_stats[r] = ex->last_stats();
-    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view());
+    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view(), part);
     res.bwd_stats[r] = ex->last_stats();
     methods[r] = ex->method();
     exact[r] = ex->exact();
@@ -53,9 +55,10 @@ ConfigRun run_config(const World& w, const ProtocolConfig& config) {
   return res;
 }
 
-// The float chain, serially, with the library's step kernel: what every exact
-// protocol must reproduce bit for bit (SPEC §5).
-std::vector<State> serial_fold(const World& w, Direction dir) {
+// The float chain with cuts, serially, with the library's step kernel: what
+// every exact protocol must reproduce bit for bit (SPEC §5, §10). A cut sends
+// its offset itself; so does the chain's first position.
+std::vector<State> serial_fold(const World& w, const std::vector<char>& cuts, Direction dir) {
   const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
   std::vector<State> out;
   for (std::size_t r = 0; r < p; ++r) out.emplace_back(w.shape.batch, w.shape.heads, k, v);
@@ -64,7 +67,7 @@ std::vector<State> serial_fold(const World& w, Direction dir) {
     const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
     const State& off = fwd ? w.s[from] : w.g[from];
     for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab) {
-      if (step == 1) {
+      if (step == 1 || cuts[from]) {
         std::memcpy(out[to].data() + slab * k * v, off.data() + slab * k * v, k * v * sizeof(float));
       } else {
         affine_step(w.m[from].data() + slab * k * k, k, out[from].data() + slab * k * v, v,
@@ -75,23 +78,68 @@ std::vector<State> serial_fold(const World& w, Direction dir) {
   return out;
 }
 
+// The same chain in FP64, for the reassociating rows' bound.
+std::vector<std::vector<double>> fp64_chain(const World& w, const std::vector<char>& cuts, Direction dir) {
+  const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
+  std::vector<std::vector<double>> out(p, std::vector<double>(w.shape.state_elems(), 0.0));
+  const bool fwd = dir == Direction::forward;
+  for (std::size_t step = 1; step < p; ++step) {
+    const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
+    const float* off = (fwd ? w.s[from] : w.g[from]).data();
+    const float* m = w.m[from].data();
+    for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab)
+      for (std::size_t i = 0; i < k; ++i)
+        for (std::size_t j = 0; j < v; ++j) {
+          double acc = off[slab * k * v + i * v + j];
+          if (!cuts[from])
+            for (std::size_t q = 0; q < k; ++q)
+              acc += double(fwd ? m[slab * k * k + i * k + q] : m[slab * k * k + q * k + i]) *
+                     out[from][slab * k * v + q * v + j];
+          out[to][slab * k * v + i * v + j] = acc;
+        }
+  }
+  return out;
+}
+
+// Cut patterns for P positions: none, every one, the first, the last, every
+// third, and a fixed pseudo-random one.
+std::vector<std::vector<char>> cut_patterns(std::size_t p) {
+  std::vector<std::vector<char>> out(6, std::vector<char>(p, 0));
+  for (std::size_t r = 0; r < p; ++r) {
+    out[1][r] = 1;
+    out[4][r] = r % 3 == 1;
+    out[5][r] = ((r * 2654435761u) >> 7) % 4 == 0;
+  }
+  out[2][0] = 1;
+  out[3][p - 1] = 1;
+  return out;
+}
+
+std::string pattern_name(const std::vector<char>& cuts) {
+  std::string out = "cuts ";
+  for (char c : cuts) out += c ? '1' : '0';
+  return out;
+}
+
 class ProtocolMatrix : public ::testing::TestWithParam<std::size_t> {};
 
 TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
   const std::size_t p = GetParam();
   const SummaryShape shape{1, 2, 16, 32};  // K != V, B·H > 1, two column segments
   World w(p, shape, 9000 + p);
-  const std::vector<State> fold_f = serial_fold(w, Direction::forward);
-  const std::vector<State> fold_b = serial_fold(w, Direction::backward);
-  const auto ref_f = w.reference(Direction::forward);
-  const auto ref_b = w.reference(Direction::backward);
   const ProblemShape ps{p, shape.slabs(), shape.key_dim, shape.value_dim, sizeof(float)};
   std::size_t configs = 0;
+  for (const std::vector<char>& cuts : cut_patterns(p)) {
+  SCOPED_TRACE(pattern_name(cuts));
+  const std::vector<State> fold_f = serial_fold(w, cuts, Direction::forward);
+  const std::vector<State> fold_b = serial_fold(w, cuts, Direction::backward);
+  const auto ref_f = fp64_chain(w, cuts, Direction::forward);
+  const auto ref_b = fp64_chain(w, cuts, Direction::backward);
   for (const ProtocolDescriptor* row : protocol_registry()) {
     for (const ProtocolConfig& config : valid_configs(*row, p, shape.value_dim)) {
       ++configs;
       SCOPED_TRACE(protocol_label(config) + " P=" + std::to_string(p));
-      const ConfigRun res = run_config(w, config);
+      const ConfigRun res = run_config(w, config, cuts);
       const ProtocolDescriptor& built = find_protocol(res.method);
       EXPECT_EQ(res.exact, built.exact());
       // Only the degenerate widths (1 and P) may build another row.
@@ -126,10 +174,12 @@ TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
                          std::size_t{res.bwd_stats[r].peak_extra_bytes}});
       const Prediction pred = predict(CostParams{}, ps, config);
       EXPECT_LE(peak, pred.peak_extra_bytes);
-      if (res.method == row->name) {
+      // Cuts only shorten scans, so the bound is tight without them.
+      if (res.method == row->name && std::count(cuts.begin(), cuts.end(), 1) == 0) {
         EXPECT_GE(peak + shape.state_elems() * sizeof(float), pred.peak_extra_bytes);
       }
     }
+  }
   }
   EXPECT_GT(configs, 0u);
 }

@@ -53,6 +53,15 @@ struct ExchangeOptions {
   std::optional<SummaryShape> expected_shape;
 };
 
+// This rank's part of the token stream (SPEC §10). A part that contains a
+// sequence start is a cut: its outgoing state is its offset exactly, whatever
+// its incoming state (A = 0 instead of M), so its M is validated but never
+// read, and the chain does not wait across it. Forward and backward of one
+// part must be called with the same flags.
+struct PartFlags {
+  bool cut = false;
+};
+
 class StateExchange {
  public:
   virtual ~StateExchange() = default;
@@ -61,9 +70,10 @@ class StateExchange {
 
   // Validates the summary (summary.hpp) before any message, runs the
   // protocol's step and records last_stats(). Not virtual: a protocol writes
-  // only its communication and folds (run()).
-  State forward(const StateView& s, const StateView& m);
-  State backward(const StateView& g, const StateView& m);
+  // only its communication and folds (run()). Every exact protocol returns
+  // the chain-with-cuts result bit for bit (SPEC §5, §10).
+  State forward(const StateView& s, const StateView& m, PartFlags part = {});
+  State backward(const StateView& g, const StateView& m, PartFlags part = {});
 
   // The registry row of the protocol that runs (for auto: the chosen one).
   const ProtocolDescriptor& descriptor() const { return *descriptor_; }
@@ -87,7 +97,8 @@ class StateExchange {
     const StateView& transfer;
     SummaryShape shape;
     Direction direction;
-    int tag;  // message tag of this direction
+    int tag;   // message tag of this direction
+    bool cut;  // this rank's part is a cut: its outgoing value is `offset` itself
   };
 
   StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
@@ -102,7 +113,7 @@ class StateExchange {
 
  private:
   friend struct detail::ExchangeAccess;  // the chooser attaches its prediction
-  State call(const StateView& offset, const StateView& m, Direction direction);
+  State call(const StateView& offset, const StateView& m, Direction direction, PartFlags part);
 
   const ProtocolDescriptor* descriptor_;
   ProtocolConfig config_;

@@ -1,5 +1,6 @@
 #include "exchange/affine_pairs.hpp"
 
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -52,48 +53,59 @@ void copy_view(const StateView& src, const StateView& dst) {
 PairBuffer::PairBuffer(const SummaryShape& shape)
     : shape_(shape),
       // Every part is written before it is read.
-      buf_((shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
-               dtype_size(shape.dtype),
+      buf_(kSlotTailBytes + (shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
+                                dtype_size(shape.dtype),
            Buffer::Init::uninitialized) {}
 
 StateView PairBuffer::offset() const {
-  StateView v = StateView::dense(buf_.data(), shape_.batch, shape_.heads, shape_.key_dim,
-                                 shape_.value_dim);
+  StateView v = StateView::dense(buf_.data() + kSlotTailBytes, shape_.batch, shape_.heads,
+                                 shape_.key_dim, shape_.value_dim);
   v.dtype = shape_.dtype;
   return v;
 }
 
 StateView PairBuffer::transfer() const {
-  StateView v = StateView::dense(buf_.data(), shape_.batch, shape_.heads, shape_.key_dim,
-                                 shape_.key_dim);
+  StateView v = StateView::dense(buf_.data() + kSlotTailBytes, shape_.batch, shape_.heads,
+                                 shape_.key_dim, shape_.key_dim);
   v.dtype = shape_.dtype;
-  v.data = reinterpret_cast<char*>(buf_.data()) + shape_.state_elems() * dtype_size(shape_.dtype);
+  v.data = reinterpret_cast<char*>(buf_.data()) + kSlotTailBytes +
+           shape_.state_elems() * dtype_size(shape_.dtype);
   return v;
+}
+
+bool PairBuffer::cut() const { return buf_.data()[0] != std::byte{0}; }
+
+void PairBuffer::set_cut(bool cut) const {
+  std::memset(buf_.data(), 0, kSlotTailBytes);
+  buf_.data()[0] = std::byte{cut ? std::uint8_t{1} : std::uint8_t{0}};
 }
 
 std::span<std::byte> PairBuffer::bytes(bool with_transfer) const {
   const std::size_t e = dtype_size(shape_.dtype);
-  const std::size_t n = with_transfer ? buf_.bytes() : shape_.state_elems() * e;
+  const std::size_t n = with_transfer ? buf_.bytes() : kSlotTailBytes + shape_.state_elems() * e;
   return {reinterpret_cast<std::byte*>(buf_.data()), n};
 }
 
-void compose(const StateView& outer_offset, const StateView& outer_transfer,
-             const StateView& inner_offset, const StateView& inner_transfer,
-             const PairBuffer& dest, bool with_transfer, Direction direction,
-             const ExecPolicy& policy) {
+void compose(const PairView& outer, const PairView& inner, const PairBuffer& dest,
+             bool with_transfer, Direction direction, const ExecPolicy& policy) {
   const bool bwd = direction == Direction::backward;
   const StateView o = dest.offset();
-  apply_step(outer_transfer, inner_offset, &outer_offset, o, bwd, policy);
-  if (!with_transfer) return;
+  dest.set_cut(outer.cut || inner.cut);
+  if (outer.cut) {
+    // A constant map after anything is itself: no product with its zero transfer.
+    copy_view(outer.offset, o);
+    return;
+  }
+  apply_step(outer.transfer, inner.offset, &outer.offset, o, bwd, policy);
+  if (!with_transfer || inner.cut) return;
   if (bwd) {
-    apply_step(inner_transfer, outer_transfer, nullptr, dest.transfer(), false, policy);
+    apply_step(inner.transfer, outer.transfer, nullptr, dest.transfer(), false, policy);
   } else {
-    apply_step(outer_transfer, inner_transfer, nullptr, dest.transfer(), false, policy);
+    apply_step(outer.transfer, inner.transfer, nullptr, dest.transfer(), false, policy);
   }
 }
 
-State rd_exclusive_scan(Communicator& comm, const StateView& own_offset,
-                        const StateView& own_transfer, const SummaryShape& shape,
+State rd_exclusive_scan(Communicator& comm, const PairView& own, const SummaryShape& shape,
                         Direction direction, const ExecPolicy& policy, int tag) {
   const std::size_t p = comm.size();
   const bool fwd = direction == Direction::forward;
@@ -124,13 +136,13 @@ State rd_exclusive_scan(Communicator& comm, const StateView& own_offset,
         // Before its first receive a position sends its own pair. Only
         // position 0 sends more than once that way, always offsets only.
         if (!packed_own) {
-          copy_view(own_offset, outgoing.offset());
-          if (send_pair) copy_view(own_transfer, outgoing.transfer());
+          copy_view(own.offset, outgoing.offset());
+          if (send_pair && !own.cut) copy_view(own.transfer, outgoing.transfer());
+          outgoing.set_cut(own.cut);
           packed_own = true;
         }
       } else {
-        compose(own_offset, own_transfer, prefix.offset(), prefix.transfer(), outgoing, send_pair,
-                direction, policy);
+        compose(own, prefix.view(), outgoing, send_pair, direction, policy);
       }
       sent = comm.isend(outgoing.bytes(send_pair), rank_of(pos + d), tag);
     }
@@ -140,14 +152,17 @@ State rd_exclusive_scan(Communicator& comm, const StateView& own_offset,
         std::swap(prefix, incoming);
         have_prefix = true;
       } else if (!recv_pair) {
-        // prefix∘incoming, offset only, in place (the step may write over its offset).
-        const StateView po = prefix.offset();
-        apply_step(prefix.transfer(), incoming.offset(), &po, po, !fwd, policy);
+        // prefix∘incoming, offset only, in place (the step may write over its
+        // offset); a cut prefix does not depend on what came before it.
+        if (!prefix.cut()) {
+          const StateView po = prefix.offset();
+          apply_step(prefix.transfer(), incoming.offset(), &po, po, !fwd, policy);
+          prefix.set_cut(incoming.cut());
+        }
       } else {
         // The composed pair goes to the outgoing buffer once its send is done.
         if (sent) sent->wait(), sent.reset();
-        compose(prefix.offset(), prefix.transfer(), incoming.offset(), incoming.transfer(), outgoing,
-                true, direction, policy);
+        compose(prefix.view(), incoming.view(), outgoing, true, direction, policy);
         std::swap(prefix, outgoing);
       }
     }

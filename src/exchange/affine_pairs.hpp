@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <span>
 
+#include "exchange/cost_terms.hpp"
 #include "kdacp/comm.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/summary.hpp"
@@ -27,15 +28,27 @@ void apply_step(const StateView& m, const StateView& x, const StateView* s, cons
 // Copies a (possibly strided) [B,H,rows,cols] view into another of the same shape.
 void copy_view(const StateView& src, const StateView& dst);
 
-// One pair per (b,h): all offsets [B,H,K,V], then all transfers [B,H,K,K],
-// dense, so that the offsets alone are one contiguous message.
+// An affine pair as views. A cut pair (SPEC §10) is the constant map
+// x -> offset: its transfer is zero and never read.
+struct PairView {
+  StateView offset;
+  StateView transfer;
+  bool cut = false;
+};
+
+// One pair per (b,h): its flags (kSlotTailBytes), all offsets [B,H,K,V], then
+// all transfers [B,H,K,K], dense, so that the flags and offsets alone are one
+// contiguous message.
 class PairBuffer {
  public:
   PairBuffer() = default;
   explicit PairBuffer(const SummaryShape& shape);
   StateView offset() const;
   StateView transfer() const;
-  // The message: offsets only, or offsets and transfers.
+  bool cut() const;
+  void set_cut(bool cut) const;
+  PairView view() const { return {offset(), transfer(), cut()}; }
+  // The message: flags and offsets, or flags, offsets and transfers.
   std::span<std::byte> bytes(bool with_transfer) const;
 
  private:
@@ -43,12 +56,11 @@ class PairBuffer {
   Buffer buf_;
 };
 
-// dest = outer∘inner; only dest's offset when !with_transfer. dest must not
-// share storage with either operand.
-void compose(const StateView& outer_offset, const StateView& outer_transfer,
-             const StateView& inner_offset, const StateView& inner_transfer,
-             const PairBuffer& dest, bool with_transfer, Direction direction,
-             const ExecPolicy& policy);
+// dest = outer∘inner; only dest's offset when !with_transfer. A cut outer is
+// copied; a cut inner makes a cut result. dest must not share storage with
+// either operand.
+void compose(const PairView& outer, const PairView& inner, const PairBuffer& dest,
+             bool with_transfer, Direction direction, const ExecPolicy& policy);
 
 // Exclusive scan of the members' pairs in chain order (forward: group order,
 // backward: reversed) by recursive doubling, ceil(log2 P) rounds for any P.
@@ -65,8 +77,7 @@ inline double reassociation_bound(std::size_t ranks, std::size_t key_dim) {
   return static_cast<double>(rounds + 2) * static_cast<double>(key_dim) * 0x1p-24;
 }
 
-State rd_exclusive_scan(Communicator& comm, const StateView& own_offset,
-                        const StateView& own_transfer, const SummaryShape& shape,
+State rd_exclusive_scan(Communicator& comm, const PairView& own, const SummaryShape& shape,
                         Direction direction, const ExecPolicy& policy, int tag);
 
 }  // namespace kdacp::detail

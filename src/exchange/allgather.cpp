@@ -1,5 +1,6 @@
-// allgather (SPEC §6): pack [S|M] (or [G|M]), gather P slots in place, fold
-// the exclusive prefix (or transposed suffix) in one fused pass per (b,h).
+// allgather (SPEC §6): pack [S|M] (or [G|M]) and the cut flag, gather P slots
+// in place, fold the exclusive prefix (or transposed suffix) in one fused pass
+// per (b,h), from the nearest cut when there is one (SPEC §10).
 // One collective; P packed slots per rank; the fold consumes the gathered
 // offsets in place, so no scratch beyond the gather buffer.
 #include "exchange/common.hpp"
@@ -15,11 +16,24 @@ class AllGatherExchange final : public CommExchange {
  private:
   State run(const Call& c) override {
     PackedSlots gathered(c.shape, size_);
-    gathered.pack(rank_, c.offset, c.transfer);
+    gathered.pack(rank_, c.offset, c.transfer, c.cut);
     comm_->all_gather(gathered.bytes());
     State result = make_state(c.shape);
-    merge(gathered.slots(), rank_, c.direction, result.view(), options().exec,
-          FoldFlags::consume_offsets);
+    const Slots slots = gathered.slots();
+    const bool fwd = c.direction == Direction::forward;
+    // Fold only from the nearest cut on the way (forward: the last one
+    // before this rank, backward: the first one after it): its offset is the
+    // state there exactly.
+    const std::optional<std::size_t> cut =
+        fwd ? gathered.last_cut(0, rank_) : gathered.first_cut(rank_ + 1, size_);
+    if (!cut) {
+      merge(slots, rank_, c.direction, result.view(), options().exec, FoldFlags::consume_offsets);
+    } else {
+      // From the zero state, the scan's first step is the cut's offset itself.
+      const std::size_t steps = fwd ? rank_ - *cut : *cut - rank_;
+      scan(slots, *cut, steps, c.direction, nullptr, result.view(), std::nullopt, nullptr,
+           options().exec, FoldFlags::consume_offsets);
+    }
     return result;
   }
 };

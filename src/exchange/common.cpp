@@ -1,5 +1,6 @@
 #include "exchange/common.hpp"
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -12,10 +13,15 @@ PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
     : shape_(shape),
       count_(count),
       // Every slot is packed or gathered before it is read.
-      buf_(count * shape.packed_elems() * dtype_size(shape.dtype),
+      buf_(count * (shape.packed_elems() * dtype_size(shape.dtype) + kSlotTailBytes),
            Buffer::Init::uninitialized) {}
 
-void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer) {
+std::size_t PackedSlots::slot_stride_bytes() const {
+  return shape_.packed_elems() * dtype_size(shape_.dtype) + kSlotTailBytes;
+}
+
+void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer,
+                       bool cut) {
   const Slots s = slots();
   const StateView so = s.offsets.slot(index), sm = s.transfers.slot(index);
   const std::size_t k = shape_.key_dim, e = dtype_size(shape_.dtype);
@@ -26,9 +32,29 @@ void PackedSlots::pack(std::size_t index, const StateView& offset, const StateVi
   for (std::size_t slab = 0; slab < shape_.slabs(); ++slab) {
     for (std::size_t i = 0; i < k; ++i) {
       std::memcpy(at(so, slab, i), at(offset, slab, i), shape_.value_dim * e);
-      std::memcpy(at(sm, slab, i), at(transfer, slab, i), k * e);
+      if (!cut) std::memcpy(at(sm, slab, i), at(transfer, slab, i), k * e);
     }
   }
+  std::byte* tail = slot_bytes(index).data() + slot_stride_bytes() - kSlotTailBytes;
+  std::memset(tail, 0, kSlotTailBytes);
+  tail[0] = std::byte{cut ? std::uint8_t{1} : std::uint8_t{0}};
+}
+
+bool PackedSlots::cut(std::size_t index) const {
+  const std::byte* tail = slot_bytes(index).data() + slot_stride_bytes() - kSlotTailBytes;
+  return tail[0] != std::byte{0};
+}
+
+std::optional<std::size_t> PackedSlots::last_cut(std::size_t first, std::size_t end) const {
+  for (std::size_t i = end; i > first; --i)
+    if (cut(i - 1)) return i - 1;
+  return std::nullopt;
+}
+
+std::optional<std::size_t> PackedSlots::first_cut(std::size_t first, std::size_t end) const {
+  for (std::size_t i = first; i < end; ++i)
+    if (cut(i)) return i;
+  return std::nullopt;
 }
 
 Slots PackedSlots::slots() const {
@@ -46,7 +72,7 @@ Slots PackedSlots::slots() const {
   StateView tr = off;
   tr.data = static_cast<char*>(off.data) + v * dtype_size(shape_.dtype);
   tr.cols = k;
-  const std::size_t stride = shape_.packed_elems();
+  const std::size_t stride = slot_stride_bytes() / dtype_size(shape_.dtype);
   return Slots{StackView{off, count_, stride}, StackView{tr, count_, stride}};
 }
 
@@ -55,8 +81,27 @@ std::span<std::byte> PackedSlots::bytes() const {
 }
 
 std::span<std::byte> PackedSlots::slot_bytes(std::size_t index) const {
-  const std::size_t n = shape_.packed_elems() * dtype_size(shape_.dtype);
+  const std::size_t n = slot_stride_bytes();
   return bytes().subspan(index * n, n);
+}
+
+void fold_in_block(const PackedSlots& gathered, std::size_t local, Direction direction,
+                   const StateView* in, const StateView& out, const ExecPolicy& exec) {
+  const Slots slots = gathered.slots();
+  const std::size_t w = gathered.count();
+  constexpr auto kConsume = FoldFlags::consume_offsets;
+  // A scan from a cut's slot with no incoming state takes its offset itself.
+  if (direction == Direction::forward) {
+    if (const auto cut = gathered.last_cut(0, local)) {
+      scan(slots, *cut, local - *cut, direction, nullptr, out, std::nullopt, nullptr, exec, kConsume);
+    } else {
+      scan(slots, 0, local, direction, in, out, std::nullopt, nullptr, exec, kConsume);
+    }
+  } else if (const auto cut = gathered.first_cut(local + 1, w)) {
+    scan(slots, *cut, *cut - local, direction, nullptr, out, std::nullopt, nullptr, exec, kConsume);
+  } else {
+    scan(slots, w - 1, w - 1 - local, direction, in, out, std::nullopt, nullptr, exec, kConsume);
+  }
 }
 
 std::span<std::byte> bytes_of(const State& s) {

@@ -4,12 +4,14 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
 
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
+#include "exchange/cost_terms.hpp"
 #include "exchange/protocols.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/memory.hpp"
@@ -35,21 +37,39 @@ class CommExchange : public StateExchange {
 // The grouped protocols' width rule: w divides P (InvalidArgument otherwise).
 void check_group_width(std::size_t rank, std::size_t size, std::size_t width);
 
-// `count` packed [offset | M] slots, as the gather buffer of a protocol.
+// `count` packed [offset | M] slots and their flags, as the gather buffer of a
+// protocol. Each slot is contiguous: [B,H,K,V+K] then kSlotTailBytes.
 class PackedSlots {
  public:
   PackedSlots(const SummaryShape& shape, std::size_t count);
-  // Copies one rank's offset and transfer into slot `index`.
-  void pack(std::size_t index, const StateView& offset, const StateView& transfer);
+  // Copies one rank's offset and transfer into slot `index`; a cut's
+  // transfer is not copied (it is never read).
+  void pack(std::size_t index, const StateView& offset, const StateView& transfer, bool cut);
+  bool cut(std::size_t index) const;
   Slots slots() const;
   std::span<std::byte> bytes() const;
   std::span<std::byte> slot_bytes(std::size_t index) const;
 
+  // The last slot in [first, end) that is a cut, or none.
+  std::optional<std::size_t> last_cut(std::size_t first, std::size_t end) const;
+  // The first slot in [first, end) that is a cut, or none.
+  std::optional<std::size_t> first_cut(std::size_t first, std::size_t end) const;
+  std::size_t count() const { return count_; }
+
  private:
+  std::size_t slot_stride_bytes() const;
   SummaryShape shape_;
   std::size_t count_;
   Buffer buf_;
 };
+
+// What block position `local` of the gathered block needs: forward the state
+// entering its slot, backward the gradient at its slot's end. Folded from the
+// block's incoming state `in` (nullptr: none, the zero state), or from the
+// nearest cut on the way, whose offset is then the state there exactly.
+// Consumes the offsets of the slots it folds.
+void fold_in_block(const PackedSlots& gathered, std::size_t local, Direction direction,
+                   const StateView* in, const StateView& out, const ExecPolicy& exec);
 
 std::span<std::byte> bytes_of(const State& s);
 std::span<const std::byte> bytes_of(const StateView& dense_view);

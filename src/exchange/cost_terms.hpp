@@ -16,12 +16,18 @@ inline std::size_t ceil_log2(std::size_t n) {
 
 inline double dbl(std::size_t n) { return static_cast<double>(n); }
 
-// Bytes of one [B,H,K,V] state and of one packed [S|M] slot (or affine pair).
+// Bytes each packed slot and affine pair carries for its flags (the cut,
+// SPEC §10), so that they travel in the summary's own message; 64 keeps every
+// slot 64-byte aligned.
+inline constexpr std::size_t kSlotTailBytes = 64;
+
+// Bytes of one [B,H,K,V] state and of one packed [S|M] slot (or affine pair)
+// with its flags.
 inline std::size_t state_bytes(const ProblemShape& s) {
   return s.slabs * s.key_dim * s.value_dim * s.elem_bytes;
 }
 inline std::size_t packed_bytes(const ProblemShape& s) {
-  return s.slabs * s.key_dim * (s.value_dim + s.key_dim) * s.elem_bytes;
+  return s.slabs * s.key_dim * (s.value_dim + s.key_dim) * s.elem_bytes + kSlotTailBytes;
 }
 
 // Fold steps on the chain's critical path: positions 1..P-2 fold once each

@@ -15,19 +15,21 @@ StateExchange::StateExchange(const detail::ProtocolContext& ctx,
               descriptor.takes_segments ? ctx.options.segments : 0},
       options_(ctx.options) {}
 
-State StateExchange::forward(const StateView& s, const StateView& m) {
-  return call(s, m, Direction::forward);
+State StateExchange::forward(const StateView& s, const StateView& m, PartFlags part) {
+  return call(s, m, Direction::forward, part);
 }
 
-State StateExchange::backward(const StateView& g, const StateView& m) {
-  return call(g, m, Direction::backward);
+State StateExchange::backward(const StateView& g, const StateView& m, PartFlags part) {
+  return call(g, m, Direction::backward, part);
 }
 
-State StateExchange::call(const StateView& offset, const StateView& m, Direction direction) {
+State StateExchange::call(const StateView& offset, const StateView& m, Direction direction,
+                          PartFlags part) {
   const bool fwd = direction == Direction::forward;
   const SummaryShape shape = validate_summary(offset, m, fwd ? "S" : "G", rank_);
   detail::CallMeter meter(communicators());
-  State result = run(Call{offset, m, shape, direction, fwd ? detail::kTagForward : detail::kTagBackward});
+  State result = run(Call{offset, m, shape, direction,
+                          fwd ? detail::kTagForward : detail::kTagBackward, part.cut});
   stats_ = meter.finish(result);
   return result;
 }

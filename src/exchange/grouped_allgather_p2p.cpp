@@ -1,7 +1,8 @@
 // grouped_allgather_p2p (SPEC §6): blocks of w consecutive positions gather
 // their [S|M] slots inside the block; the block owners (last position of each
 // block) relay the block's incoming state along a chain; each rank then scans
-// its block's slots from that state. Per element the same operations in the
+// its block's slots from that state, or from the last cut before it (SPEC §10;
+// an owner whose block has a cut sends without waiting for its incoming state). Per element the same operations in the
 // same order as the chain, so bitwise identical to it. Memory: w slots plus
 // at most two states.
 #include "exchange/common.hpp"
@@ -29,81 +30,99 @@ class GroupedExchange final : public StateExchange {
   }
 
   State run(const Call& c) override {
-    return c.direction == Direction::forward ? forward_step(c.offset, c.transfer, c.shape)
-                                             : backward_step(c.offset, c.transfer, c.shape);
+    return c.direction == Direction::forward ? forward_step(c) : backward_step(c);
   }
 
-  State forward_step(const StateView& s, const StateView& m, const SummaryShape& shape) {
+  // A scan that starts at a cut's slot from no incoming state takes that
+  // slot's offset itself as its first state, exactly (SPEC §10).
+  State forward_step(const Call& c) {
     const bool is_owner = rank_ == owner_;
     const bool has_incoming = block_ > 0;
     const bool has_successor = block_ + 1 < blocks_;
+    const ExecPolicy& exec = options().exec;
+    constexpr auto kFwd = Direction::forward;
+    constexpr auto kConsume = FoldFlags::consume_offsets;
     State incoming;
-    if (has_incoming) incoming = make_state(shape, Buffer::Init::uninitialized);  // received whole
+    if (has_incoming) incoming = make_state(c.shape, Buffer::Init::uninitialized);  // received whole
     // Post the owner's receive before the group gather (step 1).
     std::unique_ptr<Request> recv;
-    if (is_owner && has_incoming) recv = cp_->irecv(bytes_of(incoming), owner_ - width_, kTagForward);
+    if (is_owner && has_incoming) recv = cp_->irecv(bytes_of(incoming), owner_ - width_, c.tag);
 
-    PackedSlots gathered(shape, width_);
-    gathered.pack(local_, s, m);
+    PackedSlots gathered(c.shape, width_);
+    gathered.pack(local_, c.offset, c.transfer, c.cut);
     intra_->all_gather(gathered.bytes());
+    const Slots slots = gathered.slots();
 
-    State result = make_state(shape);
+    State result = make_state(c.shape);
     const StateView in = incoming.view();
     const StateView* in_ptr = has_incoming ? &in : nullptr;
     bool have_result = false;
     State send;
     std::unique_ptr<Request> sent;
-    if (is_owner) {
-      if (recv) recv->wait();
-      if (has_successor) {
-        send = make_state(shape, Buffer::Init::uninitialized);  // the scan writes it all
-        const StateView res = result.view();
-        scan(gathered.slots(), 0, width_, Direction::forward, in_ptr, send.view(), local_, &res,
-             options().exec, FoldFlags::consume_offsets);
+    if (is_owner && has_successor) {
+      send = make_state(c.shape, Buffer::Init::uninitialized);  // the scan writes it all
+      const StateView res = result.view();
+      // After the block's last cut its outgoing state does not depend on the
+      // incoming one: it is sent before that arrives.
+      if (const auto cut = gathered.last_cut(0, width_)) {
+        const bool prefix = *cut < width_ - 1;  // this rank's own state is on the way
+        scan(slots, *cut, width_ - *cut, kFwd, nullptr, send.view(),
+             prefix ? std::optional<std::size_t>(width_ - 1 - *cut) : std::nullopt,
+             prefix ? &res : nullptr, exec, kConsume);
+        have_result = prefix;
+      } else {
+        if (recv) recv->wait();
+        scan(slots, 0, width_, kFwd, in_ptr, send.view(), local_, &res, exec, kConsume);
         have_result = true;
-        sent = cp_->isend(bytes_of(send), owner_ + width_, kTagForward);
       }
+      sent = cp_->isend(bytes_of(send), owner_ + width_, c.tag);
     }
+    if (recv) recv->wait();
     if (has_incoming) intra_->broadcast(bytes_of(incoming), width_ - 1);
-    if (!have_result)
-      scan(gathered.slots(), 0, local_, Direction::forward, in_ptr, result.view(), std::nullopt,
-           nullptr, options().exec, FoldFlags::consume_offsets);
+    if (!have_result) fold_in_block(gathered, local_, kFwd, in_ptr, result.view(), exec);
     if (sent) sent->wait();
     return result;
   }
 
-  State backward_step(const StateView& g, const StateView& m, const SummaryShape& shape) {
+  State backward_step(const Call& c) {
     const bool is_owner = rank_ == owner_;
     const bool has_incoming = block_ + 1 < blocks_;  // gradient arriving from the next block
     const bool has_predecessor = block_ > 0;
+    const ExecPolicy& exec = options().exec;
+    constexpr auto kBwd = Direction::backward;
+    constexpr auto kConsume = FoldFlags::consume_offsets;
     State incoming;
-    if (has_incoming) incoming = make_state(shape, Buffer::Init::uninitialized);  // received whole
+    if (has_incoming) incoming = make_state(c.shape, Buffer::Init::uninitialized);  // received whole
     std::unique_ptr<Request> recv;
-    if (is_owner && has_incoming)
-      recv = cp_->irecv(bytes_of(incoming), owner_ + width_, kTagBackward);
+    if (is_owner && has_incoming) recv = cp_->irecv(bytes_of(incoming), owner_ + width_, c.tag);
 
-    PackedSlots gathered(shape, width_);
-    gathered.pack(local_, g, m);
+    PackedSlots gathered(c.shape, width_);
+    gathered.pack(local_, c.offset, c.transfer, c.cut);
     intra_->all_gather(gathered.bytes());
+    const Slots slots = gathered.slots();
 
     const StateView in = incoming.view();
     const StateView* in_ptr = has_incoming ? &in : nullptr;
     State send;
     std::unique_ptr<Request> sent;
-    if (is_owner) {
-      if (recv) recv->wait();
-      if (has_predecessor) {
-        send = make_state(shape, Buffer::Init::uninitialized);  // the scan writes it all
-        scan(gathered.slots(), width_ - 1, width_, Direction::backward, in_ptr, send.view(),
-             std::nullopt, nullptr, options().exec, FoldFlags::consume_offsets);
-        sent = cp_->isend(bytes_of(send), owner_ - width_, kTagBackward);
+    if (is_owner && has_predecessor) {
+      send = make_state(c.shape, Buffer::Init::uninitialized);  // the scan writes it all
+      // Before the block's first cut the gradient to the previous block does
+      // not depend on the one arriving: it is sent before that arrives.
+      if (const auto cut = gathered.first_cut(0, width_)) {
+        scan(slots, *cut, *cut + 1, kBwd, nullptr, send.view(), std::nullopt, nullptr, exec, kConsume);
+      } else {
+        if (recv) recv->wait();
+        scan(slots, width_ - 1, width_, kBwd, in_ptr, send.view(), std::nullopt, nullptr, exec,
+             kConsume);
       }
+      sent = cp_->isend(bytes_of(send), owner_ - width_, c.tag);
     }
+    if (recv) recv->wait();
     if (has_incoming) intra_->broadcast(bytes_of(incoming), width_ - 1);
-    State result = make_state(shape);
+    State result = make_state(c.shape);
     // The owner (local = w-1) scans nothing: its result is the block's incoming gradient.
-    scan(gathered.slots(), width_ - 1, width_ - 1 - local_, Direction::backward, in_ptr,
-         result.view(), std::nullopt, nullptr, options().exec, FoldFlags::consume_offsets);
+    fold_in_block(gathered, local_, kBwd, in_ptr, result.view(), exec);
     if (sent) sent->wait();
     return result;
   }

@@ -43,28 +43,13 @@ class GroupedRdExchange final : public StateExchange {
     const bool has_incoming = fwd ? block_ > 0 : block_ + 1 < blocks_;
 
     PackedSlots gathered(shape, width_);
-    gathered.pack(local_, offset, m);
+    gathered.pack(local_, offset, m, call.cut);
     intra_->all_gather(gathered.bytes());
-    const Slots slots = gathered.slots();
 
     State incoming;
     if (is_owner) {
-      // The block as one pair: its fold from zero in chain order and the
-      // product M_{w-1}···M_0 (the same product serves both directions:
-      // backward the pair's op is its transpose).
-      PairBuffer block_pair(shape);
-      scan(slots, fwd ? 0 : width_ - 1, width_, dir, nullptr, block_pair.offset(), std::nullopt,
-           nullptr, options().exec);
-      State tmp(shape.batch, shape.heads, shape.key_dim, shape.key_dim, shape.dtype);
-      StateView cur = slots.transfers.slot(0);
-      for (std::size_t j = 1; j < width_; ++j) {
-        // Alternate so that the last product lands in the pair.
-        const StateView dst = (width_ - 1 - j) % 2 == 0 ? block_pair.transfer() : tmp.view();
-        apply_step(slots.transfers.slot(j), cur, nullptr, dst, false, options().exec);
-        cur = dst;
-      }
-      incoming = rd_exclusive_scan(*owners_, block_pair.offset(), block_pair.transfer(), shape,
-                                   dir, options().exec, call.tag);
+      incoming = rd_exclusive_scan(*owners_, block_pair(gathered, shape, dir).view(), shape, dir,
+                                   options().exec, call.tag);
     } else if (has_incoming) {
       incoming = make_state(shape);
     }
@@ -72,15 +57,36 @@ class GroupedRdExchange final : public StateExchange {
 
     State result = make_state(shape);
     const StateView in = incoming.view();
-    const StateView* in_ptr = has_incoming ? &in : nullptr;
-    if (fwd) {
-      scan(slots, 0, local_, dir, in_ptr, result.view(), std::nullopt, nullptr, options().exec,
-           FoldFlags::consume_offsets);
-    } else {
-      scan(slots, width_ - 1, width_ - 1 - local_, dir, in_ptr, result.view(), std::nullopt,
-           nullptr, options().exec, FoldFlags::consume_offsets);
-    }
+    fold_in_block(gathered, local_, dir, has_incoming ? &in : nullptr, result.view(), options().exec);
     return result;
+  }
+
+  // The block as one pair: its fold from zero in chain order and the product
+  // M_{w-1}···M_0 (the same product serves both directions: backward the
+  // pair's op is its transpose). A block with a cut is a cut pair: its fold
+  // from the cut nearest the block's end (in chain order), no product.
+  PairBuffer block_pair(const PackedSlots& gathered, const SummaryShape& shape, Direction dir) const {
+    const bool fwd = dir == Direction::forward;
+    const Slots slots = gathered.slots();
+    PairBuffer pair(shape);
+    const auto cut = fwd ? gathered.last_cut(0, width_) : gathered.first_cut(0, width_);
+    pair.set_cut(cut.has_value());
+    if (cut) {
+      scan(slots, *cut, fwd ? width_ - *cut : *cut + 1, dir, nullptr, pair.offset(), std::nullopt,
+           nullptr, options().exec);
+      return pair;
+    }
+    scan(slots, fwd ? 0 : width_ - 1, width_, dir, nullptr, pair.offset(), std::nullopt, nullptr,
+         options().exec);
+    State tmp(shape.batch, shape.heads, shape.key_dim, shape.key_dim, shape.dtype);
+    StateView cur = slots.transfers.slot(0);
+    for (std::size_t j = 1; j < width_; ++j) {
+      // Alternate so that the last product lands in the pair.
+      const StateView dst = (width_ - 1 - j) % 2 == 0 ? pair.transfer() : tmp.view();
+      apply_step(slots.transfers.slot(j), cur, nullptr, dst, false, options().exec);
+      cur = dst;
+    }
+    return pair;
   }
 
   std::shared_ptr<Communicator> owners_;

@@ -1,6 +1,7 @@
 // p2p: the chain (SPEC §6). Rank r receives incoming_r from r-1 and sends
-// M_r·incoming_r + S_r (S_0 on rank 0) to r+1; backward mirrors it with Mᵀ.
-// P-1 dependent hops; one extra state per rank (the one it sends).
+// M_r·incoming_r + S_r (S_0 on rank 0, S_r itself on a cut) to r+1; backward
+// mirrors it with Mᵀ. P-1 dependent hops, fewer with cuts (the longest run
+// between cuts); one extra state per rank (the one it sends).
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
 
@@ -22,13 +23,15 @@ class P2PExchange final : public CommExchange {
 
     // Received whole, or the zero state of the chain's first rank.
     State result = make_state(c.shape, has_prev ? Buffer::Init::uninitialized : Buffer::Init::zero);
-    if (has_prev) comm_->irecv(bytes_of(result), prev, c.tag)->wait();
+    std::unique_ptr<Request> recv;
+    if (has_prev) recv = comm_->irecv(bytes_of(result), prev, c.tag);
     if (has_next) {
       State send;
       std::span<const std::byte> payload;
-      if (!has_prev) {
-        // The first rank of the chain sends its offset itself: never a
-        // product with the zero state.
+      if (!has_prev || c.cut) {
+        // The first rank of the chain, and a cut, send their offset itself:
+        // never a product with the zero state, and a cut sends before its
+        // own state arrives, so the chain does not wait across it.
         if (c.offset.is_dense()) {
           payload = bytes_of(c.offset);
         } else {
@@ -36,6 +39,7 @@ class P2PExchange final : public CommExchange {
           payload = bytes_of(send);
         }
       } else {
+        recv->wait();
         send = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
         const StateView in = result.view();
         scan(single_slot(c.offset, c.transfer), 0, 1, c.direction, &in, send.view(), std::nullopt,
@@ -44,6 +48,7 @@ class P2PExchange final : public CommExchange {
       }
       comm_->isend(payload, next, c.tag)->wait();
     }
+    if (recv) recv->wait();
     return result;
   }
 };

@@ -100,23 +100,30 @@ class PipelinedExchange final : public CommExchange {
     if (has_prev)
       for (const auto& [col, width] : segs)
         recvs.push_back(comm_->irecv(block_bytes(block(recv_into, shape, col, width)), prev, tag));
+    // The first rank of the chain, and a cut, send their offset itself, the
+    // cut before its own state arrives (the chain does not wait across it).
+    const bool fold = has_prev && !call.cut;
     for (std::size_t j = 0; j < segs.size(); ++j) {
       const auto [col, width] = segs[j];
       const StateView in = has_prev ? block(recv_into, shape, col, width) : StateView{};
-      if (has_prev) recvs[j]->wait();
+      if (fold) recvs[j]->wait();
       if (has_next) {
         const StateView out = block(send_buf, shape, col, width);
-        if (has_prev) {
+        if (fold) {
           scan(single_slot(columns(offset, col, width), call.transfer), 0, 1, dir, &in, out,
                std::nullopt, nullptr, options().exec);
         } else {
-          // The first rank of the chain sends its offset itself.
           copy_view(columns(offset, col, width), out);
         }
         sends.push_back(comm_->isend(block_bytes(out), next, tag));
       }
-      if (has_prev && !single) copy_view(in, columns(result.view(), col, width));
     }
+    if (has_prev)
+      for (std::size_t j = 0; j < segs.size(); ++j) {
+        recvs[j]->wait();
+        const auto [col, width] = segs[j];
+        if (!single) copy_view(block(recv_into, shape, col, width), columns(result.view(), col, width));
+      }
     for (auto& s : sends) s->wait();
     return result;
   }

@@ -17,8 +17,8 @@ class RecursiveDoublingExchange final : public CommExchange {
 
  private:
   State run(const Call& c) override {
-    return rd_exclusive_scan(*comm_, c.offset, c.transfer, c.shape, c.direction, options().exec,
-                             c.tag);
+    return rd_exclusive_scan(*comm_, PairView{c.offset, c.transfer, c.cut}, c.shape, c.direction,
+                             options().exec, c.tag);
   }
 };
 
