@@ -1,0 +1,451 @@
+// Packed sequences, initial and final states on top of the chunk kernels of
+// kda_math.cpp: each piece of a part is one call of those kernels on the
+// piece's tokens, so no recurrence is written twice and a piece's results
+// are the bits the kernels give for it.
+#include "kdacp/kda_sequences.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kdacp/error.hpp"
+#include "kdacp/kda_cp.hpp"
+
+namespace kdacp::kda {
+namespace {
+
+std::string str(std::size_t x) { return std::to_string(x); }
+
+template <class Int>
+std::vector<std::size_t> checked_bounds(std::span<const Int> cu, std::size_t batch,
+                                        std::size_t tokens) {
+  const std::string what = "kda::Sequences: ";
+  if (batch != 1)
+    throw InvalidArgument(what + "cu_seqlens given with batch (B) = " + str(batch) +
+                          ", expected B = 1 (packed sequences share one row)");
+  if (cu.size() < 2)
+    throw InvalidArgument(what + "cu_seqlens has " + str(cu.size()) +
+                          " entries, expected N + 1 >= 2");
+  if (cu[0] != 0)
+    throw InvalidArgument(what + "cu_seqlens[0] is " + std::to_string(cu[0]) + ", expected 0");
+  for (std::size_t i = 1; i < cu.size(); ++i)
+    if (cu[i] <= cu[i - 1])
+      throw InvalidArgument(what + "cu_seqlens[" + str(i) + "] is " + std::to_string(cu[i]) +
+                            ", expected > cu_seqlens[" + str(i - 1) +
+                            "] = " + std::to_string(cu[i - 1]));
+  if (static_cast<std::int64_t>(cu.back()) != static_cast<std::int64_t>(tokens))
+    throw InvalidArgument(what + "cu_seqlens[" + str(cu.size() - 1) + "] (the last entry) is " +
+                          std::to_string(cu.back()) + ", expected T = " + str(tokens));
+  return std::vector<std::size_t>(cu.begin(), cu.end());
+}
+
+void require(const void* ptr, const char* op, const char* field) {
+  if (ptr == nullptr)
+    throw InvalidArgument(std::string("kda::") + op + ": " + field +
+                          " is null, expected a pointer to its tensor");
+}
+
+template <class T>
+void check_inputs(const Inputs<T>& in, const char* op) {
+  validate(in.shape);
+  require(in.q, op, "q");
+  require(in.k, op, "k");
+  require(in.v, op, "v");
+  require(in.g, op, "g");
+  require(in.beta, op, "beta");
+  if (!std::isfinite(in.scale) || !(in.scale > 0))
+    throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
+                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
+}
+
+void check_part(const Sequences& seqs, const Part& part, const char* op) {
+  if (!(part.begin < part.end) || part.end > seqs.tokens())
+    throw InvalidArgument(std::string("kda::") + op + ": part [begin, end) = [" +
+                          str(part.begin) + ", " + str(part.end) +
+                          "), expected begin < end <= T = " + str(seqs.tokens()));
+}
+
+template <class T>
+void check_local(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                 const char* op) {
+  check_inputs(local, op);
+  check_part(seqs, part, op);
+  if (local.shape.batch != seqs.batch())
+    throw InvalidArgument(std::string("kda::") + op + ": shape.batch (B) = " +
+                          str(local.shape.batch) + ", expected the sequences' B = " +
+                          str(seqs.batch()));
+  if (part.local_begin + (part.end - part.begin) > local.shape.tokens)
+    throw InvalidArgument(std::string("kda::") + op + ": part of " + str(part.end - part.begin) +
+                          " tokens at local_begin = " + str(part.local_begin) +
+                          ", expected local_begin + end - begin <= shape.tokens = " +
+                          str(local.shape.tokens));
+}
+
+template <class T>
+void check_states(const SequenceStates<T>& st, const Sequences& seqs, const Shape& s,
+                  const char* op, const char* field) {
+  if (st.data == nullptr) return;
+  const std::size_t want[4] = {seqs.count(), s.value_heads, s.key_dim, s.value_dim};
+  const std::size_t got[4] = {st.sequences, st.value_heads, st.key_dim, st.value_dim};
+  if (!std::equal(got, got + 4, want)) {
+    auto dims = [](const std::size_t* d) {
+      std::string out(1, '[');
+      for (std::size_t i = 0; i < 4; ++i) out.append(i ? "," : "").append(str(d[i]));
+      return out.append("]");
+    };
+    throw InvalidArgument(std::string("kda::") + op + ": " + field + " has shape " + dims(got) +
+                          ", expected [N,HV,K,V] = " + dims(want));
+  }
+}
+
+// Tokens [begin, end) of the stream inside one part, and the boundary
+// segments (sequences; without cu_seqlens the one segment [0, T) stands for
+// every row) whose first or last token they hold.
+struct Piece {
+  std::size_t begin = 0, end = 0;
+  std::optional<std::size_t> starts, ends;
+};
+
+std::vector<Piece> pieces_of(const Sequences& seqs, const Part& part) {
+  const std::vector<std::size_t>& c = seqs.boundaries();
+  std::size_t n = static_cast<std::size_t>(std::upper_bound(c.begin(), c.end(), part.begin) -
+                                           c.begin()) - 1;
+  std::vector<Piece> pieces;
+  for (std::size_t lo = part.begin; lo < part.end; ++n) {
+    Piece p{lo, std::min(part.end, c[n + 1]), std::nullopt, std::nullopt};
+    if (p.begin == c[n]) p.starts = n;
+    if (p.end == c[n + 1]) p.ends = n;
+    pieces.push_back(p);
+    lo = p.end;
+  }
+  return pieces;
+}
+
+// Segments [first, first + count) as sequences.
+SequenceRange as_sequences(const Sequences& seqs, std::size_t first, std::size_t count) {
+  if (seqs.packed()) return {first, count};
+  return count > 0 ? SequenceRange{0, seqs.batch()} : SequenceRange{};
+}
+
+PartInfo info_of(const Sequences& seqs, const std::vector<Piece>& pieces) {
+  PartInfo info;
+  info.starts_sequence = pieces.front().starts.has_value();
+  info.ends_sequence = pieces.back().ends.has_value();
+  // Pieces after the first start consecutive segments, so the segments a
+  // part starts (ends) are a run beginning at the first one it starts (ends).
+  std::optional<std::size_t> first_start, first_end;
+  std::size_t started = 0, ended = 0;
+  for (const Piece& p : pieces) {
+    if (p.starts && started++ == 0) first_start = p.starts;
+    if (p.ends && ended++ == 0) first_end = p.ends;
+  }
+  info.cut = started > 0;
+  info.started = as_sequences(seqs, first_start.value_or(0), started);
+  info.ended = as_sequences(seqs, first_end.value_or(0), ended);
+  return info;
+}
+
+// Segment n's row block of [N,HV,K,V] states: [1,HV,K,V] of sequence n when
+// packed, all [B,HV,K,V] otherwise.
+template <class T>
+T* slot(const SequenceStates<T>& st, const Shape& s, std::size_t n) {
+  return st.data ? st.data + n * s.state_elems() : nullptr;
+}
+
+// Tokens [lo, lo + count) of the local [B,T_local,...] tensors as the dense
+// chunk the kernels take: views when those tokens are contiguous in memory
+// (one row, or the whole tensor), copies otherwise; commit() copies outputs
+// written to copies back into place.
+template <class T>
+class Window {
+ public:
+  Window(const Inputs<T>& local, std::size_t lo, std::size_t count)
+      : local_(local.shape), lo_(lo), count_(count),
+        direct_(local.shape.batch == 1 || (lo == 0 && count == local.shape.tokens)) {
+    const Shape& s = local.shape;
+    in_ = local;
+    in_.shape.tokens = count;
+    in_.q = input(local.q, s.heads * s.key_dim);
+    in_.k = input(local.k, s.heads * s.key_dim);
+    in_.v = input(local.v, s.value_heads * s.value_dim);
+    in_.g = input(local.g, s.value_heads * s.key_dim);
+    in_.beta = input(local.beta, s.value_heads);
+  }
+
+  // Inputs and pending outputs point into owned_.
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
+
+  const Inputs<T>& inputs() const { return in_; }
+
+  const T* input(const T* full, std::size_t inner) {
+    if (direct_) return full + lo_ * inner;
+    std::vector<T>& buf = owned_.emplace_back(local_.batch * count_ * inner);
+    slice_tokens(full, local_.batch, local_.tokens, inner, TokenSplit{lo_, count_}, buf.data());
+    return buf.data();
+  }
+
+  T* output(T* full, std::size_t inner) {
+    if (direct_) return full + lo_ * inner;
+    std::vector<T>& buf = owned_.emplace_back(local_.batch * count_ * inner);
+    pending_.push_back({&buf, full, inner});
+    return buf.data();
+  }
+
+  void commit() {
+    for (const Pending& p : pending_)
+      unslice_tokens(p.buf->data(), local_.batch, local_.tokens, p.inner,
+                     TokenSplit{lo_, count_}, p.full);
+    pending_.clear();
+  }
+
+ private:
+  struct Pending {
+    const std::vector<T>* buf;
+    T* full;
+    std::size_t inner;
+  };
+  Shape local_;
+  std::size_t lo_, count_;
+  bool direct_;
+  Inputs<T> in_{};
+  std::deque<std::vector<T>> owned_;  // a deque: growing it keeps earlier buffers in place
+  std::vector<Pending> pending_;
+};
+
+template <class T>
+Window<T> window_of(const Inputs<T>& local, const Part& part, const Piece& piece) {
+  return Window<T>(local, part.local_begin + (piece.begin - part.begin), piece.end - piece.begin);
+}
+
+template <class T>
+PartInfo forward_impl(const char* op, const Inputs<T>& local, const Sequences& seqs,
+                      const Part& part, const T* incoming, SequenceStates<const T> h0, T* o,
+                      SequenceStates<T> ht, const ExecPolicy& exec) {
+  check_local(local, seqs, part, op);
+  require(o, op, "o");
+  check_states(h0, seqs, local.shape, op, "h0");
+  check_states(ht, seqs, local.shape, op, "ht");
+  const std::vector<Piece> pieces = pieces_of(seqs, part);
+  const PartInfo info = info_of(seqs, pieces);
+  if (!info.starts_sequence) require(incoming, op, "incoming (the part continues a sequence)");
+  const Shape& s = local.shape;
+  for (const Piece& piece : pieces) {
+    Window<T> w = window_of(local, part, piece);
+    T* piece_o = w.output(o, s.value_heads * s.value_dim);
+    forward(w.inputs(), piece.starts ? slot(h0, s, *piece.starts) : incoming, piece_o,
+            piece.ends ? slot(ht, s, *piece.ends) : nullptr, exec);
+    w.commit();
+  }
+  return info;
+}
+
+template <class T>
+PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& seqs,
+                       const Part& part, const T* incoming, SequenceStates<const T> h0,
+                       const T* d_o, const T* d_end, SequenceStates<const T> dht,
+                       const Grads<T>& grads, SequenceStates<T> dh0, const ExecPolicy& exec,
+                       std::size_t checkpoint_interval) {
+  check_local(local, seqs, part, op);
+  require(d_o, op, "d_o");
+  require(grads.dq, op, "dq");
+  require(grads.dk, op, "dk");
+  require(grads.dv, op, "dv");
+  require(grads.dg, op, "dg");
+  require(grads.dbeta, op, "dbeta");
+  if (checkpoint_interval == 0)
+    throw InvalidArgument(std::string("kda::") + op + ": checkpoint_interval = 0, expected >= 1");
+  check_states(h0, seqs, local.shape, op, "h0");
+  check_states(dht, seqs, local.shape, op, "dht");
+  check_states(dh0, seqs, local.shape, op, "dh0");
+  const std::vector<Piece> pieces = pieces_of(seqs, part);
+  const PartInfo info = info_of(seqs, pieces);
+  if (!info.starts_sequence) require(incoming, op, "incoming (the part continues a sequence)");
+  const Shape& s = local.shape;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& piece = pieces[i];
+    Window<T> w = window_of(local, part, piece);
+    T* d_start = piece.starts ? slot(dh0, s, *piece.starts) : grads.d_incoming;
+    if (i == 0 && d_start == nullptr) d_start = grads.d_incoming;
+    const Grads<T> piece_grads{w.output(grads.dq, s.heads * s.key_dim),
+                               w.output(grads.dk, s.heads * s.key_dim),
+                               w.output(grads.dv, s.value_heads * s.value_dim),
+                               w.output(grads.dg, s.value_heads * s.key_dim),
+                               w.output(grads.dbeta, s.value_heads),
+                               d_start};
+    backward(w.inputs(), piece.starts ? slot(h0, s, *piece.starts) : incoming,
+             w.input(d_o, s.value_heads * s.value_dim),
+             piece.ends ? slot(dht, s, *piece.ends) : d_end, piece_grads, exec,
+             checkpoint_interval);
+    w.commit();
+    if (i == 0 && grads.d_incoming != nullptr && d_start != grads.d_incoming)
+      std::copy_n(d_start, s.state_elems(), grads.d_incoming);
+  }
+  return info;
+}
+
+}  // namespace
+
+Sequences::Sequences(std::size_t batch, std::size_t tokens) : batch_(batch) {
+  if (batch == 0) throw InvalidArgument("kda::Sequences: batch (B) = 0, expected >= 1");
+  if (tokens == 0) throw InvalidArgument("kda::Sequences: tokens (T) = 0, expected >= 1");
+  bounds_ = {0, tokens};
+}
+
+Sequences::Sequences(std::size_t batch, std::size_t tokens,
+                     std::span<const std::int64_t> cu_seqlens)
+    : bounds_(checked_bounds(cu_seqlens, batch, tokens)), batch_(batch), packed_(true) {}
+
+Sequences::Sequences(std::size_t batch, std::size_t tokens,
+                     std::span<const std::int32_t> cu_seqlens)
+    : bounds_(checked_bounds(cu_seqlens, batch, tokens)), batch_(batch), packed_(true) {}
+
+PartInfo part_info(const Sequences& seqs, const Part& part) {
+  check_part(seqs, part, "part_info");
+  return info_of(seqs, pieces_of(seqs, part));
+}
+
+template <class T>
+PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                      SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
+                      const ExecPolicy& exec) {
+  const char* op = "part_summary";
+  check_local(local, seqs, part, op);
+  require(state, op, "state");
+  check_states(h0, seqs, local.shape, op, "h0");
+  const std::vector<Piece> pieces = pieces_of(seqs, part);
+  const PartInfo info = info_of(seqs, pieces);
+  if (!info.cut) {
+    require(transfer, op, "transfer (the part is not a cut)");
+    Window<T> w = window_of(local, part, pieces.front());
+    chunk_summary(w.inputs(), state, transfer, exec);
+    return info;
+  }
+  // The last piece starts at the part's last sequence start: the part's
+  // outgoing state is that sequence's state, run from its h0 row.
+  const Piece& last = pieces.back();
+  Window<T> w = window_of(local, part, last);
+  const Shape& piece = w.inputs().shape;
+  std::vector<T> o(piece.v_elems());
+  forward(w.inputs(), slot(h0, local.shape, *last.starts), o.data(), state, exec);
+  return info;
+}
+
+template <class T>
+PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                      const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
+                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec) {
+  return forward_impl("part_forward", local, seqs, part, incoming, h0, o, ht, exec);
+}
+
+template <class T>
+PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                            const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
+                            Elem<T>* g_state, const ExecPolicy& exec) {
+  const char* op = "part_incoming_grad";
+  check_local(local, seqs, part, op);
+  require(d_o, op, "d_o");
+  require(g_state, op, "g_state");
+  check_states(dht, seqs, local.shape, op, "dht");
+  const std::vector<Piece> pieces = pieces_of(seqs, part);
+  const PartInfo info = info_of(seqs, pieces);
+  const Shape& s = local.shape;
+  if (info.starts_sequence) {
+    std::fill_n(g_state, s.state_elems(), T(0));
+    return info;
+  }
+  const Piece& first = pieces.front();
+  Window<T> w = window_of(local, part, first);
+  const T* piece_do = w.input(d_o, s.value_heads * s.value_dim);
+  const T* d_final = first.ends ? slot(dht, s, *first.ends) : nullptr;
+  if (d_final == nullptr) {
+    incoming_grad(w.inputs(), piece_do, g_state, exec);
+    return info;
+  }
+  // ht of the sequence ending in this piece is one of the part's outputs: its
+  // gradient reaches the incoming state through the piece's transfer, which
+  // backward's state sweep applies; the parameter gradients are not needed.
+  const Shape& ps = w.inputs().shape;
+  std::vector<T> dq(ps.qk_elems()), dk(ps.qk_elems()), dv(ps.v_elems()), dg(ps.g_elems()),
+      dbeta(ps.beta_elems());
+  backward(w.inputs(), nullptr, piece_do, d_final,
+           Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), g_state}, exec);
+  return info;
+}
+
+template <class T>
+PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0,
+                       const Elem<T>* d_o, const Elem<T>* d_end,
+                       SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
+                       SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
+                       std::size_t checkpoint_interval) {
+  return backward_impl("part_backward", local, seqs, part, incoming, h0, d_o, d_end, dht, grads,
+                       dh0, exec, checkpoint_interval);
+}
+
+namespace {
+void check_whole(const Shape& s, const Sequences& seqs, const char* op) {
+  if (s.tokens != seqs.tokens())
+    throw InvalidArgument(std::string("kda::") + op + ": shape.tokens (T) = " + str(s.tokens) +
+                          ", expected the sequences' T = " + str(seqs.tokens()));
+}
+}  // namespace
+
+template <class T>
+void forward_sequences(const Inputs<T>& in, const Sequences& seqs,
+                       SequenceStates<const Elem<T>> h0, Elem<T>* o,
+                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec) {
+  const char* op = "forward_sequences";
+  check_whole(in.shape, seqs, op);
+  forward_impl(op, in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0, o,
+               ht, exec);
+}
+
+template <class T>
+void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
+                        SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
+                        SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
+                        SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
+                        std::size_t checkpoint_interval) {
+  const char* op = "backward_sequences";
+  check_whole(in.shape, seqs, op);
+  if (grads.d_incoming != nullptr)
+    throw InvalidArgument(std::string("kda::") + op +
+                          ": grads.d_incoming is set, expected null (the incoming states are "
+                          "h0; their gradient is dh0)");
+  backward_impl(op, in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0,
+                d_o, static_cast<const T*>(nullptr), dht, grads, dh0, exec,
+                checkpoint_interval);
+}
+
+#define KDACP_SEQUENCES_INSTANTIATE(T)                                                         \
+  template PartInfo part_summary<T>(const Inputs<T>&, const Sequences&, const Part&,            \
+                                    SequenceStates<const T>, T*, T*, const ExecPolicy&);        \
+  template PartInfo part_forward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*,  \
+                                    SequenceStates<const T>, T*, SequenceStates<T>,             \
+                                    const ExecPolicy&);                                         \
+  template PartInfo part_incoming_grad<T>(const Inputs<T>&, const Sequences&, const Part&,      \
+                                          const T*, SequenceStates<const T>, T*,                \
+                                          const ExecPolicy&);                                   \
+  template PartInfo part_backward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*, \
+                                     SequenceStates<const T>, const T*, const T*,               \
+                                     SequenceStates<const T>, const Grads<T>&,                  \
+                                     SequenceStates<T>, const ExecPolicy&, std::size_t);        \
+  template void forward_sequences<T>(const Inputs<T>&, const Sequences&,                        \
+                                     SequenceStates<const T>, T*, SequenceStates<T>,            \
+                                     const ExecPolicy&);                                        \
+  template void backward_sequences<T>(const Inputs<T>&, const Sequences&,                       \
+                                      SequenceStates<const T>, const T*,                        \
+                                      SequenceStates<const T>, const Grads<T>&,                 \
+                                      SequenceStates<T>, const ExecPolicy&, std::size_t);
+
+KDACP_SEQUENCES_INSTANTIATE(float)
+KDACP_SEQUENCES_INSTANTIATE(double)
+#undef KDACP_SEQUENCES_INSTANTIATE
+
+}  // namespace kdacp::kda
