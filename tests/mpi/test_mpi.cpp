@@ -307,17 +307,26 @@ double rel_distance(const State& a, const State& b) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// Cut parts (SPEC §10): none, or every third position from position 1.
+std::vector<char> cut_pattern(std::size_t p, bool with_cuts) {
+  std::vector<char> out(p, 0);
+  for (std::size_t r = 0; r < p; ++r) out[r] = with_cuts && r % 3 == 1;
+  return out;
+}
+
 // The same protocol on in-process ranks: every rank's result.
-std::vector<Result> in_process(const Inputs& in, const std::string& method, std::size_t width) {
+std::vector<Result> in_process(const Inputs& in, const std::string& method, std::size_t width,
+                               const std::vector<char>& cuts) {
   const std::size_t p = in.size();
   std::vector<Result> out(p);
   run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
     const std::size_t r = comm->rank();
     const DeviceMesh mesh = DeviceMesh::create(comm, {p}, {"cp"});
     auto ex = make_state_exchange(mesh, method, static_cast<long long>(width));
-    out[r].fwd = ex->forward(in.s[r].view(), in.m[r].view());
+    const PartFlags part{cuts[r] != 0};
+    out[r].fwd = ex->forward(in.s[r].view(), in.m[r].view(), part);
     out[r].fwd_stats = ex->last_stats();
-    out[r].bwd = ex->backward(in.g[r].view(), in.m[r].view());
+    out[r].bwd = ex->backward(in.g[r].view(), in.m[r].view(), part);
     out[r].bwd_stats = ex->last_stats();
   });
   return out;
@@ -326,9 +335,12 @@ std::vector<Result> in_process(const Inputs& in, const std::string& method, std:
 // Runs every protocol and width over the 1-D CP mesh `cp` (position r of P)
 // and compares with the in-process run of the same protocol and with the
 // in-process chain, bit for bit, and the traffic with the in-process counts.
-void check_all_protocols(const DeviceMesh& cp, const Inputs& in, const std::string& label) {
+void check_all_protocols(const DeviceMesh& cp, const Inputs& in, const std::string& label,
+                         bool with_cuts = false) {
   const std::size_t p = cp.size(), r = cp.local_rank();
-  const std::vector<Result> chain = in_process(in, "p2p", 1);
+  const std::vector<char> cuts = cut_pattern(p, with_cuts);
+  const PartFlags part{cuts[r] != 0};
+  const std::vector<Result> chain = in_process(in, "p2p", 1, cuts);
   // Guards against a vacuous comparison: the chain's results are not zeros.
   if (r + 1 < p) {
     ASSERT_FALSE(all_zero(chain[r].bwd)) << label;
@@ -340,12 +352,12 @@ void check_all_protocols(const DeviceMesh& cp, const Inputs& in, const std::stri
     const std::string& method = v.method;
     const std::size_t width = v.width;
     SCOPED_TRACE(label + " " + method + " w=" + std::to_string(width) + " rank " +
-                 std::to_string(r));
-    const std::vector<Result> ref = in_process(in, method, width);
+                 std::to_string(r) + (with_cuts ? " with cuts" : ""));
+    const std::vector<Result> ref = in_process(in, method, width, cuts);
     auto ex = make_state_exchange(cp, method, static_cast<long long>(width));
-    const State fwd = ex->forward(in.s[r].view(), in.m[r].view());
+    const State fwd = ex->forward(in.s[r].view(), in.m[r].view(), part);
     const ExchangeStats fwd_stats = ex->last_stats();
-    const State bwd = ex->backward(in.g[r].view(), in.m[r].view());
+    const State bwd = ex->backward(in.g[r].view(), in.m[r].view(), part);
     const ExchangeStats bwd_stats = ex->last_stats();
     // A reassociating method may reduce to an exact one (grouped_allgather_rd
     // with w = P is the allgather); an exact method never reassociates.
@@ -381,6 +393,13 @@ TEST(MpiExchange, EveryProtocolAndWidthIsBitwiseInProcess) {
   for (const SummaryShape& shape : kShapes)
     check_all_protocols(cp, make_inputs(shape, p, seed++), "P=" + std::to_string(p) + " " +
                                                                to_string(shape));
+}
+
+TEST(MpiExchange, CutsGiveTheInProcessBits) {
+  auto comm = world();
+  const std::size_t p = comm->size();
+  const DeviceMesh cp = DeviceMesh::create(comm, {p}, {"cp"});
+  check_all_protocols(cp, make_inputs(kShapes[0], p, 77), "P=" + std::to_string(p), true);
 }
 
 // (cp, dp) meshes on 8 processes: every dp replica exchanges over its own CP
