@@ -10,13 +10,27 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <thread>
 
 namespace kdacp {
 
 class ThreadPool {
  public:
-  // threads == 0 or 1: run inline on the caller.
+  // Starts one worker running `body` and returns it, as std::thread(body)
+  // does; throws std::system_error, as std::thread does, when the OS refuses
+  // a thread.
+  using ThreadStarter = std::function<std::thread(std::function<void()> body)>;
+
+  // threads == 0 or 1: run inline on the caller. Otherwise starts threads - 1
+  // workers with std::thread; the caller is the last participant. When the
+  // OS refuses a worker, the ones already started are stopped and joined and
+  // kdacp::Error names how many threads were asked for and how many started.
   explicit ThreadPool(std::size_t threads);
+  // The same with each worker started by `start`, for a caller that places
+  // its threads itself (affinity, names, stack size). A std::system_error
+  // from `start` becomes kdacp::Error as above; any other exception
+  // propagates once the started workers are joined.
+  ThreadPool(std::size_t threads, const ThreadStarter& start);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;

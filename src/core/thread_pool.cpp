@@ -4,8 +4,12 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
+
+#include "kdacp/error.hpp"
 
 namespace kdacp {
 
@@ -22,6 +26,18 @@ struct ThreadPool::Impl {
   const std::function<void(std::size_t, std::size_t, std::size_t)>* fn = nullptr;
   std::size_t n = 0;
   std::exception_ptr error;
+
+  // Stops and joins the workers, so that a constructor that fails halfway
+  // leaves no joinable thread behind (std::thread's destructor would
+  // terminate the process).
+  ~Impl() {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    start_cv.notify_all();
+    for (auto& w : workers) w.join();
+  }
 
   void run_share(std::size_t part) {
     std::size_t begin = n * part / threads, end = n * (part + 1) / threads;
@@ -49,20 +65,29 @@ struct ThreadPool::Impl {
   }
 };
 
-ThreadPool::ThreadPool(std::size_t threads) : impl_(std::make_unique<Impl>()) {
-  impl_->threads = std::max<std::size_t>(threads, 1);
-  for (std::size_t part = 1; part < impl_->threads; ++part)
-    impl_->workers.emplace_back([this, part] { impl_->worker(part); });
+ThreadPool::ThreadPool(std::size_t threads)
+    : ThreadPool(threads, [](std::function<void()> body) { return std::thread(std::move(body)); }) {}
+
+ThreadPool::ThreadPool(std::size_t threads, const ThreadStarter& start) : impl_(std::make_unique<Impl>()) {
+  Impl* p = impl_.get();
+  p->threads = std::max<std::size_t>(threads, 1);
+  // Reserved up front: a reallocation failing after a start would drop a
+  // joinable thread.
+  p->workers.reserve(p->threads - 1);
+  for (std::size_t part = 1; part < p->threads; ++part) {
+    try {
+      p->workers.push_back(start([p, part] { p->worker(part); }));
+    } catch (const std::system_error& e) {
+      const std::size_t asked = p->threads;
+      impl_.reset();  // joins the workers started so far
+      throw Error("ThreadPool: asked for " + std::to_string(asked) + " threads, could start only " +
+                  std::to_string(part) + " (the caller and " + std::to_string(part - 1) +
+                  " workers); starting the next failed: " + e.what());
+    }
+  }
 }
 
-ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard lock(impl_->mu);
-    impl_->stop = true;
-  }
-  impl_->start_cv.notify_all();
-  for (auto& w : impl_->workers) w.join();
-}
+ThreadPool::~ThreadPool() = default;
 
 std::size_t ThreadPool::threads() const { return impl_->threads; }
 
