@@ -27,6 +27,23 @@ std::size_t available_memory_bytes();
 // "1.5 GiB", for messages.
 std::string format_bytes(double bytes);
 
+// The limit a command's --max-memory text sets: parse_bytes(text) or, when
+// text is empty, available_memory_bytes() read now (so that every check sees
+// what earlier allocations left).
+std::size_t max_memory_bytes(const std::string& text);
+// How messages name that limit: "--max-memory <text>", or for empty text
+// "memory available now; --max-memory sets another limit".
+std::string max_memory_name(const std::string& text);
+
+// Ranks of one process times their threads: beyond this, thread creation
+// fails on an ordinary host.
+inline constexpr std::size_t kMaxThreadsPerProcess = 16384;
+
+// Throws InvalidArgument "--threads T on R ranks of this process is N
+// threads, expected at most kMaxThreadsPerProcess" when ranks_in_process ×
+// threads_per_rank (0 counts as 1) is larger; starts nothing.
+void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank);
+
 // Throws OutOfMemory "<what> needs N, more than the limit of L (<limit_name>)"
 // when need_bytes > limit_bytes.
 void require_memory(double need_bytes, std::size_t limit_bytes, const std::string& what,

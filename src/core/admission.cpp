@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "kdacp/protocol.hpp"
+#include "kdacp/units.hpp"
 
 namespace kdacp {
 namespace {
@@ -57,6 +58,22 @@ std::string format_bytes(double bytes) {
   char buf[64];
   std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, unit[u]);
   return buf;
+}
+
+std::size_t max_memory_bytes(const std::string& text) {
+  return text.empty() ? available_memory_bytes() : parse_bytes(text, "--max-memory");
+}
+
+std::string max_memory_name(const std::string& text) {
+  return text.empty() ? "memory available now; --max-memory sets another limit" : "--max-memory " + text;
+}
+
+void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank) {
+  const double total = double(ranks_in_process) * double(std::max<std::size_t>(threads_per_rank, 1));
+  if (total > double(kMaxThreadsPerProcess))
+    throw InvalidArgument("--threads " + std::to_string(threads_per_rank) + " on " + std::to_string(ranks_in_process) +
+                          " ranks of this process is " + std::to_string(std::size_t(total)) +
+                          " threads, expected at most " + std::to_string(kMaxThreadsPerProcess));
 }
 
 void require_memory(double need_bytes, std::size_t limit_bytes, const std::string& what,

@@ -2,17 +2,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <type_traits>
 
+#include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
+#include "kdacp/thread_pool.hpp"
 
 namespace kdacp::testing {
 
@@ -73,6 +76,15 @@ std::vector<std::vector<float>> per_rank(const std::vector<float>& all, std::siz
   std::vector<std::vector<float>> out;
   for (std::size_t r = 0; r < p; ++r) out.emplace_back(all.begin() + r * n, all.begin() + (r + 1) * n);
   return out;
+}
+
+// The larger error; a NaN wins, so that no report hides one.
+double worst(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
+
+ExchangeOptions options_for(const ExchangeCheck& check, const SummaryShape& shape) {
+  ExchangeOptions o = check.options;
+  o.expected_shape = shape;
+  return o;
 }
 
 }  // namespace
@@ -263,6 +275,56 @@ void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std
   write_npy((fs::path(dir) / "incoming.npy").string(), buf.data(), dims);
   for (std::size_t q = 0; q < p; ++q) std::memcpy(buf.data() + q * n, runs[q].final_grad.data(), runs[q].final_grad.bytes());
   write_npy((fs::path(dir) / "final_grad.npy").string(), buf.data(), dims);
+}
+
+void admit_exchange_check(const ExchangeCheck& check, const SummaryShape& shape, std::size_t world) {
+  const ProblemShape ps{world, shape.slabs(), shape.key_dim, shape.value_dim, sizeof(float)};
+  const Prediction pred = predict_exchange(ps, check.method, check.group_size, options_for(check, shape));
+  const std::size_t here = check.ranks_here;
+  require_memory(exchange_check_bytes(shape, world, here, exchange_rank_bytes(ps, pred)),
+                 max_memory_bytes(check.max_memory),
+                 "kdacp exchange with " + protocol_label(pred.config) + " on " + std::to_string(here) + " of " +
+                     std::to_string(world) + " ranks in this process, " + to_string(shape),
+                 max_memory_name(check.max_memory));
+}
+
+std::optional<ExchangeCheckResult> check_exchange(const std::shared_ptr<Communicator>& world,
+                                                  const ExchangeCheck& check,
+                                                  const std::function<WorldSummaries()>& make,
+                                                  const std::optional<SummaryShape>& shape) {
+  Communicator& comm = *world;
+  if (shape) admit_exchange_check(check, *shape, comm.size());
+  ExchangeCheckResult res;
+  const auto in = scatter_summaries(comm, make, &res.world);
+  if (!in) return std::nullopt;
+  if (!shape) admit_exchange_check(check, in->shape, comm.size());
+  res.threads = check.threads ? check.threads : ThreadPool::default_threads(check.ranks_here);
+  ThreadPool pool(res.threads);
+  res.options = options_for(check, in->shape);
+  res.options.exec.pool = &pool;
+  res.options.exec.kernel = check.kernel;
+  const DeviceMesh mesh = DeviceMesh::create(world, {comm.size()}, {"cp"});
+  auto ex = make_state_exchange(mesh, check.method, check.group_size, res.options);
+  RankRun mine = time_exchange(comm, *ex, *in, check.repeat);
+  compare_with_p2p(mesh, *ex, res.options.exec, *in, mine);
+  res.runs = gather_runs(comm, in->shape, std::move(mine));
+  if (comm.rank() != 0) return std::nullopt;
+  res.options.exec.pool = nullptr;  // the pool ends with this call
+  res.backend = comm.backend();
+  res.kernel = check.kernel == KernelKind::scalar ? "scalar" : "simd(" + simd_target_name() + ")";
+  res.ranks = comm.size();
+  res.shape = in->shape;
+  res.protocol = &ex->descriptor();
+  res.prediction = ex->prediction();
+  res.errors = chain_errors(res.world, res.runs);
+  for (std::size_t q = 0; q < res.runs.size(); ++q) {
+    res.equal_to_p2p = res.equal_to_p2p && res.runs[q].record.equal_to_p2p != 0;
+    for (double e : {res.errors[q].forward.max_abs, res.errors[q].backward.max_abs})
+      res.max_abs_error = worst(res.max_abs_error, e);
+    for (double e : {res.errors[q].forward.rel_fro, res.errors[q].backward.rel_fro})
+      res.max_rel_error = worst(res.max_rel_error, e);
+  }
+  return res;
 }
 
 }  // namespace kdacp::testing

@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <utility>
 
+#include "kdacp/admission.hpp"
+#include "kdacp/cost_model.hpp"
 #include "kdacp/inprocess.hpp"
+#include "kdacp/protocol.hpp"
 #include "kdacp/testing/reference.hpp"
 #include "kdacp/thread_pool.hpp"
 
@@ -150,6 +154,52 @@ bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
 
 SummaryShape layer_summary_shape(const kda::Shape& s) {
   return SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim};
+}
+
+Progress::Progress(std::string prefix, double quiet_seconds)
+    : prefix_(std::move(prefix)), quiet_seconds_(quiet_seconds) {}
+
+void Progress::note(const std::string& what) const {
+  const double t = since(t0_);
+  if (t > quiet_seconds_) std::fprintf(stderr, "%s: %s (%.1f s elapsed)\n", prefix_.c_str(), what.c_str(), t);
+}
+
+ProtocolComparison compare_protocols(const kda::LayerData<float>& data, float scale, const std::vector<float>& d_o,
+                                     std::size_t ranks, std::size_t threads_per_rank, double timeout_s,
+                                     const Progress& progress) {
+  ProtocolComparison cmp;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser()) continue;
+    const std::string method(row->name);
+    long long width = 1;
+    if (row->takes_group_size) {
+      if (ranks < 4 || ranks % 2 != 0) continue;  // needs 1 < w < P dividing P
+      width = static_cast<long long>(ranks / 2);
+    }
+    progress.note("running " + method);
+    auto out = run_context_parallel(data, scale, &d_o, ranks, method, width, threads_per_rank, timeout_s);
+    cmp.runs.push_back({std::move(out), width, width > 1 ? method + " w=" + std::to_string(width) : method, {}});
+  }
+  const LayerOutputs<float>* first_exact = nullptr;
+  for (ProtocolRun& r : cmp.runs) {
+    if (!r.out.exact) continue;
+    if (!first_exact) first_exact = &r.out;
+    r.bitwise = same_bits(r.out, *first_exact);
+    cmp.all_bitwise = cmp.all_bitwise && *r.bitwise;
+  }
+  return cmp;
+}
+
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t ranks) {
+  const ProblemShape ps{ranks, shape.batch * shape.value_heads, shape.key_dim, shape.value_dim, sizeof(float)};
+  Prediction hungriest;
+  std::size_t protocols = 0;
+  for (const Prediction& p : predict_all(CostParams{}, ps, true)) {
+    ++protocols;
+    if (p.peak_extra_bytes >= hungriest.peak_extra_bytes) hungriest = p;
+  }
+  return double(protocols + 2) * layer_output_bytes(shape, true, sizeof(float)) +
+         layer_run_bytes(shape, ranks, true, sizeof(float), exchange_rank_bytes(ps, hungriest));
 }
 
 template LayerOutputs<float> allocate_outputs<float>(const kda::Shape&, bool);

@@ -18,7 +18,10 @@ namespace kdacp::cli {
 namespace {
 
 struct BenchArgs {
-  BenchConfig cfg;
+  testing::KernelBenchConfig kernels{{64, 128, 256}, {1, 4, 16, 64}, {1, 0}, 16, {}, 0.2};
+  testing::ProtocolBenchConfig protocols{{2, 4, 8, 16}, {1, 16, 64}, 128, {}, 0.2};
+  std::vector<std::string> directions{"forward", "backward"};
+  double min_time = 0.2;  // each timing repeats this long (at least three runs)
   bool json = false;
   bool quick = false;
   bool quiet = false;
@@ -101,25 +104,32 @@ void plot(const std::string& mode, const nlohmann::json& recs, const std::string
 }
 
 void run(const std::string& mode, BenchArgs& args) {
-  BenchConfig& cfg = args.cfg;
-  cfg.progress = !args.quiet;
+  auto& kc = args.kernels;
+  auto& pc = args.protocols;
+  kc.min_time = pc.min_time = args.min_time;
   if (args.quick) {
     // A smoke-test sweep: every code path, seconds instead of minutes.
-    cfg.dims = {64};
-    cfg.chains = {1, 4};
-    cfg.slabs = 2;
-    cfg.ranks = {2, 4};
-    cfg.bhs = {1};
-    cfg.key_dim = 32;
-    cfg.min_time = 0.005;
+    kc.dims = {64};
+    kc.chains = {1, 4};
+    kc.slabs = 2;
+    pc.ranks = {2, 4};
+    pc.slabs = {1};
+    pc.key_dim = 32;
+    kc.min_time = pc.min_time = 0.005;
   }
-  const nlohmann::json recs = mode == "kernels" ? run_kernel_bench(cfg) : run_protocol_bench(cfg);
+  // Kernels sweep the directions as given; protocols forward first.
+  for (const std::string& d : args.directions)
+    kc.directions.push_back(d == "forward" ? Direction::forward : Direction::backward);
+  for (Direction d : {Direction::forward, Direction::backward})
+    if (std::count(kc.directions.begin(), kc.directions.end(), d) > 0) pc.directions.push_back(d);
+  const bool progress = !args.quiet;
+  const nlohmann::json recs = mode == "kernels" ? run_kernel_bench(kc, progress) : run_protocol_bench(pc, progress);
   if (args.json) std::printf("%s\n", recs.dump(2).c_str());
   else if (mode == "kernels") print_kernels(recs);
   else print_protocols(recs);
   if (!args.plot.empty()) {
     plot(mode, recs, args.plot);
-    if (cfg.progress) std::fprintf(stderr, "kdacp bench: wrote %s\n", args.plot.c_str());
+    if (progress) std::fprintf(stderr, "kdacp bench: wrote %s\n", args.plot.c_str());
   }
 }
 
@@ -128,8 +138,8 @@ void add_common(CLI::App& cmd, BenchArgs& a) {
   cmd.add_option("--plot", a.plot, "also draw the records with gnuplot into FILE (.png or .svg)");
   cmd.add_flag("--quick", a.quick, "tiny sweep for smoke tests (seconds)");
   cmd.add_flag("--quiet,-q", a.quiet, "no progress lines on stderr");
-  add_real(cmd, "--min-time", a.cfg.min_time, "seconds each timing repeats for (at least 3 runs)", kMinTimeRange);
-  cmd.add_option("--direction", a.cfg.directions, "forward and/or backward")
+  add_real(cmd, "--min-time", a.min_time, "seconds each timing repeats for (at least 3 runs)", kMinTimeRange);
+  cmd.add_option("--direction", a.directions, "forward and/or backward")
       ->check(CLI::IsMember({"forward", "backward"}))
       ->capture_default_str();
 }
@@ -143,17 +153,17 @@ void add_bench_command(CLI::App& app) {
   CLI::App* kern = bench->add_subcommand(
       "kernels", "GFLOP/s of the fused fold vs the measured FMA peak, an OpenBLAS loop and the scalar kernel");
   add_common(*kern, *args);
-  add_ints(*kern, "--dims", args->cfg.dims, "K = V values", kDimRange);
-  add_ints(*kern, "--chains", args->cfg.chains, "chain lengths", IntRange{1, 1 << 20});
-  add_ints(*kern, "--threads", args->cfg.threads, "thread counts (0: all hardware threads)", kThreadsRange);
-  add_int(*kern, "--bh", args->cfg.slabs, "B·H slabs folded in parallel", kSizeRange);
+  add_ints(*kern, "--dims", args->kernels.dims, "K = V values", kDimRange);
+  add_ints(*kern, "--chains", args->kernels.chains, "chain lengths", IntRange{1, 1 << 20});
+  add_ints(*kern, "--threads", args->kernels.threads, "thread counts (0: all hardware threads)", kThreadsRange);
+  add_int(*kern, "--bh", args->kernels.slabs, "B·H slabs folded in parallel", kSizeRange);
   kern->callback([args] { run("kernels", *args); });
   CLI::App* prot = bench->add_subcommand(
       "protocols", "each protocol's time vs its floor and its peak extra memory vs the theoretical one");
   add_common(*prot, *args);
-  add_ints(*prot, "--ranks,-P", args->cfg.ranks, "in-process CP sizes", IntRange{1, 1024});
-  add_ints(*prot, "--bh", args->cfg.bhs, "B·H values", kSizeRange);
-  add_int(*prot, "--key-dim,-K", args->cfg.key_dim, "K = V", kDimRange);
+  add_ints(*prot, "--ranks,-P", args->protocols.ranks, "in-process CP sizes", IntRange{1, 1024});
+  add_ints(*prot, "--bh", args->protocols.slabs, "B·H values", kSizeRange);
+  add_int(*prot, "--key-dim,-K", args->protocols.key_dim, "K = V", kDimRange);
   prot->callback([args] { run("protocols", *args); });
 }
 

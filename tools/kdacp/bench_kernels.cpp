@@ -55,16 +55,13 @@ nlohmann::json to_json(const testing::KernelRecord& r) {
 
 }  // namespace
 
-nlohmann::json run_kernel_bench(const BenchConfig& cfg) {
-  testing::KernelBenchConfig kc{cfg.dims, cfg.chains, cfg.threads, cfg.slabs, {}, cfg.min_time};
-  for (const std::string& d : cfg.directions)
-    kc.directions.push_back(d == "forward" ? Direction::forward : Direction::backward);
+nlohmann::json run_kernel_bench(const testing::KernelBenchConfig& kc, bool progress) {
   testing::KernelBenchHooks hooks;
 #ifdef KDACP_HAVE_OPENBLAS
   openblas_set_num_threads(1);
   hooks.baseline = run_openblas;
 #endif
-  if (cfg.progress) {
+  if (progress) {
     hooks.on_peak = [](const PeakResult& p) {
       std::fprintf(stderr, "kdacp bench: FP32 FMA peak, %zu thread(s), %s: %.1f GFLOP/s\n", p.threads,
                    p.target.c_str(), p.gflops);

@@ -1,6 +1,5 @@
 // `kdacp bench protocols`: the sweep of kdacp/testing/protocol_bench.hpp as
 // flat JSON records.
-#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -10,13 +9,9 @@
 
 namespace kdacp::cli {
 
-nlohmann::json run_protocol_bench(const BenchConfig& cfg) {
-  testing::ProtocolBenchConfig pc{cfg.ranks, cfg.bhs, cfg.key_dim, {}, cfg.min_time};
-  for (const char* d : {"forward", "backward"})
-    if (std::find(cfg.directions.begin(), cfg.directions.end(), d) != cfg.directions.end())
-      pc.directions.push_back(d == std::string("forward") ? Direction::forward : Direction::backward);
+nlohmann::json run_protocol_bench(const testing::ProtocolBenchConfig& pc, bool show_progress) {
   testing::ProtocolBenchProgress progress;
-  if (cfg.progress)
+  if (show_progress)
     progress = [](const ProtocolConfig& c, std::size_t p, std::size_t bh, double f, double b, std::size_t done,
                   std::size_t total) {
       std::fprintf(stderr, "kdacp bench: [%zu/%zu] P=%zu B·H=%zu %s: fwd %.3f ms, bwd %.3f ms\n", done, total, p,

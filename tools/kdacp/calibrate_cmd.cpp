@@ -19,7 +19,7 @@
 #include "kdacp/calibrate.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
-#include "kdacp/testing/synthetic.hpp"
+#include "kdacp/testing/model_validation.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "flags.hpp"
 #include "table.hpp"
@@ -44,32 +44,18 @@ struct CalibrateConfig {
   bool json = false;
 };
 
-// One validated configuration and the parameters that predicted it.
-struct ModelRow {
-  ModelCheck check;
-  CostParams params;
-};
+using testing::ModelRow;
 
 SummaryShape shape_of(const CalibrateConfig& cfg) {
   return SummaryShape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim};
 }
 
-CostParams measure(Communicator& comm, const CalibrateConfig& cfg, std::size_t threads) {
-  CalibrationOptions o;
-  o.repeat = cfg.repeat;
-  o.large_bytes = cfg.large_mib << 20;
-  o.threads = threads;
-  o.gamma_seconds = cfg.gamma_time;
-  o.fold_shape = shape_of(cfg);
-  return measure_cost_params(comm, o);
+CalibrationOptions calibration_options(const CalibrateConfig& cfg, std::size_t threads) {
+  return {cfg.repeat, cfg.large_mib << 20, threads, cfg.gamma_time, shape_of(cfg)};
 }
 
-// Every configuration of the model on the ranks of `comm` with the synthetic
-// summaries of the validation shape; rank 0 appends the rows.
-void validate_on(const std::shared_ptr<Communicator>& comm, const CostParams& params,
-                 const CalibrateConfig& cfg, std::size_t threads, std::vector<ModelRow>* rows) {
-  const SyntheticSummary sm = synthetic_summary(shape_of(cfg), 0, comm->rank(), false);
-  const SyntheticSummary gm = synthetic_summary(shape_of(cfg), 0, comm->rank(), true);
+// Each configuration's line on stderr as rank 0 finishes it.
+ValidationOptions validation_options(const CalibrateConfig& cfg, std::size_t threads) {
   ValidationOptions o;
   o.threads = threads;
   o.min_time = cfg.min_time;
@@ -78,9 +64,7 @@ void validate_on(const std::shared_ptr<Communicator>& comm, const CostParams& pa
                  c.ranks, protocol_label(c.config).c_str(), c.predicted_seconds * 1e3,
                  c.measured_seconds * 1e3, c.iterations);
   };
-  for (ModelCheck& c : validate_cost_model(comm, params, sm.offset.view(), sm.transfer.view(),
-                                           gm.offset.view(), o))
-    rows->push_back({std::move(c), params});
+  return o;
 }
 
 std::string ms(double s) { return fmt("%.3f", s * 1e3); }
@@ -153,7 +137,7 @@ void run_calibrate(const CalibrateConfig& cfg) {
   std::optional<StagedOutput> saved;
   const std::filesystem::path out(cfg.out);
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& comm) {
-    const CostParams p = loaded ? *loaded : measure(*comm, cfg, threads);
+    const CostParams p = loaded ? *loaded : measure_cost_params(*comm, calibration_options(cfg, threads));
     if (comm->rank() == 0) {
       root = true;
       mpi = comm->backend() == "mpi";
@@ -163,23 +147,15 @@ void run_calibrate(const CalibrateConfig& cfg) {
         print_params(cfg, p, threads);
       }
     }
-    if (cfg.validate && comm->backend() == "mpi") validate_on(comm, p, cfg, threads, &rows);
+    if (cfg.validate && comm->backend() == "mpi") {
+      auto mine = testing::validate_synthetic(comm, p, shape_of(cfg), validation_options(cfg, threads));
+      rows.insert(rows.end(), mine.begin(), mine.end());
+    }
   });
   if (!root) return;
-  if (cfg.validate && !mpi) {
-    for (std::size_t p : cfg.validate_ranks) {
-      LaunchOptions o = cfg.backend;
-      o.backend = "inprocess";
-      o.ranks = p;
-      // α and β of in-process ranks grow with the ranks in the world (they
-      // share the host's cores and one condition variable), so unless a
-      // file was given, each P is calibrated in its own world, as mpirun -np P
-      // calibrates in the world it validates.
-      run_ranks(o, [&](const std::shared_ptr<Communicator>& comm) {
-        validate_on(comm, loaded ? *loaded : measure(*comm, cfg, threads), cfg, threads, &rows);
-      });
-    }
-  }
+  if (cfg.validate && !mpi)
+    rows = testing::validate_in_process(cfg.validate_ranks, cfg.backend, loaded, calibration_options(cfg, threads),
+                                        shape_of(cfg), validation_options(cfg, threads));
   if (cfg.validate && cfg.json) print_json(cfg, rows);
   else if (cfg.validate) print_table(cfg, mpi ? "mpi" : "inprocess", rows);
   if (saved) saved->commit();

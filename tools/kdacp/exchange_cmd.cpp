@@ -2,7 +2,6 @@
 // checks every rank against the FP64 chain and, for the exact protocols, bit
 // for bit against the p2p chain, and reports time, traffic and memory per
 // rank. The default method is auto: the cost model's choice, reported.
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -22,7 +21,6 @@
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/exchange_check.hpp"
-#include "kdacp/thread_pool.hpp"
 #include "table.hpp"
 
 namespace kdacp::cli {
@@ -43,11 +41,8 @@ struct Config {
        given_v = false;
 };
 
-using testing::RankRun;
+using testing::ExchangeCheckResult;
 using testing::WorldSummaries;
-
-// The larger error; a NaN wins, so that no report hides one.
-double worst(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
 
 // --summaries must agree with the flags given explicitly and with the world.
 void check_flags(const Config& cfg, std::size_t world, const WorldSummaries& w) {
@@ -65,77 +60,61 @@ void check_flags(const Config& cfg, std::size_t world, const WorldSummaries& w) 
   flag(cfg.given_v, cfg.value_dim, w.shape.value_dim, "value-dim");
 }
 
-// What the whole run prints, besides the per-rank table and records.
-struct Run {
-  std::string backend, kernel;
-  std::size_t ranks = 0, threads = 0;
-  SummaryShape shape;
-  const StateExchange* ex = nullptr;
-  const ExchangeOptions* opts = nullptr;
-};
-
-void print_json(const Config& cfg, const Run& run, const nlohmann::json& ranks, double max_abs, double max_rel,
-                bool all_equal) {
-  const bool exact = run.ex->exact();
+void print_json(const Config& cfg, const ExchangeCheckResult& run, const nlohmann::json& ranks) {
+  const bool exact = run.protocol->exact();
   const SummaryShape& shape = run.shape;
   nlohmann::json j = {{"command", "exchange"},
-                      {"backend", run.backend}, {"protocol", run.ex->method()},
+                      {"backend", run.backend}, {"protocol", std::string(run.protocol->name)},
                       {"requested_protocol", cfg.exchange.protocol}, {"group_size", cfg.exchange.group_size},
                       {"exact", exact}, {"P", run.ranks}, {"B", shape.batch}, {"H", shape.heads},
                       {"K", shape.key_dim}, {"V", shape.value_dim}, {"seed", cfg.seed}, {"repeat", cfg.repeat},
                       {"threads_per_rank", run.threads}, {"kernel", run.kernel}, {"ranks", ranks},
-                      {"max_abs_error", max_abs}, {"max_rel_error", max_rel},
-                      {"bitwise_equal_to_p2p", exact ? nlohmann::json(all_equal) : nlohmann::json()}};
-  if (const auto pred = run.ex->prediction()) {
+                      {"max_abs_error", run.max_abs_error}, {"max_rel_error", run.max_rel_error},
+                      {"bitwise_equal_to_p2p", exact ? nlohmann::json(run.equal_to_p2p) : nlohmann::json()}};
+  if (const auto& pred = run.prediction) {
     j["auto"] = {{"method", pred->config.method},
                  {"group_size", pred->config.group_size}, {"segments", pred->config.segments},
                  {"exact", pred->exact}, {"predicted_seconds", pred->seconds},
                  {"predicted_peak_extra_bytes", pred->peak_extra_bytes},
-                 {"cost_source", run.opts->cost.source}};
+                 {"cost_source", run.options.cost.source}};
   }
   std::printf("%s\n", j.dump(2).c_str());
 }
 
-void print_text(const Config& cfg, const Run& run, const Table& table, double max_abs, double max_rel,
-                bool all_equal) {
+void print_text(const Config& cfg, const ExchangeCheckResult& run, const Table& table) {
   const SummaryShape& shape = run.shape;
   const std::size_t p = run.ranks;
   std::printf("kdacp exchange: backend=%s protocol=%s", run.backend.c_str(),
-              describe_method(*run.ex, cfg.exchange).c_str());
+              describe_method(std::string(run.protocol->name), run.prediction, cfg.exchange).c_str());
   if (cfg.exchange.group_size > 1) std::printf(" (group size %lld)", cfg.exchange.group_size);
   std::printf(" P=%zu B=%zu H=%zu K=%zu V=%zu kernel=%s threads/rank=%zu repeat=%zu\n\n", p,
               shape.batch, shape.heads, shape.key_dim, shape.value_dim, run.kernel.c_str(),
               run.threads, cfg.repeat);
   table.print();
   std::printf("\ntimes: median per call; errors: against the FP64 chain (rel = relative Frobenius)\n");
-  std::printf("max abs error %.3e, max rel error %.3e\n", max_abs, max_rel);
-  if (run.ex->exact()) {
-    std::printf("bitwise equal to p2p: %s\n", all_equal ? "yes" : "NO");
+  std::printf("max abs error %.3e, max rel error %.3e\n", run.max_abs_error, run.max_rel_error);
+  if (run.protocol->exact()) {
+    std::printf("bitwise equal to p2p: %s\n", run.equal_to_p2p ? "yes" : "NO");
   } else {
     // The registry row's documented bound (transfers of spectral norm <= 1).
-    const double bound = error_bound(run.ex->descriptor(), p, shape.key_dim);
-    std::printf("bitwise equal to p2p: not applicable (%s reassociates); documented bound %.2e\n",
-                run.ex->method().c_str(), bound);
+    const double bound = error_bound(*run.protocol, p, shape.key_dim);
+    std::printf("bitwise equal to p2p: not applicable (%.*s reassociates); documented bound %.2e\n",
+                int(run.protocol->name.size()), run.protocol->name.data(), bound);
   }
 }
 
 // Errors of every rank against the FP64 chain, the table or JSON, and the
 // verdict: an exact protocol that differs from p2p fails the command.
-void report(const Config& cfg, const Run& run, const WorldSummaries& world, const std::vector<RankRun>& runs) {
-  const auto errors = testing::chain_errors(world, runs);
-  const bool exact = run.ex->exact();
-  bool all_equal = true;
-  double max_abs = 0, max_rel = 0;
+void report(const Config& cfg, const ExchangeCheckResult& run) {
+  const auto& runs = run.runs;
+  const bool exact = run.protocol->exact();
   nlohmann::json ranks = nlohmann::json::array();
   Table table({"rank", "fwd ms", "bwd ms", "sent/call", "recv/call", "peak extra", "fwd max abs",
                "fwd rel", "bwd max abs", "bwd rel", "== p2p"});
   for (std::size_t q = 0; q < runs.size(); ++q) {
-    const auto& ef = errors[q].forward;
-    const auto& eb = errors[q].backward;
+    const auto& ef = run.errors[q].forward;
+    const auto& eb = run.errors[q].backward;
     const testing::ExchangeRecord& rc = runs[q].record;
-    all_equal = all_equal && rc.equal_to_p2p != 0;
-    for (double e : {ef.max_abs, eb.max_abs}) max_abs = worst(max_abs, e);
-    for (double e : {ef.rel_fro, eb.rel_fro}) max_rel = worst(max_rel, e);
     table.add({std::to_string(q), fmt("%.3f", rc.forward_seconds * 1e3), fmt("%.3f", rc.backward_seconds * 1e3),
                fmt_bytes((rc.forward_bytes_sent + rc.backward_bytes_sent) / 2),
                fmt_bytes((rc.forward_bytes_received + rc.backward_bytes_received) / 2),
@@ -158,25 +137,12 @@ void report(const Config& cfg, const Run& run, const WorldSummaries& world, cons
     out.emplace(cfg.out, std::vector<std::string>{"incoming.npy", "final_grad.npy"});
     testing::write_runs_npy(out->staging_dir(), run.shape, runs);
   }
-  if (cfg.json) print_json(cfg, run, ranks, max_abs, max_rel, all_equal);
-  else print_text(cfg, run, table, max_abs, max_rel, all_equal);
-  if (!std::isfinite(max_abs) || !std::isfinite(max_rel))
-    throw Error("results are not finite (max abs error " + fmt("%g", max_abs) + ")");
-  if (exact && !all_equal) throw Error("results differ from the p2p chain");
+  if (cfg.json) print_json(cfg, run, ranks);
+  else print_text(cfg, run, table);
+  if (!std::isfinite(run.max_abs_error) || !std::isfinite(run.max_rel_error))
+    throw Error("results are not finite (max abs error " + fmt("%g", run.max_abs_error) + ")");
+  if (exact && !run.equal_to_p2p) throw Error("results differ from the p2p chain");
   if (out) out->commit();
-}
-
-// Refuses a run whose allocations would not fit in --max-memory.
-void admit(const Config& cfg, const SummaryShape& shape, std::size_t world) {
-  const ExchangeOptions opts = exchange_options(cfg.exchange, shape);
-  const ProblemShape ps{world, shape.slabs(), shape.key_dim, shape.value_dim, sizeof(float)};
-  const Prediction pred = predict_exchange(ps, cfg.exchange.protocol, cfg.exchange.group_size, opts);
-  const std::size_t here = ranks_per_process(cfg.backend);
-  require_memory(testing::exchange_check_bytes(shape, world, here, exchange_rank_bytes(ps, pred)),
-                 max_memory_bytes(cfg.max_memory),
-                 "kdacp exchange with " + protocol_label(pred.config) + " on " + std::to_string(here) + " of " +
-                     std::to_string(world) + " ranks in this process, " + to_string(shape),
-                 max_memory_name(cfg.max_memory));
 }
 
 testing::WorldSummaries read_summaries(const Config& cfg) {
@@ -185,50 +151,16 @@ testing::WorldSummaries read_summaries(const Config& cfg) {
   return testing::read_world_npy(cfg.summaries, cfg.seed);
 }
 
-// Rank 0 makes the inputs and scatters them; every rank times the protocol
-// and compares it with the p2p chain; rank 0 gathers the runs and reports.
-// `preread`: the in-process world's summaries, read before the ranks start.
-// `shape`: the summaries' shape when every rank knows it before the scatter;
-// under a launcher with --summaries only rank 0 does, and every rank admits
-// the run once the scatter told it.
-void run_rank(const Config& cfg, const std::shared_ptr<Communicator>& world, WorldSummaries* preread,
-              std::optional<SummaryShape> shape) {
-  Communicator& comm = *world;
-  if (shape) admit(cfg, *shape, comm.size());
-  WorldSummaries all;
-  const auto in = testing::scatter_summaries(comm, [&] {
-    if (cfg.summaries.empty())
-      return testing::synthetic_world({cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim}, comm.size(), cfg.seed);
-    WorldSummaries w = preread ? std::move(*preread) : read_summaries(cfg);
-    check_flags(cfg, comm.size(), w);
-    return w;
-  }, &all);
-  if (!in) return;  // rank 0 reports; the others stop cleanly
-  if (!shape) admit(cfg, in->shape, comm.size());
-  const std::size_t threads =
-      cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
-  ThreadPool pool(threads);
-  ExchangeOptions opts = exchange_options(cfg.exchange, in->shape);
-  opts.exec.pool = &pool;
-  opts.exec.kernel = cfg.kernel == "scalar" ? KernelKind::scalar
-                     : cfg.kernel == "simd" ? KernelKind::simd
-                                            : KernelKind::best;
-  const DeviceMesh mesh = DeviceMesh::create(world, {comm.size()}, {"cp"});
-  auto ex = make_state_exchange(mesh, cfg.exchange.protocol, cfg.exchange.group_size, opts);
-  RankRun mine = testing::time_exchange(comm, *ex, *in, cfg.repeat);
-  testing::compare_with_p2p(mesh, *ex, opts.exec, *in, mine);
-  const std::vector<RankRun> runs = testing::gather_runs(comm, in->shape, std::move(mine));
-  if (comm.rank() != 0) return;
-  const std::string kernel =
-      opts.exec.kernel == KernelKind::scalar ? "scalar" : "simd(" + simd_target_name() + ")";
-  report(cfg, Run{comm.backend(), kernel, comm.size(), threads, in->shape, ex.get(), &opts}, all, runs);
-}
-
 // In-process, --summaries is read before the ranks start, so that without
-// --ranks the world takes the files' P.
+// --ranks the world takes the files' P; rank 0 makes the inputs and reports.
 void run_exchange(Config& cfg) {
   // Bad --memory-budget / --calibration fail here, before any rank starts.
-  (void)exchange_options(cfg.exchange, SummaryShape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim});
+  testing::ExchangeCheck check{cfg.exchange.protocol, cfg.exchange.group_size,
+                               exchange_options(cfg.exchange, {cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim}),
+                               cfg.kernel == "scalar" ? KernelKind::scalar
+                               : cfg.kernel == "simd" ? KernelKind::simd
+                                                      : KernelKind::best,
+                               cfg.threads, 1, cfg.repeat, cfg.max_memory};
   std::optional<WorldSummaries> preread;
   std::optional<SummaryShape> shape;
   if (cfg.summaries.empty()) {
@@ -242,9 +174,17 @@ void run_exchange(Config& cfg) {
                             describe(kRanksRange) + " in-process ranks");
     if (!cfg.given_ranks) cfg.backend.ranks = p;
   }
-  check_threads(ranks_per_process(cfg.backend), cfg.threads);
+  check.ranks_here = ranks_per_process(cfg.backend);
+  check_threads(check.ranks_here, cfg.threads);
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
-    run_rank(cfg, world, preread ? &*preread : nullptr, shape);
+    const auto result = testing::check_exchange(world, check, [&] {
+      if (cfg.summaries.empty())
+        return testing::synthetic_world(*shape, world->size(), cfg.seed);
+      WorldSummaries w = preread ? std::move(*preread) : read_summaries(cfg);
+      check_flags(cfg, world->size(), w);
+      return w;
+    }, shape);
+    if (result) report(cfg, *result);
   });
 }
 

@@ -45,9 +45,9 @@ ExchangeOptions exchange_options(const ExchangeFlags& f, const SummaryShape& sha
   return o;
 }
 
-std::string describe_method(const StateExchange& ex, const ExchangeFlags& flags) {
-  const auto pred = ex.prediction();
-  if (!pred) return ex.method();
+std::string describe_method(const std::string& method, const std::optional<Prediction>& pred,
+                            const ExchangeFlags& flags) {
+  if (!pred) return method;
   std::ostringstream os;
   os << flags.protocol << " -> " << protocol_label(pred->config) << " (predicted " << fmt("%.3g", pred->seconds * 1e3) << " ms per call, "
      << fmt_bytes(static_cast<double>(pred->peak_extra_bytes)) << " extra per rank, "

@@ -3,6 +3,7 @@
 // (memory budget, reassociation, the machine's cost parameters).
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -29,7 +30,8 @@ void add_exchange_flags(CLI::App& cmd, ExchangeFlags& flags);
 ExchangeOptions exchange_options(const ExchangeFlags& flags, const SummaryShape& shape);
 
 // "auto -> pipelined_p2p c=4, predicted 1.20 ms, 256 KiB/rank" for an auto
-// executor, the method name otherwise.
-std::string describe_method(const StateExchange& ex, const ExchangeFlags& flags);
+// executor (one with a prediction), the method name otherwise.
+std::string describe_method(const std::string& method, const std::optional<Prediction>& prediction,
+                            const ExchangeFlags& flags);
 
 }  // namespace kdacp::cli

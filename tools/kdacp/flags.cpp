@@ -1,7 +1,5 @@
 #include "flags.hpp"
 
-#include "kdacp/admission.hpp"
-#include "kdacp/error.hpp"
 
 namespace kdacp::cli {
 
@@ -47,22 +45,6 @@ CLI::Option* add_max_memory(CLI::App& cmd, std::string& text) {
                       "refuse to start when the run's estimated memory exceeds this, e.g. 8GiB "
                       "(default: what the machine has available now, MemAvailable or the cgroup's limit)",
                       Quantity::bytes);
-}
-
-std::size_t max_memory_bytes(const std::string& text) {
-  return text.empty() ? available_memory_bytes() : parse_bytes(text, "--max-memory");
-}
-
-std::string max_memory_name(const std::string& text) {
-  return text.empty() ? "memory available now; --max-memory sets another limit" : "--max-memory " + text;
-}
-
-void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank) {
-  const double total = double(ranks_in_process) * double(std::max<std::size_t>(threads_per_rank, 1));
-  if (total > double(kMaxThreadsPerProcess))
-    throw InvalidArgument("--threads " + std::to_string(threads_per_rank) + " on " + std::to_string(ranks_in_process) +
-                          " ranks of this process is " + std::to_string(std::size_t(total)) +
-                          " threads, expected at most " + std::to_string(kMaxThreadsPerProcess));
 }
 
 }  // namespace kdacp::cli

@@ -23,9 +23,6 @@ inline constexpr IntRange kRanksRange{1, 4096};                       // P of a 
 inline constexpr IntRange kThreadsRange{0, 1024};                     // per rank; 0: default
 inline constexpr RealRange kPositive{0, std::numeric_limits<double>::max(), true};
 inline constexpr RealRange kMinTimeRange{0, 3600, true};  // seconds a measurement repeats
-// Ranks of a process times their threads: beyond this, thread creation
-// fails on an ordinary host.
-inline constexpr std::size_t kMaxThreadsPerProcess = 16384;
 
 // The option's long name ("--key-dim") from CLI11's "--key-dim,-K".
 std::string flag_name(const std::string& names);
@@ -73,12 +70,7 @@ CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& 
                           Quantity kind);
 
 // --max-memory: what a command may allocate; empty text means what the
-// machine has available now (kdacp/admission.hpp).
+// machine has available now (max_memory_bytes in kdacp/admission.hpp).
 CLI::Option* add_max_memory(CLI::App& cmd, std::string& text);
-std::size_t max_memory_bytes(const std::string& text);
-std::string max_memory_name(const std::string& text);
-
-// InvalidArgument when ranks × threads of one process exceed kMaxThreadsPerProcess.
-void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank);
 
 }  // namespace kdacp::cli

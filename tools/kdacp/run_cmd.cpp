@@ -3,7 +3,6 @@
 // device: time, the exchange's share, errors of o and every gradient, and
 // whether results are bitwise equal across exact protocols.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -12,9 +11,6 @@
 
 #include "commands.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/exchange.hpp"
-#include "kdacp/cost_model.hpp"
-#include "kdacp/protocol.hpp"
 #include "kdacp/testing/bench.hpp"
 #include "kdacp/testing/layer_runner.hpp"
 #include "kdacp/testing/synthetic.hpp"
@@ -37,44 +33,6 @@ struct RunConfig {
   bool json = false;
   std::string max_memory;
 };
-
-// Progress on stderr, only once a run has taken more than two seconds.
-class Progress {
- public:
-  void note(const std::string& what) {
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    if (t > 2.0) std::fprintf(stderr, "kdacp run: %s (%.1f s elapsed)\n", what.c_str(), t);
-  }
-
- private:
-  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
-};
-
-struct Row {
-  LayerOutputs<float> out;
-  long long width;
-};
-
-// The layer with every protocol of the registry (those with a group size at
-// w = P/2 when that is a proper divisor of P) on cfg.ranks in-process ranks.
-std::vector<Row> run_protocols(const RunConfig& cfg, const kda::LayerData<float>& data, float scale,
-                               const std::vector<float>& d_o, std::size_t per_rank, Progress& progress) {
-  std::vector<Row> rows;
-  for (const ProtocolDescriptor* row : protocol_registry()) {
-    if (row->chooser()) continue;
-    const std::string method(row->name);
-    long long width = 1;
-    if (row->takes_group_size) {
-      if (cfg.ranks < 4 || cfg.ranks % 2 != 0) continue;  // needs 1 < w < P dividing P
-      width = static_cast<long long>(cfg.ranks / 2);
-    }
-    progress.note("running " + method);
-    rows.push_back({testing::run_context_parallel(data, scale, &d_o, cfg.ranks, method, width, per_rank,
-                                                  cfg.timeout_s),
-                    width});
-  }
-  return rows;
-}
 
 // The table and the JSON records, one row per run, against the single-rank
 // layer; the flop counts turn times into GFLOP/s and a share of the peak.
@@ -137,61 +95,32 @@ void print(const RunConfig& cfg, const kda::Shape& shape, std::size_t per_rank, 
               all_bitwise ? "yes" : "NO");
 }
 
-// The inputs, the single-rank run and every protocol's outputs (kept for the
-// table), and one context-parallel run at a time with the hungriest protocol.
-void admit(const RunConfig& cfg, const kda::Shape& shape) {
-  const ProblemShape ps{cfg.ranks, shape.batch * shape.value_heads, shape.key_dim, shape.value_dim, sizeof(float)};
-  Prediction hungriest;
-  std::size_t protocols = 0;
-  for (const Prediction& p : predict_all(CostParams{}, ps, true)) {
-    ++protocols;
-    if (p.peak_extra_bytes >= hungriest.peak_extra_bytes) hungriest = p;
-  }
-  const double need = double(protocols + 2) * testing::layer_output_bytes(shape, true, sizeof(float)) +
-                      testing::layer_run_bytes(shape, cfg.ranks, true, sizeof(float), exchange_rank_bytes(ps, hungriest));
-  require_memory(need, max_memory_bytes(cfg.max_memory), "kdacp run on " + std::to_string(cfg.ranks) + " ranks",
-                 max_memory_name(cfg.max_memory));
-}
-
 void run(const RunConfig& cfg) {
   const kda::Shape shape{cfg.batch, cfg.tokens, cfg.heads,
                          cfg.value_heads ? cfg.value_heads : cfg.heads, cfg.key_dim, cfg.value_dim};
   kda::validate(shape);
   kda::split_tokens(shape.tokens, cfg.ranks, 0);  // P > T is an error before any work
   check_threads(cfg.ranks, cfg.threads);
-  admit(cfg, shape);
+  require_memory(testing::compare_protocols_bytes(shape, cfg.ranks), max_memory_bytes(cfg.max_memory),
+                 "kdacp run on " + std::to_string(cfg.ranks) + " ranks", max_memory_name(cfg.max_memory));
   const std::size_t hw = ThreadPool::default_threads(1);
   const std::size_t per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(cfg.ranks);
-  Progress progress;
+  const testing::Progress progress("kdacp run");
   const auto data = kda::synthetic_layer<float>(shape, cfg.seed);
   const auto d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
   const float scale = kda::default_scale<float>(shape.key_dim);
   const auto single = testing::run_single(data, scale, &d_o, hw);
   progress.note("single-rank layer done");
-  const std::vector<Row> rows = run_protocols(cfg, data, scale, d_o, per_rank, progress);
-  const LayerOutputs<float>* first_exact = nullptr;
-  for (const auto& r : rows)
-    if (r.out.exact && !first_exact) first_exact = &r.out;
+  const auto cmp = testing::compare_protocols(data, scale, d_o, cfg.ranks, per_rank, cfg.timeout_s, progress);
 
   // The machine's FP32 FMA peak with every hardware thread, measured in this
   // run, so the layer's speed reads as a share of what the cores can do.
   Report rep{single, kda::forward_flops(shape, false) + kda::backward_flops(shape, false),
              kda::forward_flops(shape, true) + kda::backward_flops(shape, true), measure_fma_peak(hw, 0.2)};
   rep.add("single (1 rank)", single, true, "-");
-  bool all_bitwise = true;
-  for (const auto& r : rows) {
-    std::string name = r.out.method;
-    if (r.width > 1) name += " w=" + std::to_string(r.width);
-    std::string bitwise = "n/a";
-    if (r.out.exact) {
-      const bool eq = testing::same_bits(r.out, *first_exact);
-      all_bitwise = all_bitwise && eq;
-      bitwise = eq ? "yes" : "NO";
-    }
-    rep.add(name, r.out, false, bitwise);
-  }
-  print(cfg, shape, per_rank, rep, all_bitwise);
-  if (!all_bitwise) throw Error("exact protocols disagree bitwise");
+  for (const auto& r : cmp.runs) rep.add(r.label, r.out, false, !r.bitwise ? "n/a" : *r.bitwise ? "yes" : "NO");
+  print(cfg, shape, per_rank, rep, cmp.all_bitwise);
+  if (!cmp.all_bitwise) throw Error("exact protocols disagree bitwise");
 }
 
 }  // namespace

@@ -14,7 +14,9 @@
 
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
+#include "kdacp/kernels.hpp"
 #include "kdacp/mesh.hpp"
+#include "kdacp/protocol.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/testing/reference.hpp"
@@ -101,5 +103,53 @@ std::vector<RankErrors> chain_errors(const WorldSummaries& world, const std::vec
 // incoming.npy and final_grad.npy [P,B,H,K,V] of the runs into `dir`
 // (created if needed).
 void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std::vector<RankRun>& runs);
+
+// What check_exchange runs on every rank.
+struct ExchangeCheck {
+  std::string method = "auto";  // make_state_exchange's method and group size
+  long long group_size = 1;
+  // The factory's options; the check sets expected_shape and exec (a pool of
+  // `threads` threads and `kernel`).
+  ExchangeOptions options;
+  KernelKind kernel = KernelKind::best;
+  std::size_t threads = 0;     // per rank; 0: ThreadPool::default_threads(ranks_here)
+  std::size_t ranks_here = 1;  // ranks of the world that run in this process
+  std::size_t repeat = 5;
+  std::string max_memory;      // limit text of max_memory_bytes (kdacp/admission.hpp)
+};
+
+// Throws OutOfMemory before any allocation when exchange_check_bytes of the
+// configuration `check` builds for `shape` on `world` ranks exceeds its
+// memory limit; the message names the protocol, the ranks and the shape.
+void admit_exchange_check(const ExchangeCheck& check, const SummaryShape& shape, std::size_t world);
+
+// Everything a check learns, on rank 0.
+struct ExchangeCheckResult {
+  std::string backend;  // the communicator's
+  std::string kernel;   // "scalar" or "simd(<target>)"
+  std::size_t ranks = 0, threads = 0;
+  SummaryShape shape;
+  const ProtocolDescriptor* protocol = nullptr;  // the one that ran (auto: its choice)
+  std::optional<Prediction> prediction;          // auto's
+  ExchangeOptions options;                       // as the exchange was built
+  WorldSummaries world;                          // every rank's inputs
+  std::vector<RankRun> runs;                     // one per rank
+  std::vector<RankErrors> errors;                // chain_errors of the runs
+  // The worst error of any rank and direction; NaN when any error is NaN.
+  double max_abs_error = 0, max_rel_error = 0;
+  bool equal_to_p2p = true;  // every rank's record (always true when not exact)
+};
+
+// Collective over `world`. Rank 0 calls make() and scatters its summaries
+// (scatter_summaries: a kdacp::Error of make() throws on rank 0 and ends the
+// others quietly). Every rank admits its share of the run
+// (admit_exchange_check), before the scatter when `shape` is known there and
+// after it otherwise; then builds the exchange on a ThreadPool of its own,
+// times `repeat` calls (time_exchange) and compares them with the p2p chain
+// (compare_with_p2p). Rank 0 returns the gathered result; the others nullopt.
+std::optional<ExchangeCheckResult> check_exchange(const std::shared_ptr<Communicator>& world,
+                                                  const ExchangeCheck& check,
+                                                  const std::function<WorldSummaries()>& make,
+                                                  const std::optional<SummaryShape>& shape);
 
 }  // namespace kdacp::testing

@@ -4,6 +4,8 @@
 // Part of kdacp_testing.
 #pragma once
 
+#include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,5 +64,47 @@ bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b);
 
 // The summary shape of the layer's state exchange: [B, HV, K, V].
 SummaryShape layer_summary_shape(const kda::Shape& s);
+
+// Progress lines "<prefix>: <what> (<t> s elapsed)" on stderr, only once
+// more than `quiet_seconds` have passed since construction, so that a short
+// run prints none.
+class Progress {
+ public:
+  explicit Progress(std::string prefix, double quiet_seconds = 2.0);
+  void note(const std::string& what) const;
+
+ private:
+  std::string prefix_;
+  double quiet_seconds_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
+// One protocol's run in compare_protocols.
+struct ProtocolRun {
+  LayerOutputs<float> out;
+  long long group_size = 1;
+  std::string label;             // the method, with " w=<group size>" when it takes one
+  std::optional<bool> bitwise;   // exact protocols: same_bits with the first exact run
+};
+
+struct ProtocolComparison {
+  std::vector<ProtocolRun> runs;  // in registry order
+  bool all_bitwise = true;        // every exact run's `bitwise`
+};
+
+// The layer, forward and backward against d_o, with every protocol of the
+// registry but auto on `ranks` in-process ranks of threads_per_rank threads
+// each (run_context_parallel). A protocol that takes a group size runs at
+// w = P/2, and only when that is a proper divisor of P (even P >= 4).
+// progress.note("running <method>") precedes each run.
+ProtocolComparison compare_protocols(const kda::LayerData<float>& data, float scale, const std::vector<float>& d_o,
+                                     std::size_t ranks, std::size_t threads_per_rank, double timeout_s,
+                                     const Progress& progress);
+
+// Bytes run_single and compare_protocols allocate for float `shape` on
+// `ranks` ranks beside the inputs: every run's outputs and gradients, kept
+// for the comparison, and one context-parallel run at a time with the
+// hungriest protocol of the cost model.
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t ranks);
 
 }  // namespace kdacp::testing

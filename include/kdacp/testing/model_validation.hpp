@@ -1,0 +1,40 @@
+// The cost model's validation (kdacp/calibrate.hpp) on synthetic summaries,
+// as `kdacp calibrate --validate` runs it: on a given world, or in-process at
+// several P, each in a world of its own. Part of kdacp_testing.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "kdacp/calibrate.hpp"
+#include "kdacp/comm.hpp"
+#include "kdacp/launch.hpp"
+#include "kdacp/summary.hpp"
+
+namespace kdacp::testing {
+
+// One validated configuration and the parameters that predicted it.
+struct ModelRow {
+  ModelCheck check;
+  CostParams params;
+};
+
+// validate_cost_model(comm, params, ...) with every rank's synthetic_summary
+// of `shape` (seed 0) as its inputs. Collective; rank 0 returns one row per
+// configuration in predict_all's order, the other ranks none.
+std::vector<ModelRow> validate_synthetic(const std::shared_ptr<Communicator>& comm, const CostParams& params,
+                                         const SummaryShape& shape, const ValidationOptions& options);
+
+// validate_synthetic in-process at each P of `ranks`, in that order, each in
+// a world of its own (launch's options `world` with its backend and ranks
+// replaced). The parameters are `params` when given; otherwise each world
+// measures its own (measure_cost_params with `calibration`), since α and β
+// of in-process ranks grow with the ranks sharing the host.
+std::vector<ModelRow> validate_in_process(const std::vector<std::size_t>& ranks, const LaunchOptions& world,
+                                          const std::optional<CostParams>& params,
+                                          const CalibrationOptions& calibration, const SummaryShape& shape,
+                                          const ValidationOptions& options);
+
+}  // namespace kdacp::testing
