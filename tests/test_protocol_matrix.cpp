@@ -55,52 +55,6 @@ ConfigRun run_config(const World& w, const ProtocolConfig& config, const std::ve
   return res;
 }
 
-// The float chain with cuts, serially, with the library's step kernel: what
-// every exact protocol must reproduce bit for bit (SPEC §5, §10). A cut sends
-// its offset itself; so does the chain's first position.
-std::vector<State> serial_fold(const World& w, const std::vector<char>& cuts, Direction dir) {
-  const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
-  std::vector<State> out;
-  for (std::size_t r = 0; r < p; ++r) out.emplace_back(w.shape.batch, w.shape.heads, k, v);
-  const bool fwd = dir == Direction::forward;
-  for (std::size_t step = 1; step < p; ++step) {
-    const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
-    const State& off = fwd ? w.s[from] : w.g[from];
-    for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab) {
-      if (step == 1 || cuts[from]) {
-        std::memcpy(out[to].data() + slab * k * v, off.data() + slab * k * v, k * v * sizeof(float));
-      } else {
-        affine_step(w.m[from].data() + slab * k * k, k, out[from].data() + slab * k * v, v,
-                    off.data() + slab * k * v, v, out[to].data() + slab * k * v, v, k, v, dir);
-      }
-    }
-  }
-  return out;
-}
-
-// The same chain in FP64, for the reassociating rows' bound.
-std::vector<std::vector<double>> fp64_chain(const World& w, const std::vector<char>& cuts, Direction dir) {
-  const std::size_t p = w.size(), k = w.shape.key_dim, v = w.shape.value_dim;
-  std::vector<std::vector<double>> out(p, std::vector<double>(w.shape.state_elems(), 0.0));
-  const bool fwd = dir == Direction::forward;
-  for (std::size_t step = 1; step < p; ++step) {
-    const std::size_t from = fwd ? step - 1 : p - step, to = fwd ? step : p - 1 - step;
-    const float* off = (fwd ? w.s[from] : w.g[from]).data();
-    const float* m = w.m[from].data();
-    for (std::size_t slab = 0; slab < w.shape.slabs(); ++slab)
-      for (std::size_t i = 0; i < k; ++i)
-        for (std::size_t j = 0; j < v; ++j) {
-          double acc = off[slab * k * v + i * v + j];
-          if (!cuts[from])
-            for (std::size_t q = 0; q < k; ++q)
-              acc += double(fwd ? m[slab * k * k + i * k + q] : m[slab * k * k + q * k + i]) *
-                     out[from][slab * k * v + q * v + j];
-          out[to][slab * k * v + i * v + j] = acc;
-        }
-  }
-  return out;
-}
-
 // Cut patterns for P positions: none, every one, the first, the last, every
 // third, and a fixed pseudo-random one.
 std::vector<std::vector<char>> cut_patterns(std::size_t p) {
@@ -131,10 +85,10 @@ TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
   std::size_t configs = 0;
   for (const std::vector<char>& cuts : cut_patterns(p)) {
   SCOPED_TRACE(pattern_name(cuts));
-  const std::vector<State> fold_f = serial_fold(w, cuts, Direction::forward);
-  const std::vector<State> fold_b = serial_fold(w, cuts, Direction::backward);
-  const auto ref_f = fp64_chain(w, cuts, Direction::forward);
-  const auto ref_b = fp64_chain(w, cuts, Direction::backward);
+  const std::vector<State> fold_f = test::serial_fold(w, cuts, Direction::forward);
+  const std::vector<State> fold_b = test::serial_fold(w, cuts, Direction::backward);
+  const auto ref_f = test::fp64_chain(w, cuts, Direction::forward);
+  const auto ref_b = test::fp64_chain(w, cuts, Direction::backward);
   for (const ProtocolDescriptor* row : protocol_registry()) {
     for (const ProtocolConfig& config : valid_configs(*row, p, shape.value_dim)) {
       ++configs;

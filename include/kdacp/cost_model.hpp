@@ -92,10 +92,17 @@ Prediction predict(const CostParams& params, const ProblemShape& shape,
 std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape& shape,
                                     bool include_reassociating);
 
+// Each protocol's fastest configuration of predict_all (reassociating rows
+// included), one per row in registry order: the grouped rows' best w, ties to
+// the smaller. A grouped row with no proper divisor of P has none.
+std::vector<Prediction> best_per_protocol(const CostParams& params, const ProblemShape& shape);
+
 // auto's rule: the fastest configuration of predict_all whose peak memory is
-// within `memory_budget_bytes` (0: unlimited); ties go to the earlier row.
-// Throws InvalidArgument when nothing fits, naming the smallest need.
+// within `memory_budget_bytes` (0: unlimited), among the rows that take
+// layouts when `layouts_only` (several parts per rank); ties go to the
+// earlier row. Throws InvalidArgument when nothing fits, naming the smallest need.
 Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
-                           std::size_t memory_budget_bytes, bool allow_reassociation);
+                           std::size_t memory_budget_bytes, bool allow_reassociation,
+                           bool layouts_only = false);
 
 }  // namespace kdacp

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,15 @@ struct ExchangeStats {
   std::size_t peak_extra_bytes = 0;
 };
 
+// This rank's part of the token stream (SPEC §10). A part that contains a
+// sequence start is a cut: its outgoing state is its offset exactly, whatever
+// its incoming state (A = 0 instead of M), so its M is validated but never
+// read, and the chain does not wait across it. Forward and backward of one
+// part must be called with the same flags.
+struct PartFlags {
+  bool cut = false;
+};
+
 struct ExchangeOptions {
   ExecPolicy exec{};
   // pipelined_p2p (and auto when it picks it): column segments c, 1..V/16;
@@ -51,15 +61,19 @@ struct ExchangeOptions {
   // auto, which must choose at construction: the grouped protocols split the
   // mesh collectively there. Calls with another shape still run correctly.
   std::optional<SummaryShape> expected_shape;
+  // The layout (SPEC §10): the rank that holds each part, in chain order.
+  // Empty: one part per rank, part r on rank r. A rank may hold several parts
+  // (zigzag: parts r and 2P-1-r on rank r); every rank holds at least one.
+  // Only protocols that take layouts (ProtocolDescriptor::takes_layouts)
+  // accept a layout with several parts on one rank.
+  std::vector<std::size_t> part_owners;
 };
 
-// This rank's part of the token stream (SPEC §10). A part that contains a
-// sequence start is a cut: its outgoing state is its offset exactly, whatever
-// its incoming state (A = 0 instead of M), so its M is validated but never
-// read, and the chain does not wait across it. Forward and backward of one
-// part must be called with the same flags.
-struct PartFlags {
-  bool cut = false;
+// One of this rank's parts: its offset (S forward, G backward), M, and flags.
+struct PartSummary {
+  StateView offset;
+  StateView transfer;
+  PartFlags flags;
 };
 
 class StateExchange {
@@ -74,6 +88,13 @@ class StateExchange {
   // the chain-with-cuts result bit for bit (SPEC §5, §10).
   State forward(const StateView& s, const StateView& m, PartFlags part = {});
   State backward(const StateView& g, const StateView& m, PartFlags part = {});
+  // The same for a layout (ExchangeOptions::part_owners): this rank's parts
+  // in chain order, all of one shape; returns each part's incoming state
+  // (forward) or final-state gradient (backward), in the same order.
+  std::vector<State> forward(std::span<const PartSummary> parts);
+  std::vector<State> backward(std::span<const PartSummary> parts);
+  // Chain positions of this rank's parts, ascending.
+  const std::vector<std::size_t>& own_parts() const { return own_parts_; }
 
   // The registry row of the protocol that runs (for auto: the chosen one).
   const ProtocolDescriptor& descriptor() const { return *descriptor_; }
@@ -101,10 +122,24 @@ class StateExchange {
     bool cut;  // this rank's part is a cut: its outgoing value is `offset` itself
   };
 
+  // What run_parts() is asked: this rank's parts in chain order (validated,
+  // one shape), at chain positions own_parts().
+  struct PartsCall {
+    std::span<const PartSummary> parts;
+    SummaryShape shape;
+    Direction direction;
+  };
+
   StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
   // Returns this rank's result; every message it sends goes through
   // communicators(), whose traffic the call's stats count.
   virtual State run(const Call& call) = 0;
+  // A layout with several parts on a rank; only rows with takes_layouts
+  // override it (the factory rejects the layout for the others).
+  virtual std::vector<State> run_parts(const PartsCall& call);
+  // The rank holding chain position j, and the number of parts.
+  std::size_t owner(std::size_t j) const { return part_owners_[j]; }
+  std::size_t part_count() const { return part_owners_.size(); }
   virtual std::vector<const Communicator*> communicators() const = 0;
 
   const ExchangeOptions& options() const { return options_; }
@@ -114,10 +149,13 @@ class StateExchange {
  private:
   friend struct detail::ExchangeAccess;  // the chooser attaches its prediction
   State call(const StateView& offset, const StateView& m, Direction direction, PartFlags part);
+  std::vector<State> call_parts(std::span<const PartSummary> parts, Direction direction);
 
   const ProtocolDescriptor* descriptor_;
   ProtocolConfig config_;
   ExchangeOptions options_;
+  std::vector<std::size_t> part_owners_;  // chain position -> rank (identity without a layout)
+  std::vector<std::size_t> own_parts_;
   std::optional<Prediction> prediction_;
   ExchangeStats stats_;
 };

@@ -52,6 +52,7 @@ struct ProtocolDescriptor {
   ProtocolClass kind = ProtocolClass::exact;
   bool takes_group_size = false;  // accepts allgather_group_size w != 1 (w | P)
   bool takes_segments = false;    // accepts ExchangeOptions::segments c != 0 (c <= V/16)
+  bool takes_layouts = false;     // accepts ExchangeOptions::part_owners other than one part per rank
   // One line each for the docs table and --help: extra memory in words, and
   // when a user should pick it.
   std::string_view memory{};

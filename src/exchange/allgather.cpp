@@ -3,6 +3,8 @@
 // per (b,h), from the nearest cut when there is one (SPEC §10).
 // One collective; P packed slots per rank; the fold consumes the gathered
 // offsets in place, so no scratch beyond the gather buffer.
+#include <algorithm>
+
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
 
@@ -36,6 +38,46 @@ class AllGatherExchange final : public CommExchange {
     }
     return result;
   }
+
+  // Each rank gathers its parts as k slots (k: the most parts a rank
+  // holds), one collective for all; every part then folds the chain over
+  // parts from the nearest cut, one step at a time in chain order.
+  std::vector<State> run_parts(const PartsCall& c) override {
+    const Direction dir = c.direction;
+    const std::size_t n = part_count();
+    std::vector<std::size_t> held(size_, 0), local(n), slot_of(n);
+    for (std::size_t j = 0; j < n; ++j) local[j] = held[owner(j)]++;
+    const std::size_t k = *std::max_element(held.begin(), held.end());
+    for (std::size_t j = 0; j < n; ++j) slot_of[j] = owner(j) * k + local[j];
+    PackedSlots gathered(c.shape, size_ * k);
+    for (std::size_t i = 0; i < c.parts.size(); ++i)
+      gathered.pack(rank_ * k + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
+    comm_->all_gather(gathered.bytes());
+    const Slots slots = gathered.slots();
+    std::vector<State> result;
+    for (std::size_t j : own_parts()) {
+      // The nearest cut on the way, or the chain's first part.
+      std::size_t start = j;
+      while (auto prev = chain_prev(start, n, dir)) {
+        start = *prev;
+        if (gathered.cut(slot_of[start])) break;
+      }
+      State cur = make_state(c.shape);  // the chain's first part receives the zero state
+      bool have = false;
+      for (std::size_t t = start; t != j; t = *chain_next(t, n, dir)) {
+        const std::size_t slot = slot_of[t];
+        State next = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
+        const StateView in = cur.view();
+        // From no incoming state the step is the slot's offset itself, exactly.
+        scan(single_slot(slots.offsets.slot(slot), slots.transfers.slot(slot)), 0, 1, dir,
+             have ? &in : nullptr, next.view(), std::nullopt, nullptr, options().exec);
+        cur = std::move(next);
+        have = true;
+      }
+      result.push_back(std::move(cur));
+    }
+    return result;
+  }
 };
 
 CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
@@ -57,6 +99,7 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
 const ProtocolDescriptor allgather_protocol{
     .name = "allgather",
     .kind = ProtocolClass::exact,
+    .takes_layouts = true,
     .memory = "P packed slots",
     .use_when = "small P on fast links with memory to spare",
     .cost = allgather_cost,

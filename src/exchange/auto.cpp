@@ -26,7 +26,8 @@ std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
     throw InvalidArgument(os.str());
   }
   ProblemShape shape{ctx.size, s.slabs(), s.key_dim, s.value_dim, dtype_size(s.dtype)};
-  Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation);
+  Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation,
+                                      !o.part_owners.empty());
   const ProtocolDescriptor& row = find_protocol(choice.config.method);
   // An explicit segment count overrides the model's (the prediction follows it).
   if (row.takes_segments && o.segments != 0) {

@@ -142,7 +142,7 @@ CallMeter::CallMeter(std::vector<const Communicator*> comms) : comms_(std::move(
   for (const Communicator* c : comms_) before_.push_back(c ? c->stats() : CommStats{});
 }
 
-ExchangeStats CallMeter::finish(const State& result) const {
+ExchangeStats CallMeter::finish(std::size_t returned_bytes) const {
   ExchangeStats st;
   for (std::size_t i = 0; i < comms_.size(); ++i) {
     if (!comms_[i]) continue;
@@ -151,7 +151,7 @@ ExchangeStats CallMeter::finish(const State& result) const {
     st.bytes_received += now.bytes_received - before_[i].bytes_received;
   }
   const std::size_t peak = scope_.peak();
-  st.peak_extra_bytes = peak > result.bytes() ? peak - result.bytes() : 0;
+  st.peak_extra_bytes = peak > returned_bytes ? peak - returned_bytes : 0;
   return st;
 }
 

@@ -23,6 +23,21 @@ namespace kdacp::detail {
 // the same order by every rank, and messages between a pair match in order.
 inline constexpr int kTagForward = 11;
 inline constexpr int kTagBackward = 12;
+// With a layout, a message is tagged by the chain position it enters and its
+// direction, because a rank may exchange several parts with one peer, not in
+// chain order (a cut sends first).
+inline int part_tag(std::size_t position, Direction direction) {
+  return 64 + 2 * static_cast<int>(position) + (direction == Direction::backward ? 1 : 0);
+}
+
+// The neighbours of chain position j in the direction the chain runs.
+inline std::optional<std::size_t> chain_prev(std::size_t j, std::size_t n, Direction d) {
+  if (d == Direction::forward) return j > 0 ? std::optional<std::size_t>(j - 1) : std::nullopt;
+  return j + 1 < n ? std::optional<std::size_t>(j + 1) : std::nullopt;
+}
+inline std::optional<std::size_t> chain_next(std::size_t j, std::size_t n, Direction d) {
+  return chain_prev(j, n, d == Direction::forward ? Direction::backward : Direction::forward);
+}
 
 // The protocols over one communicator, the CP group itself.
 class CommExchange : public StateExchange {
@@ -92,7 +107,9 @@ class CallMeter {
  public:
   // Null entries are skipped.
   explicit CallMeter(std::vector<const Communicator*> comms);
-  ExchangeStats finish(const State& result) const;
+  ExchangeStats finish(const State& result) const { return finish(result.bytes()); }
+  // `returned_bytes`: what the call hands back (not counted as extra).
+  ExchangeStats finish(std::size_t returned_bytes) const;
 
  private:
   std::vector<const Communicator*> comms_;

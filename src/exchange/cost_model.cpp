@@ -212,12 +212,24 @@ std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape
   return out;
 }
 
+std::vector<Prediction> best_per_protocol(const CostParams& params, const ProblemShape& shape) {
+  std::vector<Prediction> best;
+  // predict_all lists a row's configurations next to each other.
+  for (const Prediction& p : predict_all(params, shape, true)) {
+    if (best.empty() || best.back().config.method != p.config.method) best.push_back(p);
+    else if (p.seconds < best.back().seconds) best.back() = p;
+  }
+  return best;
+}
+
 Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
-                           std::size_t memory_budget_bytes, bool allow_reassociation) {
+                           std::size_t memory_budget_bytes, bool allow_reassociation,
+                           bool layouts_only) {
   const auto all = predict_all(params, shape, allow_reassociation);
   const Prediction* best = nullptr;
   std::size_t least_memory = std::numeric_limits<std::size_t>::max();
   for (const Prediction& p : all) {
+    if (layouts_only && !find_protocol(p.config.method).takes_layouts) continue;
     least_memory = std::min(least_memory, p.peak_extra_bytes);
     if (memory_budget_bytes != 0 && p.peak_extra_bytes > memory_budget_bytes) continue;
     if (best == nullptr || p.seconds < best->seconds) best = &p;

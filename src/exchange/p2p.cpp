@@ -2,6 +2,8 @@
 // M_r·incoming_r + S_r (S_0 on rank 0, S_r itself on a cut) to r+1; backward
 // mirrors it with Mᵀ. P-1 dependent hops, fewer with cuts (the longest run
 // between cuts); one extra state per rank (the one it sends).
+#include <algorithm>
+
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
 
@@ -51,6 +53,55 @@ class P2PExchange final : public CommExchange {
     if (recv) recv->wait();
     return result;
   }
+
+  // The chain over parts: each part receives from the rank holding the part
+  // before it (or takes it locally) and hands its outgoing state on.
+  std::vector<State> run_parts(const PartsCall& c) override {
+    const Direction dir = c.direction;
+    const std::size_t n = part_count();
+    const std::vector<std::size_t>& own = own_parts();
+    std::vector<std::size_t> order(own.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = dir == Direction::forward ? i : own.size() - 1 - i;
+    auto index_of = [&](std::size_t j) {
+      return static_cast<std::size_t>(std::lower_bound(own.begin(), own.end(), j) - own.begin());
+    };
+    std::vector<State> result(own.size()), sent_states;
+    std::vector<std::unique_ptr<Request>> recvs(own.size()), sends;
+    for (std::size_t i = 0; i < own.size(); ++i) {
+      const auto prev = chain_prev(own[i], n, dir);
+      result[i] = make_state(c.shape, prev ? Buffer::Init::uninitialized : Buffer::Init::zero);
+      if (prev && owner(*prev) != rank_)
+        recvs[i] = comm_->irecv(bytes_of(result[i]), owner(*prev), part_tag(own[i], dir));
+    }
+    auto hand_on = [&](std::size_t i, State out) {
+      const auto next = chain_next(own[i], n, dir);
+      if (owner(*next) == rank_) {
+        result[index_of(*next)] = std::move(out);
+      } else {
+        sends.push_back(comm_->isend(bytes_of(out), owner(*next), part_tag(*next, dir)));
+        sent_states.push_back(std::move(out));
+      }
+    };
+    // The chain's first part and every cut hand on their offset itself, the
+    // cuts before their own state arrives.
+    for (std::size_t i : order) {
+      const PartSummary& part = c.parts[i];
+      if ((!chain_prev(own[i], n, dir) || part.flags.cut) && chain_next(own[i], n, dir))
+        hand_on(i, dense_copy(part.offset));
+    }
+    for (std::size_t i : order) {
+      const PartSummary& part = c.parts[i];
+      if (recvs[i]) recvs[i]->wait();
+      if (!chain_prev(own[i], n, dir) || part.flags.cut || !chain_next(own[i], n, dir)) continue;
+      State out = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
+      const StateView in = result[i].view();
+      scan(single_slot(part.offset, part.transfer), 0, 1, dir, &in, out.view(), std::nullopt, nullptr,
+           options().exec);
+      hand_on(i, std::move(out));
+    }
+    for (auto& s : sends) s->wait();
+    return result;
+  }
 };
 
 CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
@@ -69,6 +120,7 @@ CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
 const ProtocolDescriptor p2p_protocol{
     .name = "p2p",
     .kind = ProtocolClass::exact,
+    .takes_layouts = true,
     .memory = "1 state",
     .use_when = "tiny P, or the least memory",
     .cost = p2p_cost,

@@ -15,6 +15,7 @@ std::string knobs(const ProtocolDescriptor& row) {
   std::string out;
   if (row.takes_group_size) out = "w";
   if (row.takes_segments) out += out.empty() ? "c" : ", c";
+  if (row.takes_layouts) out += out.empty() ? "parts" : ", parts";
   return out.empty() ? "-" : out;
 }
 
