@@ -1,4 +1,4 @@
-// MPI benchmark (issue 3), run under mpirun: each protocol's exchange time
+// MPI benchmark, run under mpirun: each protocol's exchange time
 // beside raw MPI baselines moving the same bytes, as ratios.
 //
 //   mpirun -np 4 kdacp_mpi_bench [--batch 1] [--heads 16] [--key-dim 128]
