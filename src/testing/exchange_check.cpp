@@ -9,6 +9,8 @@
 #include <memory>
 #include <type_traits>
 
+#include <nlohmann/json.hpp>
+
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
@@ -92,6 +94,7 @@ ExchangeOptions options_for(const ExchangeCheck& check, const SummaryShape& shap
 WorldSummaries synthetic_world(const SummaryShape& shape, std::size_t ranks, std::uint64_t seed) {
   WorldSummaries w;
   w.shape = shape;
+  w.seed = seed;
   for (std::size_t r = 0; r < ranks; ++r) {
     auto f = synthetic_summary(shape, seed, r, false);
     w.s.push_back(as_vector(f.offset));
@@ -132,6 +135,7 @@ WorldSummaries read_world_npy(const std::string& dir, std::uint64_t seed) {
   const std::optional<NpyArray> g = load_summary(dir, "G.npy", false);
   WorldSummaries w;
   w.shape = {s.shape[1], s.shape[2], s.shape[3], s.shape[4]};
+  w.seed = seed;
   const std::size_t p = s.shape[0], k = w.shape.key_dim;
   expect_shape("M.npy", m.shape, {p, w.shape.batch, w.shape.heads, k, k});
   if (g) expect_shape("G.npy", g->shape, s.shape);
@@ -143,6 +147,47 @@ WorldSummaries read_world_npy(const std::string& dir, std::uint64_t seed) {
   } else {
     for (std::size_t r = 0; r < p; ++r) w.g.push_back(as_vector(synthetic_summary(w.shape, seed, r, true).offset));
   }
+  return w;
+}
+
+SummarySource::SummarySource(SummarySpec spec) : spec_(std::move(spec)) {
+  if (spec_.dir.empty()) shape_ = spec_.shape;
+}
+
+WorldSummaries SummarySource::read() const {
+  require_memory(world_npy_bytes(spec_.dir), max_memory_bytes(spec_.max_memory),
+                 "reading the summaries of " + spec_.dir, max_memory_name(spec_.max_memory));
+  return read_world_npy(spec_.dir, spec_.seed);
+}
+
+std::size_t SummarySource::read_ahead(const std::optional<IntRange>& world_ranks) {
+  if (spec_.dir.empty()) return 0;
+  ahead_ = read();
+  shape_ = ahead_->shape;
+  const std::size_t p = ahead_->ranks();
+  if (world_ranks && (p < world_ranks->min || p > world_ranks->max))
+    throw InvalidArgument(spec_.dir + "/S.npy has P = " + std::to_string(p) + ", expected " +
+                          describe(*world_ranks) + " in-process ranks");
+  return p;
+}
+
+WorldSummaries SummarySource::operator()(std::size_t ranks) {
+  if (spec_.dir.empty()) return synthetic_world(spec_.shape, ranks, spec_.seed);
+  WorldSummaries w = ahead_ ? std::move(*ahead_) : read();
+  ahead_.reset();
+  if (ranks != w.ranks())
+    throw InvalidArgument("the summaries have P = " + std::to_string(w.ranks()) +
+                          " (first dimension of S.npy) but the run has " + std::to_string(ranks) +
+                          " ranks (--ranks, or the processes under mpirun)");
+  auto fixed = [](bool given, std::size_t value, std::size_t file, const char* name) {
+    if (given && value != file)
+      throw InvalidArgument(std::string("--") + name + " is " + std::to_string(value) +
+                            " but the summaries have " + std::to_string(file));
+  };
+  fixed(spec_.fixed_batch, spec_.shape.batch, w.shape.batch, "batch");
+  fixed(spec_.fixed_heads, spec_.shape.heads, w.shape.heads, "heads");
+  fixed(spec_.fixed_key_dim, spec_.shape.key_dim, w.shape.key_dim, "key-dim");
+  fixed(spec_.fixed_value_dim, spec_.shape.value_dim, w.shape.value_dim, "value-dim");
   return w;
 }
 
@@ -317,6 +362,9 @@ std::optional<ExchangeCheckResult> check_exchange(const std::shared_ptr<Communic
   res.protocol = &ex->descriptor();
   res.prediction = ex->prediction();
   res.errors = chain_errors(res.world, res.runs);
+  res.requested_method = check.method;
+  res.group_size = check.group_size;
+  res.repeat = check.repeat;
   for (std::size_t q = 0; q < res.runs.size(); ++q) {
     res.equal_to_p2p = res.equal_to_p2p && res.runs[q].record.equal_to_p2p != 0;
     for (double e : {res.errors[q].forward.max_abs, res.errors[q].backward.max_abs})
@@ -325,6 +373,44 @@ std::optional<ExchangeCheckResult> check_exchange(const std::shared_ptr<Communic
       res.max_rel_error = worst(res.max_rel_error, e);
   }
   return res;
+}
+
+std::string to_json(const ExchangeCheckResult& run) {
+  using nlohmann::json;
+  const bool exact = run.protocol->exact();
+  json ranks = json::array();
+  for (std::size_t q = 0; q < run.runs.size(); ++q) {
+    const ExchangeRecord& rc = run.runs[q].record;
+    const auto& ef = run.errors[q].forward;
+    const auto& eb = run.errors[q].backward;
+    ranks.push_back({{"rank", q},
+                     {"forward_seconds", rc.forward_seconds}, {"backward_seconds", rc.backward_seconds},
+                     {"forward_bytes_sent", rc.forward_bytes_sent},
+                     {"forward_bytes_received", rc.forward_bytes_received},
+                     {"backward_bytes_sent", rc.backward_bytes_sent},
+                     {"backward_bytes_received", rc.backward_bytes_received},
+                     {"peak_extra_bytes", rc.peak_extra_bytes}, {"forward_max_abs_error", ef.max_abs},
+                     {"forward_rel_error", ef.rel_fro}, {"backward_max_abs_error", eb.max_abs},
+                     {"backward_rel_error", eb.rel_fro},
+                     {"bitwise_equal_to_p2p", exact ? json(rc.equal_to_p2p != 0) : json()}});
+  }
+  const SummaryShape& shape = run.shape;
+  json j = {{"command", "exchange"},
+            {"backend", run.backend}, {"protocol", std::string(run.protocol->name)},
+            {"requested_protocol", run.requested_method}, {"group_size", run.group_size},
+            {"exact", exact}, {"P", run.ranks}, {"B", shape.batch}, {"H", shape.heads},
+            {"K", shape.key_dim}, {"V", shape.value_dim}, {"seed", run.world.seed}, {"repeat", run.repeat},
+            {"threads_per_rank", run.threads}, {"kernel", run.kernel}, {"ranks", ranks},
+            {"max_abs_error", run.max_abs_error}, {"max_rel_error", run.max_rel_error},
+            {"bitwise_equal_to_p2p", exact ? json(run.equal_to_p2p) : json()}};
+  if (const auto& pred = run.prediction) {
+    j["auto"] = {{"method", pred->config.method},
+                 {"group_size", pred->config.group_size}, {"segments", pred->config.segments},
+                 {"exact", pred->exact}, {"predicted_seconds", pred->seconds},
+                 {"predicted_peak_extra_bytes", pred->peak_extra_bytes},
+                 {"cost_source", run.options.cost.source}};
+  }
+  return j.dump(2);
 }
 
 }  // namespace kdacp::testing

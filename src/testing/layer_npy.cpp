@@ -5,8 +5,10 @@
 #include <limits>
 #include <utility>
 
+#include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
+#include "kdacp/protocol.hpp"
 
 namespace kdacp::testing {
 
@@ -82,6 +84,18 @@ double layer_npy_bytes(const std::string& dir) {
     if (!ec) bytes += double(size);
   }
   return bytes;
+}
+
+void admit_layer_run(const kda::Shape& s, const SummaryShape& summary, std::size_t ranks, bool grads,
+                     double input_bytes, const std::string& method, long long group_size,
+                     const ExchangeOptions& options, const std::string& max_memory) {
+  const ProblemShape ps{ranks, summary.slabs(), s.key_dim, s.value_dim, dtype_size(summary.dtype)};
+  const Prediction pred = predict_exchange(ps, method, group_size, options);
+  const double need =
+      2 * input_bytes + layer_run_bytes(s, ranks, grads, ps.elem_bytes, exchange_rank_bytes(ps, pred));
+  require_memory(need, max_memory_bytes(max_memory),
+                 "kdacp kda on " + std::to_string(ranks) + " ranks with " + protocol_label(pred.config),
+                 max_memory_name(max_memory));
 }
 
 template <class T>

@@ -1,5 +1,8 @@
 #include "kdacp/testing/model_validation.hpp"
 
+#include <nlohmann/json.hpp>
+
+#include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp::testing {
@@ -30,6 +33,25 @@ std::vector<ModelRow> validate_in_process(const std::vector<std::size_t>& ranks,
     }, nullptr);
   }
   return rows;
+}
+
+double measured_over_predicted(const ModelCheck& check) {
+  return check.predicted_seconds > 0 ? check.measured_seconds / check.predicted_seconds : 0.0;
+}
+
+std::string to_json(const std::vector<ModelRow>& rows, const SummaryShape& shape) {
+  nlohmann::json records = nlohmann::json::array();
+  for (const ModelRow& row : rows)
+    records.push_back({{"mode", "model"},
+                       {"protocol", protocol_label(row.check.config)}, {"P", row.check.ranks},
+                       {"BH", shape.slabs()}, {"K", shape.key_dim}, {"V", shape.value_dim},
+                       {"source", row.params.source}, {"alpha_s", row.params.alpha_s},
+                       {"beta_s_per_byte", row.params.beta_s_per_byte}, {"gflops", row.params.gflops},
+                       {"concurrent_ranks", row.params.concurrent_ranks},
+                       {"predicted_seconds", row.check.predicted_seconds},
+                       {"measured_seconds", row.check.measured_seconds},
+                       {"ratio", measured_over_predicted(row.check)}, {"iterations", row.check.iterations}});
+  return records.dump(2);
 }
 
 }  // namespace kdacp::testing

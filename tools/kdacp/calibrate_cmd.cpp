@@ -11,8 +11,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "backend.hpp"
 #include "commands.hpp"
 #include "kdacp/protocol.hpp"
@@ -69,25 +67,6 @@ ValidationOptions validation_options(const CalibrateConfig& cfg, std::size_t thr
 
 std::string ms(double s) { return fmt("%.3f", s * 1e3); }
 
-double ratio(const ModelCheck& c) {
-  return c.predicted_seconds > 0 ? c.measured_seconds / c.predicted_seconds : 0.0;
-}
-
-void print_json(const CalibrateConfig& cfg, const std::vector<ModelRow>& rows) {
-  nlohmann::json records = nlohmann::json::array();
-  for (const ModelRow& row : rows)
-    records.push_back({{"mode", "model"},
-                       {"protocol", protocol_label(row.check.config)}, {"P", row.check.ranks},
-                       {"BH", cfg.batch * cfg.heads}, {"K", cfg.key_dim}, {"V", cfg.value_dim},
-                       {"source", row.params.source}, {"alpha_s", row.params.alpha_s},
-                       {"beta_s_per_byte", row.params.beta_s_per_byte}, {"gflops", row.params.gflops},
-                       {"concurrent_ranks", row.params.concurrent_ranks},
-                       {"predicted_seconds", row.check.predicted_seconds},
-                       {"measured_seconds", row.check.measured_seconds}, {"ratio", ratio(row.check)},
-                       {"iterations", row.check.iterations}});
-  std::printf("%s\n", records.dump(2).c_str());
-}
-
 void print_table(const CalibrateConfig& cfg, const std::string& backend, const std::vector<ModelRow>& rows) {
   std::printf("\nmodel validation: forward + backward, B*H=%zu, K=%zu, V=%zu, %s backend\n",
               cfg.batch * cfg.heads, cfg.key_dim, cfg.value_dim, backend.c_str());
@@ -102,7 +81,7 @@ void print_table(const CalibrateConfig& cfg, const std::string& backend, const s
   Table t({"protocol", "P", "predicted ms", "measured ms", "measured/predicted"});
   std::size_t outside = 0;
   for (const ModelRow& row : rows) {
-    const double r = ratio(row.check);
+    const double r = testing::measured_over_predicted(row.check);
     if (r < 0.7 || r > 1.3) ++outside;
     t.add({protocol_label(row.check.config), std::to_string(row.check.ranks), ms(row.check.predicted_seconds),
            ms(row.check.measured_seconds), fmt("%.2f", r)});
@@ -156,7 +135,7 @@ void run_calibrate(const CalibrateConfig& cfg) {
   if (cfg.validate && !mpi)
     rows = testing::validate_in_process(cfg.validate_ranks, cfg.backend, loaded, calibration_options(cfg, threads),
                                         shape_of(cfg), validation_options(cfg, threads));
-  if (cfg.validate && cfg.json) print_json(cfg, rows);
+  if (cfg.validate && cfg.json) std::printf("%s\n", testing::to_json(rows, shape_of(cfg)).c_str());
   else if (cfg.validate) print_table(cfg, mpi ? "mpi" : "inprocess", rows);
   if (saved) saved->commit();
 }

@@ -9,8 +9,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "backend.hpp"
 #include "commands.hpp"
 #include "exchange_flags.hpp"
@@ -42,44 +40,6 @@ struct Config {
 };
 
 using testing::ExchangeCheckResult;
-using testing::WorldSummaries;
-
-// --summaries must agree with the flags given explicitly and with the world.
-void check_flags(const Config& cfg, std::size_t world, const WorldSummaries& w) {
-  auto flag = [&](bool given, std::size_t value, std::size_t file, const char* name) {
-    if (given && value != file)
-      throw InvalidArgument(std::string("--") + name + " is " + std::to_string(value) +
-                            " but the summaries have " + std::to_string(file));
-  };
-  if (world != w.ranks())
-    throw InvalidArgument("the summaries have P = " + std::to_string(w.ranks()) + " (first dimension of S.npy) but the run has " +
-                          std::to_string(world) + " ranks (--ranks, or the processes under mpirun)");
-  flag(cfg.given_batch, cfg.batch, w.shape.batch, "batch");
-  flag(cfg.given_heads, cfg.heads, w.shape.heads, "heads");
-  flag(cfg.given_k, cfg.key_dim, w.shape.key_dim, "key-dim");
-  flag(cfg.given_v, cfg.value_dim, w.shape.value_dim, "value-dim");
-}
-
-void print_json(const Config& cfg, const ExchangeCheckResult& run, const nlohmann::json& ranks) {
-  const bool exact = run.protocol->exact();
-  const SummaryShape& shape = run.shape;
-  nlohmann::json j = {{"command", "exchange"},
-                      {"backend", run.backend}, {"protocol", std::string(run.protocol->name)},
-                      {"requested_protocol", cfg.exchange.protocol}, {"group_size", cfg.exchange.group_size},
-                      {"exact", exact}, {"P", run.ranks}, {"B", shape.batch}, {"H", shape.heads},
-                      {"K", shape.key_dim}, {"V", shape.value_dim}, {"seed", cfg.seed}, {"repeat", cfg.repeat},
-                      {"threads_per_rank", run.threads}, {"kernel", run.kernel}, {"ranks", ranks},
-                      {"max_abs_error", run.max_abs_error}, {"max_rel_error", run.max_rel_error},
-                      {"bitwise_equal_to_p2p", exact ? nlohmann::json(run.equal_to_p2p) : nlohmann::json()}};
-  if (const auto& pred = run.prediction) {
-    j["auto"] = {{"method", pred->config.method},
-                 {"group_size", pred->config.group_size}, {"segments", pred->config.segments},
-                 {"exact", pred->exact}, {"predicted_seconds", pred->seconds},
-                 {"predicted_peak_extra_bytes", pred->peak_extra_bytes},
-                 {"cost_source", run.options.cost.source}};
-  }
-  std::printf("%s\n", j.dump(2).c_str());
-}
 
 void print_text(const Config& cfg, const ExchangeCheckResult& run, const Table& table) {
   const SummaryShape& shape = run.shape;
@@ -108,7 +68,6 @@ void print_text(const Config& cfg, const ExchangeCheckResult& run, const Table& 
 void report(const Config& cfg, const ExchangeCheckResult& run) {
   const auto& runs = run.runs;
   const bool exact = run.protocol->exact();
-  nlohmann::json ranks = nlohmann::json::array();
   Table table({"rank", "fwd ms", "bwd ms", "sent/call", "recv/call", "peak extra", "fwd max abs",
                "fwd rel", "bwd max abs", "bwd rel", "== p2p"});
   for (std::size_t q = 0; q < runs.size(); ++q) {
@@ -121,23 +80,13 @@ void report(const Config& cfg, const ExchangeCheckResult& run) {
                fmt_bytes(rc.peak_extra_bytes), fmt("%.2e", ef.max_abs), fmt("%.2e", ef.rel_fro),
                fmt("%.2e", eb.max_abs), fmt("%.2e", eb.rel_fro),
                !exact ? "n/a" : rc.equal_to_p2p ? "yes" : "NO"});
-    ranks.push_back({{"rank", q},
-                     {"forward_seconds", rc.forward_seconds}, {"backward_seconds", rc.backward_seconds},
-                     {"forward_bytes_sent", rc.forward_bytes_sent},
-                     {"forward_bytes_received", rc.forward_bytes_received},
-                     {"backward_bytes_sent", rc.backward_bytes_sent},
-                     {"backward_bytes_received", rc.backward_bytes_received},
-                     {"peak_extra_bytes", rc.peak_extra_bytes}, {"forward_max_abs_error", ef.max_abs},
-                     {"forward_rel_error", ef.rel_fro}, {"backward_max_abs_error", eb.max_abs},
-                     {"backward_rel_error", eb.rel_fro},
-                     {"bitwise_equal_to_p2p", exact ? nlohmann::json(rc.equal_to_p2p != 0) : nlohmann::json()}});
   }
   std::optional<StagedOutput> out;
   if (!cfg.out.empty()) {
     out.emplace(cfg.out, std::vector<std::string>{"incoming.npy", "final_grad.npy"});
     testing::write_runs_npy(out->staging_dir(), run.shape, runs);
   }
-  if (cfg.json) print_json(cfg, run, ranks);
+  if (cfg.json) std::printf("%s\n", testing::to_json(run).c_str());
   else print_text(cfg, run, table);
   if (!std::isfinite(run.max_abs_error) || !std::isfinite(run.max_rel_error))
     throw Error("results are not finite (max abs error " + fmt("%g", run.max_abs_error) + ")");
@@ -145,46 +94,27 @@ void report(const Config& cfg, const ExchangeCheckResult& run) {
   if (out) out->commit();
 }
 
-testing::WorldSummaries read_summaries(const Config& cfg) {
-  require_memory(testing::world_npy_bytes(cfg.summaries), max_memory_bytes(cfg.max_memory),
-                 "reading the summaries of " + cfg.summaries, max_memory_name(cfg.max_memory));
-  return testing::read_world_npy(cfg.summaries, cfg.seed);
-}
-
 // In-process, --summaries is read before the ranks start, so that without
 // --ranks the world takes the files' P; rank 0 makes the inputs and reports.
 void run_exchange(Config& cfg) {
   // Bad --memory-budget / --calibration fail here, before any rank starts.
-  testing::ExchangeCheck check{cfg.exchange.protocol, cfg.exchange.group_size,
-                               exchange_options(cfg.exchange, {cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim}),
+  const SummaryShape shape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim};
+  testing::ExchangeCheck check{cfg.exchange.protocol, cfg.exchange.group_size, exchange_options(cfg.exchange, shape),
                                cfg.kernel == "scalar" ? KernelKind::scalar
                                : cfg.kernel == "simd" ? KernelKind::simd
                                                       : KernelKind::best,
                                cfg.threads, 1, cfg.repeat, cfg.max_memory};
-  std::optional<WorldSummaries> preread;
-  std::optional<SummaryShape> shape;
-  if (cfg.summaries.empty()) {
-    shape = SummaryShape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim};
-  } else if (resolved_backend(cfg.backend) == "inprocess") {
-    preread = read_summaries(cfg);
-    shape = preread->shape;
-    const std::size_t p = preread->ranks();
-    if (!cfg.given_ranks && (p < kRanksRange.min || p > kRanksRange.max))
-      throw InvalidArgument(cfg.summaries + "/S.npy has P = " + std::to_string(p) + ", expected " +
-                            describe(kRanksRange) + " in-process ranks");
+  testing::SummarySource source({cfg.summaries, shape, cfg.seed, cfg.given_batch, cfg.given_heads, cfg.given_k,
+                                 cfg.given_v, cfg.max_memory});
+  if (!cfg.summaries.empty() && resolved_backend(cfg.backend) == "inprocess") {
+    const std::size_t p = source.read_ahead(cfg.given_ranks ? std::nullopt : std::optional(kRanksRange));
     if (!cfg.given_ranks) cfg.backend.ranks = p;
   }
   check.ranks_here = ranks_per_process(cfg.backend);
   check_threads(check.ranks_here, cfg.threads);
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
-    const auto result = testing::check_exchange(world, check, [&] {
-      if (cfg.summaries.empty())
-        return testing::synthetic_world(*shape, world->size(), cfg.seed);
-      WorldSummaries w = preread ? std::move(*preread) : read_summaries(cfg);
-      check_flags(cfg, world->size(), w);
-      return w;
-    }, shape);
-    if (result) report(cfg, *result);
+    const auto make = [&] { return source(world->size()); };
+    if (const auto result = testing::check_exchange(world, check, make, source.shape())) report(cfg, *result);
   });
 }
 

@@ -10,10 +10,7 @@
 #include "exchange_flags.hpp"
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
-#include "kdacp/error.hpp"
-#include "kdacp/exchange.hpp"
 #include "kdacp/output.hpp"
-#include "kdacp/protocol.hpp"
 #include "kdacp/testing/layer_npy.hpp"
 #include "kdacp/thread_pool.hpp"
 
@@ -29,19 +26,6 @@ struct KdaConfig {
   double timeout_s = 120;
 };
 
-// The layer's and its exchange's memory on `cfg.ranks` ranks, beside the
-// inputs already read (counted twice: the files' bytes and their copy as T).
-void admit(const KdaConfig& cfg, const kda::Shape& s, const SummaryShape& summary, bool grads, double input_bytes,
-           const ExchangeOptions& opts) {
-  const ProblemShape ps{cfg.ranks, summary.slabs(), s.key_dim, s.value_dim, dtype_size(summary.dtype)};
-  const Prediction pred = predict_exchange(ps, cfg.exchange.protocol, cfg.exchange.group_size, opts);
-  const double need = 2 * input_bytes + testing::layer_run_bytes(s, cfg.ranks, grads, ps.elem_bytes,
-                                                                  exchange_rank_bytes(ps, pred));
-  require_memory(need, max_memory_bytes(cfg.max_memory),
-                 "kdacp kda on " + std::to_string(cfg.ranks) + " ranks with " + protocol_label(pred.config),
-                 max_memory_name(cfg.max_memory));
-}
-
 template <class T>
 void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_bytes) {
   const kda::LayerData<T> data = testing::layer_data<T>(in);
@@ -52,7 +36,8 @@ void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_b
   SummaryShape summary = testing::layer_summary_shape(s);
   summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
   const ExchangeOptions opts = exchange_options(cfg.exchange, summary);
-  admit(cfg, s, summary, in.d_o.has_value(), input_bytes, opts);
+  testing::admit_layer_run(s, summary, cfg.ranks, in.d_o.has_value(), input_bytes, cfg.exchange.protocol,
+                           cfg.exchange.group_size, opts, cfg.max_memory);
   const std::vector<T> dov = testing::output_grad<T>(in);
   const auto out = testing::run_context_parallel(data, scale, in.d_o ? &dov : nullptr, cfg.ranks,
                                                  cfg.exchange.protocol, cfg.exchange.group_size, threads,

@@ -3,13 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <map>
 #include <memory>
-#include <sstream>
 
 #include "commands.hpp"
 #include "kdacp/cost_model.hpp"
-#include "kdacp/error.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "flags.hpp"
@@ -47,16 +44,6 @@ CostParams params_of(const PlanConfig& c) {
   return p;
 }
 
-// The best configuration of each protocol (grouped: over w) for one P.
-std::map<std::string, Prediction> best_per_method(const CostParams& params, ProblemShape s) {
-  std::map<std::string, Prediction> best;
-  for (const Prediction& p : predict_all(params, s, true)) {
-    auto it = best.find(p.config.method);
-    if (it == best.end() || p.seconds < it->second.seconds) best[p.config.method] = p;
-  }
-  return best;
-}
-
 // Predicted time of each protocol's best configuration against P = 2, 4, ...
 void write_plot(const PlanConfig& cfg, const CostParams& params, const ProblemShape& base) {
   testing::PlotPanel panel{"kdacp plan: B*H=" + std::to_string(base.slabs) + " K=" + std::to_string(base.key_dim) +
@@ -67,10 +54,10 @@ void write_plot(const PlanConfig& cfg, const CostParams& params, const ProblemSh
   for (std::size_t p = 2; p <= std::max<std::size_t>(base.ranks, 2); p *= 2) {
     ProblemShape s = base;
     s.ranks = p;
-    const auto best = best_per_method(params, s);
+    const auto best = best_per_protocol(params, s);
     for (auto& series : panel.series) {
-      const auto it = best.find(series.title);
-      series.points.emplace_back(double(p), it == best.end() ? NAN : it->second.seconds * 1e3);
+      const auto it = std::find_if(best.begin(), best.end(), [&](const auto& b) { return b.config.method == series.title; });
+      series.points.emplace_back(double(p), it == best.end() ? NAN : it->seconds * 1e3);
     }
   }
   testing::draw_plot({panel}, cfg.plot, 900, 600, true);

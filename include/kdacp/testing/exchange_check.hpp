@@ -20,6 +20,7 @@
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/testing/reference.hpp"
+#include "kdacp/units.hpp"
 
 namespace kdacp::testing {
 
@@ -27,6 +28,7 @@ namespace kdacp::testing {
 struct WorldSummaries {
   SummaryShape shape;
   std::vector<std::vector<float>> s, m, g;
+  std::uint64_t seed = 0;  // of the synthetic summaries, or gradients when read without G.npy
   std::size_t ranks() const { return s.size(); }
 };
 
@@ -48,6 +50,49 @@ double world_npy_bytes(const std::string& dir);
 // (exchange_rank_bytes in kdacp/admission.hpp).
 double exchange_check_bytes(const SummaryShape& shape, std::size_t world, std::size_t ranks_here,
                             double rank_call_bytes);
+
+// Where a check takes the world's summaries from: synthetic ones of `shape`
+// (synthetic_world), or the files of `dir` (read_world_npy), which must have
+// the world's P and the dimensions of `shape` the caller fixed.
+struct SummarySpec {
+  std::string dir;     // empty: synthetic
+  SummaryShape shape;  // synthetic: the shape; files: only its fixed dimensions count
+  std::uint64_t seed = 0;
+  bool fixed_batch = false, fixed_heads = false, fixed_key_dim = false, fixed_value_dim = false;
+  std::string max_memory;  // limit text of max_memory_bytes for reading the files
+};
+
+// The source of `kdacp exchange`'s summaries. An in-process run may read the
+// files before its ranks start (read_ahead), so that the world can take the
+// files' P; otherwise rank 0 reads them inside the check.
+class SummarySource {
+ public:
+  explicit SummarySource(SummarySpec spec);
+
+  // Reads the files now and returns their P (0 for synthetic summaries,
+  // nothing read). With `world_ranks` the world will take the files' P: one
+  // outside it throws InvalidArgument naming S.npy and the range.
+  std::size_t read_ahead(const std::optional<IntRange>& world_ranks);
+
+  // The shape every rank knows before the scatter (check_exchange's
+  // `shape`): synthetic, or read ahead; nullopt when rank 0 reads the files.
+  // Set before the ranks start and never changed by them.
+  const std::optional<SummaryShape>& shape() const { return shape_; }
+
+  // check_exchange's make() on a world of `ranks` ranks: the summaries read
+  // ahead (handed over once), or made now. Files are first admitted
+  // (world_npy_bytes against max_memory, OutOfMemory naming the directory);
+  // a P other than `ranks` or a fixed dimension the files do not have throws
+  // InvalidArgument naming both values.
+  WorldSummaries operator()(std::size_t ranks);
+
+ private:
+  WorldSummaries read() const;
+
+  SummarySpec spec_;
+  std::optional<SummaryShape> shape_;
+  std::optional<WorldSummaries> ahead_;
+};
 
 // This rank's summaries.
 struct RankSummaries {
@@ -138,7 +183,17 @@ struct ExchangeCheckResult {
   // The worst error of any rank and direction; NaN when any error is NaN.
   double max_abs_error = 0, max_rel_error = 0;
   bool equal_to_p2p = true;  // every rank's record (always true when not exact)
+  // As asked of the check.
+  std::string requested_method;
+  long long group_size = 1;
+  std::size_t repeat = 0;
 };
+
+// `kdacp exchange --json`: one object with the run's configuration, each
+// rank's record and errors under "ranks", the worst errors, the verdict
+// ("bitwise_equal_to_p2p", null when not exact) and, for auto, its choice
+// under "auto"; as text indented by two spaces, without a final newline.
+std::string to_json(const ExchangeCheckResult& result);
 
 // Collective over `world`. Rank 0 calls make() and scatters its summaries
 // (scatter_summaries: a kdacp::Error of make() throws on rank 0 and ends the

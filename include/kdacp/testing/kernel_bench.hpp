@@ -1,6 +1,6 @@
 // `kdacp bench kernels`: GFLOP/s of the fused fold (kdacp::scan, the loop
 // behind merge) over chains of affine steps, beside the measured FP32 FMA
-// peak, the scalar kernel and an optional baseline (the CLI's OpenBLAS loop),
+// peak, the scalar kernel and an optional baseline (an OpenBLAS loop),
 // all measured in the same run. Part of kdacp_testing.
 #pragma once
 
@@ -39,6 +39,13 @@ void run_fold_chain(const FoldChain& d, std::size_t chain, Direction dir, const 
 // uses slot t mod distinct (counted from the last slot backward) and writes
 // out_a on even steps, out_b on odd ones.
 using FoldBaseline = std::function<void(const FoldChain& d, std::size_t chain, Direction dir, ThreadPool* pool)>;
+
+// What a user would otherwise write, as `kdacp bench kernels` compares it:
+// per slab and step, memcpy S into C and C = op(M)·X + C with cblas_sgemm
+// (beta = 1), ping-ponging C as the next X; parallel over slabs with the
+// given pool, OpenBLAS itself set single-threaded by this call. Empty when
+// kdacp_testing was built without OpenBLAS.
+FoldBaseline openblas_baseline();
 
 struct KernelBenchConfig {
   std::vector<std::size_t> dims;     // K = V values

@@ -30,6 +30,17 @@ LayerNpy read_layer_npy(const std::string& dir);
 // Bytes of the files read_layer_npy(dir) would read.
 double layer_npy_bytes(const std::string& dir);
 
+// Admission of `kdacp kda`: throws OutOfMemory before any work when the
+// layer of `s` on `ranks` ranks (layer_run_bytes, gradients too when
+// `grads`), with the exchange make_state_exchange(mesh, method, group_size,
+// options) builds for `summary`, beside inputs of input_bytes already read
+// (counted twice: the files' bytes and their copy as T) exceeds the limit
+// text max_memory (max_memory_bytes in kdacp/admission.hpp). The message
+// names the ranks and the protocol (auto: its choice).
+void admit_layer_run(const kda::Shape& s, const SummaryShape& summary, std::size_t ranks, bool grads,
+                     double input_bytes, const std::string& method, long long group_size,
+                     const ExchangeOptions& options, const std::string& max_memory);
+
 // The arrays as layer data of T (T must be the files' dtype); the shape is
 // checked with kda::validate.
 template <class T>

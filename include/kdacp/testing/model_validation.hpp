@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kdacp/calibrate.hpp"
@@ -36,5 +37,14 @@ std::vector<ModelRow> validate_in_process(const std::vector<std::size_t>& ranks,
                                           const std::optional<CostParams>& params,
                                           const CalibrationOptions& calibration, const SummaryShape& shape,
                                           const ValidationOptions& options);
+
+// The measured time over the predicted one; 0 when nothing was predicted.
+double measured_over_predicted(const ModelCheck& check);
+
+// `kdacp calibrate --validate --json`: one flat record per row ("mode":
+// "model", the configuration's label, P, B·H, K and V of `shape`, the
+// parameters, both times, their ratio and the iterations), as a JSON array
+// indented by two spaces, without a final newline.
+std::string to_json(const std::vector<ModelRow>& rows, const SummaryShape& shape);
 
 }  // namespace kdacp::testing
