@@ -52,6 +52,11 @@ fuzz: build-sanitize
 test-tsan: build-tsan
 	ctest --preset tsan
 
+# The sanitizer builds compile the SIMD kernels for the baseline target only
+# (HWY_COMPILE_ONLY_STATIC): they check memory and threads, not the per-target
+# arithmetic, which the release suite tests on every compiled target; it keeps
+# make test within its time on a 2-core machine.
+
 # Every test: the release build (g++), then the in-process suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer
 # (clang).
