@@ -1,9 +1,7 @@
 // FP32 FMA peak probe (kdacp/testing/bench.hpp), compiled per target like
 // kernels/step_hwy.cpp so that it measures the vector width the fold kernels
 // are dispatched to.
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128)
-#endif
+#include "kernels/hwy_targets.hpp"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "testing/peak_hwy.cpp"
@@ -67,13 +65,20 @@ namespace detail {
 HWY_EXPORT(FmaChains);
 HWY_EXPORT(FlopsPerIter);
 HWY_EXPORT(ProbeTarget);
+
+// Dispatch from inside the namespace of the exported functions, which is
+// where HWY_DYNAMIC_DISPATCH resolves them (also when only the static target
+// is compiled, as in the sanitizer builds).
+float (*fma_chains())(std::uint64_t, float) { return HWY_DYNAMIC_DISPATCH(FmaChains); }
+std::size_t flops_per_iter() { return HWY_DYNAMIC_DISPATCH(FlopsPerIter)(); }
+const char* probe_target() { return HWY_DYNAMIC_DISPATCH(ProbeTarget)(); }
 }  // namespace detail
 
 PeakResult measure_fma_peak(std::size_t threads, double seconds) {
   using clock = std::chrono::steady_clock;
   threads = std::max<std::size_t>(threads, 1);
-  const auto chains = HWY_DYNAMIC_DISPATCH(detail::FmaChains);
-  const double flops_per_iter = double(HWY_DYNAMIC_DISPATCH(detail::FlopsPerIter)());
+  const auto chains = detail::fma_chains();
+  const double flops_per_iter = double(detail::flops_per_iter());
   // Calibrate the iteration count to roughly `seconds` on one thread.
   std::uint64_t iters = 1 << 16;
   for (;;) {
@@ -89,7 +94,7 @@ PeakResult measure_fma_peak(std::size_t threads, double seconds) {
   }
   PeakResult best;
   best.threads = threads;
-  best.target = HWY_DYNAMIC_DISPATCH(detail::ProbeTarget)();
+  best.target = detail::probe_target();
   // Best of three: the host may be shared, and the peak is what the core can
   // do when it is not interrupted.
   for (int rep = 0; rep < 3; ++rep) {
