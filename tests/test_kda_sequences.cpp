@@ -20,30 +20,20 @@
 #include "kdacp/kda_sequences.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kda_sequence_reference.hpp"
 
 namespace kdacp::kda {
 namespace {
 
-// A stream: its shape and its cu_seqlens (empty: each row is one sequence).
-struct Case {
-  std::string name;
-  Shape shape;
-  std::vector<std::int64_t> cu;
-
-  Sequences sequences() const {
-    return cu.empty() ? Sequences(shape.batch, shape.tokens)
-                      : Sequences(shape.batch, shape.tokens, std::span(cu));
-  }
-  std::size_t count() const { return cu.empty() ? shape.batch : cu.size() - 1; }
-  std::size_t states() const {
-    return count() * shape.value_heads * shape.key_dim * shape.value_dim;
-  }
-};
-
-Shape shape_of(std::size_t b, std::size_t t, std::size_t h, std::size_t hv, std::size_t k,
-               std::size_t v) {
-  return {b, t, h, hv, k, v};
-}
+using test::Case;
+using test::Problem;
+using test::Result;
+using test::Seq;
+using test::make_problem;
+using test::reference;
+using test::rel_error;
+using test::sequences_of;
+using test::shape_of;
 
 // T = 48, parts of 12 (P = 4), 6 (P = 8) or 3 (zigzag P = 8): sequences that
 // lie inside one part ([0,5)), are one token ([5,6), [40,41)), end at a part
@@ -62,169 +52,6 @@ const Case kRows{"rows", shape_of(2, 48, 2, 4, 32, 16), {}};
 const Case* const kCases[] = {&kMixed, &kLong, &kWhole, &kTokens, &kRows};
 
 template <class T>
-struct Problem {
-  Case c;
-  T scale = 0;
-  std::vector<T> q, k, v, g, beta, h0, d_o, dht;
-
-  Inputs<T> inputs() const {
-    return {q.data(), k.data(), v.data(), g.data(), beta.data(), c.shape, scale};
-  }
-  SequenceStates<const T> states(const std::vector<T>& x) const {
-    return {x.data(), c.count(), c.shape.value_heads, c.shape.key_dim, c.shape.value_dim};
-  }
-  template <class U>
-  Problem<U> cast() const {
-    auto conv = [](const std::vector<T>& x) { return std::vector<U>(x.begin(), x.end()); };
-    return {c,       static_cast<U>(scale), conv(q),  conv(k),  conv(v),
-            conv(g), conv(beta),            conv(h0), conv(d_o), conv(dht)};
-  }
-};
-
-std::vector<double> uniform(std::size_t n, double lo, double hi, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<double> x(n);
-  for (auto& e : x) e = dist(rng);
-  return x;
-}
-
-// k L2-normalised, g = log U(0.9, 1), β ∈ (0.1, 0.9): contractive transfers.
-Problem<double> make_problem(const Case& c, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  const Shape& s = c.shape;
-  Problem<double> p;
-  p.c = c;
-  p.scale = default_scale<double>(s.key_dim);
-  p.q = uniform(s.qk_elems(), -1, 1, rng);
-  p.k = uniform(s.qk_elems(), -1, 1, rng);
-  for (std::size_t r = 0; r < s.qk_elems(); r += s.key_dim) {
-    double norm = 0;
-    for (std::size_t i = 0; i < s.key_dim; ++i) norm += p.k[r + i] * p.k[r + i];
-    for (std::size_t i = 0; i < s.key_dim; ++i) p.k[r + i] /= std::sqrt(norm);
-  }
-  p.v = uniform(s.v_elems(), -1, 1, rng);
-  p.g = uniform(s.g_elems(), 0.9, 1.0, rng);
-  for (auto& e : p.g) e = std::log(e);
-  p.beta = uniform(s.beta_elems(), 0.1, 0.9, rng);
-  p.h0 = uniform(c.states(), -1, 1, rng);
-  p.d_o = uniform(s.v_elems(), -1, 1, rng);
-  p.dht = uniform(c.states(), -1, 1, rng);
-  return p;
-}
-
-// Everything a forward + backward over the stream produces.
-template <class T>
-struct Result {
-  std::vector<T> o, ht, dq, dk, dv, dg, dbeta, dh0;
-  explicit Result(const Case& c)
-      : o(c.shape.v_elems()), ht(c.states()), dq(c.shape.qk_elems()), dk(c.shape.qk_elems()),
-        dv(c.shape.v_elems()), dg(c.shape.g_elems()), dbeta(c.shape.beta_elems()),
-        dh0(c.states()) {}
-};
-
-// One sequence: row `row`, tokens [begin, end), state row n.
-struct Seq {
-  std::size_t row, begin, end, n;
-};
-
-std::vector<Seq> sequences_of(const Case& c) {
-  std::vector<Seq> out;
-  if (c.cu.empty()) {
-    for (std::size_t b = 0; b < c.shape.batch; ++b) out.push_back({b, 0, c.shape.tokens, b});
-  } else {
-    for (std::size_t n = 0; n + 1 < c.cu.size(); ++n)
-      out.push_back({0, std::size_t(c.cu[n]), std::size_t(c.cu[n + 1]), n});
-  }
-  return out;
-}
-
-// Each sequence run alone from its h0 row in FP64, SPEC §9 token by token
-// (S' = Diag(α)S, u = v - S'ᵀk, S = S' + β k uᵀ, o = scale·Sᵀq), then the
-// reverse sweep of that recurrence by hand, from dht.
-Result<double> reference(const Problem<double>& p) {
-  const Shape& s = p.c.shape;
-  const std::size_t kd = s.key_dim, vd = s.value_dim, kv = kd * vd;
-  Result<double> r(p.c);
-  for (const Seq& seq : sequences_of(p.c))
-    for (std::size_t j = 0; j < s.value_heads; ++j) {
-      const std::size_t h = j / s.group(), len = seq.end - seq.begin;
-      auto at_qk = [&](std::size_t t) { return ((seq.row * s.tokens + t) * s.heads + h) * kd; };
-      auto at_v = [&](std::size_t t) { return ((seq.row * s.tokens + t) * s.value_heads + j) * vd; };
-      auto at_g = [&](std::size_t t) { return ((seq.row * s.tokens + t) * s.value_heads + j) * kd; };
-      auto at_b = [&](std::size_t t) { return (seq.row * s.tokens + t) * s.value_heads + j; };
-      const std::size_t slot = (seq.n * s.value_heads + j) * kv;
-      std::vector<std::vector<double>> state(len + 1), decayed(len), u(len);
-      state[0].assign(p.h0.begin() + slot, p.h0.begin() + slot + kv);
-      for (std::size_t i = 0; i < len; ++i) {
-        const std::size_t t = seq.begin + i;
-        const double* k = &p.k[at_qk(t)];
-        const double* q = &p.q[at_qk(t)];
-        const double beta = p.beta[at_b(t)];
-        decayed[i].resize(kv);
-        u[i].resize(vd);
-        state[i + 1].resize(kv);
-        for (std::size_t a = 0; a < kd; ++a)
-          for (std::size_t c = 0; c < vd; ++c)
-            decayed[i][a * vd + c] = std::exp(p.g[at_g(t) + a]) * state[i][a * vd + c];
-        for (std::size_t c = 0; c < vd; ++c) {
-          double kd_s = 0;
-          for (std::size_t a = 0; a < kd; ++a) kd_s += k[a] * decayed[i][a * vd + c];
-          u[i][c] = p.v[at_v(t) + c] - kd_s;
-        }
-        for (std::size_t a = 0; a < kd; ++a)
-          for (std::size_t c = 0; c < vd; ++c)
-            state[i + 1][a * vd + c] = decayed[i][a * vd + c] + beta * k[a] * u[i][c];
-        for (std::size_t c = 0; c < vd; ++c) {
-          double acc = 0;
-          for (std::size_t a = 0; a < kd; ++a) acc += q[a] * state[i + 1][a * vd + c];
-          r.o[at_v(t) + c] = p.scale * acc;
-        }
-      }
-      std::copy(state[len].begin(), state[len].end(), r.ht.begin() + slot);
-
-      std::vector<double> ds(p.dht.begin() + slot, p.dht.begin() + slot + kv), du(vd);
-      for (std::size_t i = len; i-- > 0;) {
-        const std::size_t t = seq.begin + i;
-        const double* k = &p.k[at_qk(t)];
-        const double* q = &p.q[at_qk(t)];
-        const double* d_o = &p.d_o[at_v(t)];
-        const double beta = p.beta[at_b(t)];
-        for (std::size_t a = 0; a < kd; ++a) {
-          double dq = 0;
-          for (std::size_t c = 0; c < vd; ++c) {
-            dq += state[i + 1][a * vd + c] * d_o[c];
-            ds[a * vd + c] += p.scale * q[a] * d_o[c];
-          }
-          r.dq[at_qk(t) + a] += p.scale * dq;
-        }
-        double dbeta = 0;
-        for (std::size_t c = 0; c < vd; ++c) {
-          double z = 0;
-          for (std::size_t a = 0; a < kd; ++a) z += k[a] * ds[a * vd + c];
-          du[c] = beta * z;
-          dbeta += z * u[i][c];
-          r.dv[at_v(t) + c] = du[c];
-        }
-        r.dbeta[at_b(t)] = dbeta;
-        for (std::size_t a = 0; a < kd; ++a) {
-          double dk = 0, dg = 0;
-          const double alpha = std::exp(p.g[at_g(t) + a]);
-          for (std::size_t c = 0; c < vd; ++c) {
-            dk += beta * ds[a * vd + c] * u[i][c] - decayed[i][a * vd + c] * du[c];
-            const double dd = ds[a * vd + c] - k[a] * du[c];
-            dg += decayed[i][a * vd + c] * dd;
-            ds[a * vd + c] = alpha * dd;
-          }
-          r.dk[at_qk(t) + a] += dk;
-          r.dg[at_g(t) + a] = dg;
-        }
-      }
-      std::copy(ds.begin(), ds.end(), r.dh0.begin() + slot);
-    }
-  return r;
-}
-
-template <class T>
 Result<T> single_rank(const Problem<T>& p, std::size_t threads) {
   const Case& c = p.c;
   Result<T> r(c);
@@ -237,18 +64,6 @@ Result<T> single_rank(const Problem<T>& p, std::size_t threads) {
                      Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data()},
                      sequence_states(r.dh0.data(), seqs, c.shape), exec);
   return r;
-}
-
-// max |got - want| / max |want|.
-template <class T>
-double rel_error(const std::vector<T>& got, const std::vector<double>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - want[i]));
-    ref = std::max(ref, std::abs(want[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
 }
 
 template <class T>

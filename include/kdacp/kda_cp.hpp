@@ -1,17 +1,23 @@
-// The context-parallel KDA layer: each rank holds consecutive tokens of one
-// sequence; forward = local summary -> exchange.forward -> local forward from
+// The context-parallel KDA layer: each rank holds consecutive tokens of the
+// stream; forward = local summary -> exchange.forward -> local forward from
 // the incoming state; backward = local G -> exchange.backward(G, saved M) ->
-// local backward with that final-state gradient. Equals one device (SPEC §9).
+// local backward with that final-state gradient. Equals one device (SPEC §9),
+// also over packed sequences with initial and final states (SPEC §10,
+// docs/sequences.md).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda.hpp"
+#include "kdacp/kda_sequences.hpp"
 #include "kdacp/tensor.hpp"
 
 namespace kdacp::kda {
@@ -32,16 +38,60 @@ template <class T>
 void unslice_tokens(const T* local, std::size_t batch, std::size_t tokens, std::size_t inner,
                     TokenSplit range, T* full);
 
+// One part of a layout: stream tokens [begin, end) held by `rank`.
+struct LayoutPart {
+  std::size_t rank = 0, begin = 0, end = 0;
+};
+
+// Where the stream's tokens live (SPEC §10): parts in chain order (token
+// order), each a non-empty token range on one rank. A rank holds its parts
+// concatenated in token order in its local tensors.
+class Layout {
+ public:
+  // Throws InvalidArgument unless the parts tile [0, T) in order, each is
+  // non-empty, each rank is < ranks and every rank holds a part.
+  Layout(std::size_t ranks, std::vector<LayoutPart> parts);
+  // Part r on rank r with counts[r] tokens; counts empty: the first T mod P
+  // ranks take ⌈T/P⌉ tokens, the others ⌊T/P⌋ (split_tokens; P > T throws).
+  // Given counts must be P entries, each >= 1, summing to T.
+  static Layout contiguous(std::size_t tokens, std::size_t ranks,
+                           std::span<const std::size_t> counts = {});
+
+  std::size_t ranks() const { return ranks_; }
+  std::size_t tokens() const { return parts_.back().end; }
+  const std::vector<LayoutPart>& parts() const { return parts_; }
+  // Rank `rank`'s parts in token order, with where each starts in its local
+  // tensors.
+  std::vector<Part> local_parts(std::size_t rank) const;
+  // T_local of rank `rank`: the sum of its parts' lengths.
+  std::size_t local_tokens(std::size_t rank) const;
+
+ private:
+  std::size_t ranks_ = 0;
+  std::vector<LayoutPart> parts_;
+};
+
+// A layer call's global token stream, identical on every rank: its sequences
+// (kda::Sequences: packed with cu_seqlens, or one per batch row) and their
+// layout over the CP ranks.
+struct Stream {
+  Sequences sequences;
+  Layout layout;
+};
+
 // What forward hands the caller to keep until backward.
 struct Saved {
-  State transfer;  // M [B,HV,K,K]
+  State transfer;  // M [B,HV,K,K] (zero for a cut part: the exchange does not read it)
   State incoming;  // the incoming state [B,HV,K,V] (backward recomputes from it)
+  // The stream of a sequence forward (none for the forward without one):
+  // backward runs the same parts with the same cuts.
+  std::optional<Stream> stream;
 };
 
 // Seconds spent in each phase of the last call.
 struct PhaseTimes {
   double local = 0;     // summary / G pass and the local recurrence
-  double exchange = 0;  // the state exchange
+  double exchange = 0;  // the state exchange, and the ht / dht / dh0 collectives
 };
 
 template <class T>
@@ -56,12 +106,52 @@ class ContextParallelLayer {
                        long long allgather_group_size = 1, ExchangeOptions options = {},
                        const ExecPolicy& exec = {});
 
-  // in: this rank's chunk, dense [B,T_r,...]; writes o [B,T_r,HV,V].
+  // One sequence per batch row, zero initial state, no final state: rank r
+  // holds the r-th run of consecutive tokens (any lengths; the rank needs
+  // only its own). in: this rank's chunk, dense [B,T_r,...]; writes o
+  // [B,T_r,HV,V].
   Saved forward(const Inputs<T>& in, Elem<T>* o);
   // Gradients of this rank's chunk; grads.d_incoming (optional) receives the
   // gradient w.r.t. this rank's incoming state.
   void backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                 const Grads<Elem<T>>& grads);
+
+  // The stream of `batch` rows of `tokens` tokens over this layer's P ranks,
+  // laid out by Layout::contiguous(tokens, P, counts): each row one sequence
+  // (cu_seqlens empty) or N packed sequences (Sequences' rules). Its
+  // InvalidArgument names this rank.
+  Stream contiguous_stream(std::size_t batch, std::size_t tokens,
+                           std::span<const std::int64_t> cu_seqlens = {},
+                           std::span<const std::size_t> counts = {}) const;
+  Stream contiguous_stream(std::size_t batch, std::size_t tokens,
+                           std::span<const std::int32_t> cu_seqlens,
+                           std::span<const std::size_t> counts = {}) const;
+
+  // The layer over `stream` (SPEC §10). in: this rank's local tensors
+  // [B,T_local,...] (its parts' tokens); writes o [B,T_local,HV,V].
+  // h0: initial states [N,HV,K,V], identical on every rank (data null: zero).
+  // ht: when ht.data is set, receives the final states [N,HV,K,V], complete
+  // and the same bits on every rank: each row is computed by the rank holding
+  // its sequence's last token and broadcast from it over mesh.group(0). ht is
+  // requested on every rank or on none (the broadcasts are collective).
+  // Throws InvalidArgument naming this rank, before any message, for a stream
+  // whose layout is not P ranks, T tokens or one part per rank in rank order
+  // (several parts per rank: not yet supported by the exchange), inputs that
+  // are not that rank's [B,T_local,...], and h0/ht not [N,HV,K,V].
+  Saved forward(const Inputs<T>& in, const Stream& stream, SequenceStates<const Elem<T>> h0,
+                Elem<T>* o, SequenceStates<Elem<T>> ht);
+  // Gradients of the sequence forward that returned `saved`, with the same
+  // inputs and h0. dht: this rank's loss's gradient w.r.t. ht [N,HV,K,V]
+  // (given on every rank or on none; none: zero); the layer all-gathers the
+  // ranks' dht and sums them in rank order, so ht's gradient is the sum over
+  // ranks and every rank uses the same bits. Writes dq, dk, dv, dg, dbeta for
+  // this rank's tokens, grads.d_incoming (optional) as in backward above, and,
+  // when dh0.data is set (on every rank or none), dh0 [N,HV,K,V] complete and
+  // the same bits on every rank: row n computed by the rank holding sequence
+  // n's first token and broadcast from it.
+  void backward(const Inputs<T>& in, const Saved& saved, SequenceStates<const Elem<T>> h0,
+                const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
+                const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0);
 
   const PhaseTimes& forward_times() const { return fwd_; }
   const PhaseTimes& backward_times() const { return bwd_; }
@@ -69,6 +159,7 @@ class ContextParallelLayer {
 
  private:
   std::unique_ptr<StateExchange> exchange_;
+  std::shared_ptr<Communicator> comm_;  // mesh.group(0): ht / dh0 broadcasts, dht gather
   ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;
 };

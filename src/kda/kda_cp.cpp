@@ -1,7 +1,11 @@
 #include "kdacp/kda_cp.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <span>
 #include <type_traits>
 #include <utility>
 
@@ -36,6 +40,81 @@ void unslice_tokens(const T* local, std::size_t batch, std::size_t tokens, std::
                 range.count * inner * sizeof(T));
 }
 
+Layout::Layout(std::size_t ranks, std::vector<LayoutPart> parts)
+    : ranks_(ranks), parts_(std::move(parts)) {
+  const std::string what = "kda::Layout: ";
+  if (ranks == 0) throw InvalidArgument(what + "ranks (P) = 0, expected >= 1");
+  if (parts_.empty()) throw InvalidArgument(what + "no parts, expected at least one per rank");
+  std::vector<bool> held(ranks, false);
+  std::size_t next = 0;
+  for (std::size_t j = 0; j < parts_.size(); ++j) {
+    const LayoutPart& p = parts_[j];
+    const std::string at = what + "part " + std::to_string(j) + " ";
+    if (p.begin != next)
+      throw InvalidArgument(at + "begins at token " + std::to_string(p.begin) + ", expected " +
+                            std::to_string(next) + " (parts tile the stream in token order)");
+    if (p.end <= p.begin)
+      throw InvalidArgument(at + "is [" + std::to_string(p.begin) + ", " + std::to_string(p.end) +
+                            "), expected a non-empty token range");
+    if (p.rank >= ranks)
+      throw InvalidArgument(at + "is on rank " + std::to_string(p.rank) + ", expected < P = " +
+                            std::to_string(ranks));
+    held[p.rank] = true;
+    next = p.end;
+  }
+  for (std::size_t r = 0; r < ranks; ++r)
+    if (!held[r])
+      throw InvalidArgument(what + "rank " + std::to_string(r) +
+                            " holds no part, expected every rank to hold tokens");
+}
+
+Layout Layout::contiguous(std::size_t tokens, std::size_t ranks,
+                          std::span<const std::size_t> counts) {
+  std::vector<LayoutPart> parts;
+  if (counts.empty()) {
+    split_tokens(tokens, ranks, 0);  // 1 <= P <= T
+    for (std::size_t r = 0; r < ranks; ++r) {
+      const TokenSplit range = split_tokens(tokens, ranks, r);
+      parts.push_back({r, range.begin, range.begin + range.count});
+    }
+    return Layout(ranks, std::move(parts));
+  }
+  const std::string what = "kda::Layout::contiguous: ";
+  if (counts.size() != ranks)
+    throw InvalidArgument(what + "counts has " + std::to_string(counts.size()) +
+                          " entries, expected one per rank, P = " + std::to_string(ranks));
+  std::size_t begin = 0;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    if (counts[r] == 0)
+      throw InvalidArgument(what + "counts[" + std::to_string(r) +
+                            "] = 0, expected >= 1 (every rank needs a token)");
+    parts.push_back({r, begin, begin + counts[r]});
+    begin += counts[r];
+  }
+  if (begin != tokens)
+    throw InvalidArgument(what + "counts sum to " + std::to_string(begin) + ", expected T = " +
+                          std::to_string(tokens));
+  return Layout(ranks, std::move(parts));
+}
+
+std::vector<Part> Layout::local_parts(std::size_t rank) const {
+  std::vector<Part> out;
+  std::size_t local = 0;
+  for (const LayoutPart& p : parts_)
+    if (p.rank == rank) {
+      out.push_back({p.begin, p.end, local});
+      local += p.end - p.begin;
+    }
+  return out;
+}
+
+std::size_t Layout::local_tokens(std::size_t rank) const {
+  std::size_t n = 0;
+  for (const LayoutPart& p : parts_)
+    if (p.rank == rank) n += p.end - p.begin;
+  return n;
+}
+
 namespace {
 template <class T>
 constexpr DType dtype_of() {
@@ -44,13 +123,132 @@ constexpr DType dtype_of() {
 double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+// Runs the checks and local work before a call's first message, naming the
+// rank in any InvalidArgument they throw.
+void on_rank(std::size_t rank, const char* op, const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(std::string("kda::ContextParallelLayer::") + op + " on rank " +
+                          std::to_string(rank) + ": " + e.what());
+  }
+}
+
+void require(const void* ptr, const char* field) {
+  if (ptr == nullptr)
+    throw InvalidArgument(std::string(field) + " is null, expected a pointer to its tensor");
+}
+
+template <class T>
+void check_inputs(const Inputs<T>& in) {
+  validate(in.shape);
+  require(in.q, "q");
+  require(in.k, "k");
+  require(in.v, "v");
+  require(in.g, "g");
+  require(in.beta, "beta");
+  if (!std::isfinite(in.scale) || !(in.scale > 0))
+    throw InvalidArgument("scale = " + std::to_string(in.scale) +
+                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
+}
+
+template <class T>
+void check_states(const SequenceStates<T>& st, const Sequences& seqs, const Shape& s,
+                  const char* field) {
+  if (st.data == nullptr) return;
+  const std::size_t want[4] = {seqs.count(), s.value_heads, s.key_dim, s.value_dim};
+  const std::size_t got[4] = {st.sequences, st.value_heads, st.key_dim, st.value_dim};
+  if (std::equal(got, got + 4, want)) return;
+  auto dims = [](const std::size_t* d) {
+    std::string out(1, '[');
+    for (std::size_t i = 0; i < 4; ++i) out.append(i ? "," : "").append(std::to_string(d[i]));
+    return out.append("]");
+  };
+  throw InvalidArgument(std::string(field) + " has shape " + dims(got) +
+                        ", expected [N,HV,K,V] = " + dims(want));
+}
+
+// This rank's part of the stream, once the stream is checked against the
+// mesh and the local inputs.
+Part checked_part(const Stream& stream, const Shape& local, std::size_t rank,
+                  std::size_t ranks) {
+  const Layout& layout = stream.layout;
+  const Sequences& seqs = stream.sequences;
+  if (layout.ranks() != ranks)
+    throw InvalidArgument("stream.layout spans " + std::to_string(layout.ranks()) +
+                          " ranks, expected the mesh's P = " + std::to_string(ranks));
+  // The exchange runs one chain position per rank, position = rank.
+  for (std::size_t r = 0; r < ranks; ++r)
+    if (const std::size_t held = layout.local_parts(r).size(); held != 1)
+      throw InvalidArgument("stream.layout gives rank " + std::to_string(r) + " " +
+                            std::to_string(held) +
+                            " parts, expected one: several parts per rank are not yet "
+                            "supported by the exchange");
+  for (std::size_t j = 0; j < ranks; ++j)
+    if (layout.parts()[j].rank != j)
+      throw InvalidArgument("stream.layout part " + std::to_string(j) + " is on rank " +
+                            std::to_string(layout.parts()[j].rank) + ", expected rank " +
+                            std::to_string(j) +
+                            ": parts out of rank order are not yet supported by the exchange");
+  if (layout.tokens() != seqs.tokens())
+    throw InvalidArgument("stream.layout covers " + std::to_string(layout.tokens()) +
+                          " tokens, expected the sequences' T = " + std::to_string(seqs.tokens()));
+  if (local.batch != seqs.batch())
+    throw InvalidArgument("shape.batch (B) = " + std::to_string(local.batch) +
+                          ", expected the sequences' B = " + std::to_string(seqs.batch()));
+  if (local.tokens != layout.local_tokens(rank))
+    throw InvalidArgument("shape.tokens (T_local) = " + std::to_string(local.tokens) +
+                          ", expected the layout's " + std::to_string(layout.local_tokens(rank)) +
+                          " tokens of rank " + std::to_string(rank));
+  return layout.local_parts(rank).front();
+}
+
+// Rows [first, first + count) of [N,HV,K,V] states that each rank computes:
+// the sequences ending (ht) or starting (dh0) in its part.
+std::vector<SequenceRange> rows_by_rank(const Stream& stream, bool ending) {
+  std::vector<SequenceRange> out;
+  for (std::size_t r = 0; r < stream.layout.ranks(); ++r) {
+    const PartInfo info = part_info(stream.sequences, stream.layout.local_parts(r).front());
+    out.push_back(ending ? info.ended : info.started);
+  }
+  return out;
+}
+
+// Every rank's rows to every rank, each broadcast whole from the rank that
+// computed it, in rank order: copies, so every rank holds the same bits.
+template <class T>
+void share_rows(Communicator& comm, const SequenceStates<T>& st,
+                const std::vector<SequenceRange>& rows) {
+  const std::size_t row = st.value_heads * st.key_dim * st.value_dim;
+  for (std::size_t r = 0; r < rows.size(); ++r)
+    if (rows[r].count > 0)
+      comm.broadcast(std::as_writable_bytes(std::span<T>(st.data + rows[r].first * row,
+                                                         rows[r].count * row)),
+                     r);
+}
+
+// The sum over ranks of their dht: all-gathered, then added in rank order,
+// so every rank gets the same bits.
+template <class T>
+std::vector<T> summed_over_ranks(Communicator& comm, const SequenceStates<const T>& dht) {
+  const std::size_t n = dht.sequences * dht.value_heads * dht.key_dim * dht.value_dim;
+  const std::size_t ranks = comm.size();
+  std::vector<T> slots(ranks * n);
+  std::copy_n(dht.data, n, slots.begin() + comm.rank() * n);
+  comm.all_gather(std::as_writable_bytes(std::span<T>(slots)));
+  std::vector<T> sum(slots.begin(), slots.begin() + n);
+  for (std::size_t r = 1; r < ranks; ++r)
+    for (std::size_t i = 0; i < n; ++i) sum[i] += slots[r * n + i];
+  return sum;
+}
 }  // namespace
 
 template <class T>
 ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                                               long long allgather_group_size,
                                               ExchangeOptions options, const ExecPolicy& exec)
-    : exec_(exec) {
+    : comm_(mesh.group(0)), exec_(exec) {
   options.exec = exec;
   exchange_ = make_state_exchange(mesh, method, allgather_group_size, std::move(options));
 }
@@ -70,13 +268,18 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   t0 = std::chrono::steady_clock::now();
   kda::forward(in, incoming.data<T>(), o, nullptr, exec_);
   fwd_.local += since(t0);
-  return Saved{std::move(transfer), std::move(incoming)};
+  return Saved{std::move(transfer), std::move(incoming), std::nullopt};
 }
 
 template <class T>
 void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                                        const Grads<Elem<T>>& grads) {
   validate(in.shape);
+  if (saved.stream)
+    throw InvalidArgument("kda::ContextParallelLayer::backward on rank " +
+                          std::to_string(exchange_->rank()) +
+                          ": saved comes from the forward over a stream, expected the backward "
+                          "that takes h0, dht and dh0");
   const Shape& s = in.shape;
   auto t0 = std::chrono::steady_clock::now();
   State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
@@ -88,6 +291,130 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   t0 = std::chrono::steady_clock::now();
   kda::backward(in, saved.incoming.data<T>(), d_o, d_final.data<T>(), grads, exec_);
   bwd_.local += since(t0);
+}
+
+template <class T>
+Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t tokens,
+                                                  std::span<const std::int64_t> cu_seqlens,
+                                                  std::span<const std::size_t> counts) const {
+  std::optional<Stream> out;
+  on_rank(exchange_->rank(), "contiguous_stream", [&] {
+    Layout layout = Layout::contiguous(tokens, exchange_->size(), counts);
+    out.emplace(Stream{cu_seqlens.empty() ? Sequences(batch, tokens)
+                                          : Sequences(batch, tokens, cu_seqlens),
+                       std::move(layout)});
+  });
+  return std::move(*out);
+}
+
+template <class T>
+Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t tokens,
+                                                  std::span<const std::int32_t> cu_seqlens,
+                                                  std::span<const std::size_t> counts) const {
+  std::optional<Stream> out;
+  on_rank(exchange_->rank(), "contiguous_stream", [&] {
+    Layout layout = Layout::contiguous(tokens, exchange_->size(), counts);
+    out.emplace(Stream{cu_seqlens.empty() ? Sequences(batch, tokens)
+                                          : Sequences(batch, tokens, cu_seqlens),
+                       std::move(layout)});
+  });
+  return std::move(*out);
+}
+
+template <class T>
+Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream,
+                                       SequenceStates<const Elem<T>> h0, Elem<T>* o,
+                                       SequenceStates<Elem<T>> ht) {
+  const std::size_t rank = exchange_->rank();
+  const Sequences& seqs = stream.sequences;
+  auto t0 = std::chrono::steady_clock::now();
+  Part part;
+  PartInfo info;
+  State offset, transfer;
+  on_rank(rank, "forward", [&] {
+    check_inputs(in);
+    part = checked_part(stream, in.shape, rank, exchange_->size());
+    require(o, "o");
+    check_states(h0, seqs, in.shape, "h0");
+    check_states(ht, seqs, in.shape, "ht");
+    const Shape& s = in.shape;
+    offset = State(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+    // A cut's M is never read: the zero buffer stands for it.
+    transfer = State(s.batch, s.value_heads, s.key_dim, s.key_dim, dtype_of<T>());
+    info = part_info(seqs, part);
+    part_summary(in, seqs, part, h0, offset.data<T>(), info.cut ? nullptr : transfer.data<T>(),
+                 exec_);
+  });
+  fwd_.local = since(t0);
+  t0 = std::chrono::steady_clock::now();
+  State incoming = exchange_->forward(offset.view(), transfer.view(), PartFlags{info.cut});
+  fwd_.exchange = since(t0);
+  t0 = std::chrono::steady_clock::now();
+  part_forward(in, seqs, part, info.starts_sequence ? nullptr : incoming.data<T>(), h0, o, ht,
+               exec_);
+  fwd_.local += since(t0);
+  if (ht.data != nullptr) {
+    t0 = std::chrono::steady_clock::now();
+    share_rows(*comm_, ht, rows_by_rank(stream, true));
+    fwd_.exchange += since(t0);
+  }
+  return Saved{std::move(transfer), std::move(incoming), stream};
+}
+
+template <class T>
+void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
+                                       SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
+                                       SequenceStates<const Elem<T>> dht,
+                                       const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0) {
+  const std::size_t rank = exchange_->rank();
+  Part part;
+  PartInfo info;
+  on_rank(rank, "backward", [&] {
+    if (!saved.stream)
+      throw InvalidArgument(
+          "saved comes from the forward without a stream, expected the sequence forward's");
+    check_inputs(in);
+    part = checked_part(*saved.stream, in.shape, rank, exchange_->size());
+    require(d_o, "d_o");
+    require(grads.dq, "dq");
+    require(grads.dk, "dk");
+    require(grads.dv, "dv");
+    require(grads.dg, "dg");
+    require(grads.dbeta, "dbeta");
+    const Sequences& seqs = saved.stream->sequences;
+    check_states(h0, seqs, in.shape, "h0");
+    check_states(dht, seqs, in.shape, "dht");
+    check_states(dh0, seqs, in.shape, "dh0");
+    info = part_info(seqs, part);
+  });
+  const Stream& stream = *saved.stream;
+  const Sequences& seqs = stream.sequences;
+  const Shape& s = in.shape;
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<T> dht_sum;
+  SequenceStates<const T> dht_total{};
+  if (dht.data != nullptr) {
+    dht_sum = summed_over_ranks(*comm_, dht);
+    dht_total = dht;
+    dht_total.data = dht_sum.data();
+  }
+  bwd_.exchange = since(t0);
+  t0 = std::chrono::steady_clock::now();
+  State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+  part_incoming_grad(in, seqs, part, d_o, dht_total, g.data<T>(), exec_);
+  bwd_.local = since(t0);
+  t0 = std::chrono::steady_clock::now();
+  State d_end = exchange_->backward(g.view(), saved.transfer.view(), PartFlags{info.cut});
+  bwd_.exchange += since(t0);
+  t0 = std::chrono::steady_clock::now();
+  part_backward(in, seqs, part, info.starts_sequence ? nullptr : saved.incoming.data<T>(), h0,
+                d_o, d_end.data<T>(), dht_total, grads, dh0, exec_);
+  bwd_.local += since(t0);
+  if (dh0.data != nullptr) {
+    t0 = std::chrono::steady_clock::now();
+    share_rows(*comm_, dh0, rows_by_rank(stream, false));
+    bwd_.exchange += since(t0);
+  }
 }
 
 template <class T>
