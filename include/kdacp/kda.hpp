@@ -66,8 +66,15 @@ struct Inputs {
   const T* g = nullptr;  // log-decay, α = exp(g); g ≤ 0 keeps the recurrence contractive
   const T* beta = nullptr;
   Shape shape{};
+
   T scale = 0;  // must be finite and positive; see default_scale
 };
+
+// Throws InvalidArgument (naming `op`, the calling function) unless
+// validate(in.shape) holds, every tensor pointer is set and the scale is
+// finite and > 0. Every function below checks its inputs with it.
+template <class T>
+void validate(const Inputs<T>& in, const char* op);
 
 // The chunk's summary: `state` [B,HV,K,V] = the final state started from zero,
 // `transfer` [B,HV,K,K] = M = Π_t (I - β_t k_t k_tᵀ) Diag(α_t), later tokens on

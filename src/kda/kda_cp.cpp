@@ -293,13 +293,15 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   bwd_.local += since(t0);
 }
 
-template <class T>
-Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t tokens,
-                                                  std::span<const std::int64_t> cu_seqlens,
-                                                  std::span<const std::size_t> counts) const {
+namespace {
+
+template <class Int>
+Stream contiguous_stream_of(std::size_t rank, std::size_t ranks, std::size_t batch,
+                            std::size_t tokens, std::span<const Int> cu_seqlens,
+                            std::span<const std::size_t> counts) {
   std::optional<Stream> out;
-  on_rank(exchange_->rank(), "contiguous_stream", [&] {
-    Layout layout = Layout::contiguous(tokens, exchange_->size(), counts);
+  on_rank(rank, "contiguous_stream", [&] {
+    Layout layout = Layout::contiguous(tokens, ranks, counts);
     out.emplace(Stream{cu_seqlens.empty() ? Sequences(batch, tokens)
                                           : Sequences(batch, tokens, cu_seqlens),
                        std::move(layout)});
@@ -307,18 +309,20 @@ Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t
   return std::move(*out);
 }
 
+}  // namespace
+
+template <class T>
+Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t tokens,
+                                                  std::span<const std::int64_t> cu_seqlens,
+                                                  std::span<const std::size_t> counts) const {
+  return contiguous_stream_of(exchange_->rank(), exchange_->size(), batch, tokens, cu_seqlens, counts);
+}
+
 template <class T>
 Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t tokens,
                                                   std::span<const std::int32_t> cu_seqlens,
                                                   std::span<const std::size_t> counts) const {
-  std::optional<Stream> out;
-  on_rank(exchange_->rank(), "contiguous_stream", [&] {
-    Layout layout = Layout::contiguous(tokens, exchange_->size(), counts);
-    out.emplace(Stream{cu_seqlens.empty() ? Sequences(batch, tokens)
-                                          : Sequences(batch, tokens, cu_seqlens),
-                       std::move(layout)});
-  });
-  return std::move(*out);
+  return contiguous_stream_of(exchange_->rank(), exchange_->size(), batch, tokens, cu_seqlens, counts);
 }
 
 template <class T>

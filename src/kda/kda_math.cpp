@@ -108,19 +108,6 @@ void require(const void* ptr, const char* op, const char* field) {
                           " is null, expected a pointer to its tensor");
 }
 
-template <class T>
-void validate_inputs(const Inputs<T>& in, const char* op) {
-  validate(in.shape);
-  require(in.q, op, "q");
-  require(in.k, op, "k");
-  require(in.v, op, "v");
-  require(in.g, op, "g");
-  require(in.beta, op, "beta");
-  if (!std::isfinite(in.scale) || !(in.scale > 0))
-    throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
-                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
-}
-
 }  // namespace
 
 // Each participant of the pool takes a contiguous range of (batch, value
@@ -129,7 +116,7 @@ void validate_inputs(const Inputs<T>& in, const char* op) {
 template <class T>
 void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* transfer,
                       const ExecPolicy& exec) {
-  validate_inputs(in, "chunk_summary");
+  validate(in, "chunk_summary");
   require(state, "chunk_summary", "state");
   require(transfer, "chunk_summary", "transfer");
   const Shape& s = in.shape;
@@ -148,7 +135,7 @@ void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* 
 template <class T>
 void forward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
                 T* final_state, const ExecPolicy& exec) {
-  validate_inputs(in, "forward");
+  validate(in, "forward");
   require(o, "forward", "o");
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
@@ -172,7 +159,7 @@ template <class T>
 void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, const T* d_o,
                  const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
                  std::size_t checkpoint_interval) {
-  validate_inputs(in, "backward");
+  validate(in, "backward");
   require(d_o, "backward", "d_o");
   require(grads.dq, "backward", "dq");
   require(grads.dk, "backward", "dk");
@@ -244,7 +231,7 @@ void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
 template <class T>
 void incoming_grad_on(const Kernels<T>& kern, const Inputs<T>& in, const T* d_o, T* g_state,
                       const ExecPolicy& exec) {
-  validate_inputs(in, "incoming_grad");
+  validate(in, "incoming_grad");
   require(d_o, "incoming_grad", "d_o");
   require(g_state, "incoming_grad", "g_state");
   const Shape& s = in.shape;
@@ -276,6 +263,22 @@ KDACP_KDA_INSTANTIATE(double)
 #undef KDACP_KDA_INSTANTIATE
 
 }  // namespace detail
+
+template <class T>
+void validate(const Inputs<T>& in, const char* op) {
+  using detail::require;
+  validate(in.shape);
+  require(in.q, op, "q");
+  require(in.k, op, "k");
+  require(in.v, op, "v");
+  require(in.g, op, "g");
+  require(in.beta, op, "beta");
+  if (!std::isfinite(in.scale) || !(in.scale > 0))
+    throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
+                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
+}
+template void validate<float>(const Inputs<float>&, const char*);
+template void validate<double>(const Inputs<double>&, const char*);
 
 void validate(const Shape& shape) {
   auto at_least_one = [](std::size_t value, const char* field) {

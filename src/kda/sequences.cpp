@@ -49,19 +49,6 @@ void require(const void* ptr, const char* op, const char* field) {
                           " is null, expected a pointer to its tensor");
 }
 
-template <class T>
-void check_inputs(const Inputs<T>& in, const char* op) {
-  validate(in.shape);
-  require(in.q, op, "q");
-  require(in.k, op, "k");
-  require(in.v, op, "v");
-  require(in.g, op, "g");
-  require(in.beta, op, "beta");
-  if (!std::isfinite(in.scale) || !(in.scale > 0))
-    throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
-                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
-}
-
 void check_part(const Sequences& seqs, const Part& part, const char* op) {
   if (!(part.begin < part.end) || part.end > seqs.tokens())
     throw InvalidArgument(std::string("kda::") + op + ": part [begin, end) = [" +
@@ -72,7 +59,7 @@ void check_part(const Sequences& seqs, const Part& part, const char* op) {
 template <class T>
 void check_local(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                  const char* op) {
-  check_inputs(local, op);
+  validate(local, op);
   check_part(seqs, part, op);
   if (local.shape.batch != seqs.batch())
     throw InvalidArgument(std::string("kda::") + op + ": shape.batch (B) = " +

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kdacp/admission.hpp"
+
 namespace kdacp::cli {
 
 void Table::print(std::FILE* out) const {
@@ -33,16 +35,6 @@ std::string fmt(const char* format, double value) {
   return buf;
 }
 
-std::string fmt_bytes(double bytes) {
-  const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  char buf[64];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, unit[u]);
-  return buf;
-}
+std::string fmt_bytes(double bytes) { return format_bytes(bytes); }
 
 }  // namespace kdacp::cli
