@@ -1,6 +1,7 @@
 // The context-parallel layer over packed sequences with initial and final
 // states (SPEC §10): every protocol configuration, P in {1, 2, 3, 4, 8}, even
-// and uneven contiguous splits, against an FP64 recurrence that runs each
+// and uneven contiguous splits, and zigzag and irregular layouts with several
+// parts per rank for the rows that take layouts, against an FP64 recurrence that runs each
 // sequence alone; ht and dh0 the same bits on every rank; exact protocols
 // bitwise equal to each other; central finite differences through the layer
 // for dh0 and the dht path; bad input refused before any message.
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <sstream>
@@ -104,11 +106,43 @@ struct CpRun {
   explicit CpRun(const Case& c) : r(c) {}
 };
 
+// A rank's parts of a [B,T,inner] tensor, concatenated in token order into
+// its local [B,T_local,inner] tensor, and back.
+template <class T>
+std::vector<T> gather_parts(const std::vector<T>& full, std::size_t batch, std::size_t tokens,
+                            std::size_t inner, const std::vector<Part>& parts,
+                            std::size_t local_tokens) {
+  std::vector<T> local(batch * local_tokens * inner);
+  for (std::size_t b = 0; b < batch; ++b)
+    for (const Part& part : parts)
+      std::copy_n(full.begin() + (b * tokens + part.begin) * inner, (part.end - part.begin) * inner,
+                  local.begin() + (b * local_tokens + part.local_begin) * inner);
+  return local;
+}
+
+template <class T>
+void scatter_parts(const std::vector<T>& local, std::size_t batch, std::size_t tokens,
+                   std::size_t inner, const std::vector<Part>& parts, std::size_t local_tokens,
+                   std::vector<T>& full) {
+  for (std::size_t b = 0; b < batch; ++b)
+    for (const Part& part : parts)
+      std::copy_n(local.begin() + (b * local_tokens + part.local_begin) * inner,
+                  (part.end - part.begin) * inner,
+                  full.begin() + (b * tokens + part.begin) * inner);
+}
+
+Sequences stream_sequences(const Case& c) {
+  return c.cu.empty() ? Sequences(c.shape.batch, c.shape.tokens)
+                      : Sequences(c.shape.batch, c.shape.tokens, std::span(c.cu));
+}
+
 // One forward + backward through the layer. dht[r] is rank r's loss's
-// gradient on ht (empty: none).
+// gradient on ht (empty: none). Without a layout, the layer of the plain
+// constructor over contiguous_stream(counts); with one, the layer built for it.
 template <class T>
 CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, std::size_t ranks,
-                   const std::vector<std::size_t>& counts, const Method& m) {
+                   const std::vector<std::size_t>& counts, const Method& m,
+                   const std::optional<Layout>& layout = std::nullopt) {
   const Case& c = p.c;
   const Shape& s = c.shape;
   CpRun<T> out(c);
@@ -119,19 +153,23 @@ CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, 
     auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
     ExchangeOptions options;
     options.segments = m.config.segments;
-    ContextParallelLayer<T> layer(mesh, m.config.method,
-                                  static_cast<long long>(m.config.group_size), options);
-    const Stream stream = layer.contiguous_stream(s.batch, s.tokens, std::span(c.cu), counts);
-    const Part part = stream.layout.local_parts(rank).front();
-    const TokenSplit range{part.begin, part.end - part.begin};
+    const auto group = static_cast<long long>(m.config.group_size);
+    std::optional<ContextParallelLayer<T>> built;
+    if (layout)
+      built.emplace(mesh, m.config.method, *layout, group, options);
+    else
+      built.emplace(mesh, m.config.method, group, options);
+    ContextParallelLayer<T>& layer = *built;
+    const Stream stream =
+        layout ? Stream{stream_sequences(c), *layout}
+               : layer.contiguous_stream(s.batch, s.tokens, std::span(c.cu), counts);
+    const std::vector<Part> parts = stream.layout.local_parts(rank);
     Shape ls = s;
-    ls.tokens = range.count;
+    ls.tokens = stream.layout.local_tokens(rank);
     const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim,
                       gk = s.value_heads * s.key_dim, bh = s.value_heads;
     auto local = [&](const std::vector<T>& full, std::size_t inner) {
-      std::vector<T> x(s.batch * range.count * inner);
-      slice_tokens(full.data(), s.batch, s.tokens, inner, range, x.data());
-      return x;
+      return gather_parts(full, s.batch, s.tokens, inner, parts, ls.tokens);
     };
     const std::vector<T> q = local(p.q, qk), k = local(p.k, qk), v = local(p.v, vv),
                          g = local(p.g, gk), beta = local(p.beta, bh), d_o = local(p.d_o, vv);
@@ -146,12 +184,15 @@ CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, 
                    Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data()},
                    sequence_states(out.dh0[rank].data(), seqs, ls));
     // Disjoint token ranges: ranks write their own parts of the outputs.
-    unslice_tokens(o.data(), s.batch, s.tokens, vv, range, out.r.o.data());
-    unslice_tokens(dq.data(), s.batch, s.tokens, qk, range, out.r.dq.data());
-    unslice_tokens(dk.data(), s.batch, s.tokens, qk, range, out.r.dk.data());
-    unslice_tokens(dv.data(), s.batch, s.tokens, vv, range, out.r.dv.data());
-    unslice_tokens(dg.data(), s.batch, s.tokens, gk, range, out.r.dg.data());
-    unslice_tokens(dbeta.data(), s.batch, s.tokens, bh, range, out.r.dbeta.data());
+    auto put = [&](const std::vector<T>& x, std::size_t inner, std::vector<T>& full) {
+      scatter_parts(x, s.batch, s.tokens, inner, parts, ls.tokens, full);
+    };
+    put(o, vv, out.r.o);
+    put(dq, qk, out.r.dq);
+    put(dk, qk, out.r.dk);
+    put(dv, vv, out.r.dv);
+    put(dg, gk, out.r.dg);
+    put(dbeta, bh, out.r.dbeta);
   });
   out.r.ht = out.ht.front();
   out.r.dh0 = out.dh0.front();
@@ -241,6 +282,124 @@ INSTANTIATE_TEST_SUITE_P(Ranks, CpSequences, ::testing::Values(1, 2, 3, 4, 8),
                            n << 'P' << info.param;
                            return n.str();
                          });
+
+// P = 3 ranks in six parts of 1/12, 3/12, 1/12, 4/12, 2/12 and 3/12 of T on
+// ranks 2, 0, 0, 1, 2, 1: a rank holding two adjacent parts, the first part
+// not on rank 0, parts of one rank far apart.
+Layout irregular_layout(std::size_t tokens) {
+  const std::size_t twelfths[] = {0, 1, 4, 5, 9, 11, 12}, owners[] = {2, 0, 0, 1, 2, 1};
+  std::vector<LayoutPart> parts;
+  for (std::size_t j = 0; j < 6; ++j)
+    parts.push_back({owners[j], tokens * twelfths[j] / 12, tokens * twelfths[j + 1] / 12});
+  return Layout(3, std::move(parts));
+}
+
+// Zigzag for P in {1, 2, 3, 4} and the irregular layout, every case, every
+// row that takes layouts: close to FP64, ht and dh0 the same bits on every
+// rank, and those rows (all exact) bitwise equal to each other.
+template <class T>
+void check_layouts() {
+  for (const Case* c : kCases) {
+    Problem<double> pd = make_problem(*c, 51);
+    std::vector<Layout> layouts;
+    for (std::size_t ranks = 1; ranks <= 4; ++ranks)
+      layouts.push_back(Layout::zigzag(c->shape.tokens, ranks));
+    layouts.push_back(irregular_layout(c->shape.tokens));
+    for (const Layout& layout : layouts) {
+      const std::size_t ranks = layout.ranks();
+      const std::vector<std::vector<double>> dht = dht_by_rank(*c, ranks, 53 + ranks, pd.dht);
+      const Result<double> want = reference(pd);
+      const Problem<T> p = pd.cast<T>();
+      const bool zigzag = layout.parts().size() == 2 * ranks;
+      const std::string name =
+          c->name + (zigzag ? ", zigzag P=" : ", irregular P=") + std::to_string(ranks);
+      std::optional<CpRun<T>> first;
+      std::size_t rows = 0;
+      for (const ProtocolDescriptor* row : protocol_registry()) {
+        if (row->chooser() || !row->takes_layouts) continue;
+        ++rows;
+        ASSERT_TRUE(row->exact()) << row->name;
+        for (const ProtocolConfig& config : valid_configs(*row, ranks, c->shape.value_dim)) {
+          const std::string what = name + ", " + protocol_label(config);
+          const CpRun<T> got = run_layer(p, cast_all<T>(dht), ranks, {}, Method{config}, layout);
+          expect_close(got.r, want, kTolerance<T>, what);
+          for (std::size_t r = 1; r < ranks; ++r) {
+            EXPECT_TRUE(same_bits(got.ht[r], got.ht[0])) << what << ": ht on rank " << r;
+            EXPECT_TRUE(same_bits(got.dh0[r], got.dh0[0])) << what << ": dh0 on rank " << r;
+          }
+          if (!first) first.emplace(got);
+          EXPECT_TRUE(same_bits(got.r, first->r)) << what << ": not the first row's bits";
+        }
+      }
+      EXPECT_GE(rows, 2u) << "p2p and allgather take layouts";
+    }
+  }
+}
+
+TEST(CpSequences, LayoutsDoubleMatchFp64) { check_layouts<double>(); }
+TEST(CpSequences, LayoutsFloatMatchFp64) { check_layouts<float>(); }
+
+TEST(CpSequences, ZigzagLayout) {
+  const Layout z = Layout::zigzag(10, 2);
+  const std::size_t want[][3] = {{0, 0, 3}, {1, 3, 6}, {1, 6, 8}, {0, 8, 10}};
+  ASSERT_EQ(z.parts().size(), 4u);
+  for (std::size_t j = 0; j < 4; ++j) {
+    EXPECT_EQ(z.parts()[j].rank, want[j][0]) << j;
+    EXPECT_EQ(z.parts()[j].begin, want[j][1]) << j;
+    EXPECT_EQ(z.parts()[j].end, want[j][2]) << j;
+  }
+  EXPECT_EQ(z.owners(), (std::vector<std::size_t>{0, 1, 1, 0}));
+  const std::vector<Part> local = z.local_parts(1);
+  ASSERT_EQ(local.size(), 2u);
+  EXPECT_EQ(local[1].local_begin, 3u);
+  EXPECT_EQ(z.local_tokens(0), 5u);
+  EXPECT_THROW(Layout::zigzag(3, 2), InvalidArgument);
+  EXPECT_THROW(Layout::zigzag(8, 0), InvalidArgument);
+}
+
+// A row that does not take layouts refuses one at construction, on every rank.
+TEST(CpSequences, LayoutNeedsARowThatTakesLayouts) {
+  const std::size_t ranks = 2;
+  run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
+    auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
+    try {
+      ContextParallelLayer<double> layer(mesh, "pipelined_p2p", Layout::zigzag(16, ranks));
+      ADD_FAILURE() << "rank " << comm->rank() << ": no InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("does not take a layout"), std::string::npos)
+          << e.what();
+    }
+    // A contiguous layout is the plain exchange, which every row runs.
+    ContextParallelLayer<double> plain(mesh, "pipelined_p2p", Layout::contiguous(16, ranks));
+    EXPECT_EQ(plain.exchange().method(), "pipelined_p2p");
+  });
+}
+
+// The call without a stream runs one part per rank: a zigzag layer refuses it.
+TEST(CpSequences, ZigzagLayerRefusesTheCallWithoutAStream) {
+  const std::size_t ranks = 2;
+  const Shape s = shape_of(1, 8, 1, 1, 16, 16);
+  const Problem<double> p = make_problem(Case{"plain", s, {}}, 61);
+  run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
+    auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
+    ContextParallelLayer<double> layer(mesh, std::string(kChainProtocol),
+                                       Layout::zigzag(16, ranks));
+    const Inputs<double> in{p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), s,
+                            p.scale};
+    std::vector<double> o(s.v_elems());
+    const CommStats before = comm->stats();
+    try {
+      layer.forward(in, o.data());
+      ADD_FAILURE() << "rank " << comm->rank() << ": no InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("has part owners {0, 1, 1, 0}, expected one part per "
+                                           "rank in rank order"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(comm->stats().messages_sent, before.messages_sent);
+  });
+}
 
 // Without cu_seqlens, h0, ht, dht and dh0 the stream forward is the forward
 // without one, bit for bit, for every protocol.
@@ -454,13 +613,12 @@ TEST(CpSequences, BadCallsAreRefusedBeforeAnyMessage) {
                  forward([](auto&, auto&, Stream& st, auto&) {
                    st.layout = Layout(3, {{0, 0, 4}, {1, 4, 8}, {2, 8, 16}, {0, 16, 24}});
                  }),
-                 "gives rank 0 2 parts, expected one: several parts per rank are not yet "
-                 "supported by the exchange");
+                 "stream.layout has part owners {0, 1, 2, 0}, expected the exchange's {0, 1, 2}");
   expect_refused(ranks,
                  forward([](auto&, auto&, Stream& st, auto&) {
                    st.layout = Layout(3, {{1, 0, 8}, {0, 8, 16}, {2, 16, 24}});
                  }),
-                 "stream.layout part 0 is on rank 1, expected rank 0");
+                 "stream.layout has part owners {1, 0, 2}, expected the exchange's {0, 1, 2}");
   expect_refused(ranks,
                  forward([](auto&, auto&, Stream& st, auto&) {
                    st.layout = Layout::contiguous(24, 2, {});

@@ -1,9 +1,10 @@
-// The context-parallel KDA layer: each rank holds consecutive tokens of the
-// stream; forward = local summary -> exchange.forward -> local forward from
-// the incoming state; backward = local G -> exchange.backward(G, saved M) ->
-// local backward with that final-state gradient. Equals one device (SPEC §9),
-// also over packed sequences with initial and final states (SPEC §10,
-// docs/sequences.md).
+// The context-parallel KDA layer: each rank holds one or more parts of the
+// stream (contiguous, zigzag or any layout); forward = local summary of each
+// part -> exchange.forward -> local forward of each part from its incoming
+// state; backward = each part's G -> exchange.backward(G, saved M) -> local
+// backward of each part with its final-state gradient. Equals one device
+// (SPEC §9), also over packed sequences with initial and final states
+// (SPEC §10, docs/sequences.md).
 #pragma once
 
 #include <cstddef>
@@ -56,10 +57,16 @@ class Layout {
   // Given counts must be P entries, each >= 1, summing to T.
   static Layout contiguous(std::size_t tokens, std::size_t ranks,
                            std::span<const std::size_t> counts = {});
+  // 2P parts, the first T mod 2P of ⌈T/2P⌉ tokens and the others of ⌊T/2P⌋;
+  // rank r holds parts r and 2P-1-r (the load-balanced layout of causal
+  // softmax-attention CP). T < 2P is an InvalidArgument.
+  static Layout zigzag(std::size_t tokens, std::size_t ranks);
 
   std::size_t ranks() const { return ranks_; }
   std::size_t tokens() const { return parts_.back().end; }
   const std::vector<LayoutPart>& parts() const { return parts_; }
+  // The rank of each part in chain order: ExchangeOptions::part_owners.
+  std::vector<std::size_t> owners() const;
   // Rank `rank`'s parts in token order, with where each starts in its local
   // tensors.
   std::vector<Part> local_parts(std::size_t rank) const;
@@ -80,9 +87,10 @@ struct Stream {
 };
 
 // What forward hands the caller to keep until backward.
+// One entry per part of this rank, in chain order.
 struct Saved {
-  State transfer;  // M [B,HV,K,K] (zero for a cut part: the exchange does not read it)
-  State incoming;  // the incoming state [B,HV,K,V] (backward recomputes from it)
+  std::vector<State> transfer;  // M [B,HV,K,K] (zero for a cut part: the exchange does not read it)
+  std::vector<State> incoming;  // the incoming state [B,HV,K,V] (backward recomputes from it)
   // The stream of a sequence forward (none for the forward without one):
   // backward runs the same parts with the same cuts.
   std::optional<Stream> stream;
@@ -105,11 +113,20 @@ class ContextParallelLayer {
   ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                        long long allgather_group_size = 1, ExchangeOptions options = {},
                        const ExecPolicy& exec = {});
+  // The layer for streams laid out by `layout` (P = the mesh's ranks): the
+  // exchange is built with options.part_owners = layout.owners() unless the
+  // layout is one part per rank in rank order (then part_owners stays empty,
+  // so every method runs it). Several parts per rank, or parts out of rank
+  // order, need a method whose registry row takes layouts (p2p, allgather,
+  // auto); make_state_exchange throws InvalidArgument for the others.
+  ContextParallelLayer(const DeviceMesh& mesh, const std::string& method, const Layout& layout,
+                       long long allgather_group_size = 1, ExchangeOptions options = {},
+                       const ExecPolicy& exec = {});
 
   // One sequence per batch row, zero initial state, no final state: rank r
   // holds the r-th run of consecutive tokens (any lengths; the rank needs
   // only its own). in: this rank's chunk, dense [B,T_r,...]; writes o
-  // [B,T_r,HV,V].
+  // [B,T_r,HV,V]. Needs an exchange of one part per rank in rank order.
   Saved forward(const Inputs<T>& in, Elem<T>* o);
   // Gradients of this rank's chunk; grads.d_incoming (optional) receives the
   // gradient w.r.t. this rank's incoming state.
@@ -131,13 +148,14 @@ class ContextParallelLayer {
   // [B,T_local,...] (its parts' tokens); writes o [B,T_local,HV,V].
   // h0: initial states [N,HV,K,V], identical on every rank (data null: zero).
   // ht: when ht.data is set, receives the final states [N,HV,K,V], complete
-  // and the same bits on every rank: each row is computed by the rank holding
-  // its sequence's last token and broadcast from it over mesh.group(0). ht is
-  // requested on every rank or on none (the broadcasts are collective).
+  // and the same bits on every rank: each row is computed by the part holding
+  // its sequence's last token and broadcast from its rank over mesh.group(0).
+  // ht is requested on every rank or on none (the broadcasts are collective).
   // Throws InvalidArgument naming this rank, before any message, for a stream
-  // whose layout is not P ranks, T tokens or one part per rank in rank order
-  // (several parts per rank: not yet supported by the exchange), inputs that
-  // are not that rank's [B,T_local,...], and h0/ht not [N,HV,K,V].
+  // whose layout is not P ranks and T tokens or whose part owners are not the
+  // exchange's (the layout the layer was built with; the first constructor:
+  // one part per rank in rank order, or options.part_owners), inputs that are
+  // not that rank's [B,T_local,...], and h0/ht not [N,HV,K,V].
   Saved forward(const Inputs<T>& in, const Stream& stream, SequenceStates<const Elem<T>> h0,
                 Elem<T>* o, SequenceStates<Elem<T>> ht);
   // Gradients of the sequence forward that returned `saved`, with the same
@@ -145,10 +163,11 @@ class ContextParallelLayer {
   // (given on every rank or on none; none: zero); the layer all-gathers the
   // ranks' dht and sums them in rank order, so ht's gradient is the sum over
   // ranks and every rank uses the same bits. Writes dq, dk, dv, dg, dbeta for
-  // this rank's tokens, grads.d_incoming (optional) as in backward above, and,
+  // this rank's tokens, grads.d_incoming (optional) for this rank's first
+  // part (the gradient w.r.t. the state entering it), and,
   // when dh0.data is set (on every rank or none), dh0 [N,HV,K,V] complete and
-  // the same bits on every rank: row n computed by the rank holding sequence
-  // n's first token and broadcast from it.
+  // the same bits on every rank: row n computed by the part holding sequence
+  // n's first token and broadcast from its rank.
   void backward(const Inputs<T>& in, const Saved& saved, SequenceStates<const Elem<T>> h0,
                 const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
                 const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0);
@@ -158,7 +177,11 @@ class ContextParallelLayer {
   const StateExchange& exchange() const { return *exchange_; }
 
  private:
+  // The calls without a stream run the plain exchange: one part per rank.
+  void require_plain(std::size_t rank, const char* op) const;
+
   std::unique_ptr<StateExchange> exchange_;
+  std::vector<std::size_t> part_owners_;  // the exchange's: chain position -> rank
   std::shared_ptr<Communicator> comm_;  // mesh.group(0): ht / dh0 broadcasts, dht gather
   ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;

@@ -97,6 +97,31 @@ Layout Layout::contiguous(std::size_t tokens, std::size_t ranks,
   return Layout(ranks, std::move(parts));
 }
 
+Layout Layout::zigzag(std::size_t tokens, std::size_t ranks) {
+  const std::string what = "kda::Layout::zigzag: ";
+  if (ranks == 0) throw InvalidArgument(what + "ranks (P) = 0, expected >= 1");
+  const std::size_t count = 2 * ranks;
+  if (tokens < count)
+    throw InvalidArgument(what + std::to_string(tokens) + " tokens for P = " +
+                          std::to_string(ranks) + ", expected T >= 2P = " + std::to_string(count) +
+                          " (every part needs a token)");
+  const std::size_t base = tokens / count, extra = tokens % count;
+  std::vector<LayoutPart> parts;
+  std::size_t begin = 0;
+  for (std::size_t j = 0; j < count; ++j) {
+    const std::size_t end = begin + base + (j < extra ? 1 : 0);
+    parts.push_back({j < ranks ? j : count - 1 - j, begin, end});
+    begin = end;
+  }
+  return Layout(ranks, std::move(parts));
+}
+
+std::vector<std::size_t> Layout::owners() const {
+  std::vector<std::size_t> out;
+  for (const LayoutPart& p : parts_) out.push_back(p.rank);
+  return out;
+}
+
 std::vector<Part> Layout::local_parts(std::size_t rank) const {
   std::vector<Part> out;
   std::size_t local = 0;
@@ -169,28 +194,35 @@ void check_states(const SequenceStates<T>& st, const Sequences& seqs, const Shap
                         ", expected [N,HV,K,V] = " + dims(want));
 }
 
-// This rank's part of the stream, once the stream is checked against the
-// mesh and the local inputs.
-Part checked_part(const Stream& stream, const Shape& local, std::size_t rank,
-                  std::size_t ranks) {
+std::string owners_text(const std::vector<std::size_t>& owners) {
+  std::string out(1, '{');
+  for (std::size_t j = 0; j < owners.size(); ++j)
+    out.append(j ? ", " : "").append(std::to_string(owners[j]));
+  return out.append("}");
+}
+
+// Part j on rank j for every j < P: the plain exchange, which every method runs.
+bool one_part_per_rank(const std::vector<std::size_t>& owners, std::size_t ranks) {
+  if (owners.size() != ranks) return false;
+  for (std::size_t j = 0; j < ranks; ++j)
+    if (owners[j] != j) return false;
+  return true;
+}
+
+// This rank's parts of the stream in chain order, once the stream is checked
+// against the exchange's layout and the local inputs.
+std::vector<Part> checked_parts(const Stream& stream, const Shape& local, std::size_t rank,
+                                std::size_t ranks, const std::vector<std::size_t>& part_owners) {
   const Layout& layout = stream.layout;
   const Sequences& seqs = stream.sequences;
   if (layout.ranks() != ranks)
     throw InvalidArgument("stream.layout spans " + std::to_string(layout.ranks()) +
                           " ranks, expected the mesh's P = " + std::to_string(ranks));
-  // The exchange runs one chain position per rank, position = rank.
-  for (std::size_t r = 0; r < ranks; ++r)
-    if (const std::size_t held = layout.local_parts(r).size(); held != 1)
-      throw InvalidArgument("stream.layout gives rank " + std::to_string(r) + " " +
-                            std::to_string(held) +
-                            " parts, expected one: several parts per rank are not yet "
-                            "supported by the exchange");
-  for (std::size_t j = 0; j < ranks; ++j)
-    if (layout.parts()[j].rank != j)
-      throw InvalidArgument("stream.layout part " + std::to_string(j) + " is on rank " +
-                            std::to_string(layout.parts()[j].rank) + ", expected rank " +
-                            std::to_string(j) +
-                            ": parts out of rank order are not yet supported by the exchange");
+  // The exchange was built for one assignment of chain positions to ranks.
+  if (const std::vector<std::size_t> owners = layout.owners(); owners != part_owners)
+    throw InvalidArgument("stream.layout has part owners " + owners_text(owners) +
+                          ", expected the exchange's " + owners_text(part_owners) +
+                          " (the layout the layer was built with)");
   if (layout.tokens() != seqs.tokens())
     throw InvalidArgument("stream.layout covers " + std::to_string(layout.tokens()) +
                           " tokens, expected the sequences' T = " + std::to_string(seqs.tokens()));
@@ -201,31 +233,35 @@ Part checked_part(const Stream& stream, const Shape& local, std::size_t rank,
     throw InvalidArgument("shape.tokens (T_local) = " + std::to_string(local.tokens) +
                           ", expected the layout's " + std::to_string(layout.local_tokens(rank)) +
                           " tokens of rank " + std::to_string(rank));
-  return layout.local_parts(rank).front();
+  return layout.local_parts(rank);
 }
 
-// Rows [first, first + count) of [N,HV,K,V] states that each rank computes:
-// the sequences ending (ht) or starting (dh0) in its part.
-std::vector<SequenceRange> rows_by_rank(const Stream& stream, bool ending) {
-  std::vector<SequenceRange> out;
-  for (std::size_t r = 0; r < stream.layout.ranks(); ++r) {
-    const PartInfo info = part_info(stream.sequences, stream.layout.local_parts(r).front());
-    out.push_back(ending ? info.ended : info.started);
+// Rows [first, first + count) of [N,HV,K,V] states that each part computes,
+// with the part's rank: the sequences ending (ht) or starting (dh0) in it.
+struct PartRows {
+  std::size_t rank;
+  SequenceRange rows;
+};
+std::vector<PartRows> rows_by_part(const Stream& stream, bool ending) {
+  std::vector<PartRows> out;
+  for (const LayoutPart& p : stream.layout.parts()) {
+    const PartInfo info = part_info(stream.sequences, Part{p.begin, p.end, 0});
+    out.push_back({p.rank, ending ? info.ended : info.started});
   }
   return out;
 }
 
-// Every rank's rows to every rank, each broadcast whole from the rank that
-// computed it, in rank order: copies, so every rank holds the same bits.
+// Every part's rows to every rank, each broadcast whole from the rank that
+// computed it, in chain order: copies, so every rank holds the same bits.
 template <class T>
 void share_rows(Communicator& comm, const SequenceStates<T>& st,
-                const std::vector<SequenceRange>& rows) {
+                const std::vector<PartRows>& parts) {
   const std::size_t row = st.value_heads * st.key_dim * st.value_dim;
-  for (std::size_t r = 0; r < rows.size(); ++r)
-    if (rows[r].count > 0)
-      comm.broadcast(std::as_writable_bytes(std::span<T>(st.data + rows[r].first * row,
-                                                         rows[r].count * row)),
-                     r);
+  for (const PartRows& p : parts)
+    if (p.rows.count > 0)
+      comm.broadcast(std::as_writable_bytes(std::span<T>(st.data + p.rows.first * row,
+                                                         p.rows.count * row)),
+                     p.rank);
 }
 
 // The sum over ranks of their dht: all-gathered, then added in rank order,
@@ -248,14 +284,39 @@ template <class T>
 ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                                               long long allgather_group_size,
                                               ExchangeOptions options, const ExecPolicy& exec)
-    : comm_(mesh.group(0)), exec_(exec) {
+    : part_owners_(options.part_owners), comm_(mesh.group(0)), exec_(exec) {
+  if (part_owners_.empty())
+    for (std::size_t r = 0; r < mesh.size(); ++r) part_owners_.push_back(r);
   options.exec = exec;
   exchange_ = make_state_exchange(mesh, method, allgather_group_size, std::move(options));
 }
 
+namespace {
+ExchangeOptions with_layout(const DeviceMesh& mesh, const Layout& layout,
+                            ExchangeOptions options) {
+  if (layout.ranks() != mesh.size())
+    throw InvalidArgument("kda::ContextParallelLayer: layout spans " +
+                          std::to_string(layout.ranks()) + " ranks, expected the mesh's P = " +
+                          std::to_string(mesh.size()));
+  std::vector<std::size_t> owners = layout.owners();
+  // Left empty, the layout is the plain exchange, which every method runs.
+  options.part_owners =
+      one_part_per_rank(owners, mesh.size()) ? std::vector<std::size_t>{} : std::move(owners);
+  return options;
+}
+}  // namespace
+
+template <class T>
+ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
+                                              const Layout& layout, long long allgather_group_size,
+                                              ExchangeOptions options, const ExecPolicy& exec)
+    : ContextParallelLayer(mesh, method, allgather_group_size,
+                           with_layout(mesh, layout, std::move(options)), exec) {}
+
 template <class T>
 Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   validate(in.shape);
+  require_plain(exchange_->rank(), "forward");
   const Shape& s = in.shape;
   auto t0 = std::chrono::steady_clock::now();
   State offset(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
@@ -268,7 +329,10 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   t0 = std::chrono::steady_clock::now();
   kda::forward(in, incoming.data<T>(), o, nullptr, exec_);
   fwd_.local += since(t0);
-  return Saved{std::move(transfer), std::move(incoming), std::nullopt};
+  Saved saved;
+  saved.transfer.push_back(std::move(transfer));
+  saved.incoming.push_back(std::move(incoming));
+  return saved;
 }
 
 template <class T>
@@ -280,16 +344,17 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
                           std::to_string(exchange_->rank()) +
                           ": saved comes from the forward over a stream, expected the backward "
                           "that takes h0, dht and dh0");
+  require_plain(exchange_->rank(), "backward");
   const Shape& s = in.shape;
   auto t0 = std::chrono::steady_clock::now();
   State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
   incoming_grad(in, d_o, g.data<T>(), exec_);
   bwd_.local = since(t0);
   t0 = std::chrono::steady_clock::now();
-  State d_final = exchange_->backward(g.view(), saved.transfer.view());
+  State d_final = exchange_->backward(g.view(), saved.transfer.front().view());
   bwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
-  kda::backward(in, saved.incoming.data<T>(), d_o, d_final.data<T>(), grads, exec_);
+  kda::backward(in, saved.incoming.front().data<T>(), d_o, d_final.data<T>(), grads, exec_);
   bwd_.local += since(t0);
 }
 
@@ -326,43 +391,59 @@ Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t
 }
 
 template <class T>
+void ContextParallelLayer<T>::require_plain(std::size_t rank, const char* op) const {
+  if (!one_part_per_rank(part_owners_, exchange_->size()))
+    throw InvalidArgument(std::string("kda::ContextParallelLayer::") + op + " on rank " +
+                          std::to_string(rank) + ": the layer's layout has part owners " +
+                          owners_text(part_owners_) +
+                          ", expected one part per rank in rank order for the call without a "
+                          "stream");
+}
+
+template <class T>
 Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream,
                                        SequenceStates<const Elem<T>> h0, Elem<T>* o,
                                        SequenceStates<Elem<T>> ht) {
   const std::size_t rank = exchange_->rank();
   const Sequences& seqs = stream.sequences;
   auto t0 = std::chrono::steady_clock::now();
-  Part part;
-  PartInfo info;
-  State offset, transfer;
+  std::vector<Part> parts;
+  std::vector<PartInfo> infos;
+  std::vector<State> offsets, transfers;
+  std::vector<PartSummary> summaries;
   on_rank(rank, "forward", [&] {
     check_inputs(in);
-    part = checked_part(stream, in.shape, rank, exchange_->size());
+    parts = checked_parts(stream, in.shape, rank, exchange_->size(), part_owners_);
     require(o, "o");
     check_states(h0, seqs, in.shape, "h0");
     check_states(ht, seqs, in.shape, "ht");
     const Shape& s = in.shape;
-    offset = State(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-    // A cut's M is never read: the zero buffer stands for it.
-    transfer = State(s.batch, s.value_heads, s.key_dim, s.key_dim, dtype_of<T>());
-    info = part_info(seqs, part);
-    part_summary(in, seqs, part, h0, offset.data<T>(), info.cut ? nullptr : transfer.data<T>(),
-                 exec_);
+    for (const Part& part : parts) {
+      offsets.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+      // A cut's M is never read: the zero buffer stands for it.
+      transfers.emplace_back(s.batch, s.value_heads, s.key_dim, s.key_dim, dtype_of<T>());
+      infos.push_back(part_info(seqs, part));
+      part_summary(in, seqs, part, h0, offsets.back().data<T>(),
+                   infos.back().cut ? nullptr : transfers.back().data<T>(), exec_);
+    }
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      summaries.push_back({offsets[i].view(), transfers[i].view(), PartFlags{infos[i].cut}});
   });
   fwd_.local = since(t0);
   t0 = std::chrono::steady_clock::now();
-  State incoming = exchange_->forward(offset.view(), transfer.view(), PartFlags{info.cut});
+  std::vector<State> incoming = exchange_->forward(summaries);
   fwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
-  part_forward(in, seqs, part, info.starts_sequence ? nullptr : incoming.data<T>(), h0, o, ht,
-               exec_);
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    part_forward(in, seqs, parts[i], infos[i].starts_sequence ? nullptr : incoming[i].data<T>(),
+                 h0, o, ht, exec_);
   fwd_.local += since(t0);
   if (ht.data != nullptr) {
     t0 = std::chrono::steady_clock::now();
-    share_rows(*comm_, ht, rows_by_rank(stream, true));
+    share_rows(*comm_, ht, rows_by_part(stream, true));
     fwd_.exchange += since(t0);
   }
-  return Saved{std::move(transfer), std::move(incoming), stream};
+  return Saved{std::move(transfers), std::move(incoming), stream};
 }
 
 template <class T>
@@ -371,14 +452,14 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
                                        SequenceStates<const Elem<T>> dht,
                                        const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0) {
   const std::size_t rank = exchange_->rank();
-  Part part;
-  PartInfo info;
+  std::vector<Part> parts;
+  std::vector<PartInfo> infos;
   on_rank(rank, "backward", [&] {
     if (!saved.stream)
       throw InvalidArgument(
           "saved comes from the forward without a stream, expected the sequence forward's");
     check_inputs(in);
-    part = checked_part(*saved.stream, in.shape, rank, exchange_->size());
+    parts = checked_parts(*saved.stream, in.shape, rank, exchange_->size(), part_owners_);
     require(d_o, "d_o");
     require(grads.dq, "dq");
     require(grads.dk, "dk");
@@ -389,7 +470,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
     check_states(h0, seqs, in.shape, "h0");
     check_states(dht, seqs, in.shape, "dht");
     check_states(dh0, seqs, in.shape, "dh0");
-    info = part_info(seqs, part);
+    for (const Part& part : parts) infos.push_back(part_info(seqs, part));
   });
   const Stream& stream = *saved.stream;
   const Sequences& seqs = stream.sequences;
@@ -404,19 +485,31 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   }
   bwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
-  State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-  part_incoming_grad(in, seqs, part, d_o, dht_total, g.data<T>(), exec_);
+  std::vector<State> gs;
+  std::vector<PartSummary> summaries;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    gs.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+    part_incoming_grad(in, seqs, parts[i], d_o, dht_total, gs.back().data<T>(), exec_);
+  }
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    summaries.push_back({gs[i].view(), saved.transfer[i].view(), PartFlags{infos[i].cut}});
   bwd_.local = since(t0);
   t0 = std::chrono::steady_clock::now();
-  State d_end = exchange_->backward(g.view(), saved.transfer.view(), PartFlags{info.cut});
+  const std::vector<State> d_end = exchange_->backward(summaries);
   bwd_.exchange += since(t0);
   t0 = std::chrono::steady_clock::now();
-  part_backward(in, seqs, part, info.starts_sequence ? nullptr : saved.incoming.data<T>(), h0,
-                d_o, d_end.data<T>(), dht_total, grads, dh0, exec_);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    // d_incoming is one state: that of the rank's first part.
+    Grads<Elem<T>> part_grads = grads;
+    if (i > 0) part_grads.d_incoming = nullptr;
+    part_backward(in, seqs, parts[i],
+                  infos[i].starts_sequence ? nullptr : saved.incoming[i].data<T>(), h0, d_o,
+                  d_end[i].data<T>(), dht_total, part_grads, dh0, exec_);
+  }
   bwd_.local += since(t0);
   if (dh0.data != nullptr) {
     t0 = std::chrono::steady_clock::now();
-    share_rows(*comm_, dh0, rows_by_rank(stream, false));
+    share_rows(*comm_, dh0, rows_by_part(stream, false));
     bwd_.exchange += since(t0);
   }
 }
