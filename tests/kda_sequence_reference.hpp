@@ -16,6 +16,7 @@
 
 #include "kdacp/kda.hpp"
 #include "kdacp/kda_sequences.hpp"
+#include "kda_test_inputs.hpp"
 
 namespace kdacp::kda::test {
 
@@ -60,13 +61,6 @@ struct Problem {
   }
 };
 
-inline std::vector<double> uniform(std::size_t n, double lo, double hi, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<double> x(n);
-  for (auto& e : x) e = dist(rng);
-  return x;
-}
-
 // k L2-normalised, g = log U(0.9, 1), β ∈ (0.1, 0.9): contractive transfers.
 inline Problem<double> make_problem(const Case& c, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -74,17 +68,12 @@ inline Problem<double> make_problem(const Case& c, std::uint64_t seed) {
   Problem<double> p;
   p.c = c;
   p.scale = default_scale<double>(s.key_dim);
-  p.q = uniform(s.qk_elems(), -1, 1, rng);
-  p.k = uniform(s.qk_elems(), -1, 1, rng);
-  for (std::size_t r = 0; r < s.qk_elems(); r += s.key_dim) {
-    double norm = 0;
-    for (std::size_t i = 0; i < s.key_dim; ++i) norm += p.k[r + i] * p.k[r + i];
-    for (std::size_t i = 0; i < s.key_dim; ++i) p.k[r + i] /= std::sqrt(norm);
-  }
-  p.v = uniform(s.v_elems(), -1, 1, rng);
-  p.g = uniform(s.g_elems(), 0.9, 1.0, rng);
-  for (auto& e : p.g) e = std::log(e);
-  p.beta = uniform(s.beta_elems(), 0.1, 0.9, rng);
+  RandomInputs in = random_inputs(s, rng);
+  p.q = std::move(in.q);
+  p.k = std::move(in.k);
+  p.v = std::move(in.v);
+  p.g = std::move(in.g);
+  p.beta = std::move(in.beta);
   p.h0 = uniform(c.states(), -1, 1, rng);
   p.d_o = uniform(s.v_elems(), -1, 1, rng);
   p.dht = uniform(c.states(), -1, 1, rng);
@@ -203,16 +192,5 @@ inline Result<double> reference(const Problem<double>& p) {
   return r;
 }
 
-// max |got - want| / max |want|.
-template <class T>
-double rel_error(const std::vector<T>& got, const std::vector<double>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - want[i]));
-    ref = std::max(ref, std::abs(want[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
 
 }  // namespace kdacp::kda::test

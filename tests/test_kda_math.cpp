@@ -14,6 +14,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kda_test_inputs.hpp"
 
 namespace kdacp::kda {
 namespace {
@@ -37,44 +38,22 @@ struct Problem {
   }
 };
 
-std::vector<double> uniform(std::size_t n, double lo, double hi, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<double> x(n);
-  for (auto& e : x) e = dist(rng);
-  return x;
-}
-
 Problem<double> make_problem(const Shape& s, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   Problem<double> p;
   p.shape = s;
   p.scale = default_scale<double>(s.key_dim);
-  p.q = uniform(s.qk_elems(), -1, 1, rng);
-  p.k = uniform(s.qk_elems(), -1, 1, rng);
-  for (std::size_t r = 0; r < s.qk_elems(); r += s.key_dim) {
-    double norm = 0;
-    for (std::size_t i = 0; i < s.key_dim; ++i) norm += p.k[r + i] * p.k[r + i];
-    for (std::size_t i = 0; i < s.key_dim; ++i) p.k[r + i] /= std::sqrt(norm);
-  }
-  p.v = uniform(s.v_elems(), -1, 1, rng);
-  p.g = uniform(s.g_elems(), 0.9, 1.0, rng);
-  for (auto& e : p.g) e = std::log(e);
-  p.beta = uniform(s.beta_elems(), 0.1, 0.9, rng);
+  test::RandomInputs in = test::random_inputs(s, rng);
+  p.q = std::move(in.q);
+  p.k = std::move(in.k);
+  p.v = std::move(in.v);
+  p.g = std::move(in.g);
+  p.beta = std::move(in.beta);
   return p;
 }
 
-// max |got - want| / max |want|: an error relative to the tensor's scale, so
-// entries that happen to be near zero do not dominate.
-template <class T, class U>
-double rel_error(const std::vector<T>& got, const std::vector<U>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i])));
-    ref = std::max(ref, std::abs(static_cast<double>(want[i])));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
+using test::rel_error;
+using test::uniform;
 
 template <class T>
 struct Outputs {
@@ -248,25 +227,7 @@ TEST_P(KdaFiniteDifference, EveryGradient) {
   };
   auto check = [&](std::vector<double>& x, const std::vector<double>& analytic,
                    const std::string& name) {
-    std::vector<std::size_t> idx(x.size());
-    for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-    if (fd.samples != 0 && fd.samples < idx.size()) {
-      std::shuffle(idx.begin(), idx.end(), rng);
-      idx.resize(fd.samples);
-    }
-    std::vector<double> numeric, want;
-    const double step = 1e-6;
-    for (std::size_t i : idx) {
-      const double saved = x[i];
-      x[i] = saved + step;
-      const double up = loss();
-      x[i] = saved - step;
-      const double down = loss();
-      x[i] = saved;
-      numeric.push_back((up - down) / (2 * step));
-      want.push_back(analytic[i]);
-    }
-    EXPECT_LE(rel_error(want, numeric), 1e-6) << name;
+    EXPECT_LE(test::finite_difference_error(x, analytic, fd.samples, rng, loss), 1e-6) << name;
   };
   check(p.q, grads.dq, "dq");
   check(p.k, grads.dk, "dk");

@@ -445,23 +445,8 @@ void check_finite_differences(const Case& c, bool with_outputs) {
   std::mt19937_64 rng(5);
   auto check = [&](std::vector<double>& x, const std::vector<double>& analytic,
                    std::size_t samples, const std::string& name) {
-    std::vector<std::size_t> idx(x.size());
-    for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-    std::shuffle(idx.begin(), idx.end(), rng);
-    idx.resize(std::min(samples, idx.size()));
-    std::vector<double> numeric, want;
-    const double step = 1e-6;
-    for (std::size_t i : idx) {
-      const double saved = x[i];
-      x[i] = saved + step;
-      const double up = loss();
-      x[i] = saved - step;
-      const double down = loss();
-      x[i] = saved;
-      numeric.push_back((up - down) / (2 * step));
-      want.push_back(analytic[i]);
-    }
-    EXPECT_LE(rel_error(want, numeric), 1e-6) << c.name << ": " << name;
+    EXPECT_LE(test::finite_difference_error(x, analytic, samples, rng, loss), 1e-6)
+        << c.name << ": " << name;
   };
   check(p.h0, grads.dh0, 256, "dh0");
   check(p.q, grads.dq, 48, "dq");
