@@ -11,6 +11,7 @@ packages=(
   libhwy-dev libopenblas-dev
   libopenmpi-dev openmpi-bin
   gnuplot-nox python3 python3-numpy
+  python3-dev python3-pybind11 pybind11-dev python3-pytest python3-torch
 )
 
 missing=()
