@@ -1,0 +1,150 @@
+"""python3 -m kdacp.bench: kdacp from PyTorch against what a PyTorch user
+writes without it, over gloo on localhost (one process per rank).
+
+1. The exchange, forward + backward: the allgather protocol through
+   kdacp.torch.build_kda_state_cp vs dist.all_gather of [S|M] and a
+   torch.matmul fold loop from the zero state (what a user writes: rank r
+   folds r maps, the first a product with zeros, which kdacp skips, SPEC §3),
+   same run, same group, same inputs, iterations interleaved.
+2. The binding's overhead: kdacp.torch.kda (forward + backward through
+   autograd) vs the time the C++ layer itself reports for the same calls.
+
+Times are medians over --iters iterations, the slowest rank's.
+"""
+
+import argparse
+import datetime
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kdacp.torch as kt
+
+
+def _median_max(seconds):
+    """The slowest rank's median."""
+    t = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _plain_torch(s, m, g, rank, world):
+    """forward + backward as a PyTorch user writes it: gather [S|M] (then
+    [G|M]), fold from the zero state with torch.matmul."""
+    v = s.shape[-1]
+    slots = [torch.empty(s.shape[:-1] + (v + m.shape[-1],)) for _ in range(world)]
+    dist.all_gather(slots, torch.cat([s, m], dim=-1))
+    x = torch.zeros_like(s)
+    for j in range(rank):
+        x = torch.matmul(slots[j][..., v:], x) + slots[j][..., :v]
+    dist.all_gather(slots, torch.cat([g, m], dim=-1))
+    y = torch.zeros_like(g)
+    for j in range(world - 1, rank, -1):
+        y = torch.matmul(slots[j][..., v:].transpose(-1, -2), y) + slots[j][..., :v]
+    return x, y
+
+
+def _worker(rank, world, init_file, args, out_file):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    gen = torch.Generator().manual_seed(rank)
+    b, h, k, v = 1, args.bh, args.key_dim, args.value_dim
+    s = torch.randn(b, h, k, v, generator=gen)
+    m = 0.05 * torch.randn(b, h, k, k, generator=gen)
+    g = torch.randn(b, h, k, v, generator=gen)
+
+    def measure(fns):
+        """Median seconds of each fn; every iteration runs all of them, in an
+        order that rotates, so a noisy neighbour hits them alike."""
+        for _ in range(args.warmup):
+            for fn in fns:
+                fn()
+        times = [[] for _ in fns]
+        for it in range(args.iters):
+            for i in range(len(fns)):
+                j = (i + it) % len(fns)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fns[j]()
+                times[j].append(time.perf_counter() - t0)
+        return [_median_max(t) for t in times]
+
+    checked = kt.build_kda_state_cp(None, "allgather", threads=args.threads, check_ranks=True)
+    ex = kt.build_kda_state_cp(None, "allgather", threads=args.threads, check_ranks=False)
+    x, y = _plain_torch(s, m, g, rank, world)
+    # The same values (not bits: torch.matmul's order differs from the chain's).
+    err = max(float((ex.forward(s, m) - x).abs().max()), float((ex.backward(g, m) - y).abs().max()))
+    t_checked, t_kdacp, t_plain = measure([
+        lambda: (checked.forward(s, m), checked.backward(g, m)),
+        lambda: (ex.forward(s, m), ex.backward(g, m)),
+        lambda: _plain_torch(s, m, g, rank, world)])
+    rows = [("kdacp allgather (check_ranks=True)", t_checked),
+            ("kdacp allgather (check_ranks=False)", t_kdacp),
+            ("torch all_gather + matmul fold", t_plain)]
+
+    # kt.kda vs the C++ layer's own time for the same calls.
+    t_local = args.tokens
+    gen = torch.Generator().manual_seed(100 + rank)
+    hv = args.bh
+    q = torch.randn(1, t_local, hv, k, generator=gen)
+    kk = torch.nn.functional.normalize(torch.randn(1, t_local, hv, k, generator=gen), dim=-1)
+    vv = torch.randn(1, t_local, hv, v, generator=gen)
+    gg = -0.1 * torch.rand(1, t_local, hv, k, generator=gen)
+    beta = torch.rand(1, t_local, hv, generator=gen)
+    leaves = [x_.requires_grad_(True) for x_ in (q, kk, vv, gg, beta)]
+    d_o = torch.randn(1, t_local, hv, v, generator=gen)
+    layer_times = []
+
+    def kda_step():
+        o, _ = kt.kda(*leaves, group=dist.group.WORLD, protocol="allgather",
+                      threads=args.threads)
+        o.backward(d_o)
+        lay = next(iter(kt._LAYERS.values()))  # the one layer these calls use
+        f, bw = lay.times(True), lay.times(False)
+        layer_times.append(sum(f) + sum(bw))
+        for x_ in leaves:
+            x_.grad = None
+
+    kt._LAYERS.clear()
+    t_kda, = measure([kda_step])
+    t_layer = _median_max(layer_times[args.warmup:])
+    if rank == 0:
+        with open(out_file, "w") as f:
+            f.write(f"P={world} B*H={b * h} K={k} V={v} float32, threads/rank={args.threads}\n")
+            for name, t in rows:
+                f.write(f"  exchange fwd+bwd  {name:<42} {t * 1e3:9.3f} ms\n")
+            f.write(f"  speed-up of kdacp over plain torch: {t_plain / t_kdacp:.2f}x "
+                    f"(check_ranks=True: {t_plain / t_checked:.2f}x); max |diff| {err:.2e}\n")
+            f.write(f"  kda fwd+bwd T_local={t_local} H=HV={hv}: kdacp.torch.kda {t_kda * 1e3:9.3f} ms,"
+                    f" C++ layer {t_layer * 1e3:9.3f} ms, ratio {t_kda / t_layer:.3f}\n")
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python3 -m kdacp.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--bh", type=int, default=16, help="B*H (B = 1)")
+    p.add_argument("--key-dim", type=int, default=128)
+    p.add_argument("--value-dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per rank for the kda test")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="threads per rank (torch and kdacp)")
+    args = p.parse_args(argv)
+    for world in args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result")
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), args, out), nprocs=world)
+            with open(out) as f:
+                print(f.read(), end="", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+// The KDA layer behind kdacp.torch.kda: ContextParallelLayer over a torch
+// group, or forward_sequences / backward_sequences on one process. The
+// autograd wiring is Python's (torch.autograd.Function); this file runs the
+// C++ forward and backward on the tensors' memory with the GIL released.
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "binding.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/kda_cp.hpp"
+#include "kdacp/kda_sequences.hpp"
+#include "kdacp/mesh.hpp"
+#include "torch_comm.hpp"
+
+namespace py = pybind11;
+
+namespace kdacp::python {
+namespace {
+
+// What forward keeps for backward: the layer's Saved (M and the incoming state
+// of each part); nothing on one process, which recomputes from h0.
+struct SavedBox {
+  std::optional<kda::Saved> saved;
+};
+
+kda::Shape to_shape(const std::vector<std::size_t>& s) {
+  if (s.size() != 6) throw InvalidArgument("kda shape needs 6 entries (B, T, H, HV, K, V)");
+  return kda::Shape{s[0], s[1], s[2], s[3], s[4], s[5]};
+}
+
+template <class T>
+const T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<const T*>(p);
+}
+
+template <class T>
+T* mut(py::array& a) {
+  return static_cast<T*>(a.mutable_data());
+}
+
+class KdaLayer {
+ public:
+  // backend None: one process, the whole stream local. Otherwise the CP layer
+  // over the group with `layout` ("contiguous" with per-rank token counts, or
+  // "zigzag") of `tokens` stream tokens.
+  KdaLayer(py::object backend, const std::string& method, long long group_size,
+           const std::string& layout, const std::vector<std::size_t>& counts,
+           std::size_t tokens, const std::string& dtype, ExchangeOptions options,
+           std::size_t threads)
+      : pool_(threads), f64_(dtype == "float64") {
+    if (backend.is_none()) return;
+    comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
+    const std::size_t ranks = comm_->size();
+    py::gil_scoped_release release;  // building the exchange may split: collective
+    mesh_ = DeviceMesh::from_group(comm_, comm_->global_ranks(), "cp");
+    if (layout == "contiguous")
+      layout_ = kda::Layout::contiguous(tokens, ranks, counts);
+    else if (layout == "zigzag")
+      layout_ = kda::Layout::zigzag(tokens, ranks);
+    else
+      throw InvalidArgument("layout '" + layout + "', expected 'contiguous' or 'zigzag'");
+    if (f64_)
+      layer_f64_ = std::make_unique<kda::ContextParallelLayer<double>>(
+          *mesh_, method, *layout_, group_size, options, pool_.exec());
+    else
+      layer_f32_ = std::make_unique<kda::ContextParallelLayer<float>>(
+          *mesh_, method, *layout_, group_size, options, pool_.exec());
+  }
+
+  py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::size_t>& shape,
+                    double scale, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
+                    std::uintptr_t h0, bool want_ht) {
+    return f64_ ? forward_t<double>(inputs, shape, scale, cu_seqlens, h0, want_ht)
+                : forward_t<float>(inputs, shape, scale, cu_seqlens, h0, want_ht);
+  }
+
+  py::tuple backward(const std::shared_ptr<SavedBox>& saved, const std::vector<std::uintptr_t>& inputs,
+                     const std::vector<std::size_t>& shape, double scale,
+                     const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0,
+                     std::uintptr_t d_o, std::uintptr_t dht, bool want_dh0) {
+    return f64_ ? backward_t<double>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0)
+                : backward_t<float>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0);
+  }
+
+  // The exchange's method ("none" on one process) and whether it is exact.
+  std::string method() const {
+    if (layer_f32_) return layer_f32_->exchange().method();
+    if (layer_f64_) return layer_f64_->exchange().method();
+    return "none";
+  }
+  bool exact() const {
+    if (layer_f32_) return layer_f32_->exchange().exact();
+    if (layer_f64_) return layer_f64_->exchange().exact();
+    return true;
+  }
+  // Seconds of the last forward / backward on a group: (local, exchange).
+  py::tuple times(bool forward) const {
+    const kda::PhaseTimes* t = nullptr;
+    if (layer_f32_) t = forward ? &layer_f32_->forward_times() : &layer_f32_->backward_times();
+    if (layer_f64_) t = forward ? &layer_f64_->forward_times() : &layer_f64_->backward_times();
+    return t ? py::make_tuple(t->local, t->exchange) : py::make_tuple(0.0, 0.0);
+  }
+
+ private:
+  template <class T>
+  kda::ContextParallelLayer<T>* layer() const {
+    if constexpr (std::is_same_v<T, double>)
+      return layer_f64_.get();
+    else
+      return layer_f32_.get();
+  }
+
+  template <class T>
+  kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s,
+                           double scale) const {
+    if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
+    return kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
+                          s, static_cast<T>(scale)};
+  }
+
+  // The stream's sequences: the whole stream is `tokens` long (the layout's
+  // on a group, the local tensors' on one process).
+  kda::Sequences sequences(std::size_t batch, std::size_t tokens,
+                           const std::optional<std::vector<std::int64_t>>& cu) const {
+    if (cu) return kda::Sequences(batch, tokens, std::span<const std::int64_t>(*cu));
+    return kda::Sequences(batch, tokens);
+  }
+
+  std::size_t stream_tokens(const kda::Shape& s) const {
+    return layout_ ? layout_->tokens() : s.tokens;
+  }
+
+  template <class T>
+  py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::size_t>& shape,
+                      double scale, const std::optional<std::vector<std::int64_t>>& cu,
+                      std::uintptr_t h0p, bool want_ht) {
+    const kda::Shape s = to_shape(shape);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
+    kda::validate(in, "kdacp.torch.kda");
+    const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
+    const std::size_t n = seqs.count();
+    const DType dt = f64_ ? DType::f64 : DType::f32;
+    py::array o = new_array(dt, {s.batch, s.tokens, s.value_heads, s.value_dim});
+    py::object ht = py::none();
+    T* ht_data = nullptr;
+    if (want_ht) {
+      py::array a = new_array(dt, {n, s.value_heads, s.key_dim, s.value_dim});
+      ht_data = mut<T>(a);
+      ht = a;
+    }
+    auto box = std::make_shared<SavedBox>();
+    T* o_data = mut<T>(o);
+    {
+      py::gil_scoped_release release;
+      const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
+      const auto hts = kda::sequence_states(ht_data, seqs, s);
+      if (auto* l = layer<T>())
+        box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o_data, hts);
+      else
+        kda::forward_sequences(in, seqs, h0, o_data, hts, pool_.exec());
+    }
+    return py::make_tuple(o, ht, box);
+  }
+
+  template <class T>
+  py::tuple backward_t(const SavedBox& box, const std::vector<std::uintptr_t>& p,
+                       const std::vector<std::size_t>& shape, double scale,
+                       const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
+                       std::uintptr_t d_o, std::uintptr_t dhtp, bool want_dh0) {
+    const kda::Shape s = to_shape(shape);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
+    const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
+    const std::size_t n = seqs.count();
+    const DType dt = f64_ ? DType::f64 : DType::f32;
+    py::array dq = new_array(dt, {s.batch, s.tokens, s.heads, s.key_dim});
+    py::array dk = new_array(dt, {s.batch, s.tokens, s.heads, s.key_dim});
+    py::array dv = new_array(dt, {s.batch, s.tokens, s.value_heads, s.value_dim});
+    py::array dg = new_array(dt, {s.batch, s.tokens, s.value_heads, s.key_dim});
+    py::array dbeta = new_array(dt, {s.batch, s.tokens, s.value_heads});
+    py::object dh0 = py::none();
+    T* dh0_data = nullptr;
+    if (want_dh0) {
+      py::array a = new_array(dt, {n, s.value_heads, s.key_dim, s.value_dim});
+      dh0_data = mut<T>(a);
+      dh0 = a;
+    }
+    const kda::Grads<T> grads{mut<T>(dq), mut<T>(dk), mut<T>(dv), mut<T>(dg), mut<T>(dbeta), nullptr};
+    {
+      py::gil_scoped_release release;
+      const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
+      const auto dht = kda::sequence_states(ptr<T>(dhtp), seqs, s);
+      const auto dh0s = kda::sequence_states(dh0_data, seqs, s);
+      if (auto* l = layer<T>()) {
+        if (!box.saved) throw InvalidArgument("kda backward without the forward's saved state");
+        l->backward(in, *box.saved, h0, ptr<T>(d_o), dht, grads, dh0s);
+      } else {
+        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, pool_.exec());
+      }
+    }
+    return py::make_tuple(dq, dk, dv, dg, dbeta, dh0);
+  }
+
+  Pool pool_;
+  bool f64_;
+  std::shared_ptr<Communicator> comm_;
+  std::optional<DeviceMesh> mesh_;
+  std::optional<kda::Layout> layout_;
+  std::unique_ptr<kda::ContextParallelLayer<float>> layer_f32_;
+  std::unique_ptr<kda::ContextParallelLayer<double>> layer_f64_;
+};
+
+}  // namespace
+
+void bind_kda(py::module_& m) {
+  py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
+  py::class_<KdaLayer>(m, "KdaLayer")
+      .def(py::init<py::object, const std::string&, long long, const std::string&,
+                    const std::vector<std::size_t>&, std::size_t, const std::string&,
+                    ExchangeOptions, std::size_t>(),
+           py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"),
+           py::arg("counts"), py::arg("tokens"), py::arg("dtype"), py::arg("options"),
+           py::arg("threads"))
+      .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
+           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"))
+      .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
+           py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
+           py::arg("want_dh0"))
+      .def_property_readonly("method", &KdaLayer::method)
+      .def_property_readonly("exact", &KdaLayer::exact)
+      .def("times", &KdaLayer::times, py::arg("forward"));
+}
+
+}  // namespace kdacp::python

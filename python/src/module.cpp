@@ -1,0 +1,111 @@
+// kdacp._kdacp: the binding module. All logic lives in the kdacp library; this
+// module converts arguments, forwards calls and maps kdacp's typed errors to
+// Python's: InvalidArgument -> ValueError, Timeout / RemoteError ->
+// RuntimeError subclasses, IoError -> OSError, the message unchanged.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "binding.hpp"
+#include "kdacp/error.hpp"
+
+namespace py = pybind11;
+
+namespace kdacp::python {
+
+TensorDesc to_desc(const py::tuple& t) {
+  if (t.size() != 4) throw InvalidArgument("tensor descriptor needs 4 fields");
+  TensorDesc d;
+  d.data = t[0].cast<std::uintptr_t>();
+  d.shape = t[1].cast<std::vector<std::size_t>>();
+  d.strides = t[2].cast<std::vector<std::size_t>>();
+  const auto name = t[3].cast<std::string>();
+  if (name == "float32")
+    d.dtype = DType::f32;
+  else if (name == "float64")
+    d.dtype = DType::f64;
+  else
+    throw InvalidArgument("tensor dtype " + name + ", expected float32 or float64");
+  return d;
+}
+
+StateView state_view(const TensorDesc& d, const char* field) {
+  if (d.shape.size() != 4 || d.strides.size() != 4)
+    throw InvalidArgument(std::string(field) + " has " + std::to_string(d.shape.size()) +
+                          " dims, expected 4 ([B,H,rows,cols])");
+  StateView v;
+  v.data = reinterpret_cast<void*>(d.data);
+  v.dtype = d.dtype;
+  v.batch = d.shape[0];
+  v.heads = d.shape[1];
+  v.rows = d.shape[2];
+  v.cols = d.shape[3];
+  v.batch_stride = d.strides[0];
+  v.head_stride = d.strides[1];
+  v.row_stride = d.strides[2];
+  v.col_stride = d.strides[3];
+  return v;
+}
+
+StackView stack_view(const TensorDesc& d, const char* field) {
+  if (d.shape.size() != 5 || d.strides.size() != 5)
+    throw InvalidArgument(std::string(field) + " has " + std::to_string(d.shape.size()) +
+                          " dims, expected 5 ([P,B,H,rows,cols])");
+  TensorDesc slot = d;
+  slot.shape.erase(slot.shape.begin());
+  slot.strides.erase(slot.strides.begin());
+  StackView s;
+  s.base = state_view(slot, field);
+  s.ranks = d.shape[0];
+  s.rank_stride = d.strides[0];
+  return s;
+}
+
+py::array state_array(State&& state) {
+  auto* owned = new State(std::move(state));
+  py::capsule owner(owned, [](void* p) { delete static_cast<State*>(p); });
+  const std::vector<py::ssize_t> shape{
+      static_cast<py::ssize_t>(owned->batch()), static_cast<py::ssize_t>(owned->heads()),
+      static_cast<py::ssize_t>(owned->rows()), static_cast<py::ssize_t>(owned->cols())};
+  if (owned->dtype() == DType::f64) return py::array_t<double>(shape, owned->data<double>(), owner);
+  return py::array_t<float>(shape, owned->data<float>(), owner);
+}
+
+py::array new_array(DType dtype, const std::vector<std::size_t>& shape) {
+  std::vector<py::ssize_t> s(shape.begin(), shape.end());
+  if (dtype == DType::f64) return py::array_t<double>(s);
+  return py::array_t<float>(s);
+}
+
+}  // namespace kdacp::python
+
+PYBIND11_MODULE(_kdacp, m) {
+  m.doc() = "kdacp: context-parallel state exchange of Kimi Delta Attention (C++ binding)";
+  // The exception types live as long as the process: never destroyed, so no
+  // Py_DECREF runs after the interpreter has finalised. One translator, most
+  // derived types first.
+  static auto* error = new py::exception<kdacp::Error>(m, "Error", PyExc_RuntimeError);
+  static auto* invalid =
+      new py::exception<kdacp::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  static auto* timeout = new py::exception<kdacp::Timeout>(m, "Timeout", PyExc_RuntimeError);
+  static auto* remote =
+      new py::exception<kdacp::RemoteError>(m, "RemoteError", PyExc_RuntimeError);
+  static auto* io = new py::exception<kdacp::IoError>(m, "IoError", PyExc_OSError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const kdacp::InvalidArgument& e) {
+      (*invalid)(e.what());
+    } catch (const kdacp::Timeout& e) {
+      (*timeout)(e.what());
+    } catch (const kdacp::RemoteError& e) {
+      (*remote)(e.what());
+    } catch (const kdacp::IoError& e) {
+      (*io)(e.what());
+    } catch (const kdacp::Error& e) {
+      (*error)(e.what());
+    }
+  });
+  kdacp::python::bind_exchange(m);
+  kdacp::python::bind_kda(m);
+}

@@ -1,0 +1,245 @@
+"""Rank functions of the multi-process tests (torch.multiprocessing spawn,
+gloo on localhost). Each rank builds the same global inputs from a seed and
+checks its own results; an assertion fails the spawn."""
+
+import datetime
+import faulthandler
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import kdacp
+import kdacp.torch as kt
+from kdacp import _comm
+from kda_oracle import make_inputs
+
+EXACT = ["p2p", "pipelined_p2p", "allgather", "grouped_allgather_p2p"]
+REASSOCIATING = ["recursive_doubling", "grouped_allgather_rd"]
+
+
+def init(rank, world, init_file, timeout_s=30):
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def finish():
+    """Tears the group down and gives the backend's worker threads a moment to
+    drop their last tensors before Python shuts down (torch 1.13 aborts when
+    one takes the GIL during interpreter finalization)."""
+    dist.barrier()
+    kt._LAYERS.clear()
+    dist.destroy_process_group()
+    time.sleep(0.2)
+
+
+def widths(method, p):
+    if method.startswith("grouped"):
+        return [w for w in range(1, p + 1) if p % w == 0]
+    return [1]
+
+
+def exchange_worker(rank, world, init_file):
+    """Every protocol x width through build_kda_state_cp, forward and backward,
+    float32 and float64: exact ones bitwise equal to the in-process C++
+    exchange, reassociating ones within 1e-5 of it."""
+    init(rank, world, init_file)
+    for dtype in (torch.float32, torch.float64):
+        gen = torch.Generator().manual_seed(11)
+        b, h, kd, vd = 2, 2, 16, 32
+        s = torch.randn(world, b, h, kd, vd, generator=gen).to(dtype)
+        m = (0.3 * torch.randn(world, b, h, kd, kd, generator=gen)).to(dtype)
+        refs = {d: torch.from_numpy(kdacp._kdacp.inprocess_exchange(
+            "p2p", 1, kt._desc(s), kt._desc(m), d)) for d in (True, False)}
+        for method in EXACT + REASSOCIATING + ["auto"]:
+            for w in widths(method, world):
+                ex = kt.build_kda_state_cp(None, method, w, timeout=20, threads=1)
+                assert ex.rank == rank and ex.size == world
+                fwd = ex.forward(s[rank], m[rank])
+                bwd = ex.backward(s[rank], m[rank])
+                assert ex.method in kdacp.exchange_methods() and ex.method != "auto"
+                for got, d in ((fwd, True), (bwd, False)):
+                    want = refs[d][rank]
+                    assert got.dtype == dtype and got.shape == want.shape
+                    if ex.exact:
+                        same = kdacp._kdacp.inprocess_exchange(
+                            method, w, kt._desc(s), kt._desc(m), d)
+                        assert torch.equal(got, torch.from_numpy(same)[rank]), (method, w, d)
+                        assert torch.equal(got, want), (method, w, d)
+                        assert torch.equal(got, kt.merge_affine_summaries(s, m, rank, d))
+                    else:
+                        err = (got.double() - want.double()).norm() / max(want.double().norm(), 1e-30)
+                        assert err <= 1e-5, (method, w, d, err)
+        # Options reach the C++ exchange: pipelined_p2p with 2 column segments.
+        ex = kt.build_kda_state_cp(None, "pipelined_p2p", segments=2, timeout=20, threads=1)
+        assert ex.segments == 2
+        for d in (True, False):
+            same = kdacp._kdacp.inprocess_exchange("pipelined_p2p", 1, kt._desc(s), kt._desc(m), d, 2)
+            got = ex.forward(s[rank], m[rank]) if d else ex.backward(s[rank], m[rank])
+            assert torch.equal(got, torch.from_numpy(same)[rank])
+        # split when the group does not span the default group: the sub-groups
+        # are p2p views over the parent (forced here on the world group).
+        for method in ("grouped_allgather_p2p", "grouped_allgather_rd"):
+            for w in widths(method, world):
+                backend = _comm.backend_for(None, 20)
+                backend.spans_world = False
+                ex = kt.StateExchange(backend, method, w, {"threads": 1})
+                for d in (True, False):
+                    got = ex.forward(s[rank], m[rank]) if d else ex.backward(s[rank], m[rank])
+                    same = kdacp._kdacp.inprocess_exchange(method, w, kt._desc(s), kt._desc(m), d)
+                    assert torch.equal(got, torch.from_numpy(same)[rank]), (method, w, d)
+    # A non-contiguous state (a view into packed [S|M] storage) is used in place.
+    packed = torch.randn(1, 2, 16, 48, generator=torch.Generator().manual_seed(rank))
+    ex = kt.build_kda_state_cp(None, "allgather", timeout=20)
+    a = ex.forward(packed[..., :32], packed[..., 32:])
+    b_ = ex.forward(packed[..., :32].contiguous(), packed[..., 32:].contiguous())
+    assert torch.equal(a, b_)
+    finish()
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / max(b.norm().item(), 1e-300)).item()
+
+
+def _zigzag_slices(t, p, r):
+    parts = 2 * p
+    base, extra = divmod(t, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+    return [(bounds[r], bounds[r + 1]), (bounds[parts - 1 - r], bounds[parts - r])]
+
+
+def kda_worker(rank, world, init_file):
+    """kt.kda over the group vs group=None on the whole stream, o, ht and every
+    gradient; exact protocols bitwise equal to one another."""
+    init(rank, world, init_file)
+    t = 9 * world + 3
+    cases = [
+        # (dtype, tol, packed, layout, counts)
+        (torch.float64, 1e-12, False, "contiguous", None),
+        (torch.float32, 2e-5, False, "contiguous", None),
+        (torch.float64, 1e-12, True, "contiguous", None),
+        (torch.float64, 1e-12, False, "contiguous", [3 + 2 * r for r in range(world)]),
+        (torch.float64, 1e-12, True, "zigzag", None),
+    ]
+    for dtype, tol, packed, layout, counts in cases:
+        if counts is not None:
+            t_case = sum(counts)
+        else:
+            t_case = t
+        cu = [0, 4, t_case // 2 + 1, t_case] if packed else None
+        b = 1 if packed else 2
+        n = 3 if packed else b
+        full = make_inputs(b, t_case, 2, 4, 16, 16, dtype, seed=21, n_states=n)
+        gen = torch.Generator().manual_seed(22)
+        d_o = torch.randn(b, t_case, 4, 16, generator=gen).to(dtype)
+        d_ht = [torch.randn(n, 4, 16, 16, generator=gen).to(dtype) for _ in range(world)]
+        # One process on the whole stream; ht's gradient is the sum of the ranks'.
+        ref = [x.clone().requires_grad_(True) for x in full]
+        o_ref, ht_ref = kt.kda(*ref[:5], initial_state=ref[5], output_final_state=True,
+                               cu_seqlens=cu, threads=1)
+        dht_total = sum(d_ht[1:], d_ht[0].clone())
+        ((o_ref * d_o).sum() + (ht_ref * dht_total).sum()).backward()
+        if layout == "zigzag":
+            spans = _zigzag_slices(t_case, world, rank)
+        else:
+            sizes = counts or [t_case // world + (1 if j < t_case % world else 0)
+                               for j in range(world)]
+            start = sum(sizes[:rank])
+            spans = [(start, start + sizes[rank])]
+
+        def local(x):
+            return torch.cat([x[:, a:e] for a, e in spans], dim=1)
+
+        methods = ["p2p", "allgather", "auto"] if layout == "zigzag" else \
+            EXACT + ["recursive_doubling", "auto"]
+        first_exact = None
+        for method in methods:
+            for w in widths(method, world):
+                if method.startswith("grouped") and w in (1, world):
+                    continue
+                mine = [local(x).detach().clone().requires_grad_(True) for x in full[:5]]
+                h0 = full[5].clone().requires_grad_(True)
+                o, ht = kt.kda(*mine, initial_state=h0, output_final_state=True,
+                               cu_seqlens=cu, group=dist.group.WORLD, layout=layout,
+                               protocol=method, allgather_group_size=w, timeout=20, threads=1)
+                ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
+                got = [o, ht] + [x.grad for x in mine] + [h0.grad]
+                want = [local(o_ref), ht_ref] + [local(x.grad) for x in ref[:5]] + [ref[5].grad]
+                names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+                for name, a, e in zip(names, got, want):
+                    assert a.dtype == dtype, name
+                    err = _rel(a, e)
+                    assert err <= tol, (method, w, layout, dtype, name, err)
+                if method in EXACT:
+                    if first_exact is None:
+                        first_exact = got
+                    else:
+                        for name, a, e in zip(names, got, first_exact):
+                            assert torch.equal(a, e), (method, w, layout, name)
+    finish()
+
+
+def error_worker(rank, world, init_file):
+    """Bad inputs: a ValueError before anything is sent; shapes that differ
+    between ranks: an error on every rank; a rank that raises before the
+    exchange: the others raise RuntimeError within the timeout."""
+    init(rank, world, init_file, timeout_s=15)
+    ex = kt.build_kda_state_cp(None, "allgather", timeout=5, threads=1)
+    s = torch.randn(1, 2, 16, 32)
+    m = torch.randn(1, 2, 16, 16)
+    # Local errors: ValueError, nothing sent (the next collective still pairs up).
+    for bad in ((s.double(), m), (s[0], m), (s, m[:, :, :, :8]), (s.to(torch.int32), m)):
+        try:
+            ex.forward(*bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("bad input accepted")
+    assert torch.equal(ex.forward(s, m), ex.forward(s, m))
+    # Shapes that differ between ranks: ValueError on every rank.
+    v = 32 if rank == 0 else 48
+    try:
+        ex.forward(torch.randn(1, 2, 16, v), m)
+    except ValueError as e:
+        assert "different shapes" in str(e), e
+    else:
+        raise AssertionError("rank %d: mismatched shapes accepted" % rank)
+    # kda: ranks disagreeing on the heads.
+    q, k, v_, g, beta, _ = make_inputs(1, 8, 2 if rank == 0 else 1, 2, 16, 16, torch.float64, 3)
+    try:
+        kt.kda(q, k, v_, g, beta, group=dist.group.WORLD, protocol="p2p", timeout=5)
+    except ValueError as e:
+        assert "different arguments" in str(e), e
+    else:
+        raise AssertionError("rank %d: kda with mismatched heads accepted" % rank)
+    dist.barrier()
+    # Rank 0 raises before the exchange (a bad input); the others wait for it
+    # in the p2p chain (check_ranks=False: nothing before the protocol).
+    ex2 = kt.build_kda_state_cp(None, "p2p", timeout=2, check_ranks=False, threads=1)
+    if rank == 0:
+        try:
+            ex2.forward(s, torch.randn(1, 2, 16, 17))
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("bad input accepted")
+        time.sleep(4)
+    else:
+        t0 = time.monotonic()
+        try:
+            ex2.forward(s, m)
+        except RuntimeError as e:
+            waited = time.monotonic() - t0
+            assert not isinstance(e, ValueError)
+            # The chain's rank 1 waits on rank 0; later ranks on their predecessor.
+            assert "global rank %d" % (rank - 1) in str(e), e
+            assert waited < 2 + 3, waited
+        else:
+            raise AssertionError("rank %d: no error although a peer never sent" % rank)
+    os._exit(0)  # the group holds a stale receive; leave without tearing it down
