@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 
 #include <gtest/gtest.h>
 
@@ -15,6 +17,8 @@
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/output.hpp"
+#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/testing/synthetic.hpp"
 #include "kdacp/units.hpp"
 
 namespace kdacp {
@@ -109,6 +113,89 @@ TEST(CliOutput, AppearsOnlyOnCommitAndRemovesStaleFiles) {
   EXPECT_TRUE(fs::exists(dir / "keep.txt"));
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator{}), 2);
   fs::remove_all(dir);
+}
+
+// `kdacp run --docs N`: a random packing, every document at least one token.
+TEST(LayerJob, RandomPackingsAreValidAndSeeded) {
+  for (std::size_t tokens : {1u, 2u, 7u, 100u})
+    for (std::size_t docs = 1; docs <= tokens; docs += docs < 8 ? 1 : 37) {
+      const std::vector<std::int64_t> cu = kda::random_cu_seqlens(tokens, docs, 5);
+      ASSERT_EQ(cu.size(), docs + 1);
+      EXPECT_EQ(cu.front(), 0);
+      EXPECT_EQ(cu.back(), static_cast<std::int64_t>(tokens));
+      for (std::size_t n = 0; n < docs; ++n) EXPECT_LT(cu[n], cu[n + 1]) << tokens << " " << docs << " " << n;
+      EXPECT_EQ(cu, kda::random_cu_seqlens(tokens, docs, 5));
+    }
+  EXPECT_NE(kda::random_cu_seqlens(1000, 10, 1), kda::random_cu_seqlens(1000, 10, 2));
+  EXPECT_THROW(kda::random_cu_seqlens(8, 9, 0), InvalidArgument);
+  EXPECT_THROW(kda::random_cu_seqlens(8, 0, 0), InvalidArgument);
+}
+
+TEST(LayerJob, LayoutSpecs) {
+  const testing::LayoutSpec uneven{false, {3, 1, 4}};
+  EXPECT_EQ(uneven.name(), "contiguous 3,1,4");
+  EXPECT_EQ(uneven.build(8, 3).local_tokens(2), 4u);
+  EXPECT_THROW(uneven.build(9, 3), InvalidArgument);
+  EXPECT_THROW((testing::LayoutSpec{true, {4, 4}}.build(8, 2)), InvalidArgument);
+  EXPECT_THROW((testing::LayoutSpec{true, {}}.build(7, 4)), InvalidArgument);
+  EXPECT_EQ((testing::LayoutSpec{true, {}}.build(8, 4).owners()), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+}
+
+// The job runner of `kdacp run` / `kdacp kda` on in-process ranks (the same
+// code runs one process per rank): packed sequences with h0, dht and d_o in
+// the zigzag and an uneven contiguous layout give one device's outputs, and
+// exact protocols the same bits.
+TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
+  testing::LayerJob<double> job;
+  const kda::Shape shape{1, 29, 1, 2, 16, 16};
+  job.data = kda::synthetic_layer<double>(shape, 3);
+  job.scale = kda::default_scale<double>(shape.key_dim);
+  job.cu_seqlens = {0, 4, 5, 17, 29};
+  const std::size_t states = 4 * shape.value_heads * shape.key_dim * shape.value_dim;
+  job.h0 = kda::synthetic_tensor<double>(states, 4);
+  job.d_o = kda::synthetic_tensor<double>(shape.v_elems(), 5);
+  job.dht = kda::synthetic_tensor<double>(states, 6);
+  const testing::LayerOutputs<double> single = testing::run_single(job, 1);
+  ASSERT_EQ(single.ht.size(), states);
+  ASSERT_EQ(single.dh0.size(), states);
+  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      num += (a[i] - b[i]) * (a[i] - b[i]);
+      den += b[i] * b[i];
+    }
+    return std::sqrt(num / den);
+  };
+  for (const testing::LayoutSpec& layout : {testing::LayoutSpec{false, {2, 3, 24}}, testing::LayoutSpec{true, {}}}) {
+    std::optional<testing::LayerOutputs<double>> first;
+    for (const char* method : {"p2p", "allgather"}) {
+      testing::LayerRunOptions opts;
+      opts.method = method;
+      opts.layout = layout;
+      const testing::LayerOutputs<double> got = testing::run_context_parallel(job, 3, opts, 30);
+      EXPECT_EQ(got.ranks, 3u);
+      EXPECT_EQ(got.backend, "inprocess");
+      const std::vector<const std::vector<double>*> g{&got.o, &got.dq, &got.dk, &got.dv, &got.dg, &got.dbeta,
+                                                      &got.ht, &got.dh0},
+          w{&single.o, &single.dq, &single.dk, &single.dv, &single.dg, &single.dbeta, &single.ht, &single.dh0};
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        ASSERT_EQ(g[i]->size(), w[i]->size()) << i;
+        EXPECT_LT(rel(*g[i], *w[i]), 1e-12) << layout.name() << " " << method << " field " << i;
+      }
+      if (!first) {
+        first = got;
+        continue;
+      }
+      const std::vector<const std::vector<double>*> f{&first->o,  &first->dq, &first->dk, &first->dv,
+                                                      &first->dg, &first->dbeta, &first->ht, &first->dh0};
+      for (std::size_t i = 0; i < g.size(); ++i)
+        EXPECT_EQ(std::memcmp(g[i]->data(), f[i]->data(), g[i]->size() * sizeof(double)), 0)
+            << layout.name() << " " << method << " field " << i << " differs from p2p";
+    }
+  }
+  // Bad jobs are refused naming the array, before any rank starts.
+  job.h0.pop_back();
+  EXPECT_THROW(job.sequences(), InvalidArgument);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -43,14 +45,83 @@ std::vector<T> values(const NpyArray& a) {
   return out;
 }
 
+std::string idx(std::size_t i) { return std::to_string(i); }
+
+// 0 = c_0 < c_1 < ... < c_N = T, for B = 1; IoError/InvalidArgument naming
+// the file and the entry.
+void check_cu_seqlens(const std::vector<std::int64_t>& c, const std::string& path, std::size_t batch,
+                      std::size_t tokens) {
+  if (batch != 1)
+    throw InvalidArgument(path + ": packed sequences need B = 1, the inputs have B = " + idx(batch));
+  if (c.front() != 0)
+    throw InvalidArgument(path + ": entry 0 is " + std::to_string(c.front()) + ", expected 0");
+  for (std::size_t i = 1; i < c.size(); ++i)
+    if (c[i] <= c[i - 1])
+      throw InvalidArgument(path + ": entry " + idx(i) + " is " + std::to_string(c[i]) + ", expected > entry " +
+                            idx(i - 1) + " = " + std::to_string(c[i - 1]) + " (strictly increasing)");
+  if (c.back() != static_cast<std::int64_t>(tokens))
+    throw InvalidArgument(path + ": last entry " + idx(c.size() - 1) + " is " + std::to_string(c.back()) +
+                          ", expected T = " + idx(tokens) + " (the tokens of q.npy)");
+}
+
 }  // namespace
+
+std::vector<std::int64_t> read_cu_seqlens_npy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw IoError(path + ": cannot open for reading");
+  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // The .npy reader takes floats only. An integer array of the same item
+  // size is the same header with another descr: read it as its float twin,
+  // which checks magic, version, shape and size, and take the bytes back as
+  // integers. Only the header's descr value is touched.
+  std::size_t head_end = 0;  // the header's end: 10 + 2-byte length (1.0), 12 + 4-byte length (2.0, 3.0)
+  if (raw.size() >= 12) {
+    const auto byte = [&](std::size_t i) { return static_cast<std::size_t>(static_cast<unsigned char>(raw[i])); };
+    head_end = byte(6) == 1 ? 10 + (byte(8) | byte(9) << 8)
+                            : 12 + (byte(8) | byte(9) << 8 | byte(10) << 16 | byte(11) << 24);
+  }
+  const std::string head(raw.data(), std::min(raw.size(), head_end));
+  const std::size_t key = head.find("'descr'");
+  std::string descr;
+  std::size_t at = std::string::npos;
+  if (key != std::string::npos) {
+    at = head.find('\'', head.find(':', key));
+    const std::size_t end = at == std::string::npos ? at : head.find('\'', at + 1);
+    if (end != std::string::npos) descr = head.substr(at + 1, end - at - 1);
+  }
+  bool wide = false;
+  if (descr == "<i8" || descr == "=i8") wide = true;
+  else if (descr != "<i4" && descr != "=i4") {
+    if (descr.empty()) read_npy(path);  // not a .npy file: its own message
+    throw IoError(path + ": dtype '" + descr + "', expected int32 ('<i4') or int64 ('<i8')");
+  }
+  raw[at + 2] = 'f';
+  NpyArray a = parse_npy(std::as_bytes(std::span(raw.data(), raw.size())), path);
+  if (a.shape.size() != 1)
+    throw IoError(path + ": shape " + dims_str(a.shape) + " has " + idx(a.shape.size()) + " dims, expected 1");
+  if (a.shape[0] < 2)
+    throw IoError(path + ": " + idx(a.shape[0]) + " entries, expected at least 2 (0 and T)");
+  std::vector<std::int64_t> out(a.shape[0]);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (wide) {
+      std::memcpy(&out[i], a.data.data() + i * 8, 8);
+    } else {
+      std::int32_t v;
+      std::memcpy(&v, a.data.data() + i * 4, 4);
+      out[i] = v;
+    }
+  }
+  return out;
+}
 
 LayerNpy read_layer_npy(const std::string& dir_name) {
   const fs::path dir(dir_name);
   if (!fs::is_directory(dir)) throw IoError(dir_name + ": not a directory");
   LayerNpy in{load(dir, "q.npy", 4), load(dir, "k.npy", 4), load(dir, "v.npy", 4), load(dir, "g.npy", 4),
-              load(dir, "beta.npy", 3), std::nullopt};
+              load(dir, "beta.npy", 3), std::nullopt, std::nullopt, std::nullopt, {}, 0};
   if (fs::exists(dir / "do.npy")) in.d_o = load(dir, "do.npy", 4);
+  if (fs::exists(dir / "h0.npy")) in.h0 = load(dir, "h0.npy", 4);
+  if (fs::exists(dir / "dht.npy")) in.dht = load(dir, "dht.npy", 4);
   const NpyArray& q = in.q;
   const std::size_t b = q.shape[0], t = q.shape[1], h = q.shape[2], kd = q.shape[3];
   const std::size_t hv = in.v.shape[2], vd = in.v.shape[3];
@@ -67,9 +138,28 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
   expect("g.npy", in.g, {b, t, hv, kd});
   expect("beta.npy", in.beta, {b, t, hv});
   if (in.d_o) expect("do.npy", *in.d_o, {b, t, hv, vd});
+  in.sequences = b;
+  if (const fs::path cu = dir / "cu_seqlens.npy"; fs::exists(cu)) {
+    in.cu_seqlens = read_cu_seqlens_npy(cu.string());
+    check_cu_seqlens(in.cu_seqlens, cu.string(), b, t);
+    in.sequences = in.cu_seqlens.size() - 1;
+  }
+  auto expect_states = [&](const char* name, const NpyArray& a) {
+    if (a.shape != std::vector<std::size_t>{in.sequences, hv, kd, vd})
+      throw IoError(std::string(name) + ": shape " + dims_str(a.shape) + ", expected " +
+                    dims_str({in.sequences, hv, kd, vd}) + " (N,HV,K,V) with N = " + idx(in.sequences) +
+                    (in.cu_seqlens.empty() ? " (B rows, no cu_seqlens.npy)" : " (sequences of cu_seqlens.npy)"));
+    if (a.dtype != q.dtype)
+      throw IoError(std::string(name) + ": dtype " + to_string(a.dtype) + ", expected " + to_string(q.dtype) +
+                    " like q.npy");
+  };
+  if (in.h0) expect_states("h0.npy", *in.h0);
+  if (in.dht) expect_states("dht.npy", *in.dht);
   for (const auto& [name, a] : {std::pair<const char*, const NpyArray*>{"q.npy", &in.q}, {"k.npy", &in.k}, {"v.npy", &in.v}})
     require_finite(*a, (dir / name).string());
   if (in.d_o) require_finite(*in.d_o, (dir / "do.npy").string());
+  if (in.h0) require_finite(*in.h0, (dir / "h0.npy").string());
+  if (in.dht) require_finite(*in.dht, (dir / "dht.npy").string());
   require_within(in.g, (dir / "g.npy").string(), -std::numeric_limits<double>::max(), 0,
                  "g <= 0 (the log of a decay in (0, 1])");
   require_within(in.beta, (dir / "beta.npy").string(), 0, 1, "beta in [0, 1]");
@@ -78,7 +168,8 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
 
 double layer_npy_bytes(const std::string& dir) {
   double bytes = 0;
-  for (const char* name : {"q.npy", "k.npy", "v.npy", "g.npy", "beta.npy", "do.npy"}) {
+  for (const char* name :
+       {"q.npy", "k.npy", "v.npy", "g.npy", "beta.npy", "do.npy", "cu_seqlens.npy", "h0.npy", "dht.npy"}) {
     std::error_code ec;
     const auto size = fs::file_size(fs::path(dir) / name, ec);
     if (!ec) bytes += double(size);
@@ -86,21 +177,22 @@ double layer_npy_bytes(const std::string& dir) {
   return bytes;
 }
 
-void admit_layer_run(const kda::Shape& s, const SummaryShape& summary, std::size_t ranks, bool grads,
-                     double input_bytes, const std::string& method, long long group_size,
+void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
+                     std::size_t ranks, bool grads, double input_bytes, const std::string& method, long long group_size,
                      const ExchangeOptions& options, const std::string& max_memory) {
   const ProblemShape ps{ranks, summary.slabs(), s.key_dim, s.value_dim, dtype_size(summary.dtype)};
   const Prediction pred = predict_exchange(ps, method, group_size, options);
   const double need =
-      2 * input_bytes + layer_run_bytes(s, ranks, grads, ps.elem_bytes, exchange_rank_bytes(ps, pred));
+      2 * input_bytes + layer_run_bytes(s, sequences, ranks, grads, ps.elem_bytes, exchange_rank_bytes(ps, pred));
   require_memory(need, max_memory_bytes(max_memory),
                  "kdacp kda on " + std::to_string(ranks) + " ranks with " + protocol_label(pred.config),
                  max_memory_name(max_memory));
 }
 
 template <class T>
-kda::LayerData<T> layer_data(const LayerNpy& in) {
-  kda::LayerData<T> data;
+LayerJob<T> layer_job(const LayerNpy& in, T scale) {
+  LayerJob<T> job;
+  kda::LayerData<T>& data = job.data;
   data.shape = kda::Shape{in.q.shape[0], in.q.shape[1], in.q.shape[2], in.v.shape[2], in.q.shape[3], in.v.shape[3]};
   data.q = values<T>(in.q);
   data.k = values<T>(in.k);
@@ -108,12 +200,13 @@ kda::LayerData<T> layer_data(const LayerNpy& in) {
   data.g = values<T>(in.g);
   data.beta = values<T>(in.beta);
   kda::validate(data.shape);
-  return data;
-}
-
-template <class T>
-std::vector<T> output_grad(const LayerNpy& in) {
-  return in.d_o ? values<T>(*in.d_o) : std::vector<T>{};
+  job.scale = scale;
+  job.cu_seqlens = in.cu_seqlens;
+  if (in.h0) job.h0 = values<T>(*in.h0);
+  if (in.d_o) job.d_o = values<T>(*in.d_o);
+  if (in.dht) job.dht = values<T>(*in.dht);
+  job.final_states = true;
+  return job;
 }
 
 template <class T>
@@ -123,8 +216,11 @@ void write_layer_outputs_npy(const std::string& dir_name, const LayerNpy& in, co
   auto write = [&](const char* name, const std::vector<T>& data, const NpyArray& like) {
     write_npy((dir / name).string(), data.data(), like.shape);
   };
+  const std::vector<std::size_t> states{in.sequences, in.v.shape[2], in.q.shape[3], in.v.shape[3]};
   write("o.npy", out.o, in.v);
+  write_npy((dir / "ht.npy").string(), out.ht.data(), states);
   if (!in.d_o) return;
+  write_npy((dir / "dh0.npy").string(), out.dh0.data(), states);
   write("dq.npy", out.dq, in.q);
   write("dk.npy", out.dk, in.k);
   write("dv.npy", out.dv, in.v);
@@ -132,10 +228,8 @@ void write_layer_outputs_npy(const std::string& dir_name, const LayerNpy& in, co
   write("dbeta.npy", out.dbeta, in.beta);
 }
 
-template kda::LayerData<float> layer_data<float>(const LayerNpy&);
-template kda::LayerData<double> layer_data<double>(const LayerNpy&);
-template std::vector<float> output_grad<float>(const LayerNpy&);
-template std::vector<double> output_grad<double>(const LayerNpy&);
+template LayerJob<float> layer_job<float>(const LayerNpy&, float);
+template LayerJob<double> layer_job<double>(const LayerNpy&, double);
 template void write_layer_outputs_npy<float>(const std::string&, const LayerNpy&, const LayerOutputs<float>&);
 template void write_layer_outputs_npy<double>(const std::string&, const LayerNpy&, const LayerOutputs<double>&);
 

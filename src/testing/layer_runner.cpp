@@ -4,20 +4,137 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <mutex>
+#include <numeric>
+#include <span>
+#include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
+#include "kdacp/error.hpp"
 #include "kdacp/inprocess.hpp"
+#include "kdacp/mesh.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/reference.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::testing {
 
+kda::Layout LayoutSpec::build(std::size_t tokens, std::size_t ranks) const {
+  if (!zigzag) return kda::Layout::contiguous(tokens, ranks, counts);
+  if (!counts.empty())
+    throw InvalidArgument("the zigzag layout takes no per-rank token counts (they apply to the contiguous layout)");
+  return kda::Layout::zigzag(tokens, ranks);
+}
+
+std::string LayoutSpec::name() const {
+  if (zigzag) return "zigzag";
+  std::string out = "contiguous";
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    out += i ? "," : " ";
+    out += std::to_string(counts[i]);
+  }
+  return out;
+}
+
+namespace {
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 template <class T>
-LayerOutputs<T> allocate_outputs(const kda::Shape& s, bool grads) {
+constexpr DType dtype_of() {
+  return std::is_same_v<T, double> ? DType::f64 : DType::f32;
+}
+
+std::string count_text(const char* name, std::size_t got, std::size_t want, const char* what) {
+  std::ostringstream s;
+  s << name << " has " << got << " elements, expected " << want << " (" << what << ")";
+  return s.str();
+}
+
+// Optional [N,HV,K,V] states: absent when the vector is empty.
+template <class T>
+kda::SequenceStates<const T> states_of(const std::vector<T>& x, const kda::Sequences& seqs, const kda::Shape& s) {
+  return x.empty() ? kda::SequenceStates<const T>{} : kda::sequence_states(x.data(), seqs, s);
+}
+template <class T>
+kda::SequenceStates<T> states_of(std::vector<T>& x, const kda::Sequences& seqs, const kda::Shape& s) {
+  return x.empty() ? kda::SequenceStates<T>{} : kda::sequence_states(x.data(), seqs, s);
+}
+
+// Token fields of the layer, with the inner size (elements per token and row)
+// of each: o, dq, dk, dv, dg, dbeta.
+std::vector<std::size_t> output_inners(const kda::Shape& s, bool grads) {
+  std::vector<std::size_t> inner{s.value_heads * s.value_dim};
+  if (grads)
+    for (std::size_t x : {s.heads * s.key_dim, s.heads * s.key_dim, s.value_heads * s.value_dim,
+                          s.value_heads * s.key_dim, s.value_heads})
+      inner.push_back(x);
+  return inner;
+}
+
+template <class T>
+std::vector<std::vector<T>*> token_outputs(LayerOutputs<T>& r) {
+  std::vector<std::vector<T>*> out{&r.o};
+  if (!r.dq.empty())
+    for (auto* f : {&r.dq, &r.dk, &r.dv, &r.dg, &r.dbeta}) out.push_back(f);
+  return out;
+}
+
+// Copies a rank's parts out of a whole [B,T,inner] tensor into its local
+// [B,T_local,inner] one, at `local` (and back, for outputs).
+template <class T>
+void take_parts(const T* full, std::size_t batch, std::size_t tokens, std::size_t inner,
+                const std::vector<kda::Part>& parts, std::size_t local_tokens, T* local) {
+  for (std::size_t b = 0; b < batch; ++b)
+    for (const kda::Part& p : parts)
+      std::copy_n(full + (b * tokens + p.begin) * inner, (p.end - p.begin) * inner,
+                  local + (b * local_tokens + p.local_begin) * inner);
+}
+template <class T>
+void put_parts(const T* local, std::size_t batch, std::size_t tokens, std::size_t inner,
+               const std::vector<kda::Part>& parts, std::size_t local_tokens, T* full) {
+  for (std::size_t b = 0; b < batch; ++b)
+    for (const kda::Part& p : parts)
+      std::copy_n(local + (b * local_tokens + p.local_begin) * inner, (p.end - p.begin) * inner,
+                  full + (b * tokens + p.begin) * inner);
+}
+
+// Tag of the messages that bring each rank's outputs to rank 0; the layer's
+// own messages are all complete by then.
+constexpr int kOutputsTag = 7411;
+
+}  // namespace
+
+template <class T>
+kda::Sequences LayerJob<T>::sequences() const {
+  const kda::Shape& s = data.shape;
+  kda::validate(s);
+  kda::Sequences seqs = cu_seqlens.empty() ? kda::Sequences(s.batch, s.tokens)
+                                           : kda::Sequences(s.batch, s.tokens, std::span(cu_seqlens));
+  const std::size_t n = seqs.count() * s.value_heads * s.key_dim * s.value_dim;
+  if (!h0.empty() && h0.size() != n) throw InvalidArgument(count_text("h0", h0.size(), n, "[N,HV,K,V]"));
+  if (!dht.empty() && dht.size() != n) throw InvalidArgument(count_text("dht", dht.size(), n, "[N,HV,K,V]"));
+  if (!d_o.empty() && d_o.size() != s.v_elems())
+    throw InvalidArgument(count_text("do", d_o.size(), s.v_elems(), "[B,T,HV,V]"));
+  return seqs;
+}
+
+template <class T>
+std::size_t LayerJob<T>::state_elems() const {
+  const kda::Shape& s = data.shape;
+  const std::size_t n = cu_seqlens.empty() ? s.batch : cu_seqlens.size() - 1;
+  return n * s.value_heads * s.key_dim * s.value_dim;
+}
+
+namespace {
+// Outputs of `s`: the gradients with `grads`; ht (and dh0 with grads) of
+// `states` elements.
+template <class T>
+LayerOutputs<T> outputs_for(const kda::Shape& s, bool grads, std::size_t states) {
   LayerOutputs<T> r;
   r.o.resize(s.v_elems());
   if (grads) {
@@ -27,94 +144,155 @@ LayerOutputs<T> allocate_outputs(const kda::Shape& s, bool grads) {
     r.dg.resize(s.g_elems());
     r.dbeta.resize(s.beta_elems());
   }
+  r.ht.resize(states);
+  if (grads) r.dh0.resize(states);
   return r;
-}
-
-namespace {
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 }  // namespace
 
 template <class T>
-LayerOutputs<T> run_single(const kda::LayerData<T>& data, T scale, const std::vector<T>* d_o,
-                           std::size_t threads) {
-  LayerOutputs<T> r = allocate_outputs<T>(data.shape, d_o != nullptr);
+LayerOutputs<T> allocate_outputs(const LayerJob<T>& job) {
+  return outputs_for<T>(job.data.shape, job.grads(), job.final_states ? job.state_elems() : 0);
+}
+
+template <class T>
+LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
+  const kda::Sequences seqs = job.sequences();
+  const kda::Shape& s = job.data.shape;
+  LayerOutputs<T> r = allocate_outputs(job);
   r.method = "single";
-  const auto in = data.inputs(scale);
+  const auto in = job.data.inputs(job.scale);
   ThreadPool pool(threads);
   const ExecPolicy exec{&pool};
   auto t0 = std::chrono::steady_clock::now();
-  kda::forward(in, nullptr, r.o.data(), nullptr, exec);
+  kda::forward_sequences(in, seqs, states_of(job.h0, seqs, s), r.o.data(), states_of(r.ht, seqs, s), exec);
   r.forward_seconds = since(t0);
-  if (d_o) {
+  if (job.grads()) {
     t0 = std::chrono::steady_clock::now();
-    kda::backward(in, nullptr, d_o->data(), nullptr,
-                  kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), nullptr},
-                  exec);
+    kda::backward_sequences(in, seqs, states_of(job.h0, seqs, s), job.d_o.data(), states_of(job.dht, seqs, s),
+                            kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
+                                          nullptr},
+                            states_of(r.dh0, seqs, s), exec);
     r.backward_seconds = since(t0);
   }
   return r;
 }
 
 template <class T>
-LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
-                                     const std::vector<T>* d_o, std::size_t ranks,
-                                     const std::string& method, long long group_size,
-                                     std::size_t threads_per_rank, double timeout_s,
-                                     ExchangeOptions options) {
-  const kda::Shape& s = data.shape;
-  if (!options.expected_shape) options.expected_shape = layer_summary_shape(s);
-  LayerOutputs<T> r = allocate_outputs<T>(s, d_o != nullptr);
-  std::mutex mu;
+std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Communicator>& world,
+                                                    const LayerJob<T>& job, const LayerRunOptions& options) {
+  Communicator& comm = *world;
+  const std::size_t ranks = comm.size(), rank = comm.rank();
+  const kda::Shape& s = job.data.shape;
+  // Every check before the first message: the job, the layout, the method.
+  const kda::Sequences seqs = job.sequences();
+  const kda::Layout layout = options.layout.build(s.tokens, ranks);
+  ExchangeOptions eo = options.exchange;
+  if (!eo.expected_shape) {
+    eo.expected_shape = layer_summary_shape(s);
+    eo.expected_shape->dtype = dtype_of<T>();
+  }
+  const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
+  ThreadPool pool(options.threads_per_rank);
+  kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
+                                     ExecPolicy{&pool, eo.exec.kernel});
+
+  const std::vector<kda::Part> parts = layout.local_parts(rank);
+  kda::Shape ls = s;
+  ls.tokens = layout.local_tokens(rank);
+  const bool grads = job.grads();
+  auto local = [&](const std::vector<T>& full, std::size_t inner) {
+    std::vector<T> out(s.batch * ls.tokens * inner);
+    take_parts(full.data(), s.batch, s.tokens, inner, parts, ls.tokens, out.data());
+    return out;
+  };
+  const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim, gk = s.value_heads * s.key_dim;
+  const std::vector<T> q = local(job.data.q, qk), k = local(job.data.k, qk), v = local(job.data.v, vv),
+                       g = local(job.data.g, gk), beta = local(job.data.beta, s.value_heads),
+                       d_o = grads ? local(job.d_o, vv) : std::vector<T>{};
+  const kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
+  // ht's gradient is the sum over ranks of each rank's dht: rank 0 carries
+  // the job's, the others zero, so the sum is the job's dht bit for bit.
+  const std::vector<T> dht = job.dht.empty() || rank == 0 ? job.dht : std::vector<T>(job.dht.size());
+
+  LayerOutputs<T> lr = outputs_for<T>(ls, grads, job.final_states ? job.state_elems() : 0);
+
+  const kda::Stream stream{seqs, layout};
+  comm.barrier();
+  auto t0 = std::chrono::steady_clock::now();
+  const kda::Saved saved =
+      layer.forward(in, stream, states_of(job.h0, seqs, ls), lr.o.data(), states_of(lr.ht, seqs, ls));
+  double times[3] = {since(t0), 0, layer.forward_times().exchange};
+  if (grads) {
+    comm.barrier();
+    t0 = std::chrono::steady_clock::now();
+    layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o.data(), states_of(dht, seqs, ls),
+                   kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(), nullptr},
+                   states_of(lr.dh0, seqs, ls));
+    times[1] = since(t0);
+    times[2] += layer.backward_times().exchange;
+  }
+
+  // The slowest rank's times, then every rank's outputs to rank 0.
+  std::vector<double> all_times(3 * ranks);
+  std::copy_n(times, 3, all_times.begin() + static_cast<std::ptrdiff_t>(3 * rank));
+  comm.all_gather(std::as_writable_bytes(std::span(all_times)));
+  const std::vector<std::size_t> inners = output_inners(s, grads);
+  auto packed_elems = [&](std::size_t r) {
+    std::size_t n = 0;
+    for (std::size_t inner : inners) n += s.batch * layout.local_tokens(r) * inner;
+    return n;
+  };
+  std::vector<T*> fields;
+  for (std::vector<T>* f : token_outputs(lr)) fields.push_back(f->data());
+  if (rank != 0) {
+    std::vector<T> packed;
+    packed.reserve(packed_elems(rank));
+    for (std::size_t i = 0; i < inners.size(); ++i)
+      packed.insert(packed.end(), fields[i], fields[i] + s.batch * ls.tokens * inners[i]);
+    comm.isend(std::as_bytes(std::span(packed)), 0, kOutputsTag)->wait();
+    return std::nullopt;
+  }
+  LayerOutputs<T> r = allocate_outputs(job);
+  std::vector<std::vector<T>*> full = token_outputs(r);
+  for (std::size_t i = 0; i < inners.size(); ++i)
+    put_parts(fields[i], s.batch, s.tokens, inners[i], parts, ls.tokens, full[i]->data());
+  for (std::size_t from = 1; from < ranks; ++from) {
+    std::vector<T> packed(packed_elems(from));
+    comm.irecv(std::as_writable_bytes(std::span(packed)), from, kOutputsTag)->wait();
+    const std::vector<kda::Part> their = layout.local_parts(from);
+    const std::size_t lt = layout.local_tokens(from);
+    const T* at = packed.data();
+    for (std::size_t i = 0; i < inners.size(); ++i) {
+      put_parts(at, s.batch, s.tokens, inners[i], their, lt, full[i]->data());
+      at += s.batch * lt * inners[i];
+    }
+  }
+  r.ht = std::move(lr.ht);
+  r.dh0 = std::move(lr.dh0);
+  for (std::size_t q0 = 0; q0 < ranks; ++q0) {
+    r.forward_seconds = std::max(r.forward_seconds, all_times[3 * q0]);
+    r.backward_seconds = std::max(r.backward_seconds, all_times[3 * q0 + 1]);
+    r.exchange_seconds = std::max(r.exchange_seconds, all_times[3 * q0 + 2]);
+  }
+  r.method = layer.exchange().method();
+  r.exact = layer.exchange().exact();
+  r.backend = comm.backend();
+  r.ranks = ranks;
+  return r;
+}
+
+template <class T>
+LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
+                                     double timeout_s) {
+  LayerOutputs<T> result;
   InProcessOptions opts;
   opts.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
   run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t rank = comm->rank();
-    const kda::TokenSplit range = kda::split_tokens(s.tokens, ranks, rank);
-    const kda::LayerData<T> local = data.slice(range);
-    const kda::Shape& ls = local.shape;
-    auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
-    ThreadPool pool(threads_per_rank);
-    kda::ContextParallelLayer<T> layer(mesh, method, group_size, options,
-                                       ExecPolicy{&pool, options.exec.kernel});
-    const auto in = local.inputs(scale);
-    LayerOutputs<T> lr = allocate_outputs<T>(ls, d_o != nullptr);
-    comm->barrier();
-    auto t0 = std::chrono::steady_clock::now();
-    const kda::Saved saved = layer.forward(in, lr.o.data());
-    const double tf = since(t0);
-    double tb = 0, exch = layer.forward_times().exchange;
-    if (d_o) {
-      std::vector<T> ldo(ls.v_elems());
-      kda::slice_tokens(d_o->data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, ldo.data());
-      comm->barrier();
-      t0 = std::chrono::steady_clock::now();
-      layer.backward(in, saved, ldo.data(),
-                     kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(), nullptr});
-      tb = since(t0);
-      exch += layer.backward_times().exchange;
-    }
-    // Token ranges are disjoint: each rank writes its own part.
-    auto put = [&](const std::vector<T>& local_v, std::vector<T>& full, std::size_t inner) {
-      if (!local_v.empty()) kda::unslice_tokens(local_v.data(), s.batch, s.tokens, inner, range, full.data());
-    };
-    put(lr.o, r.o, s.value_heads * s.value_dim);
-    put(lr.dq, r.dq, s.heads * s.key_dim);
-    put(lr.dk, r.dk, s.heads * s.key_dim);
-    put(lr.dv, r.dv, s.value_heads * s.value_dim);
-    put(lr.dg, r.dg, s.value_heads * s.key_dim);
-    put(lr.dbeta, r.dbeta, s.value_heads);
-    std::lock_guard lock(mu);
-    r.forward_seconds = std::max(r.forward_seconds, tf);
-    r.backward_seconds = std::max(r.backward_seconds, tb);
-    r.exchange_seconds = std::max(r.exchange_seconds, exch);
-    if (rank == 0) {
-      r.method = layer.exchange().method();
-      r.exact = layer.exchange().exact();
-    }
+    // Only rank 0 returns outputs, and only it writes `result`.
+    if (auto r = run_context_parallel(comm, job, options)) result = std::move(*r);
   }, opts);
-  return r;
+  return result;
 }
 
 double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes) {
@@ -125,15 +303,18 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
   return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
 }
 
-double layer_run_bytes(const kda::Shape& s, std::size_t ranks, bool grads, std::size_t elem_bytes,
-                       double rank_exchange_bytes) {
-  const double state = double(s.batch) * double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
+double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
+                       std::size_t elem_bytes, double rank_exchange_bytes) {
+  const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
+  const double state = double(s.batch) * kv;
   // The ranks' slices of the inputs (as large as the gradients) and of the
   // outputs, the outputs, checkpoints every 64 tokens, per rank S, M, the
-  // incoming state and G.
+  // incoming state and G, and per rank its dht, ht and dh0 [N,HV,K,V] beside
+  // the job's h0 and dht.
   const double tensors = layer_output_bytes(s, true, elem_bytes) + 2 * layer_output_bytes(s, grads, elem_bytes);
   const double states = state * (double(s.tokens) / 64 + 5 * double(ranks)) * double(elem_bytes);
-  return tensors + states + double(ranks) * rank_exchange_bytes;
+  const double sequence_states = double(sequences) * kv * (3 * double(ranks) + 2) * double(elem_bytes);
+  return tensors + states + sequence_states + double(ranks) * rank_exchange_bytes;
 }
 
 std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want) {
@@ -141,6 +322,8 @@ std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerO
   for (auto [a, b] : {std::pair{&got.o, &want.o}, {&got.dq, &want.dq}, {&got.dk, &want.dk},
                       {&got.dv, &want.dv}, {&got.dg, &want.dg}, {&got.dbeta, &want.dbeta}})
     errs.push_back(reference::relative_error(*a, *b));
+  if (!got.ht.empty() && !want.ht.empty()) errs.push_back(reference::relative_error(got.ht, want.ht));
+  if (!got.dh0.empty() && !want.dh0.empty()) errs.push_back(reference::relative_error(got.dh0, want.dh0));
   return errs;
 }
 
@@ -149,7 +332,7 @@ bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
   };
   return eq(a.o, b.o) && eq(a.dq, b.dq) && eq(a.dk, b.dk) && eq(a.dv, b.dv) && eq(a.dg, b.dg) &&
-         eq(a.dbeta, b.dbeta);
+         eq(a.dbeta, b.dbeta) && eq(a.ht, b.ht) && eq(a.dh0, b.dh0);
 }
 
 SummaryShape layer_summary_shape(const kda::Shape& s) {
@@ -164,9 +347,18 @@ void Progress::note(const std::string& what) const {
   if (t > quiet_seconds_) std::fprintf(stderr, "%s: %s (%.1f s elapsed)\n", prefix_.c_str(), what.c_str(), t);
 }
 
-ProtocolComparison compare_protocols(const kda::LayerData<float>& data, float scale, const std::vector<float>& d_o,
-                                     std::size_t ranks, std::size_t threads_per_rank, double timeout_s,
-                                     const Progress& progress) {
+std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Communicator>& world,
+                                                    const LayerJob<float>& job, const LayerRunOptions& base,
+                                                    const Progress& progress) {
+  const std::size_t ranks = world->size();
+  const bool lead = world->rank() == 0;
+  if (!job.grads()) throw InvalidArgument("compare_protocols: the job has no d_o (it compares gradients too)");
+  // A layout with several parts on a rank, or parts out of rank order, runs
+  // only on protocols whose registry row takes layouts.
+  const std::vector<std::size_t> owners = base.layout.build(job.data.shape.tokens, ranks).owners();
+  std::vector<std::size_t> identity(ranks);
+  std::iota(identity.begin(), identity.end(), std::size_t{0});
+  const bool plain = owners == identity;
   ProtocolComparison cmp;
   for (const ProtocolDescriptor* row : protocol_registry()) {
     if (row->chooser()) continue;
@@ -176,13 +368,23 @@ ProtocolComparison compare_protocols(const kda::LayerData<float>& data, float sc
       if (ranks < 4 || ranks % 2 != 0) continue;  // needs 1 < w < P dividing P
       width = static_cast<long long>(ranks / 2);
     }
-    progress.note("running " + method);
-    auto out = run_context_parallel(data, scale, &d_o, ranks, method, width, threads_per_rank, timeout_s);
-    cmp.runs.push_back({std::move(out), width, width > 1 ? method + " w=" + std::to_string(width) : method, {}});
+    std::string label = method;
+    if (width > 1) label += " w=" + std::to_string(width);
+    if (!plain && !row->takes_layouts) {
+      cmp.runs.push_back({{}, width, label, {}, "n/a: protocol does not take layouts"});
+      continue;
+    }
+    if (lead) progress.note("running " + method);
+    LayerRunOptions opts = base;
+    opts.method = method;
+    opts.group_size = width;
+    auto out = run_context_parallel(world, job, opts);
+    cmp.runs.push_back({out ? std::move(*out) : LayerOutputs<float>{}, width, label, {}, {}});
   }
+  if (!lead) return std::nullopt;
   const LayerOutputs<float>* first_exact = nullptr;
   for (ProtocolRun& r : cmp.runs) {
-    if (!r.out.exact) continue;
+    if (!r.skipped.empty() || !r.out.exact) continue;
     if (!first_exact) first_exact = &r.out;
     r.bitwise = same_bits(r.out, *first_exact);
     cmp.all_bitwise = cmp.all_bitwise && *r.bitwise;
@@ -190,7 +392,7 @@ ProtocolComparison compare_protocols(const kda::LayerData<float>& data, float sc
   return cmp;
 }
 
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t ranks) {
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks) {
   const ProblemShape ps{ranks, shape.batch * shape.value_heads, shape.key_dim, shape.value_dim, sizeof(float)};
   Prediction hungriest;
   std::size_t protocols = 0;
@@ -198,15 +400,27 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t ranks) {
     ++protocols;
     if (p.peak_extra_bytes >= hungriest.peak_extra_bytes) hungriest = p;
   }
-  return double(protocols + 2) * layer_output_bytes(shape, true, sizeof(float)) +
-         layer_run_bytes(shape, ranks, true, sizeof(float), exchange_rank_bytes(ps, hungriest));
+  const double kept_states =
+      2 * double(sequences) * double(shape.value_heads) * double(shape.key_dim) * double(shape.value_dim);
+  return double(protocols + 2) * (layer_output_bytes(shape, true, sizeof(float)) + kept_states * sizeof(float)) +
+         layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange_rank_bytes(ps, hungriest));
 }
 
-template LayerOutputs<float> allocate_outputs<float>(const kda::Shape&, bool);
-template LayerOutputs<double> allocate_outputs<double>(const kda::Shape&, bool);
-template LayerOutputs<float> run_single<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t);
-template LayerOutputs<double> run_single<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t);
-template LayerOutputs<float> run_context_parallel<float>(const kda::LayerData<float>&, float, const std::vector<float>*, std::size_t, const std::string&, long long, std::size_t, double, ExchangeOptions);
-template LayerOutputs<double> run_context_parallel<double>(const kda::LayerData<double>&, double, const std::vector<double>*, std::size_t, const std::string&, long long, std::size_t, double, ExchangeOptions);
+template struct LayerJob<float>;
+template struct LayerJob<double>;
+template LayerOutputs<float> allocate_outputs<float>(const LayerJob<float>&);
+template LayerOutputs<double> allocate_outputs<double>(const LayerJob<double>&);
+template LayerOutputs<float> run_single<float>(const LayerJob<float>&, std::size_t);
+template LayerOutputs<double> run_single<double>(const LayerJob<double>&, std::size_t);
+template std::optional<LayerOutputs<float>> run_context_parallel<float>(const std::shared_ptr<Communicator>&,
+                                                                        const LayerJob<float>&,
+                                                                        const LayerRunOptions&);
+template std::optional<LayerOutputs<double>> run_context_parallel<double>(const std::shared_ptr<Communicator>&,
+                                                                          const LayerJob<double>&,
+                                                                          const LayerRunOptions&);
+template LayerOutputs<float> run_context_parallel<float>(const LayerJob<float>&, std::size_t,
+                                                         const LayerRunOptions&, double);
+template LayerOutputs<double> run_context_parallel<double>(const LayerJob<double>&, std::size_t,
+                                                           const LayerRunOptions&, double);
 
 }  // namespace kdacp::testing

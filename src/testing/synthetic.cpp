@@ -1,7 +1,12 @@
 #include "kdacp/testing/synthetic.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <set>
+#include <string>
 #include <vector>
+
+#include "kdacp/error.hpp"
 
 namespace kdacp {
 
@@ -84,6 +89,25 @@ std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed) {
   std::vector<T> x(n);
   for (auto& e : x) e = static_cast<T>(rng.uniform(-1, 1));
   return x;
+}
+
+std::vector<std::int64_t> random_cu_seqlens(std::size_t tokens, std::size_t docs, std::uint64_t seed) {
+  if (docs == 0 || docs > tokens)
+    throw InvalidArgument("random_cu_seqlens: " + std::to_string(docs) + " documents in " + std::to_string(tokens) +
+                          " tokens, expected 1 to " + std::to_string(tokens) + " (each document needs a token)");
+  // Floyd's sampling of docs - 1 distinct boundaries from [1, tokens - 1]:
+  // O(docs log docs) whatever T.
+  Rng rng(seed * 0xA0761D6478BD642Full + 29);
+  std::set<std::size_t> cuts;
+  const std::size_t range = tokens - 1;  // candidates 1..tokens-1
+  for (std::size_t j = range - (docs - 1); j < range; ++j) {
+    const std::size_t t = static_cast<std::size_t>(rng.next() % (j + 1));  // in [0, j]
+    cuts.insert(cuts.count(t + 1) ? j + 1 : t + 1);
+  }
+  std::vector<std::int64_t> cu{0};
+  for (std::size_t c : cuts) cu.push_back(static_cast<std::int64_t>(c));
+  cu.push_back(static_cast<std::int64_t>(tokens));
+  return cu;
 }
 
 template LayerData<float> synthetic_layer<float>(const Shape&, std::uint64_t);

@@ -99,7 +99,7 @@ def case_stale_outputs(kdacp, d):
     os.remove(os.path.join(d, "do.npy"))
     rc, text = run(kdacp, "kda", "--inputs", d, "--out", out)
     assert rc == 0, text
-    assert sorted(os.listdir(out)) == ["notes.txt", "o.npy"], os.listdir(out)
+    assert sorted(os.listdir(out)) == ["ht.npy", "notes.txt", "o.npy"], os.listdir(out)
 
 
 def case_partial_output(kdacp, d):
@@ -118,6 +118,80 @@ def case_unwritable_out(kdacp, d):
     open(blocker, "w").close()
     summaries(d, 2)
     expect_error(kdacp, ["exchange", "--summaries", d, "--out", os.path.join(blocker, "out")], "blocker")
+
+
+def packed(d, t=8, b=1, cu=(0, 3, 8), cu_dtype=np.int64, h0=None, dht=None):
+    """Layer inputs of T = t with cu_seqlens, do, h0 and dht (overridable)."""
+    rng = np.random.default_rng(3)
+    h, k = 1, 16
+    n = len(cu) - 1 if cu is not None else b
+    x = dict(q=rng.uniform(-1, 1, (b, t, h, k)), k=rng.uniform(-1, 1, (b, t, h, k)) / 4,
+             v=rng.uniform(-1, 1, (b, t, h, k)), g=np.log(rng.uniform(0.9, 1, (b, t, h, k))),
+             beta=rng.uniform(0.1, 0.9, (b, t, h)), do=rng.uniform(-1, 1, (b, t, h, k)),
+             h0=rng.uniform(-1, 1, (n, h, k, k)), dht=rng.uniform(-1, 1, (n, h, k, k)))
+    x = {name: a.astype(np.float32) for name, a in x.items()}
+    # Overrides keep their dtype.
+    if h0 is not None:
+        x["h0"] = h0
+    if dht is not None:
+        x["dht"] = dht
+    for name in os.listdir(d):
+        if name.endswith(".npy"):
+            os.remove(os.path.join(d, name))
+    for name, a in x.items():
+        np.save(os.path.join(d, name + ".npy"), a)
+    if cu is not None:
+        np.save(os.path.join(d, "cu_seqlens.npy"), np.asarray(cu).astype(cu_dtype))
+
+
+def case_sequences(kdacp, d):
+    # Packed sequences, states and layouts that make no sense: exit 2 with a
+    # message naming the file or flag and the entry, and no output folder.
+    out = os.path.join(d, "out")
+    files = (
+        (dict(cu=(1, 3, 8)), [], ["cu_seqlens.npy", "entry 0 is 1, expected 0"]),
+        (dict(cu=(0, 3, 3, 8)), [], ["cu_seqlens.npy", "entry 2 is 3", "strictly increasing"]),
+        (dict(cu=(0, 5, 4, 8)), [], ["cu_seqlens.npy", "entry 2 is 4", "strictly increasing"]),
+        (dict(cu=(0, 3, 7)), [], ["cu_seqlens.npy", "is 7, expected T = 8"]),
+        (dict(cu=(0, 3, 9)), [], ["cu_seqlens.npy", "is 9, expected T = 8"]),
+        (dict(cu=(0, 3, 8), cu_dtype=np.float32), [], ["cu_seqlens.npy", "dtype '<f4'", "int32"]),
+        (dict(cu=(0, 3, 8), cu_dtype=np.uint8), [], ["cu_seqlens.npy", "dtype", "int64"]),
+        (dict(cu=((0, 3), (5, 8))), [], ["cu_seqlens.npy", "2 dims, expected 1"]),
+        (dict(b=2, cu=(0, 3, 8)), [], ["cu_seqlens.npy", "B = 1", "B = 2"]),
+        (dict(h0=np.zeros((3, 1, 16, 16), np.float32)), [], ["h0.npy", "shape (3,1,16,16)", "expected (2,1,16,16)"]),
+        (dict(h0=np.zeros((2, 1, 16, 16), np.float64)), [], ["h0.npy", "dtype float64", "expected float32"]),
+        (dict(dht=np.zeros((2, 1, 16), np.float32)), [], ["dht.npy", "3 dims, expected 4"]),
+        (dict(cu=None, b=2, dht=np.zeros((1, 1, 16, 16), np.float32)), [], ["dht.npy", "expected (2,1,16,16)",
+                                                                             "no cu_seqlens"]),
+        (dict(), ["--ranks", "2", "--split", "3,4"], ["--split 3,4", "sum to 7, expected T = 8"]),
+        (dict(), ["--ranks", "3", "--split", "3,5"], ["--split 3,5", "2 entries", "P = 3"]),
+        (dict(), ["--ranks", "2", "--split", "8,0"], ["--split entry 1 is '0'"]),
+        (dict(), ["--ranks", "2", "--split", "4,"], ["--split '4,' ends with a comma"]),
+        (dict(), ["--ranks", "5", "--layout", "zigzag"], ["--layout zigzag on P = 5", "T >= 2P = 10"]),
+        (dict(), ["--ranks", "2", "--layout", "zigzag", "--split", "4,4"], ["--split applies to --layout contiguous"]),
+    )
+    for inputs, flags, words in files:
+        packed(d, **inputs)
+        expect_error(kdacp, ["kda", "--inputs", d, "--out", out, *flags], *words)
+        assert not os.path.exists(out), (inputs, flags, os.listdir(out))
+    # The same inputs, well formed, run and write ht and dh0.
+    packed(d)
+    rc, text = run(kdacp, "kda", "--inputs", d, "--out", out, "--ranks", "2", "--split", "5,3")
+    assert rc == 0, text
+    assert np.load(os.path.join(out, "ht.npy")).shape == (2, 1, 16, 16)
+    assert np.load(os.path.join(out, "dh0.npy")).shape == (2, 1, 16, 16)
+    # kdacp run: the flags' checks, before anything runs.
+    for flags, words in ((["--seqlens", "3,4", "--tokens", "8"], ["--seqlens sum to 7, expected --tokens 8"]),
+                         (["--seqlens", "3,0"], ["--seqlens entry 1 is '0'"]),
+                         (["--seqlens", "4,4", "--batch", "2"], ["--seqlens packs sequences into one row"]),
+                         (["--docs", "9", "--tokens", "8"], ["--docs 9 is more documents than T = 8"]),
+                         (["--docs", "2", "--seqlens", "4,4"], ["exclude each other"]),
+                         (["--tokens", "7", "--ranks", "4", "--layout", "zigzag"], ["--layout zigzag on P = 4",
+                                                                                    "T >= 2P = 8"]),
+                         (["--tokens", "8", "--ranks", "2", "--split", "3,4"], ["--split 3,4", "expected T = 8"]),
+                         (["--tokens", "8", "--ranks", "2", "--layout", "zigzag", "--split", "4,4"],
+                          ["--split applies"])):
+        expect_error(kdacp, ["run", "-H", "1", "-K", "16", "-V", "16", *flags], *words)
 
 
 def main():

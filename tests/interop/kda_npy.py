@@ -1,7 +1,15 @@
-"""Interop check of `kdacp kda`: inputs written by NumPy, outputs compared with a
-NumPy transcription of the recurrence of SPEC §9 (flash-linear-attention's
-naive_recurrent_kda convention: o_t = scale * S_t^T q_t, value head j uses q/k
-head j // (HV/H))."""
+"""Interop check of `kdacp kda`: inputs written by NumPy, outputs compared with an
+independent NumPy transcription of the recurrence of SPEC §9 and §10
+(flash-linear-attention's naive_recurrent_kda convention: o_t = scale * S_t^T q_t,
+value head j uses q/k head j // (HV/H)), run per sequence from its h0, and with a
+hand-written reverse sweep of that recurrence in float64 for the gradients,
+including dh0 and the path through ht (dht).
+
+    kda_npy.py KDACP [MPIEXEC MPI_FLAGS...]
+
+With MPIEXEC, the packed cases also run under mpirun (--backend mpi) and their
+files must equal the in-process run's byte for byte.
+"""
 import os
 import subprocess
 import sys
@@ -10,45 +18,128 @@ import tempfile
 import numpy as np
 
 
-def naive_kda(q, k, v, g, beta, scale):
+def sequences(cu, b_, t_):
+    """(row, first token, end token, state row) of every sequence."""
+    if cu is None:
+        return [(b, 0, t_, b) for b in range(b_)]
+    return [(0, int(cu[n]), int(cu[n + 1]), n) for n in range(len(cu) - 1)]
+
+
+def kda_forward(q, k, v, g, beta, scale, cu=None, h0=None):
+    """o [B,T,HV,V] and ht [N,HV,K,V]: each sequence alone, token by token."""
     b_, t_, h_, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     group = hv // h_
+    seqs = sequences(cu, b_, t_)
     o = np.zeros((b_, t_, hv, vd))
-    for b in range(b_):
+    ht = np.zeros((len(seqs), hv, kd, vd))
+    for b, first, end, n in seqs:
         for j in range(hv):
-            s = np.zeros((kd, vd))
-            for t in range(t_):
+            s = np.zeros((kd, vd)) if h0 is None else h0[n, j].copy()
+            for t in range(first, end):
                 kk, qq = k[b, t, j // group], q[b, t, j // group]
                 s = np.exp(g[b, t, j])[:, None] * s
                 s = s + beta[b, t, j] * np.outer(kk, v[b, t, j] - s.T @ kk)
                 o[b, t, j] = scale * s.T @ qq
-    return o
+            ht[n, j] = s
+    return o, ht
 
 
-def main():
-    kdacp = sys.argv[1]
+def kda_backward(q, k, v, g, beta, scale, d_o, cu=None, h0=None, dht=None):
+    """dq, dk, dv, dg, dbeta, dh0 of the loss <o, d_o> + <ht, dht>.
+
+    Reverse mode over the recurrence, written out step by step:
+      a = exp(g_t); S1 = diag(a) S_{t-1}; u = S1^T k; w = v - u;
+      S_t = S1 + beta k w^T;  o_t = scale S_t^T q.
+    """
+    b_, t_, h_, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    group = hv // h_
+    seqs = sequences(cu, b_, t_)
+    dq, dk = np.zeros(q.shape), np.zeros(k.shape)
+    dv, dg, dbeta = np.zeros(v.shape), np.zeros(g.shape), np.zeros(beta.shape)
+    dh0 = np.zeros((len(seqs), hv, kd, vd))
+    for b, first, end, n in seqs:
+        for j in range(hv):
+            hk = j // group
+            # Forward again, keeping every state entering a token.
+            s = np.zeros((kd, vd)) if h0 is None else h0[n, j].copy()
+            before = []
+            for t in range(first, end):
+                before.append(s)
+                kk = k[b, t, hk]
+                s1 = np.exp(g[b, t, j])[:, None] * s
+                s = s1 + beta[b, t, j] * np.outer(kk, v[b, t, j] - s1.T @ kk)
+            ds = np.zeros((kd, vd)) if dht is None else dht[n, j].copy()
+            for t in reversed(range(first, end)):
+                prev = before[t - first]
+                kk, qq, a, bt = k[b, t, hk], q[b, t, hk], np.exp(g[b, t, j]), beta[b, t, j]
+                s1 = a[:, None] * prev
+                u = s1.T @ kk
+                w = v[b, t, j] - u
+                st = s1 + bt * np.outer(kk, w)
+                # o_t = scale * st^T q
+                ds = ds + scale * np.outer(qq, d_o[b, t, j])
+                dq[b, t, hk] += scale * st @ d_o[b, t, j]
+                # st = s1 + bt * k w^T
+                dbeta[b, t, j] = kk @ ds @ w
+                dw = bt * ds.T @ kk
+                dk[b, t, hk] += bt * ds @ w
+                dv[b, t, j] = dw
+                ds1 = ds.copy()
+                # u = s1^T k, w = v - u
+                du = -dw
+                ds1 += np.outer(kk, du)
+                dk[b, t, hk] += s1 @ du
+                # s1 = diag(a) prev
+                da = np.sum(ds1 * prev, axis=1)
+                dg[b, t, j] = da * a
+                ds = a[:, None] * ds1
+            dh0[n, j] = ds
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def make_inputs(rng, b_, t_, h_, hv, kd, vd, n_seq):
+    q = rng.uniform(-1, 1, (b_, t_, h_, kd))
+    k = rng.uniform(-1, 1, (b_, t_, h_, kd))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.uniform(-1, 1, (b_, t_, hv, vd))
+    g = np.log(rng.uniform(0.9, 1.0, (b_, t_, hv, kd)))
+    beta = rng.uniform(0.1, 0.9, (b_, t_, hv))
+    d_o = rng.uniform(-1, 1, (b_, t_, hv, vd))
+    h0 = rng.uniform(-1, 1, (n_seq, hv, kd, vd))
+    dht = rng.uniform(-1, 1, (n_seq, hv, kd, vd))
+    return dict(q=q, k=k, v=v, g=g, beta=beta), d_o, h0, dht
+
+
+def rel(got, want):
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def run(kdacp, *args, prefix=()):
+    r = subprocess.run([*prefix, kdacp, "kda", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (args, r.returncode, r.stdout, r.stderr)
+    return r.stdout
+
+
+def check_plain(kdacp):
+    """One sequence per row, zero h0: o (and ht) against the transcription."""
     rng = np.random.default_rng(7)
     b_, t_, h_, hv, kd, vd = 2, 23, 1, 2, 16, 32
     for dtype, tol in ((np.float64, 1e-12), (np.float32, 2e-5)):
-        q = rng.uniform(-1, 1, (b_, t_, h_, kd))
-        k = rng.uniform(-1, 1, (b_, t_, h_, kd))
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        v = rng.uniform(-1, 1, (b_, t_, hv, vd))
-        g = np.log(rng.uniform(0.9, 1.0, (b_, t_, hv, kd)))
-        beta = rng.uniform(0.1, 0.9, (b_, t_, hv))
-        want = naive_kda(q, k, v, g, beta, kd ** -0.5)
+        x, _, _, _ = make_inputs(rng, b_, t_, h_, hv, kd, vd, b_)
+        want, want_ht = kda_forward(**x, scale=kd ** -0.5)
         with tempfile.TemporaryDirectory() as d:
-            for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items():
-                np.save(os.path.join(d, name + ".npy"), x.astype(dtype))
+            for name, a in x.items():
+                np.save(os.path.join(d, name + ".npy"), a.astype(dtype))
             for ranks, proto, width in ((1, "p2p", 1), (4, "allgather", 1), (4, "grouped_allgather_p2p", 2),
                                        (3, "auto", 1), (5, "pipelined_p2p", 1), (4, "recursive_doubling", 1)):
                 out = os.path.join(d, "out")
-                subprocess.run([kdacp, "kda", "--inputs", d, "--out", out, "--ranks", str(ranks),
-                                "--protocol", proto, "--group-size", str(width)], check=True)
+                run(kdacp, "--inputs", d, "--out", out, "--ranks", str(ranks), "--protocol", proto,
+                    "--group-size", str(width))
                 got = np.load(os.path.join(out, "o.npy"))
                 assert got.dtype == dtype, got.dtype
-                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+                err = max(rel(got, want), rel(np.load(os.path.join(out, "ht.npy")), want_ht))
                 print(f"{np.dtype(dtype).name} P={ranks} {proto}: rel error {err:.2e}")
                 assert err < tol, (dtype, ranks, proto, err)
         # A malformed file is a clear error, not a crash.
@@ -60,6 +151,136 @@ def main():
             r = subprocess.run([kdacp, "kda", "--inputs", d, "--out", os.path.join(d, "o")],
                                capture_output=True, text=True)
             assert r.returncode == 2 and "beta.npy" in r.stderr, (r.returncode, r.stderr)
+
+
+OUTPUTS = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+# T = 23. Sequences [0,8) [8,9) [9,12) [12,16) [16,23): 8 and 16 are the
+# contiguous boundaries of P = 3, 12 that of P = 2, [8,9) is one token; under
+# the uneven split 5,11,7 the sequence [0,8) spans a boundary, [9,12) lies
+# inside one rank and [16,23) is the last rank's whole part; under 3,4,16 and
+# 2,3,3,15 (and zigzag on 4 ranks) [0,8) spans three parts, so its end is
+# reached through a fold M·x + S of a part without a sequence start.
+CU = np.array([0, 8, 9, 12, 16, 23])
+LAYOUTS = ((1, []), (2, []), (3, []), (3, ["--split", "5,11,7"]), (2, ["--split", "20,3"]),
+           (3, ["--split", "3,4,16"]), (4, ["--split", "2,3,3,15"]),
+           (2, ["--layout", "zigzag"]), (3, ["--layout", "zigzag"]), (4, ["--layout", "zigzag"]))
+
+
+def check_packed(kdacp, mpi):
+    """Packed sequences with h0, dht and do: every output, every layout."""
+    rng = np.random.default_rng(11)
+    b_, t_, h_, hv, kd, vd = 1, 23, 1, 2, 16, 16
+    x, d_o, h0, dht = make_inputs(rng, b_, t_, h_, hv, kd, vd, len(CU) - 1)
+    scale = kd ** -0.5
+    o, ht = kda_forward(**x, scale=scale, cu=CU, h0=h0)
+    want = dict(zip(OUTPUTS, (o, ht) + kda_backward(**x, scale=scale, d_o=d_o, cu=CU, h0=h0, dht=dht)))
+    # dht must move dh0, else a run that dropped it would pass.
+    no_dht = kda_backward(**x, scale=scale, d_o=d_o, cu=CU, h0=h0)
+    assert rel(no_dht[5], want["dh0"]) > 1e-3, "dht does not reach dh0: the test would not see it"
+    # float64 with int64 cu_seqlens over three protocols; float32 with int32
+    # cu_seqlens over p2p (the dtypes' paths, not the protocols, differ there).
+    runs = [(np.float64, 1e-10, np.int64, ("p2p",) if mpi else ("p2p", "allgather", "auto"))]
+    if not mpi:
+        runs.append((np.float32, 2e-5, np.int32, ("p2p",)))
+    for dtype, tol, cu_dtype, protocols in runs:
+        with tempfile.TemporaryDirectory() as d:
+            for name, a in dict(x, do=d_o, h0=h0, dht=dht).items():
+                np.save(os.path.join(d, name + ".npy"), a.astype(dtype))
+            np.save(os.path.join(d, "cu_seqlens.npy"), CU.astype(cu_dtype))
+            for ranks, layout in LAYOUTS:
+                first = None
+                for proto in protocols:
+                    out = os.path.join(d, f"out_{ranks}_{proto}")
+                    run(kdacp, "--inputs", d, "--out", out, "--ranks", str(ranks), "--protocol", proto,
+                        *layout)
+                    got = {name: np.load(os.path.join(out, name + ".npy")) for name in OUTPUTS}
+                    errs = {name: rel(got[name], want[name]) for name in OUTPUTS}
+                    worst = max(errs.values())
+                    print(f"{np.dtype(dtype).name} cu {np.dtype(cu_dtype).name} P={ranks} {' '.join(layout)} "
+                          f"{proto}: max rel error {worst:.2e}")
+                    for name in OUTPUTS:
+                        assert got[name].dtype == dtype and got[name].shape == want[name].shape, name
+                        assert errs[name] < tol, (dtype, ranks, layout, proto, name, errs[name])
+                    # Exact protocols: the same bits.
+                    if first is None:
+                        first = out
+                    elif proto != "auto":
+                        same_files(first, out)
+                if mpi and ranks > 1:
+                    # Another exact protocol, one process per rank: the same bytes.
+                    out = os.path.join(d, f"mpi_{ranks}")
+                    run(kdacp, "--inputs", d, "--out", out, "--backend", "mpi", "--protocol", "allgather",
+                        *layout, prefix=(mpi[0], "-np", str(ranks), *mpi[1:]))
+                    same_files(first, out)
+                    print(f"  mpirun -np {ranks} allgather: files equal to in-process p2p byte for byte")
+
+
+def check_rows(kdacp):
+    """B = 2 rows without cu_seqlens: per-row h0, ht, dht and dh0."""
+    rng = np.random.default_rng(13)
+    b_, t_, h_, hv, kd, vd = 2, 19, 1, 2, 16, 16
+    x, d_o, h0, dht = make_inputs(rng, b_, t_, h_, hv, kd, vd, b_)
+    scale = kd ** -0.5
+    o, ht = kda_forward(**x, scale=scale, h0=h0)
+    want = dict(zip(OUTPUTS, (o, ht) + kda_backward(**x, scale=scale, d_o=d_o, h0=h0, dht=dht)))
+    with tempfile.TemporaryDirectory() as d:
+        for name, a in dict(x, do=d_o, h0=h0, dht=dht).items():
+            np.save(os.path.join(d, name + ".npy"), a)
+        for ranks, layout in ((1, []), (3, ["--split", "2,13,4"]), (2, ["--layout", "zigzag"])):
+            for proto in ("p2p", "allgather"):
+                out = os.path.join(d, f"out_{ranks}_{proto}")
+                run(kdacp, "--inputs", d, "--out", out, "--ranks", str(ranks), "--protocol", proto, *layout)
+                errs = {name: rel(np.load(os.path.join(out, name + ".npy")), want[name]) for name in OUTPUTS}
+                print(f"rows B=2 float64 P={ranks} {' '.join(layout)} {proto}: max rel error "
+                      f"{max(errs.values()):.2e}")
+                assert max(errs.values()) < 1e-10, (ranks, layout, proto, errs)
+            same_files(os.path.join(d, f"out_{ranks}_p2p"), os.path.join(d, f"out_{ranks}_allgather"))
+
+
+def same_files(a, b):
+    for name in OUTPUTS:
+        with open(os.path.join(a, name + ".npy"), "rb") as fa, open(os.path.join(b, name + ".npy"), "rb") as fb:
+            assert fa.read() == fb.read(), (name, a, b)
+
+
+def check_transcription():
+    """The NumPy backward against central differences of the NumPy forward."""
+    rng = np.random.default_rng(3)
+    cu = np.array([0, 2, 3, 5])
+    x, d_o, h0, dht = make_inputs(rng, 1, 5, 1, 1, 3, 2, 3)
+    scale = 0.7
+
+    def loss(**over):
+        args = dict(x, h0=h0)
+        args.update(over)
+        h = args.pop("h0")
+        o, ht = kda_forward(**args, scale=scale, cu=cu, h0=h)
+        return np.sum(o * d_o) + np.sum(ht * dht)
+
+    grads = dict(zip(("q", "k", "v", "g", "beta", "h0"),
+                     kda_backward(**x, scale=scale, d_o=d_o, cu=cu, h0=h0, dht=dht)))
+    eps = 1e-6
+    for name, base in dict(x, h0=h0).items():
+        num = np.zeros(base.shape)
+        for idx in np.ndindex(base.shape):
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            num[idx] = (loss(**{name: plus}) - loss(**{name: minus})) / (2 * eps)
+        err = rel(grads[name], num)
+        assert err < 1e-6, (name, err)
+    print("NumPy backward agrees with finite differences")
+
+
+def main():
+    kdacp = sys.argv[1]
+    mpi = sys.argv[2:] or None
+    if mpi is None:
+        check_transcription()
+        check_plain(kdacp)
+        check_rows(kdacp)
+    check_packed(kdacp, mpi)
     print("interop ok")
 
 

@@ -6,13 +6,17 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/mpi.hpp"
+#include "kdacp/protocol.hpp"
+#include "kdacp/testing/layer_runner.hpp"
 #include "kda_helpers.hpp"
 
 namespace kdacp::kda {
@@ -102,6 +106,96 @@ void check(double tol) {
 
 TEST(MpiKda, DoubleLayerEqualsOneDeviceOverEveryProtocol) { check<double>(1e-12); }
 TEST(MpiKda, FloatLayerEqualsOneDeviceAndExactProtocolsAgreeBitwise) { check<float>(2e-5); }
+
+// ------------------------------------------------- packed sequences and layouts
+
+template <class T>
+std::vector<std::pair<const char*, const std::vector<T>*>> all_fields(const testing::LayerOutputs<T>& r) {
+  return {{"o", &r.o},   {"dq", &r.dq},       {"dk", &r.dk}, {"dv", &r.dv},
+          {"dg", &r.dg}, {"dbeta", &r.dbeta}, {"ht", &r.ht}, {"dh0", &r.dh0}};
+}
+
+// T = 37 in packed sequences [0,5) [5,6) [6,17) [17,30) [30,37) (one of a
+// single token), random h0, dht and d_o; grouped value heads, K != V.
+template <class T>
+testing::LayerJob<T> packed_job() {
+  const Shape shape{1, 37, 1, 2, 16, 32};
+  testing::LayerJob<T> job;
+  job.data = synthetic_layer<T>(shape, 31);
+  job.scale = default_scale<T>(shape.key_dim);
+  job.cu_seqlens = {0, 5, 6, 17, 30, 37};
+  const std::size_t states = 5 * shape.value_heads * shape.key_dim * shape.value_dim;
+  job.h0 = synthetic_tensor<T>(states, 32);
+  job.d_o = synthetic_tensor<T>(shape.v_elems(), 33);
+  job.dht = synthetic_tensor<T>(states, 34);
+  return job;
+}
+
+// Layouts of the matrix on P ranks: contiguous with uneven counts (ranks
+// r < P-1 hold r + 2 tokens, the last the rest, so sequences span several
+// ranks and start or end at rank boundaries) and zigzag.
+std::vector<testing::LayoutSpec> layouts_for(std::size_t p, std::size_t tokens) {
+  std::vector<std::size_t> counts;
+  std::size_t used = 0;
+  for (std::size_t r = 0; r + 1 < p; ++r) used += counts.emplace_back(r + 2);
+  counts.push_back(tokens - used);
+  return {testing::LayoutSpec{false, counts}, testing::LayoutSpec{true, {}}};
+}
+
+// Every exact protocol and width, over MPI, on every layout its registry row
+// accepts: the outputs assembled on rank 0 (o, every gradient, ht, dh0) are
+// the bits of the same job on in-process ranks and of every other exact
+// protocol, and within tol of one device.
+template <class T>
+void check_sequences(double tol) {
+  auto comm = mpi_world();
+  const std::size_t p = comm->size();
+  const testing::LayerJob<T> job = packed_job<T>();
+  const testing::LayerOutputs<T> single = testing::run_single(job, 1);
+  for (const testing::LayoutSpec& layout : layouts_for(p, job.data.shape.tokens)) {
+    std::optional<testing::LayerOutputs<T>> chain;
+    for (const ProtocolDescriptor* row : protocol_registry()) {
+      if (row->chooser() || !row->exact()) continue;
+      if (layout.zigzag && !row->takes_layouts) continue;
+      std::vector<long long> widths{1};
+      if (row->takes_group_size)
+        for (std::size_t w = 2; w < p; ++w)
+          if (p % w == 0) widths.push_back(static_cast<long long>(w));
+      for (long long w : widths) {
+        const std::string what = std::string(row->name) + " w=" + std::to_string(w) + ", " + layout.name() +
+                                 ", P=" + std::to_string(p);
+        SCOPED_TRACE(what);
+        testing::LayerRunOptions opts;
+        opts.method = std::string(row->name);
+        opts.group_size = w;
+        opts.layout = layout;
+        const testing::LayerOutputs<T> local = testing::run_context_parallel(job, p, opts, 60);
+        const auto got = testing::run_context_parallel(comm, job, opts);
+        if (comm->rank() != 0) {
+          EXPECT_FALSE(got.has_value());
+          continue;
+        }
+        ASSERT_TRUE(got.has_value());
+        EXPECT_EQ(got->backend, "mpi");
+        if (!chain) chain = *got;
+        const auto g = all_fields(*got), l = all_fields(local), c = all_fields(*chain), o = all_fields(single);
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          const auto& [name, x] = g[i];
+          ASSERT_EQ(x->size(), o[i].second->size()) << name;
+          ASSERT_FALSE(x->empty()) << name;
+          EXPECT_EQ(std::memcmp(x->data(), l[i].second->data(), x->size() * sizeof(T)), 0)
+              << name << " differs from in-process";
+          EXPECT_EQ(std::memcmp(x->data(), c[i].second->data(), x->size() * sizeof(T)), 0)
+              << name << " differs from the first exact protocol";
+          EXPECT_LT(rel(*x, *o[i].second), tol) << name << " against one device";
+        }
+      }
+    }
+  }
+}
+
+TEST(MpiKda, DoubleSequencesEveryLayoutBitwiseInProcess) { check_sequences<double>(1e-12); }
+TEST(MpiKda, FloatSequencesEveryLayoutBitwiseInProcess) { check_sequences<float>(2e-5); }
 
 }  // namespace
 }  // namespace kdacp::kda

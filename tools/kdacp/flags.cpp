@@ -1,5 +1,7 @@
 #include "flags.hpp"
 
+#include "kdacp/error.hpp"
+
 
 namespace kdacp::cli {
 
@@ -11,6 +13,34 @@ std::string flag_name(const std::string& names) {
     if (name.rfind("--", 0) == 0) return name;
   }
   return first;
+}
+
+CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<std::size_t>& values,
+                          const std::string& help, const IntRange& range) {
+  const std::string flag = flag_name(names);
+  return cmd
+      .add_option_function<std::string>(
+          names,
+          [&values, range, flag](const std::string& text) {
+            values.clear();
+            std::stringstream in(text);
+            std::string item;
+            std::size_t i = 0;
+            // getline drops a trailing empty entry ("3,4,"): catch it here.
+            if (!text.empty() && text.back() == ',') {
+              std::ostringstream what;
+              what << flag << " '" << text << "' ends with a comma, expected";
+              throw InvalidArgument(what.str() + " a comma-separated list, each " + describe(range));
+            }
+            while (std::getline(in, item, ',')) {
+              std::ostringstream what;
+              what << flag << " entry " << i++;
+              values.push_back(static_cast<std::size_t>(parse_integer(item, range, what.str())));
+            }
+            if (values.empty()) parse_integer(text, range, flag);  // "": the parser's message
+          },
+          help + " (comma-separated, each " + describe(range) + ")")
+      ->type_name("N,N,...");
 }
 
 CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,

@@ -60,6 +60,12 @@ CLI::Option* add_ints(CLI::App& cmd, const std::string& names, std::vector<T>& v
       ->default_str(shown);
 }
 
+// A comma-separated list "3,5,4" (one argument), each entry an integer in
+// `range`; a bad entry throws InvalidArgument naming the flag, the entry's
+// position and its text.
+CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<std::size_t>& values,
+                          const std::string& help, const IntRange& range);
+
 CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
                       const RealRange& range);
 

@@ -1,11 +1,15 @@
-// `kdacp kda`: the context-parallel KDA layer on .npy inputs, for comparison
-// with any other implementation (flash-linear-attention's layout, SPEC §9).
+// `kdacp kda`: the context-parallel KDA layer on .npy inputs (packed
+// sequences, initial and final states, any layout), for comparison with any
+// other implementation (flash-linear-attention's layout, SPEC §9, §10), on
+// in-process ranks or one process per rank under mpirun.
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "backend.hpp"
 #include "commands.hpp"
 #include "exchange_flags.hpp"
 #include "flags.hpp"
@@ -13,46 +17,76 @@
 #include "kdacp/output.hpp"
 #include "kdacp/testing/layer_npy.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "layer_flags.hpp"
 
 namespace kdacp::cli {
 namespace {
 
 struct KdaConfig {
+  LaunchOptions backend;
   std::string inputs, out, max_memory;
-  std::size_t ranks = 1;
   ExchangeFlags exchange;
+  LayoutFlags layout;
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
-  double timeout_s = 120;
 };
+
+// What every rank runs with on `ranks` ranks, after the memory admission of
+// the whole run (admit_layer_run). Throws, naming the flag, for a layout that
+// does not fit.
+template <class T>
+testing::LayerRunOptions run_options(const KdaConfig& cfg, const testing::LayerNpy& in,
+                                     const testing::LayerJob<T>& job, std::size_t ranks, double input_bytes) {
+  const kda::Shape& s = job.data.shape;
+  SummaryShape summary = testing::layer_summary_shape(s);
+  summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+  testing::LayerRunOptions opts;
+  opts.layout = layout_spec(cfg.layout, s.tokens, ranks);
+  opts.method = cfg.exchange.protocol;
+  opts.group_size = cfg.exchange.group_size;
+  opts.exchange = exchange_options(cfg.exchange, summary);
+  opts.threads_per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
+  testing::admit_layer_run(s, in.sequences, summary, ranks, job.grads(), input_bytes, cfg.exchange.protocol,
+                           cfg.exchange.group_size, opts.exchange, cfg.max_memory);
+  return opts;
+}
+
+template <class T>
+void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, const testing::LayerNpy& in,
+              const testing::LayerJob<T>& job, const testing::LayerRunOptions& opts) {
+  const kda::Shape& s = job.data.shape;
+  const std::size_t ranks = world->size();
+  const testing::LayoutSpec& layout = opts.layout;
+  const auto out = testing::run_context_parallel(world, job, opts);
+  if (!out) return;  // rank 0 writes and reports
+  StagedOutput staged(cfg.out, testing::kLayerOutputFiles);
+  testing::write_layer_outputs_npy(staged.staging_dir(), in, *out);
+  staged.commit();
+  std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s on P=%zu %s ranks (%s, %s layout): "
+              "wrote %s to %s\n",
+              std::is_same_v<T, double> ? "float64" : "float32", s.batch, s.tokens, s.heads, s.value_heads,
+              s.key_dim, s.value_dim, in.sequences, in.cu_seqlens.empty() ? "" : " packed", ranks,
+              out->backend.c_str(), out->method.c_str(), layout.name().c_str(),
+              job.grads() ? "o, ht, dq, dk, dv, dg, dbeta, dh0" : "o, ht", cfg.out.c_str());
+}
 
 template <class T>
 void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_bytes) {
-  const kda::LayerData<T> data = testing::layer_data<T>(in);
-  const kda::Shape& s = data.shape;
-  kda::split_tokens(s.tokens, cfg.ranks, 0);  // P > T is an error before any work
-  const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(s.key_dim);
-  const std::size_t threads = cfg.threads ? cfg.threads : ThreadPool::default_threads(cfg.ranks);
-  SummaryShape summary = testing::layer_summary_shape(s);
-  summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  const ExchangeOptions opts = exchange_options(cfg.exchange, summary);
-  testing::admit_layer_run(s, summary, cfg.ranks, in.d_o.has_value(), input_bytes, cfg.exchange.protocol,
-                           cfg.exchange.group_size, opts, cfg.max_memory);
-  const std::vector<T> dov = testing::output_grad<T>(in);
-  const auto out = testing::run_context_parallel(data, scale, in.d_o ? &dov : nullptr, cfg.ranks,
-                                                 cfg.exchange.protocol, cfg.exchange.group_size, threads,
-                                                 cfg.timeout_s, opts);
-  StagedOutput staged(cfg.out, testing::kLayerOutputFiles);
-  testing::write_layer_outputs_npy(staged.staging_dir(), in, out);
-  staged.commit();
-  std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu on P=%zu ranks (%s): wrote %s to %s\n",
-              std::is_same_v<T, double> ? "float64" : "float32", s.batch, s.tokens, s.heads, s.value_heads,
-              s.key_dim, s.value_dim, cfg.ranks, out.method.c_str(),
-              in.d_o ? "o, dq, dk, dv, dg, dbeta" : "o", cfg.out.c_str());
+  const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
+  const testing::LayerJob<T> job = testing::layer_job<T>(in, scale);
+  job.sequences();  // every check of the job before any rank starts
+  // In-process, P is known here: check once before the ranks start. Under a
+  // launcher every process checks with its world's P before any message.
+  std::optional<testing::LayerRunOptions> opts;
+  if (resolved_backend(cfg.backend) == "inprocess") opts = run_options(cfg, in, job, cfg.backend.ranks, input_bytes);
+  run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
+    run_rank<T>(cfg, world, in, job, opts ? *opts : run_options(cfg, in, job, world->size(), input_bytes));
+  });
 }
 
 void run(const KdaConfig& cfg) {
-  check_threads(cfg.ranks, cfg.threads);
+  check_layout_flags(cfg.layout);
+  check_threads(ranks_per_process(cfg.backend), cfg.threads);
   const double input_bytes = testing::layer_npy_bytes(cfg.inputs);
   require_memory(input_bytes, max_memory_bytes(cfg.max_memory), "reading the inputs of " + cfg.inputs,
                  max_memory_name(cfg.max_memory));
@@ -68,23 +102,29 @@ void run(const KdaConfig& cfg) {
 
 void add_kda_command(CLI::App& app) {
   auto cfg = std::make_shared<KdaConfig>();
+  cfg->backend.ranks = 1;
+  cfg->backend.timeout_s = 120;
   CLI::App* cmd = app.add_subcommand(
       "kda",
-      "run the context-parallel KDA layer on q/k/v/g/beta(.npy) [and do.npy] and write o (and gradients)");
+      "run the context-parallel KDA layer on q/k/v/g/beta(.npy) [cu_seqlens, h0, dht, do] and write o, ht "
+      "(and gradients, dh0)");
   cmd->add_option("--inputs", cfg->inputs,
                   "DIR with q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy [B,T,HV], "
-                  "optional do.npy (float32 or float64); NaN or Inf anywhere, g > 0 or beta outside [0, 1] "
-                  "is an error")
+                  "optional do.npy [B,T,HV,V] (float32 or float64, all alike), optional cu_seqlens.npy "
+                  "(int32/int64, 1-D, 0 = c_0 < ... < c_N = T, B = 1), optional h0.npy and dht.npy "
+                  "[N,HV,K,V] (N: sequences, or B rows without cu_seqlens); NaN or Inf anywhere, g > 0 or beta "
+                  "outside [0, 1] is an error")
       ->required();
   cmd->add_option("--out", cfg->out,
-                  "DIR for o.npy and, with do.npy, dq/dk/dv/dg/dbeta.npy, written once the run succeeded; "
-                  "those of an earlier run that this one does not write are removed, other files are left alone")
+                  "DIR for o.npy, ht.npy and, with do.npy, dq/dk/dv/dg/dbeta.npy and dh0.npy, written (by rank 0) "
+                  "once the run succeeded; those of an earlier run that this one does not write are removed, "
+                  "other files are left alone")
       ->required();
-  add_int(*cmd, "--ranks,-P", cfg->ranks, "in-process ranks", IntRange{1, 1024});
+  add_backend_flags(*cmd, cfg->backend);
   add_exchange_flags(*cmd, cfg->exchange);
+  add_layout_flags(*cmd, cfg->layout);
   add_real(*cmd, "--scale", cfg->scale, "output scale (default 1/sqrt(K))", kPositive)->default_str("1/sqrt(K)");
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
-  add_real(*cmd, "--timeout", cfg->timeout_s, "seconds a rank waits for a peer", kTimeoutRange);
   add_max_memory(*cmd, cfg->max_memory);
   cmd->callback([cfg] { run(*cfg); });
 }

@@ -1,14 +1,20 @@
 // `kdacp run`: the main job. The context-parallel KDA layer, forward and
-// backward, for every protocol on in-process ranks, against the layer on one
-// device: time, the exchange's share, errors of o and every gradient, and
-// whether results are bitwise equal across exact protocols.
+// backward, for every protocol on in-process ranks or one process per rank
+// under mpirun, over one sequence per row or packed sequences with initial
+// and final states, in a contiguous or zigzag layout, against the layer on
+// one device: time, the exchange's share, errors of o, every gradient, ht
+// and dh0, and whether results are bitwise equal across exact protocols.
 #include <algorithm>
 #include <cstdio>
+#include <memory>
+#include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "backend.hpp"
 #include "commands.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/testing/bench.hpp"
@@ -17,6 +23,7 @@
 #include "kdacp/thread_pool.hpp"
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
+#include "layer_flags.hpp"
 #include "table.hpp"
 
 namespace kdacp::cli {
@@ -25,13 +32,18 @@ namespace {
 using testing::LayerOutputs;
 
 struct RunConfig {
-  std::size_t ranks = 4, batch = 1, tokens = 8192, heads = 4, value_heads = 0, key_dim = 128,
-              value_dim = 128;
+  LaunchOptions backend;
+  std::size_t batch = 1, tokens = 8192, heads = 4, value_heads = 0, key_dim = 128, value_dim = 128;
+  bool tokens_given = false;
+  std::vector<std::size_t> seqlens;  // packed sequence lengths (sum T)
+  std::size_t docs = 0;              // a random packing of this many documents
+  LayoutFlags layout;
   std::uint64_t seed = 0;
   std::size_t threads = 0;
-  double timeout_s = 120;
   bool json = false;
   std::string max_memory;
+
+  bool packed() const { return !seqlens.empty() || docs > 0; }
 };
 
 // The table and the JSON records, one row per run, against the single-rank
@@ -40,10 +52,26 @@ struct Report {
   const LayerOutputs<float>& single;
   double one_flops, cp_flops;
   PeakResult peak;
-  Table table{{"protocol", "fwd ms", "bwd ms", "exchange", "GFLOP/s", "% peak", "o", "dq", "dk", "dv", "dg",
-               "dbeta", "bitwise"}};
+  bool states;  // ht and dh0 columns
+  Table table{header(states)};
   nlohmann::json records = nlohmann::json::array();
   double worst = 0;
+
+  static std::vector<std::string> header(bool states) {
+    std::vector<std::string> h{"protocol", "fwd ms", "bwd ms", "exchange", "GFLOP/s", "% peak",
+                               "o",        "dq",     "dk",     "dv",       "dg",      "dbeta"};
+    if (states) h.insert(h.end(), {"ht", "dh0"});
+    h.push_back("bitwise");
+    return h;
+  }
+
+  // A protocol that did not run, with the reason.
+  void skip(const std::string& name, const std::string& why) {
+    std::vector<std::string> row{name, why};
+    row.resize(header(states).size(), "-");
+    table.add(row);
+    records.push_back({{"protocol", name}, {"skipped", why}});
+  }
 
   void add(const std::string& name, const LayerOutputs<float>& o, bool is_single, const std::string& bitwise) {
     const double gflops = (is_single ? one_flops : cp_flops) / (o.forward_seconds + o.backward_seconds) / 1e9;
@@ -57,34 +85,62 @@ struct Report {
     for (double e : errs) row.push_back(is_single ? "-" : fmt("%.1e", e));
     row.push_back(bitwise);
     table.add(row);
+    nlohmann::json rel = {{"o", errs[0]}, {"dq", errs[1]}, {"dk", errs[2]}, {"dv", errs[3]},
+                          {"dg", errs[4]}, {"dbeta", errs[5]}};
+    if (states) {
+      rel["ht"] = errs.at(6);
+      rel["dh0"] = errs.at(7);
+    }
     records.push_back({{"protocol", name},
                        {"forward_seconds", o.forward_seconds}, {"backward_seconds", o.backward_seconds},
                        {"exchange_share", share}, {"gflops", gflops}, {"peak_fraction", gflops / peak.gflops},
-                       {"rel_error", {{"o", errs[0]}, {"dq", errs[1]}, {"dk", errs[2]}, {"dv", errs[3]},
-                                      {"dg", errs[4]}, {"dbeta", errs[5]}}},
+                       {"rel_error", rel},
                        {"bitwise_equal_across_exact", bitwise == "yes"}});
   }
 };
 
-void print(const RunConfig& cfg, const kda::Shape& shape, std::size_t per_rank, const Report& rep,
+// How the run is set up, for the header line and the JSON.
+struct RunSetup {
+  std::string backend, layout;
+  std::size_t ranks = 1, per_rank = 1;
+  std::vector<std::int64_t> cu_seqlens;
+};
+
+void print(const RunConfig& cfg, const kda::Shape& shape, const RunSetup& setup, const Report& rep,
            bool all_bitwise) {
   const PeakResult& peak = rep.peak;
+  const std::size_t per_rank = setup.per_rank;
   if (cfg.json) {
-    nlohmann::json j = {{"command", "run"},
-                        {"P", cfg.ranks}, {"B", shape.batch}, {"T", shape.tokens}, {"H", shape.heads},
+    nlohmann::json j = {{"command", "run"}, {"backend", setup.backend}, {"layout", setup.layout},
+                        {"P", setup.ranks}, {"B", shape.batch}, {"T", shape.tokens}, {"H", shape.heads},
                         {"HV", shape.value_heads}, {"K", shape.key_dim}, {"V", shape.value_dim},
                         {"threads_per_rank", per_rank}, {"peak_gflops", peak.gflops},
                         {"peak_threads", peak.threads}, {"simd_target", peak.target},
                         {"layer_flops_context_parallel", rep.cp_flops}, {"layer_flops_single", rep.one_flops},
                         {"protocols", rep.records}, {"max_rel_error", rep.worst},
                         {"bitwise_equal_across_exact", all_bitwise}};
+    if (!setup.cu_seqlens.empty()) j["cu_seqlens"] = setup.cu_seqlens;
     std::printf("%s\n", j.dump(2).c_str());
     return;
   }
   std::printf("kdacp run: KDA layer forward+backward, float32, B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu, "
-              "P=%zu in-process ranks x %zu threads\n\n",
+              "P=%zu %s ranks x %zu threads, %s layout\n",
               shape.batch, shape.tokens, shape.heads, shape.value_heads, shape.key_dim,
-              shape.value_dim, cfg.ranks, per_rank);
+              shape.value_dim, setup.ranks, setup.backend == "inprocess" ? "in-process" : setup.backend.c_str(),
+              per_rank, setup.layout.c_str());
+  if (!setup.cu_seqlens.empty()) {
+    std::ostringstream lens;
+    for (std::size_t n = 0; n + 1 < setup.cu_seqlens.size(); ++n) {
+      if (n == 8 && setup.cu_seqlens.size() > 11) {
+        lens << ", ...";
+        break;
+      }
+      lens << (n ? ", " : "") << setup.cu_seqlens[n + 1] - setup.cu_seqlens[n];
+    }
+    std::printf("%zu packed sequences of lengths %s; random h0 and dht; ht and dh0 against one device\n",
+                setup.cu_seqlens.size() - 1, lens.str().c_str());
+  }
+  std::printf("\n");
   rep.table.print();
   std::printf("\nerrors: relative Frobenius vs the single-rank layer; exchange: share of layer time in the "
               "state exchange;\nGFLOP/s: recurrence flops per forward+backward (%.2f GFLOP on one device, %.2f "
@@ -95,54 +151,133 @@ void print(const RunConfig& cfg, const kda::Shape& shape, std::size_t per_rank, 
               all_bitwise ? "yes" : "NO");
 }
 
-void run(const RunConfig& cfg) {
+// The packed sequences of --seqlens or --docs (empty: one per row), with
+// the flags named in every error.
+std::vector<std::int64_t> packing(const RunConfig& cfg, std::size_t tokens) {
+  if (!cfg.packed()) return {};
+  if (!cfg.seqlens.empty() && cfg.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
+  if (cfg.batch != 1) {
+    std::ostringstream what;
+    what << (cfg.docs ? "--docs" : "--seqlens") << " packs sequences into one row, expected --batch 1, not "
+         << cfg.batch;
+    throw InvalidArgument(what.str());
+  }
+  if (cfg.docs > 0) {
+    if (cfg.docs > tokens) {
+      std::ostringstream what;
+      what << "--docs " << cfg.docs << " is more documents than T = " << tokens
+           << " tokens (each document needs a token)";
+      throw InvalidArgument(what.str());
+    }
+    return kda::random_cu_seqlens(tokens, cfg.docs, cfg.seed + 2);
+  }
+  std::vector<std::int64_t> cu{0};
+  for (std::size_t len : cfg.seqlens) cu.push_back(cu.back() + static_cast<std::int64_t>(len));
+  return cu;
+}
+
+void run(RunConfig& cfg) {
+  check_layout_flags(cfg.layout);
+  if (!cfg.seqlens.empty()) {
+    const std::size_t sum = std::accumulate(cfg.seqlens.begin(), cfg.seqlens.end(), std::size_t{0});
+    if (cfg.tokens_given && sum != cfg.tokens) {
+      std::ostringstream what;
+      what << "--seqlens sum to " << sum << ", expected --tokens " << cfg.tokens << " (or leave --tokens out)";
+      throw InvalidArgument(what.str());
+    }
+    if (sum > (std::size_t{1} << 24)) {
+      std::ostringstream what;
+      what << "--seqlens sum to " << sum << ", more than the most tokens a run takes, " << (1 << 24);
+      throw InvalidArgument(what.str());
+    }
+    cfg.tokens = sum;
+  }
   const kda::Shape shape{cfg.batch, cfg.tokens, cfg.heads,
                          cfg.value_heads ? cfg.value_heads : cfg.heads, cfg.key_dim, cfg.value_dim};
   kda::validate(shape);
-  kda::split_tokens(shape.tokens, cfg.ranks, 0);  // P > T is an error before any work
-  check_threads(cfg.ranks, cfg.threads);
-  require_memory(testing::compare_protocols_bytes(shape, cfg.ranks), max_memory_bytes(cfg.max_memory),
-                 "kdacp run on " + std::to_string(cfg.ranks) + " ranks", max_memory_name(cfg.max_memory));
+  testing::LayerJob<float> job;
+  job.cu_seqlens = packing(cfg, shape.tokens);
+  const std::size_t sequences = job.cu_seqlens.empty() ? shape.batch : job.cu_seqlens.size() - 1;
+  const std::string backend = resolved_backend(cfg.backend);
+  if (backend == "inprocess") layout_spec(cfg.layout, shape.tokens, cfg.backend.ranks);
+  const std::size_t here = ranks_per_process(cfg.backend);
+  check_threads(here, cfg.threads);
+  // Under mpirun every process holds the job; the run's P is known only
+  // there, so the per-process estimate uses the in-process P.
+  require_memory(testing::compare_protocols_bytes(shape, sequences, cfg.backend.ranks),
+                 max_memory_bytes(cfg.max_memory), "kdacp run on " + std::to_string(cfg.backend.ranks) + " ranks",
+                 max_memory_name(cfg.max_memory));
   const std::size_t hw = ThreadPool::default_threads(1);
-  const std::size_t per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(cfg.ranks);
-  const testing::Progress progress("kdacp run");
-  const auto data = kda::synthetic_layer<float>(shape, cfg.seed);
-  const auto d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
-  const float scale = kda::default_scale<float>(shape.key_dim);
-  const auto single = testing::run_single(data, scale, &d_o, hw);
-  progress.note("single-rank layer done");
-  const auto cmp = testing::compare_protocols(data, scale, d_o, cfg.ranks, per_rank, cfg.timeout_s, progress);
+  const std::size_t per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(here);
+  job.data = kda::synthetic_layer<float>(shape, cfg.seed);
+  job.scale = kda::default_scale<float>(shape.key_dim);
+  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
+  job.final_states = cfg.packed();
+  if (cfg.packed()) {
+    const std::size_t states = sequences * shape.value_heads * shape.key_dim * shape.value_dim;
+    job.h0 = kda::synthetic_tensor<float>(states, cfg.seed + 3);
+    job.dht = kda::synthetic_tensor<float>(states, cfg.seed + 4);
+  }
+  job.sequences();  // every check of the job before any rank starts
 
-  // The machine's FP32 FMA peak with every hardware thread, measured in this
-  // run, so the layer's speed reads as a share of what the cores can do.
-  Report rep{single, kda::forward_flops(shape, false) + kda::backward_flops(shape, false),
-             kda::forward_flops(shape, true) + kda::backward_flops(shape, true), measure_fma_peak(hw, 0.2)};
-  rep.add("single (1 rank)", single, true, "-");
-  for (const auto& r : cmp.runs) rep.add(r.label, r.out, false, !r.bitwise ? "n/a" : *r.bitwise ? "yes" : "NO");
-  print(cfg, shape, per_rank, rep, cmp.all_bitwise);
-  if (!cmp.all_bitwise) throw Error("exact protocols disagree bitwise");
+  run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
+    const testing::Progress progress("kdacp run");
+    testing::LayerRunOptions base;
+    base.threads_per_rank = per_rank;
+    base.layout = layout_spec(cfg.layout, shape.tokens, world->size());
+    const auto cmp = testing::compare_protocols(world, job, base, progress);
+    if (!cmp) return;  // rank 0 reports
+    const auto single = testing::run_single(job, hw);
+    progress.note("single-rank layer done");
+    // The machine's FP32 FMA peak with every hardware thread, measured in
+    // this run, so the layer's speed reads as a share of what the cores can do.
+    Report rep{single, kda::forward_flops(shape, false) + kda::backward_flops(shape, false),
+               kda::forward_flops(shape, true) + kda::backward_flops(shape, true), measure_fma_peak(hw, 0.2),
+               cfg.packed()};
+    rep.add("single (1 rank)", single, true, "-");
+    for (const auto& r : cmp->runs) {
+      if (!r.skipped.empty()) rep.skip(r.label, r.skipped);
+      else rep.add(r.label, r.out, false, !r.bitwise ? "n/a" : *r.bitwise ? "yes" : "NO");
+    }
+    const RunSetup setup{world->backend(), base.layout.name(), world->size(), per_rank, job.cu_seqlens};
+    print(cfg, shape, setup, rep, cmp->all_bitwise);
+    if (!cmp->all_bitwise) throw Error("exact protocols disagree bitwise");
+  });
 }
 
 }  // namespace
 
 void add_run_command(CLI::App& app) {
   auto cfg = std::make_shared<RunConfig>();
+  cfg->backend.timeout_s = 120;
   CLI::App* cmd = app.add_subcommand(
       "run", "the main job: the context-parallel KDA layer for every protocol vs one device");
-  add_int(*cmd, "--ranks,-P", cfg->ranks, "in-process ranks", IntRange{1, 1024});
+  add_backend_flags(*cmd, cfg->backend);
   add_int(*cmd, "--batch,-B", cfg->batch, "batch size", kSizeRange);
-  add_int(*cmd, "--tokens,-T", cfg->tokens, "sequence length", IntRange{1, 1 << 24});
+  auto* tokens = add_int(*cmd, "--tokens,-T", cfg->tokens, "sequence length (with --seqlens: their sum)",
+                         IntRange{1, 1 << 24});
   add_int(*cmd, "--heads,-H", cfg->heads, "query/key heads", kSizeRange);
   add_int(*cmd, "--value-heads", cfg->value_heads, "value heads (multiple of --heads; 0: same)",
           IntRange{0, kSizeRange.max});
   add_int(*cmd, "--key-dim,-K", cfg->key_dim, "key dim", kDimRange);
   add_int(*cmd, "--value-dim,-V", cfg->value_dim, "value dim", kDimRange);
+  add_int_list(*cmd, "--seqlens", cfg->seqlens,
+               "pack sequences of these lengths into one row (B = 1; T defaults to their sum), with random h0 "
+               "and dht, and report ht and dh0 too",
+               IntRange{1, 1 << 24});
+  add_int(*cmd, "--docs", cfg->docs,
+          "pack this many documents of random lengths (each >= 1, seeded by --seed) into one row, like --seqlens",
+          IntRange{1, 1 << 24})
+      ->default_str("none");
+  add_layout_flags(*cmd, cfg->layout);
   add_int(*cmd, "--seed", cfg->seed, "input seed", IntRange{});
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
-  add_real(*cmd, "--timeout", cfg->timeout_s, "seconds a rank waits for a peer", kTimeoutRange);
   add_max_memory(*cmd, cfg->max_memory);
   cmd->add_flag("--json", cfg->json, "print JSON instead of a table");
-  cmd->callback([cfg] { run(*cfg); });
+  cmd->callback([cfg, tokens] {
+    cfg->tokens_given = tokens->count() > 0;
+    run(*cfg);
+  });
 }
 
 }  // namespace kdacp::cli

@@ -3,6 +3,7 @@
 // Part of kdacp_testing.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,46 +15,54 @@
 namespace kdacp::testing {
 
 // q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy
-// [B,T,HV] and optional do.npy [B,T,HV,V], all float32 or all float64.
+// [B,T,HV] and optional do.npy [B,T,HV,V], all float32 or all float64;
+// optional cu_seqlens.npy (int32 or int64, 1-D, B = 1) and the states h0.npy
+// and dht.npy [N,HV,K,V] in q's dtype (N: sequences, B without cu_seqlens).
 struct LayerNpy {
   NpyArray q, k, v, g, beta;
-  std::optional<NpyArray> d_o;
+  std::optional<NpyArray> d_o, h0, dht;
+  std::vector<std::int64_t> cu_seqlens;  // empty without cu_seqlens.npy
+  std::size_t sequences = 0;             // N
 };
 
 // Reads and checks the files of `dir`: a missing file, a wrong rank, a shape
-// that disagrees with q.npy and v.npy or a dtype unlike q.npy's throws
-// IoError naming the file. Values outside the layer's domain throw
-// InvalidArgument naming the file, the element and the domain: NaN or ±Inf
-// anywhere, g > 0 (g is the log of a decay in (0, 1]), beta outside [0, 1].
+// that disagrees with q.npy and v.npy (h0/dht: with N, HV, K, V) or a dtype
+// unlike q.npy's throws IoError naming the file. Values outside the layer's
+// domain throw InvalidArgument naming the file, the element and the domain:
+// NaN or ±Inf anywhere, g > 0 (g is the log of a decay in (0, 1]), beta
+// outside [0, 1], cu_seqlens not 0 = c_0 < c_1 < ... < c_N = T or given with
+// B > 1.
 LayerNpy read_layer_npy(const std::string& dir);
+
+// cu_seqlens.npy at `path`: int32 or int64 ('<i4' / '<i8'), 1-D, at least
+// two entries, as int64; anything else throws IoError naming the file. The
+// values are not checked here (read_layer_npy does).
+std::vector<std::int64_t> read_cu_seqlens_npy(const std::string& path);
 
 // Bytes of the files read_layer_npy(dir) would read.
 double layer_npy_bytes(const std::string& dir);
 
 // Admission of `kdacp kda`: throws OutOfMemory before any work when the
-// layer of `s` on `ranks` ranks (layer_run_bytes, gradients too when
+// layer of `s` with N = `sequences` on `ranks` ranks (layer_run_bytes, gradients too when
 // `grads`), with the exchange make_state_exchange(mesh, method, group_size,
 // options) builds for `summary`, beside inputs of input_bytes already read
 // (counted twice: the files' bytes and their copy as T) exceeds the limit
 // text max_memory (max_memory_bytes in kdacp/admission.hpp). The message
 // names the ranks and the protocol (auto: its choice).
-void admit_layer_run(const kda::Shape& s, const SummaryShape& summary, std::size_t ranks, bool grads,
-                     double input_bytes, const std::string& method, long long group_size,
+void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
+                     std::size_t ranks, bool grads, double input_bytes, const std::string& method, long long group_size,
                      const ExchangeOptions& options, const std::string& max_memory);
 
-// The arrays as layer data of T (T must be the files' dtype); the shape is
-// checked with kda::validate.
+// The arrays as a layer job of T (T must be the files' dtype) with `scale`,
+// asking for the final states; the shape is checked with kda::validate.
 template <class T>
-kda::LayerData<T> layer_data(const LayerNpy& in);
+LayerJob<T> layer_job(const LayerNpy& in, T scale);
 
-// do.npy as T (empty without one).
-template <class T>
-std::vector<T> output_grad(const LayerNpy& in);
-
-// o.npy and, when `in` has do.npy, dq/dk/dv/dg/dbeta.npy into `dir`
-// (created if needed), in the shapes and dtype of the inputs.
-inline const std::vector<std::string> kLayerOutputFiles{"o.npy",  "dq.npy", "dk.npy",
-                                                        "dv.npy", "dg.npy", "dbeta.npy"};
+// o.npy and ht.npy [N,HV,K,V] and, when `in` has do.npy,
+// dq/dk/dv/dg/dbeta.npy and dh0.npy into `dir` (created if needed), in the
+// shapes and dtype of the inputs.
+inline const std::vector<std::string> kLayerOutputFiles{"o.npy",  "ht.npy", "dq.npy",    "dk.npy",
+                                                        "dv.npy", "dg.npy", "dbeta.npy", "dh0.npy"};
 template <class T>
 void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const LayerOutputs<T>& out);
 

@@ -1,65 +1,127 @@
-// Runs the context-parallel KDA layer on in-process ranks over a whole
-// sequence and collects outputs and gradients in the global layout, to compare
-// it with one device or another implementation (`kdacp run`, `kdacp kda`).
-// Part of kdacp_testing.
+// Runs the context-parallel KDA layer over a whole job — packed sequences,
+// initial and final states, any layout (SPEC §10) — on any Communicator
+// (in-process ranks or one process per rank) and collects outputs and
+// gradients in the global layout, to compare it with one device or another
+// implementation (`kdacp run`, `kdacp kda`). Part of kdacp_testing.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "kdacp/comm.hpp"
 #include "kdacp/kda_cp.hpp"
 
 namespace kdacp::testing {
 
+// How the stream's tokens are laid out over the ranks.
+struct LayoutSpec {
+  bool zigzag = false;
+  // Contiguous only: per-rank token counts (empty: the first T mod P ranks
+  // take ⌈T/P⌉, the others ⌊T/P⌋).
+  std::vector<std::size_t> counts;
+
+  // Layout::zigzag or Layout::contiguous; throws their InvalidArgument
+  // (counts not P entries, a zero, a sum other than T; zigzag with T < 2P),
+  // and for counts given with zigzag.
+  kda::Layout build(std::size_t tokens, std::size_t ranks) const;
+  // "contiguous", "contiguous 3,5,4" or "zigzag".
+  std::string name() const;
+};
+
+// A layer job: the whole stream's inputs and what to compute. Every process
+// holds the whole job (read or generated from a seed) and takes its parts.
+template <class T>
+struct LayerJob {
+  kda::LayerData<T> data;  // [B,T,...]
+  T scale = 0;
+  std::vector<std::int64_t> cu_seqlens;  // empty: each row one sequence (N = B)
+  std::vector<T> h0;                     // [N,HV,K,V]; empty: zero
+  std::vector<T> d_o;                    // [B,T,HV,V]; empty: forward only
+  std::vector<T> dht;                    // [N,HV,K,V]; empty: zero
+  // Produce ht (and, with d_o, dh0).
+  bool final_states = true;
+
+  // Checks B = 1 with cu_seqlens and the rules of kda::Sequences, and the
+  // sizes of h0, d_o and dht; throws InvalidArgument naming the array.
+  kda::Sequences sequences() const;
+  // N·HV·K·V.
+  std::size_t state_elems() const;
+  bool grads() const { return !d_o.empty(); }
+};
+
 template <class T>
 struct LayerOutputs {
   std::vector<T> o, dq, dk, dv, dg, dbeta;
+  std::vector<T> ht, dh0;                            // [N,HV,K,V] when the job asks for them
   double forward_seconds = 0, backward_seconds = 0;  // slowest rank
   double exchange_seconds = 0;                       // slowest rank, forward + backward
   std::string method;
+  std::string backend = "single";
+  std::size_t ranks = 1;
   bool exact = true;  // the protocol performs the chain's operations (SPEC §5)
 };
 
-// Zeroed outputs of `s`; the gradients stay empty unless `grads`.
+// Zeroed outputs of `job`: o, and the gradients with d_o; ht (and dh0 with
+// d_o) when job.final_states.
 template <class T>
-LayerOutputs<T> allocate_outputs(const kda::Shape& s, bool grads);
+LayerOutputs<T> allocate_outputs(const LayerJob<T>& job);
 
-// One device: the whole sequence on this process with `threads` threads.
+// One device: the whole stream on this process with `threads` threads
+// (kda::forward_sequences / backward_sequences).
 template <class T>
-LayerOutputs<T> run_single(const kda::LayerData<T>& data, T scale, const std::vector<T>* d_o,
-                           std::size_t threads);
+LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads);
 
-// P in-process ranks, each holding its tokens, each with its own exchange
-// made by make_state_exchange(mesh, method, group_size, options) and
-// `threads_per_rank` threads; d_o == nullptr: forward only. A rank that waits
-// longer than timeout_s for a peer fails the run; the first error is
-// rethrown.
+// What runs on every rank.
+struct LayerRunOptions {
+  std::string method = "auto";
+  long long group_size = 1;
+  std::size_t threads_per_rank = 1;
+  ExchangeOptions exchange;  // expected_shape defaults to the job's summary shape
+  LayoutSpec layout;
+};
+
+// Collective over `world` (P = world->size(), its ranks in order the CP
+// ranks): every rank builds the layer for options.layout with
+// make_state_exchange(mesh, method, group_size, exchange) and its own pool of
+// threads_per_rank threads, takes its parts of the job, runs forward (and
+// backward with d_o). Rank r's dht is the job's dht on rank 0 and zero on
+// the others, so the gradient of ht the layer sums over ranks is the job's
+// dht exactly. Every rank sends its local outputs to rank 0, which returns
+// them in the global layout; the other ranks return nullopt. Times are the
+// slowest rank's. Throws what the layer throws (before any message for bad
+// inputs) and, for a layout that is not the job's T and P, InvalidArgument.
 template <class T>
-LayerOutputs<T> run_context_parallel(const kda::LayerData<T>& data, T scale,
-                                     const std::vector<T>* d_o, std::size_t ranks,
-                                     const std::string& method, long long group_size,
-                                     std::size_t threads_per_rank, double timeout_s,
-                                     ExchangeOptions options = {});
+std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Communicator>& world,
+                                                    const LayerJob<T>& job, const LayerRunOptions& options);
+
+// The same on `ranks` in-process ranks; a rank that waits longer than
+// timeout_s for a peer fails the run; the first error is rethrown.
+template <class T>
+LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
+                                     double timeout_s);
 
 // Bytes of o and, with grads, of the gradients (as large as the inputs
 // q, k, v, g, beta) of `s` in T of elem_bytes.
 double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes);
 
-// Bytes run_context_parallel allocates for `s` on `ranks` ranks with T of
-// elem_bytes: the ranks' slices, the outputs (gradients too when `grads`),
-// the checkpoints and the summaries, and rank_exchange_bytes per rank for its
-// exchange (exchange_rank_bytes in kdacp/admission.hpp). The caller's inputs
-// are not counted.
-double layer_run_bytes(const kda::Shape& s, std::size_t ranks, bool grads, std::size_t elem_bytes,
-                       double rank_exchange_bytes);
+// Bytes run_context_parallel allocates for `s` with N = `sequences` on
+// `ranks` ranks with T of elem_bytes: the ranks' slices, the outputs
+// (gradients too when `grads`), h0, dht, ht and dh0 [N,HV,K,V] per rank, the
+// checkpoints and the summaries, and rank_exchange_bytes per rank for its
+// exchange (exchange_rank_bytes in kdacp/admission.hpp). The job itself is
+// not counted.
+double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
+                       std::size_t elem_bytes, double rank_exchange_bytes);
 
-// Relative Frobenius errors of o, dq, dk, dv, dg and dbeta of `got` against
-// `want` (reference::relative_error), in that order.
+// Relative Frobenius errors (reference::relative_error) of `got` against
+// `want`: o, dq, dk, dv, dg, dbeta, then ht and dh0 when both have them.
 std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want);
 
-// Whether o and every gradient are bitwise equal.
+// Whether o, every gradient, ht and dh0 are bitwise equal.
 bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b);
 
 // The summary shape of the layer's state exchange: [B, HV, K, V].
@@ -79,12 +141,13 @@ class Progress {
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };
 
-// One protocol's run in compare_protocols.
+// One protocol's row in compare_protocols.
 struct ProtocolRun {
   LayerOutputs<float> out;
   long long group_size = 1;
   std::string label;             // the method, with " w=<group size>" when it takes one
-  std::optional<bool> bitwise;   // exact protocols: same_bits with the first exact run
+  std::optional<bool> bitwise;   // exact protocols that ran: same_bits with the first exact run
+  std::string skipped;           // why it did not run ("" when it ran)
 };
 
 struct ProtocolComparison {
@@ -92,19 +155,22 @@ struct ProtocolComparison {
   bool all_bitwise = true;        // every exact run's `bitwise`
 };
 
-// The layer, forward and backward against d_o, with every protocol of the
-// registry but auto on `ranks` in-process ranks of threads_per_rank threads
-// each (run_context_parallel). A protocol that takes a group size runs at
-// w = P/2, and only when that is a proper divisor of P (even P >= 4).
-// progress.note("running <method>") precedes each run.
-ProtocolComparison compare_protocols(const kda::LayerData<float>& data, float scale, const std::vector<float>& d_o,
-                                     std::size_t ranks, std::size_t threads_per_rank, double timeout_s,
-                                     const Progress& progress);
+// The layer, forward and backward (the job must have d_o), with every
+// protocol of the registry but auto, collective over `world`
+// (run_context_parallel). A protocol that takes a group size runs at w = P/2,
+// and only when that is a proper divisor of P (even P >= 4). When the layout
+// has several parts on a rank or parts out of rank order, a protocol whose
+// registry row does not take layouts is listed with `skipped` set and not
+// run. progress.note("running <method>") precedes each run. Rank 0 returns
+// the comparison, the others nullopt.
+std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Communicator>& world,
+                                                    const LayerJob<float>& job, const LayerRunOptions& base,
+                                                    const Progress& progress);
 
-// Bytes run_single and compare_protocols allocate for float `shape` on
-// `ranks` ranks beside the inputs: every run's outputs and gradients, kept
-// for the comparison, and one context-parallel run at a time with the
-// hungriest protocol of the cost model.
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t ranks);
+// Bytes run_single and compare_protocols allocate for float `shape` with N
+// = `sequences` on `ranks` ranks beside the job: every run's outputs and
+// gradients, kept for the comparison, and one context-parallel run at a time
+// with the hungriest protocol of the cost model.
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks);
 
 }  // namespace kdacp::testing

@@ -49,4 +49,11 @@ LayerData<T> synthetic_layer(const Shape& shape, std::uint64_t seed);
 template <class T>
 std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed);
 
+// cu_seqlens of a random packing of `docs` documents into `tokens` tokens
+// (deterministic in seed): 0 = c_0 < c_1 < ... < c_docs = tokens, the docs - 1
+// inner boundaries drawn uniformly without repetition from [1, tokens - 1],
+// so every document has at least one token. Throws InvalidArgument unless
+// 1 <= docs <= tokens.
+std::vector<std::int64_t> random_cu_seqlens(std::size_t tokens, std::size_t docs, std::uint64_t seed);
+
 }  // namespace kdacp::kda
