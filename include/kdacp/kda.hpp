@@ -57,6 +57,25 @@ using Elem = std::type_identity_t<T>;
 template <class T>
 T default_scale(std::size_t key_dim);
 
+// How the functions below compute (SPEC §9). Both give the same results up to
+// rounding (tests: ≤ 1e-10 relative in double, 5e-5 in float); each is
+// bitwise independent of the thread count and the SIMD target.
+//  - recurrent: token by token, rank-1 updates of the K×V state (the reference).
+//  - chunk: chunkwise WY/UT form (flash-linear-attention's `chunk_kda`): per
+//    chunk of kChunkSize tokens a triangular solve and dense C×K, C×C, K×V products;
+//    only one state per chunk crosses chunk boundaries. Every function below
+//    has both (see docs/performance.md for their speed).
+enum class Algorithm { recurrent, chunk };
+
+// Tokens per chunk of Algorithm::chunk (the last chunk of a call may be
+// shorter). Part of the results' definition: it fixes the rounding.
+inline constexpr std::size_t kChunkSize = 64;
+
+// "recurrent" / "chunk".
+const char* algorithm_name(Algorithm algorithm);
+// Parses algorithm_name's spelling; throws InvalidArgument otherwise.
+Algorithm parse_algorithm(const char* name);
+
 // One chunk of a layer's inputs (non-owning; every pointer is required).
 template <class T>
 struct Inputs {
@@ -68,6 +87,9 @@ struct Inputs {
   Shape shape{};
 
   T scale = 0;  // must be finite and positive; see default_scale
+
+  // Carried along by the CP layer and the sequences path (they copy Inputs).
+  Algorithm algorithm = Algorithm::recurrent;
 };
 
 // Throws InvalidArgument (naming `op`, the calling function) unless
@@ -112,6 +134,8 @@ inline constexpr std::size_t kDefaultCheckpointInterval = 64;
 // forward ran from (nullptr: zero). dq and dk sum over the HV/H value heads
 // sharing a query/key head, in value-head order. `checkpoint_interval` (≥ 1)
 // trades memory for nothing else: results are bitwise the same for every value.
+// Algorithm::chunk ignores it: it keeps the state entering every chunk
+// (T / kChunkSize · K·V elements per busy thread) and exp(g) of the head.
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
               const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec = {},

@@ -80,6 +80,7 @@ HWY_AFTER_NAMESPACE();
 #include <type_traits>
 #include <vector>
 
+#include "kda/chunk.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/thread_pool.hpp"
 
@@ -119,6 +120,8 @@ void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* 
   validate(in, "chunk_summary");
   require(state, "chunk_summary", "state");
   require(transfer, "chunk_summary", "transfer");
+  if (in.algorithm == Algorithm::chunk)
+    return chunk_summary_chunked(chosen_chunk_kernels<T>(), in, state, transfer, exec);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim, kk = s.key_dim * s.key_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
@@ -137,6 +140,8 @@ void forward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, 
                 T* final_state, const ExecPolicy& exec) {
   validate(in, "forward");
   require(o, "forward", "o");
+  if (in.algorithm == Algorithm::chunk)
+    return forward_chunked(chosen_chunk_kernels<T>(), in, incoming, o, final_state, exec);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
@@ -168,6 +173,8 @@ void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
   require(grads.dbeta, "backward", "dbeta");
   if (checkpoint_interval == 0)
     throw InvalidArgument("kda::backward: checkpoint_interval = 0, expected >= 1");
+  if (in.algorithm == Algorithm::chunk)
+    return backward_chunked(chosen_chunk_kernels<T>(), in, incoming, d_o, d_final, grads, exec);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim, group = s.group();
   const std::size_t head_qk = s.tokens * s.key_dim;
@@ -234,6 +241,8 @@ void incoming_grad_on(const Kernels<T>& kern, const Inputs<T>& in, const T* d_o,
   validate(in, "incoming_grad");
   require(d_o, "incoming_grad", "d_o");
   require(g_state, "incoming_grad", "g_state");
+  if (in.algorithm == Algorithm::chunk)
+    return incoming_grad_chunked(chosen_chunk_kernels<T>(), in, d_o, g_state, exec);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
@@ -276,6 +285,27 @@ void validate(const Inputs<T>& in, const char* op) {
   if (!std::isfinite(in.scale) || !(in.scale > 0))
     throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
                           ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
+  if (in.algorithm != Algorithm::recurrent && in.algorithm != Algorithm::chunk)
+    throw InvalidArgument(std::string("kda::") + op + ": algorithm = " +
+                          std::to_string(static_cast<int>(in.algorithm)) +
+                          ", expected Algorithm::recurrent or Algorithm::chunk");
+}
+
+const char* algorithm_name(Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::recurrent:
+      return "recurrent";
+    case Algorithm::chunk:
+      return "chunk";
+  }
+  return "unknown";
+}
+
+Algorithm parse_algorithm(const char* name) {
+  const std::string s = name ? name : "";
+  if (s == "recurrent") return Algorithm::recurrent;
+  if (s == "chunk") return Algorithm::chunk;
+  throw InvalidArgument("kda: algorithm '" + s + "', expected 'recurrent' or 'chunk'");
 }
 template void validate<float>(const Inputs<float>&, const char*);
 template void validate<double>(const Inputs<double>&, const char*);

@@ -1,0 +1,117 @@
+// The KDA layer's math on one rank, both algorithms (kda::Algorithm):
+// forward (o + final state), backward (all gradients), chunk summary and G
+// pass at B=1, T=8192, H=4, K=V=128 (or the shape on the command line), in
+// float. Prints median wall times, the speed-up of chunk over recurrent, and
+// effective rates: the recurrent flop count (kda::forward_flops /
+// backward_flops, src/testing/flops.cpp) per second beside the measured FP32
+// FMA peak of the same threads. Not a test: nothing here asserts.
+//
+//   kdacp_bench_layer [threads=1] [reps=5] [T=8192] [H=4] [K=128] [V=128] [cpu]
+//
+// `cpu` (7th argument 1) times CPU time of the process instead of wall time:
+// with one thread on a busy shared machine that is the steadier number.
+#include <algorithm>
+#include <cmath>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kdacp/kda.hpp"
+#include "kdacp/testing/bench.hpp"
+#include "kdacp/thread_pool.hpp"
+
+namespace {
+
+using namespace kdacp;
+using namespace kdacp::kda;
+
+// Seconds of one call: wall time, or with `cpu` the process's CPU time (on
+// a shared machine, time slices lost to other processes do not count; equal
+// to wall time for one thread on an idle machine).
+bool g_cpu_time = false;
+
+double now_seconds() {
+  if (g_cpu_time) return static_cast<double>(std::clock()) / CLOCKS_PER_SEC;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median_seconds(std::size_t reps, const std::function<void()>& fn) {
+  fn();  // warm-up: page faults, scratch caches
+  std::vector<double> t;
+  for (std::size_t r = 0; r < reps; ++r) {
+    const double a = now_seconds();
+    fn();
+    t.push_back(now_seconds() - a);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<float> uniform(std::size_t n, float lo, float hi, std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> x(n);
+  for (auto& e : x) e = d(rng);
+  return x;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto arg = [&](int i, std::size_t dflt) {
+    return argc > i ? static_cast<std::size_t>(std::strtoull(argv[i], nullptr, 10)) : dflt;
+  };
+  const std::size_t threads = arg(1, 1), reps = arg(2, 5);
+  g_cpu_time = arg(7, 0) != 0;
+  const Shape s{1, arg(3, 8192), arg(4, 4), arg(4, 4), arg(5, 128), arg(6, 128)};
+  std::mt19937 rng(1);
+  std::vector<float> q = uniform(s.qk_elems(), -1, 1, rng), k = uniform(s.qk_elems(), -1, 1, rng);
+  for (std::size_t r = 0; r < s.qk_elems(); r += s.key_dim) {
+    float n = 0;
+    for (std::size_t i = 0; i < s.key_dim; ++i) n += k[r + i] * k[r + i];
+    for (std::size_t i = 0; i < s.key_dim; ++i) k[r + i] /= std::sqrt(n);
+  }
+  std::vector<float> v = uniform(s.v_elems(), -1, 1, rng), g = uniform(s.g_elems(), -0.1f, 0, rng);
+  std::vector<float> beta = uniform(s.beta_elems(), 0.1f, 0.9f, rng);
+  std::vector<float> d_o = uniform(s.v_elems(), -1, 1, rng);
+  std::vector<float> o(s.v_elems()), fin(s.state_elems()), st(s.state_elems()),
+      tr(s.transfer_elems()), gs(s.state_elems());
+  std::vector<float> dq(s.qk_elems()), dk(s.qk_elems()), dv(s.v_elems()), dg(s.g_elems()),
+      db(s.beta_elems()), dinc(s.state_elems());
+
+  ThreadPool pool(threads);
+  const ExecPolicy exec{&pool};
+  const PeakResult peak = measure_fma_peak(threads, 0.2);
+  const double ff = forward_flops(s, false), bf = backward_flops(s, false);
+  std::printf("KDA layer math, float, B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu, %zu thread(s), "
+              "median of %zu, %s time\n",
+              s.batch, s.tokens, s.heads, s.value_heads, s.key_dim, s.value_dim, threads, reps,
+              g_cpu_time ? "CPU" : "wall");
+  std::printf("FP32 FMA peak: %.1f GFLOP/s (%s)\n", peak.gflops, peak.target.c_str());
+  std::printf("%-10s %10s %10s %10s %10s %10s %9s %9s\n", "algorithm", "fwd ms", "bwd ms",
+              "f+b ms", "summary", "G pass", "GFLOP/s", "% peak");
+  double fb[2] = {0, 0};
+  for (Algorithm a : {Algorithm::recurrent, Algorithm::chunk}) {
+    Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
+                     default_scale<float>(s.key_dim)};
+    in.algorithm = a;
+    const double tf = median_seconds(reps, [&] { forward(in, nullptr, o.data(), fin.data(), exec); });
+    const double tb = median_seconds(reps, [&] {
+      backward(in, nullptr, d_o.data(), nullptr,
+               Grads<float>{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), dinc.data()},
+               exec);
+    });
+    const double ts = median_seconds(reps, [&] { chunk_summary(in, st.data(), tr.data(), exec); });
+    const double tg = median_seconds(reps, [&] { incoming_grad(in, d_o.data(), gs.data(), exec); });
+    const double rate = (ff + bf) / (tf + tb) / 1e9;
+    fb[a == Algorithm::chunk] = tf + tb;
+    std::printf("%-10s %10.2f %10.2f %10.2f %10.2f %10.2f %9.1f %8.1f%%\n", algorithm_name(a),
+                tf * 1e3, tb * 1e3, (tf + tb) * 1e3, ts * 1e3, tg * 1e3, rate,
+                100 * rate / peak.gflops);
+  }
+  std::printf("chunk speed-up, forward+backward: %.2fx\n", fb[0] / fb[1]);
+  return 0;
+}

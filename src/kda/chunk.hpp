@@ -1,0 +1,142 @@
+// Internal to the KDA module: the chunkwise (WY/UT) algorithm,
+// Algorithm::chunk (chunk-inl.h has the math). The per-target kernels share
+// these types with the dispatch and threading in chunk.cpp; kda_math.cpp
+// calls the entry points below when Inputs::algorithm is chunk.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "kda/kda_kernels.hpp"
+#include "kdacp/kda.hpp"
+
+namespace kdacp::kda::detail {
+
+// Tokens per chunk: the state crosses chunk boundaries, everything inside a
+// chunk is dense products of C×K, C×C and K×V blocks. Sub-chunks of kSub
+// tokens bound the range of the decay factors (chunk-inl.h). Part of the
+// results' definition (it fixes the rounding), not a tuning knob per call.
+inline constexpr std::size_t kChunk = kChunkSize;
+inline constexpr std::size_t kSub = 16;
+
+// Scratch of one thread for one head at a time; sized once per (K, V).
+template <class T>
+struct ChunkWork {
+  std::vector<T> k, q, alpha, kg, qg, kr;  // kChunk×K
+  std::vector<T> beta;                     // kChunk
+  std::vector<T> run, ac;                  // K
+  std::vector<T> L, P;                     // kChunk×kChunk
+  std::vector<T> amat;                     // 2·kSub×K
+  std::vector<T> bmat;                     // K×kChunk
+  std::vector<T> rbuf;                     // 2·kSub×kChunk
+  std::vector<T> frows;                    // kSub×K
+  std::vector<T> brows;                    // kChunk×K
+  std::vector<T> x;                        // kChunk×(V+K): [U | W]
+  std::vector<T> delta;                    // kChunk×(V+K)
+  std::vector<T> tmp;                      // kChunk×V
+  std::vector<T> kv;                       // K×V
+  std::vector<T> state;                    // K×(V+K)
+  bool safe[kChunk / kSub] = {};          // per sub-chunk: L, P diagonal blocks factorised
+  std::size_t kd = 0, vd = 0;
+
+  void resize(std::size_t key_dim, std::size_t value_dim) {
+    if (key_dim == kd && value_dim == vd) return;
+    kd = key_dim;
+    vd = value_dim;
+    for (auto* v : {&k, &q, &alpha, &kg, &qg, &kr}) v->assign(kChunk * kd, T(0));
+    beta.assign(kChunk, T(0));
+    run.assign(kd, T(0));
+    ac.assign(kd, T(0));
+    L.assign(kChunk * kChunk, T(0));
+    P.assign(kChunk * kChunk, T(0));
+    amat.assign(2 * kSub * kd, T(0));
+    bmat.assign(kd * kChunk, T(0));
+    rbuf.assign(2 * kSub * kChunk, T(0));
+    frows.assign(kSub * kd, T(0));
+    brows.assign(kChunk * kd, T(0));
+    x.assign(kChunk * (vd + kd), T(0));
+    delta.assign(kChunk * (vd + kd), T(0));
+    tmp.assign(kChunk * vd, T(0));
+    kv.assign(kd * vd, T(0));
+  }
+};
+
+// backward's scratch on top of ChunkWork: the state entering every chunk
+// (the saved states: T/kChunk · K·V elements per head being computed) and the
+// per-chunk gradient buffers.
+template <class T>
+struct ChunkBackWork {
+  ScratchVec<T> states;                                   // n_chunks×K×V
+  ScratchVec<T> alpha;                                    // tokens×K: exp(g)
+  std::vector<T> ds, s0t, dst, t2;                        // K×V
+  std::vector<T> delta, dob, dd, dlt;                     // kChunk×V
+  std::vector<T> dP, dL, m1, lb;                          // kChunk×kChunk
+  std::vector<T> dqg, dkr, dkg, gk, gq, gg, bmr, fac, dbm;  // kChunk×K
+  std::vector<T> z, xt;                                   // kChunk×(V+K)
+  std::vector<T> dac, last, y;                            // K
+  std::vector<T> ff, dam, dr;                             // 2·kSub×max(K, kChunk)
+  std::size_t kd = 0, vd = 0;
+
+  void resize(std::size_t key_dim, std::size_t value_dim, std::size_t n_chunks) {
+    if (states.size() < n_chunks * key_dim * value_dim)
+      states.resize(n_chunks * key_dim * value_dim);
+    if (alpha.size() < n_chunks * kChunk * key_dim) alpha.resize(n_chunks * kChunk * key_dim);
+    if (key_dim == kd && value_dim == vd) return;
+    kd = key_dim;
+    vd = value_dim;
+    const std::size_t kv = kd * vd, cv = kChunk * vd, cc = kChunk * kChunk, ck = kChunk * kd;
+    for (auto* v : {&ds, &s0t, &dst, &t2}) v->assign(kv, T(0));
+    for (auto* v : {&delta, &dob, &dd, &dlt}) v->assign(cv, T(0));
+    for (auto* v : {&dP, &dL, &m1, &lb}) v->assign(cc, T(0));
+    for (auto* v : {&dqg, &dkr, &dkg, &gk, &gq, &gg, &bmr, &fac, &dbm}) v->assign(ck, T(0));
+    for (auto* v : {&z, &xt}) v->assign(kChunk * (vd + kd), T(0));
+    for (auto* v : {&dac, &last, &y}) v->assign(kd, T(0));
+    const std::size_t wide = 2 * kSub * std::max<std::size_t>(kd, kChunk);
+    for (auto* v : {&ff, &dam, &dr}) v->assign(wide, T(0));
+  }
+};
+
+// The per-head chunk kernels of one target, for one element type.
+template <class T>
+struct ChunkKernels {
+  void (*forward)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T, const T*, T*,
+                  std::size_t, T*, ChunkWork<T>&);
+  void (*summary)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T*, T*,
+                  ChunkWork<T>&);
+  void (*incoming_grad)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T,
+                        const T*, std::size_t, T*, ChunkWork<T>&);
+  void (*backward)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T, const T*,
+                   const T*, std::size_t, const T*, const HeadGrads<T>&, ChunkWork<T>&,
+                   ChunkBackWork<T>&);
+};
+
+struct ChunkKernelSet {
+  ChunkKernels<float> f32;
+  ChunkKernels<double> f64;
+};
+
+// The chunk kernels Highway's dispatch picks now, not cached: the tests
+// narrow the targets with hwy::SetSupportedTargetsForTest and compare them.
+const ChunkKernelSet* dispatched_chunk_kernels();
+
+// The best target's chunk kernels (chosen once per process).
+template <class T>
+const ChunkKernels<T>& chosen_chunk_kernels();
+
+// kda.hpp's entry points on the chunk algorithm, after their validation.
+template <class T>
+void chunk_summary_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, T* state,
+                           T* transfer, const ExecPolicy& exec);
+template <class T>
+void forward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
+                     T* final_state, const ExecPolicy& exec);
+template <class T>
+void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming,
+                      const T* d_o, const T* d_final, const Grads<T>& grads,
+                      const ExecPolicy& exec);
+template <class T>
+void incoming_grad_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* d_o,
+                           T* g_state, const ExecPolicy& exec);
+
+}  // namespace kdacp::kda::detail

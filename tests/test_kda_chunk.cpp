@@ -1,0 +1,490 @@
+// The chunkwise KDA algorithm (Algorithm::chunk) against the recurrent one
+// on the same inputs: forward, final state, chunk summary, G pass (and the
+// backward, which the chunk algorithm runs on the recurrent reverse sweep),
+// thread-count invariance, and the CP layer with the chunk algorithm.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+// The library's target set (before any Highway header).
+#include "kernels/hwy_targets.hpp"
+
+#include <hwy/targets.h>
+
+#include "kda/chunk.hpp"
+#include "kda_helpers.hpp"
+#include "kda_test_inputs.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/inprocess.hpp"
+#include "kdacp/kda.hpp"
+#include "kdacp/kda_cp.hpp"
+#include "kdacp/kda_sequences.hpp"
+#include "kdacp/protocol.hpp"
+#include "kdacp/testing/synthetic.hpp"
+#include "kdacp/thread_pool.hpp"
+
+namespace kdacp::kda {
+namespace {
+
+using test::rel_error;
+
+constexpr std::size_t kC = kChunkSize;
+
+// Random inputs; g ∈ log U(0.9, 1) (weak decay) or U(g_min, 0) (strong).
+template <class T>
+struct Data {
+  Shape shape;
+  std::vector<T> q, k, v, g, beta, h0, d_o, d_final;
+
+  Data(const Shape& s, unsigned seed, double g_min) : shape(s) {
+    std::mt19937_64 rng(seed);
+    const test::RandomInputs r = test::random_inputs(s, rng);
+    auto cast = [](const std::vector<double>& x) { return std::vector<T>(x.begin(), x.end()); };
+    q = cast(r.q);
+    k = cast(r.k);
+    v = cast(r.v);
+    beta = cast(r.beta);
+    g = g_min < 0 ? cast(test::uniform(s.g_elems(), g_min, 0, rng)) : cast(r.g);
+    h0 = cast(test::uniform(s.state_elems(), -1, 1, rng));
+    d_o = cast(test::uniform(s.v_elems(), -1, 1, rng));
+    d_final = cast(test::uniform(s.state_elems(), -1, 1, rng));
+  }
+
+  Inputs<T> inputs(Algorithm a) const {
+    Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), shape,
+                 default_scale<T>(shape.key_dim)};
+    in.algorithm = a;
+    return in;
+  }
+};
+
+template <class T>
+struct Outputs {
+  std::vector<T> o, final_state, o0, s, m, g_state;
+};
+
+template <class T>
+Outputs<T> run_all(const Data<T>& d, Algorithm a, ThreadPool* pool = nullptr) {
+  const Shape& s = d.shape;
+  const ExecPolicy exec{pool};
+  Outputs<T> out;
+  out.o.resize(s.v_elems());
+  out.o0.resize(s.v_elems());
+  out.final_state.resize(s.state_elems());
+  out.s.resize(s.state_elems());
+  out.m.resize(s.transfer_elems());
+  out.g_state.resize(s.state_elems());
+  const Inputs<T> in = d.inputs(a);
+  forward(in, d.h0.data(), out.o.data(), out.final_state.data(), exec);
+  forward(in, nullptr, out.o0.data(), nullptr, exec);
+  chunk_summary(in, out.s.data(), out.m.data(), exec);
+  incoming_grad(in, d.d_o.data(), out.g_state.data(), exec);
+  return out;
+}
+
+// rel_error, except that a reference whose largest entry is below `floor`
+// counts as `floor` in size: under strong decay a float transfer M over many
+// tokens underflows into subnormals, where neither algorithm keeps 24 bits.
+template <class T>
+double rel_error_floor(const std::vector<T>& got, const std::vector<T>& want, double floor) {
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    diff = std::max(diff, std::abs(double(got[i]) - double(want[i])));
+    ref = std::max(ref, std::abs(double(want[i])));
+  }
+  ref = std::max(ref, floor);
+  return ref > 0 ? diff / ref : diff;
+}
+
+template <class T>
+void expect_close(const Outputs<T>& got, const Outputs<T>& want, double tol,
+                  const std::string& what) {
+  EXPECT_EQ(got.m.size(), want.m.size());
+  // M's natural scale is 1 (the identity at T = 0); 2^-100 is far above
+  // float's subnormals and far below any entry a wrong product would leave.
+  const double m_floor = sizeof(T) == 4 ? 0x1p-100 : 0;
+  EXPECT_LE(rel_error_floor(got.m, want.m, m_floor), tol) << what << " summary M";
+  EXPECT_LE(rel_error(got.o, want.o), tol) << what << " o";
+  EXPECT_LE(rel_error(got.o0, want.o0), tol) << what << " o (zero incoming)";
+  EXPECT_LE(rel_error(got.final_state, want.final_state), tol) << what << " final state";
+  EXPECT_LE(rel_error(got.s, want.s), tol) << what << " summary S";
+  EXPECT_LE(rel_error(got.g_state, want.g_state), tol) << what << " G";
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <class T>
+void compare_forward(const Shape& s, double g_min, double tol, unsigned seed) {
+  const Data<T> d(s, seed, g_min);
+  const Outputs<T> want = run_all(d, Algorithm::recurrent);
+  const Outputs<T> got = run_all(d, Algorithm::chunk);
+  expect_close(got, want, tol,
+               "T=" + std::to_string(s.tokens) + " g_min=" + std::to_string(g_min));
+}
+
+// B·H > 1, HV = 2H, K ≠ V; every T around the chunk size.
+Shape shape_with(std::size_t tokens) { return Shape{2, tokens, 1, 2, 32, 48}; }
+
+const std::size_t kTokens[] = {1, kC - 1, kC, kC + 1, 3 * kC + 5};
+
+TEST(KdaChunk, ForwardSummaryGMatchRecurrentDouble) {
+  for (std::size_t t : kTokens) {
+    compare_forward<double>(shape_with(t), 0, 1e-10, 1);
+    compare_forward<double>(shape_with(t), -5, 1e-10, 2);
+  }
+}
+
+TEST(KdaChunk, ForwardSummaryGMatchRecurrentFloat) {
+  for (std::size_t t : kTokens) {
+    compare_forward<float>(shape_with(t), 0, 5e-5, 3);
+    compare_forward<float>(shape_with(t), -5, 5e-5, 4);
+  }
+}
+
+// Other head sizes: K > V, the smallest and a wide one; B = 1, H = 2.
+TEST(KdaChunk, ForwardOtherShapes) {
+  compare_forward<double>(Shape{1, 77, 2, 2, 64, 16}, -5, 1e-10, 5);
+  compare_forward<double>(Shape{1, 40, 1, 1, 16, 16}, 0, 1e-10, 6);
+  compare_forward<float>(Shape{1, 70, 1, 3, 16, 128}, -2, 5e-5, 7);
+  compare_forward<float>(Shape{1, 70, 1, 1, 256, 16}, -2, 5e-5, 15);
+  compare_forward<double>(Shape{1, 70, 1, 1, 16, 256}, -2, 1e-10, 16);
+}
+
+// Decay beyond the sub-chunk's safe range (g = -12 per channel and token,
+// e^-180 over 15 tokens): the exact diagonal-block fallback, in both types.
+TEST(KdaChunk, ExtremeDecayUsesExactBlocks) {
+  compare_forward<double>(Shape{1, 2 * kC + 3, 1, 1, 16, 32}, -12, 1e-10, 8);
+  compare_forward<float>(Shape{1, 2 * kC + 3, 1, 1, 16, 32}, -12, 5e-5, 9);
+  compare_forward<double>(Shape{1, 2 * kC + 3, 1, 1, 16, 32}, -60, 1e-10, 10);
+}
+
+template <class T>
+struct GradOut {
+  std::vector<T> dq, dk, dv, dg, dbeta, dinc;
+  bool operator==(const GradOut& o) const {
+    return same_bits(dq, o.dq) && same_bits(dk, o.dk) && same_bits(dv, o.dv) &&
+           same_bits(dg, o.dg) && same_bits(dbeta, o.dbeta) && same_bits(dinc, o.dinc);
+  }
+};
+
+template <class T>
+GradOut<T> run_backward(const Data<T>& d, Algorithm a, bool with_state,
+                        ThreadPool* pool = nullptr) {
+  const Shape& s = d.shape;
+  GradOut<T> r{std::vector<T>(s.qk_elems()), std::vector<T>(s.qk_elems()),
+               std::vector<T>(s.v_elems()),  std::vector<T>(s.g_elems()),
+               std::vector<T>(s.beta_elems()), std::vector<T>(s.state_elems())};
+  backward(d.inputs(a), with_state ? d.h0.data() : nullptr, d.d_o.data(),
+           with_state ? d.d_final.data() : nullptr,
+           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
+                    r.dinc.data()},
+           ExecPolicy{pool});
+  return r;
+}
+
+template <class T>
+void compare_backward(const Shape& s, double g_min, double tol, unsigned seed) {
+  const Data<T> d(s, seed, g_min);
+  const std::string what = "T=" + std::to_string(s.tokens) + " g_min=" + std::to_string(g_min);
+  for (bool with_state : {true, false}) {
+    const GradOut<T> want = run_backward(d, Algorithm::recurrent, with_state);
+    const GradOut<T> got = run_backward(d, Algorithm::chunk, with_state);
+    EXPECT_LE(rel_error(got.dq, want.dq), tol) << what << " dq";
+    EXPECT_LE(rel_error(got.dk, want.dk), tol) << what << " dk";
+    EXPECT_LE(rel_error(got.dv, want.dv), tol) << what << " dv";
+    EXPECT_LE(rel_error(got.dg, want.dg), tol) << what << " dg";
+    EXPECT_LE(rel_error(got.dbeta, want.dbeta), tol) << what << " dbeta";
+    EXPECT_LE(rel_error(got.dinc, want.dinc), tol) << what << " d_incoming";
+  }
+}
+
+TEST(KdaChunk, BackwardMatchesRecurrentDouble) {
+  for (std::size_t t : kTokens) {
+    compare_backward<double>(shape_with(t), 0, 1e-10, 21);
+    compare_backward<double>(shape_with(t), -5, 1e-10, 22);
+  }
+  compare_backward<double>(Shape{1, 77, 2, 2, 64, 16}, -5, 1e-10, 23);
+  compare_backward<double>(Shape{1, 70, 1, 1, 256, 16}, -2, 1e-10, 28);
+  compare_backward<double>(Shape{1, 2 * kC + 3, 1, 1, 16, 32}, -12, 1e-10, 24);
+}
+
+TEST(KdaChunk, BackwardMatchesRecurrentFloat) {
+  for (std::size_t t : kTokens) {
+    compare_backward<float>(shape_with(t), 0, 5e-5, 25);
+    compare_backward<float>(shape_with(t), -5, 5e-5, 26);
+  }
+  compare_backward<float>(Shape{1, 2 * kC + 3, 1, 1, 16, 32}, -12, 5e-5, 27);
+}
+
+// Central differences in double of L = <d_o, o> + <d_final, S_T> on the
+// chunk path, for every input and the incoming state; two chunks (the
+// second ragged), HV = 2H, B = 2 and strong decay.
+TEST(KdaChunk, BackwardFiniteDifferences) {
+  const Shape s{2, kC + 6, 1, 2, 16, 16};
+  Data<double> d(s, 31, -3);
+  const GradOut<double> g = run_backward(d, Algorithm::chunk, true);
+  std::vector<double> o(s.v_elems()), fin(s.state_elems());
+  auto loss = [&] {
+    forward(d.inputs(Algorithm::chunk), d.h0.data(), o.data(), fin.data());
+    double l = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) l += d.d_o[i] * o[i];
+    for (std::size_t i = 0; i < fin.size(); ++i) l += d.d_final[i] * fin[i];
+    return l;
+  };
+  std::mt19937_64 rng(5);
+  EXPECT_LE(test::finite_difference_error(d.q, g.dq, 60, rng, loss), 1e-6) << "dq";
+  EXPECT_LE(test::finite_difference_error(d.k, g.dk, 60, rng, loss), 1e-6) << "dk";
+  EXPECT_LE(test::finite_difference_error(d.v, g.dv, 60, rng, loss), 1e-6) << "dv";
+  EXPECT_LE(test::finite_difference_error(d.g, g.dg, 60, rng, loss), 1e-6) << "dg";
+  EXPECT_LE(test::finite_difference_error(d.beta, g.dbeta, 60, rng, loss), 1e-6) << "dbeta";
+  EXPECT_LE(test::finite_difference_error(d.h0, g.dinc, 60, rng, loss), 1e-6) << "d_incoming";
+}
+
+TEST(KdaChunk, ThreadCountInvariant) {
+  const Data<float> df(Shape{2, kC + 9, 2, 4, 16, 32}, 11, -3);
+  const Data<double> dd(Shape{2, kC + 9, 2, 4, 16, 32}, 12, -3);
+  const Outputs<float> f1 = run_all(df, Algorithm::chunk);
+  const Outputs<double> d1 = run_all(dd, Algorithm::chunk);
+  const GradOut<float> gf1 = run_backward(df, Algorithm::chunk, true);
+  const GradOut<double> gd1 = run_backward(dd, Algorithm::chunk, true);
+  for (std::size_t threads : {2u, 3u}) {
+    ThreadPool pool(threads);
+    const Outputs<float> f = run_all(df, Algorithm::chunk, &pool);
+    const Outputs<double> d = run_all(dd, Algorithm::chunk, &pool);
+    EXPECT_TRUE(same_bits(f.o, f1.o) && same_bits(f.final_state, f1.final_state) &&
+                same_bits(f.s, f1.s) && same_bits(f.m, f1.m) && same_bits(f.g_state, f1.g_state))
+        << threads << " threads, float";
+    EXPECT_TRUE(same_bits(d.o, d1.o) && same_bits(d.final_state, d1.final_state) &&
+                same_bits(d.s, d1.s) && same_bits(d.m, d1.m) && same_bits(d.g_state, d1.g_state))
+        << threads << " threads, double";
+    EXPECT_TRUE(run_backward(df, Algorithm::chunk, true, &pool) == gf1) << threads << " float";
+    EXPECT_TRUE(run_backward(dd, Algorithm::chunk, true, &pool) == gd1) << threads << " double";
+  }
+}
+
+// Every compiled target the CPU supports gives the same bits as the
+// library's choice, for every function and both types (K, V multiples of 16
+// as the layer requires; a ragged last chunk; unsafe sub-chunks included).
+template <class T>
+std::vector<std::vector<T>> run_kernels(const detail::ChunkKernels<T>& kern, const Data<T>& d) {
+  const Shape& s = d.shape;
+  const Inputs<T> in = d.inputs(Algorithm::chunk);
+  std::vector<std::vector<T>> r{std::vector<T>(s.v_elems()),       std::vector<T>(s.state_elems()),
+                                std::vector<T>(s.state_elems()),   std::vector<T>(s.transfer_elems()),
+                                std::vector<T>(s.state_elems()),   std::vector<T>(s.qk_elems()),
+                                std::vector<T>(s.qk_elems()),      std::vector<T>(s.v_elems()),
+                                std::vector<T>(s.g_elems()),       std::vector<T>(s.beta_elems()),
+                                std::vector<T>(s.state_elems())};
+  const ExecPolicy exec{};
+  detail::forward_chunked(kern, in, d.h0.data(), r[0].data(), r[1].data(), exec);
+  detail::chunk_summary_chunked(kern, in, r[2].data(), r[3].data(), exec);
+  detail::incoming_grad_chunked(kern, in, d.d_o.data(), r[4].data(), exec);
+  detail::backward_chunked(kern, in, d.h0.data(), d.d_o.data(), d.d_final.data(),
+                           Grads<T>{r[5].data(), r[6].data(), r[7].data(), r[8].data(),
+                                    r[9].data(), r[10].data()},
+                           exec);
+  return r;
+}
+
+TEST(KdaChunk, BitwiseEqualAcrossTargets) {
+  const Data<float> df(Shape{1, kC + 21, 1, 2, 32, 16}, 41, -7);
+  const Data<double> dd(Shape{1, kC + 21, 1, 2, 32, 16}, 42, -7);
+  const auto want_f = run_kernels(detail::chosen_chunk_kernels<float>(), df);
+  const auto want_d = run_kernels(detail::chosen_chunk_kernels<double>(), dd);
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  EXPECT_FALSE(targets.empty());
+  for (int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    const detail::ChunkKernelSet* set = detail::dispatched_chunk_kernels();
+    const auto got_f = run_kernels(set->f32, df);
+    const auto got_d = run_kernels(set->f64, dd);
+    for (std::size_t i = 0; i < want_f.size(); ++i) {
+      EXPECT_TRUE(same_bits(got_f[i], want_f[i])) << hwy::TargetName(target) << " float #" << i;
+      EXPECT_TRUE(same_bits(got_d[i], want_d[i])) << hwy::TargetName(target) << " double #" << i;
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// Packed sequences with initial and final states (kda_sequences.hpp): the
+// Inputs' algorithm reaches every piece; chunk equals recurrent.
+TEST(KdaChunk, PackedSequencesMatchRecurrent) {
+  const Shape s{1, 3 * kC + 5, 1, 2, 16, 32};
+  const Data<double> d(s, 51, -4);
+  const std::vector<std::int64_t> cu{0, 50, 50 + kC + 3, static_cast<std::int64_t>(s.tokens)};
+  const Sequences seqs(1, s.tokens, cu);
+  const std::size_t n_state = seqs.count() * s.value_heads * s.key_dim * s.value_dim;
+  std::mt19937_64 rng(52);
+  const std::vector<double> h0 = test::uniform(n_state, -1, 1, rng);
+  const std::vector<double> dht = test::uniform(n_state, -1, 1, rng);
+  struct Run {
+    std::vector<double> o, ht, dq, dk, dv, dg, dbeta, dh0;
+  };
+  auto run = [&](Algorithm a) {
+    Run r{std::vector<double>(s.v_elems()),  std::vector<double>(n_state),
+          std::vector<double>(s.qk_elems()), std::vector<double>(s.qk_elems()),
+          std::vector<double>(s.v_elems()),  std::vector<double>(s.g_elems()),
+          std::vector<double>(s.beta_elems()), std::vector<double>(n_state)};
+    const Inputs<double> in = d.inputs(a);
+    forward_sequences(in, seqs, sequence_states(h0.data(), seqs, s), r.o.data(),
+                      sequence_states(r.ht.data(), seqs, s));
+    backward_sequences(in, seqs, sequence_states(h0.data(), seqs, s), d.d_o.data(),
+                       sequence_states(dht.data(), seqs, s),
+                       Grads<double>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(),
+                                     r.dbeta.data(), nullptr},
+                       sequence_states(r.dh0.data(), seqs, s));
+    return r;
+  };
+  const Run want = run(Algorithm::recurrent), got = run(Algorithm::chunk);
+  EXPECT_LE(rel_error(got.o, want.o), 1e-10) << "o";
+  EXPECT_LE(rel_error(got.ht, want.ht), 1e-10) << "ht";
+  EXPECT_LE(rel_error(got.dq, want.dq), 1e-10) << "dq";
+  EXPECT_LE(rel_error(got.dk, want.dk), 1e-10) << "dk";
+  EXPECT_LE(rel_error(got.dv, want.dv), 1e-10) << "dv";
+  EXPECT_LE(rel_error(got.dg, want.dg), 1e-10) << "dg";
+  EXPECT_LE(rel_error(got.dbeta, want.dbeta), 1e-10) << "dbeta";
+  EXPECT_LE(rel_error(got.dh0, want.dh0), 1e-10) << "dh0";
+}
+
+// The summary's defining property on the chunk path itself:
+// forward(h).final = M·h + S.
+TEST(KdaChunk, SummaryComposes) {
+  const Shape s{1, 2 * kC + 7, 1, 1, 32, 16};
+  const Data<double> d(s, 13, -4);
+  const Outputs<double> r = run_all(d, Algorithm::chunk);
+  std::vector<double> want(s.state_elems());
+  for (std::size_t i = 0; i < s.key_dim; ++i)
+    for (std::size_t j = 0; j < s.value_dim; ++j) {
+      double acc = r.s[i * s.value_dim + j];
+      for (std::size_t l = 0; l < s.key_dim; ++l)
+        acc += r.m[i * s.key_dim + l] * d.h0[l * s.value_dim + j];
+      want[i * s.value_dim + j] = acc;
+    }
+  EXPECT_LE(rel_error(r.final_state, want), 1e-12);
+}
+
+TEST(KdaChunk, AlgorithmNames) {
+  EXPECT_STREQ(algorithm_name(Algorithm::chunk), "chunk");
+  EXPECT_STREQ(algorithm_name(Algorithm::recurrent), "recurrent");
+  EXPECT_EQ(parse_algorithm("chunk"), Algorithm::chunk);
+  EXPECT_EQ(parse_algorithm("recurrent"), Algorithm::recurrent);
+  EXPECT_THROW(parse_algorithm("wy"), InvalidArgument);
+  const Data<float> d(Shape{1, 4, 1, 1, 16, 16}, 14, 0);
+  Inputs<float> in = d.inputs(Algorithm::chunk);
+  in.algorithm = static_cast<Algorithm>(7);
+  std::vector<float> o(d.shape.v_elems());
+  EXPECT_THROW(forward(in, nullptr, o.data(), nullptr), InvalidArgument);
+}
+
+
+// ---- The CP layer with the chunk algorithm equals one rank -----------------
+
+using test::LayerResult;
+
+template <class T>
+LayerResult<T> single_rank(const LayerData<T>& d, const std::vector<T>& d_o) {
+  LayerResult<T> r = test::alloc<T>(d.shape);
+  auto in = d.inputs(default_scale<T>(d.shape.key_dim));
+  in.algorithm = Algorithm::chunk;
+  forward(in, nullptr, r.o.data(), nullptr);
+  backward(in, nullptr, d_o.data(), nullptr,
+           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
+                    r.d_incoming0.data()});
+  return r;
+}
+
+template <class T>
+LayerResult<T> context_parallel(const LayerData<T>& d, const std::vector<T>& d_o, std::size_t p,
+                                const std::string& method, long long width) {
+  const Shape& s = d.shape;
+  LayerResult<T> r = test::alloc<T>(s);
+  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t rank = comm->rank();
+    const TokenSplit range = split_tokens(s.tokens, p, rank);
+    const LayerData<T> local = d.slice(range);
+    const Shape& ls = local.shape;
+    std::vector<T> ldo(ls.v_elems());
+    slice_tokens(d_o.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, ldo.data());
+    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
+    ContextParallelLayer<T> layer(mesh, method, width);
+    auto in = local.inputs(default_scale<T>(s.key_dim));
+    in.algorithm = Algorithm::chunk;
+    LayerResult<T> lr = test::alloc<T>(ls);
+    const Saved saved = layer.forward(in, lr.o.data());
+    layer.backward(in, saved, ldo.data(),
+                   Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(),
+                            lr.dbeta.data(), lr.d_incoming0.data()});
+    unslice_tokens(lr.o.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, r.o.data());
+    unslice_tokens(lr.dq.data(), s.batch, s.tokens, s.heads * s.key_dim, range, r.dq.data());
+    unslice_tokens(lr.dk.data(), s.batch, s.tokens, s.heads * s.key_dim, range, r.dk.data());
+    unslice_tokens(lr.dv.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range,
+                   r.dv.data());
+    unslice_tokens(lr.dg.data(), s.batch, s.tokens, s.value_heads * s.key_dim, range, r.dg.data());
+    unslice_tokens(lr.dbeta.data(), s.batch, s.tokens, s.value_heads, range, r.dbeta.data());
+    if (rank == 0) r.d_incoming0 = lr.d_incoming0;
+  });
+  return r;
+}
+
+struct Method {
+  std::string name;
+  long long width;
+  bool exact;
+};
+
+std::vector<Method> methods_for(std::size_t p) {
+  std::vector<Method> out;
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    if (row->chooser()) continue;
+    if (!row->takes_group_size) {
+      out.push_back({std::string(row->name), 1, row->exact()});
+      continue;
+    }
+    for (std::size_t w = 2; w < p; ++w)
+      if (p % w == 0) out.push_back({std::string(row->name), static_cast<long long>(w), row->exact()});
+  }
+  return out;
+}
+
+template <class T>
+void check_cp(std::size_t p, const Shape& s, double tol) {
+  const auto data = synthetic_layer<T>(s, p * 7 + s.tokens);
+  const auto d_o = synthetic_tensor<T>(s.v_elems(), s.tokens);
+  const auto want = single_rank(data, d_o);
+  std::vector<LayerResult<T>> all;
+  for (const Method& m : methods_for(p)) {
+    const std::string what = m.name + " w=" + std::to_string(m.width) + " P=" + std::to_string(p);
+    all.push_back(context_parallel(data, d_o, p, m.name, m.width));
+    test::expect_close(all.back(), want, tol, what);
+    if (m.exact) {
+      EXPECT_TRUE(test::same_bits(all.back(), all.front())) << what;
+    }
+  }
+}
+
+// Ranks of one to three chunks, ragged last chunks, B > 1, HV = 2H, K ≠ V.
+TEST(KdaChunk, CpLayerEqualsOneRankDouble) {
+  check_cp<double>(2, Shape{1, 150, 1, 1, 16, 32}, 1e-12);
+  check_cp<double>(3, Shape{2, 100, 1, 2, 16, 16}, 1e-12);
+  check_cp<double>(4, Shape{1, 137, 2, 2, 32, 16}, 1e-12);
+  check_cp<double>(8, Shape{1, 90, 1, 1, 16, 16}, 1e-12);
+}
+
+TEST(KdaChunk, CpLayerEqualsOneRankFloat) {
+  check_cp<float>(2, Shape{1, 150, 1, 1, 16, 32}, 2e-5);
+  check_cp<float>(4, Shape{2, 137, 1, 2, 16, 16}, 2e-5);
+  check_cp<float>(8, Shape{1, 90, 1, 1, 16, 16}, 2e-5);
+}
+
+}  // namespace
+}  // namespace kdacp::kda
