@@ -7,6 +7,7 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/protocol.hpp"
 
 namespace kdacp {
 namespace {
@@ -115,6 +116,113 @@ TEST(CostModel, ChoiceRespectsBudgetAndReassociationFlag) {
   const Prediction tight = choose_protocol(c, kLarge, budget, true);
   EXPECT_LE(tight.peak_extra_bytes, budget);
   EXPECT_THROW(choose_protocol(c, kLarge, 16, false), InvalidArgument);
+}
+
+
+// Documents of mean length T/(2P) over P ranks: every other part a cut.
+std::vector<bool> every_other(std::size_t n) {
+  std::vector<bool> cuts(n, false);
+  for (std::size_t j = 1; j < n; j += 2) cuts[j] = true;
+  return cuts;
+}
+
+TEST(CostModel, ChainProfileReadsTheLayoutAndCuts) {
+  ProblemShape s{8, 4, 64, 64, 4};
+  ChainProfile plain = chain_profile(s, 1);
+  EXPECT_EQ(plain.parts, 8u);
+  EXPECT_EQ(plain.steps, 7u);
+  EXPECT_EQ(plain.relays, 7u);
+  EXPECT_EQ(plain.runs, 8u);
+  s.part_owners = zigzag_owners(8);
+  EXPECT_EQ(s.part_owners.size(), 16u);
+  EXPECT_EQ(s.part_owners[8], 7u);
+  const ChainProfile zig = chain_profile(s, 1);
+  EXPECT_EQ(zig.parts, 16u);
+  EXPECT_EQ(zig.per_rank, 2u);
+  EXPECT_EQ(zig.steps, 15u);
+  EXPECT_EQ(zig.relays, 14u);  // parts 7 and 8 are both on rank 7
+  EXPECT_EQ(zig.runs, 15u);
+  EXPECT_EQ(zig.longest_run, 2u);
+  const ChainProfile blocks = chain_profile(s, 4);  // ranks 0-3 and 4-7
+  EXPECT_EQ(blocks.runs, 3u);
+  EXPECT_EQ(blocks.runs_per_block, 2u);
+  EXPECT_EQ(blocks.relays, 2u);
+  EXPECT_EQ(blocks.longest_run, 8u);
+  // The longest stretch between cuts: cuts at 5 and 12 leave 0-5, 5-12, 12-15.
+  s.part_cuts.assign(16, false);
+  s.part_cuts[5] = s.part_cuts[12] = true;
+  EXPECT_EQ(chain_profile(s, 1).steps, 7u);
+  s.part_cuts = every_other(16);
+  EXPECT_EQ(chain_profile(s, 1).steps, 2u);
+  s.part_cuts.assign(3, false);
+  EXPECT_THROW(chain_profile(s, 1), InvalidArgument);
+  s.part_cuts.clear();
+  s.part_owners = {0, 1, 2};
+  EXPECT_THROW(chain_profile(s, 1), InvalidArgument);  // ranks 3..7 hold nothing
+  s.part_owners = {0, 1, 2, 3, 4, 5, 6, 9};
+  EXPECT_THROW(chain_profile(s, 1), InvalidArgument);
+}
+
+// Cuts shorten what waits along the chain and what a gather folds; the
+// doubling scan's rounds do not depend on them.
+TEST(CostModel, CutsShortenTheChainsAndTheGathersFolds) {
+  const CostParams c;
+  for (std::size_t p : {8u, 64u}) {
+    ProblemShape plain{p, 32, 128, 128, 4};
+    ProblemShape cut = plain;
+    cut.part_cuts = every_other(p);
+    for (const ProtocolDescriptor* row : protocol_registry()) {
+      for (const ProtocolConfig& config : valid_configs(*row, p, 128)) {
+        if (config.segments > 1 && config.segments != 8) continue;
+        SCOPED_TRACE(protocol_label(config) + " P=" + std::to_string(p));
+        const Prediction a = predict(c, plain, config), b = predict(c, cut, config);
+        // The plain call's buffers do not depend on the cuts.
+        EXPECT_EQ(a.peak_extra_bytes, b.peak_extra_bytes);
+        if (!row->exact()) {
+          EXPECT_EQ(a.seconds, b.seconds);
+        } else {
+          // The chains wait along fewer steps, the gathers fold fewer slots;
+          // the grouped rows keep their gathers.
+          EXPECT_LT(b.seconds, a.seconds);
+        }
+      }
+    }
+    // The chain's critical path is the longest run between cuts: P-1 steps
+    // cost (P-1)/2 times what 2 steps cost, to within the first fold.
+    const Prediction chain = predict(c, plain, {"p2p", 1, 0});
+    const Prediction two = predict(c, cut, {"p2p", 1, 0});
+    EXPECT_NEAR(chain.seconds / two.seconds, (p - 1) / 2.0, (p - 1) / 2.0 * 0.5);
+  }
+}
+
+// Zigzag doubles the parts: the chains wait along about twice as many steps,
+// the allgather moves twice the slots in the same number of messages, and
+// its memory is priced at two slots per rank.
+TEST(CostModel, ZigzagIsPriced) {
+  const CostParams c;
+  const std::size_t p = 64;
+  ProblemShape contiguous{p, 32, 128, 128, 4};
+  contiguous.part_owners = {};
+  for (std::size_t r = 0; r < p; ++r) contiguous.part_owners.push_back(r);
+  ProblemShape zig = contiguous;
+  zig.part_owners = zigzag_owners(p);
+  for (const ProtocolDescriptor* row : protocol_registry()) {
+    for (const ProtocolConfig& config : valid_configs(*row, p, 128)) {
+      if (config.segments > 1 && config.segments != 8) continue;
+      SCOPED_TRACE(protocol_label(config));
+      EXPECT_GT(predict(c, zig, config).seconds, predict(c, contiguous, config).seconds);
+      EXPECT_GE(predict(c, zig, config).peak_extra_bytes, predict(c, contiguous, config).peak_extra_bytes);
+    }
+  }
+  const double p2p = predict(c, zig, {"p2p", 1, 0}).seconds / predict(c, contiguous, {"p2p", 1, 0}).seconds;
+  EXPECT_GT(p2p, 1.8);
+  EXPECT_LT(p2p, 2.1);
+  EXPECT_GT(static_cast<double>(predict(c, zig, {"allgather", 1, 0}).peak_extra_bytes),
+            1.9 * static_cast<double>(predict(c, contiguous, {"allgather", 1, 0}).peak_extra_bytes));
+  // auto with a layout weighs the layout's costs.
+  const Prediction pick = choose_protocol(c, zig, 0, false, true);
+  EXPECT_TRUE(find_protocol(pick.config.method).takes_layouts);
+  EXPECT_DOUBLE_EQ(pick.seconds, predict(c, zig, pick.config).seconds);
 }
 
 }  // namespace

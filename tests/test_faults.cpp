@@ -7,6 +7,7 @@
 // worlds, so each test costs about one timeout whatever the registry holds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -80,6 +81,7 @@ struct RankEnd {
   std::string what;
   double seconds = 0;  // from this rank's first forward to its result or error
   State fwd, bwd;
+  std::vector<State> fwd_parts, bwd_parts;  // with a layout: this rank's parts
 };
 
 struct FaultRun {
@@ -89,11 +91,19 @@ struct FaultRun {
   std::exception_ptr thrown;  // what run_in_process rethrew
 };
 
+// A layout (SPEC §10) for the runs that take one: the owner of each part and
+// its cut flag; empty owners: one part per rank.
+struct LayoutArgs {
+  std::vector<std::size_t> owners;
+  std::vector<char> cuts;
+};
+
 // One world running forward + backward of `config` with `plan` injected once
-// every rank built its exchange.
+// every rank built its exchange; with a layout, `w` holds one summary per part.
 FaultRun run_with_faults(const World& w, const ProtocolConfig& config, std::vector<Fault> plan,
-                         std::chrono::milliseconds timeout) {
-  const std::size_t p = w.size();
+                         std::chrono::milliseconds timeout, const LayoutArgs& layout = {}) {
+  std::size_t p = w.size();
+  if (!layout.owners.empty()) p = *std::max_element(layout.owners.begin(), layout.owners.end()) + 1;
   FaultRun run{protocol_label(config), std::vector<RankEnd>(p), {}, nullptr};
   testing::FaultInjector injector(p, std::move(plan));
   try {
@@ -104,6 +114,7 @@ FaultRun run_with_faults(const World& w, const ProtocolConfig& config, std::vect
           RankEnd& end = run.ranks[r];
           ExchangeOptions o;
           o.segments = config.segments;
+          o.part_owners = layout.owners;
           const DeviceMesh mesh = DeviceMesh::create(injector.wrap(world), {p}, {"cp"});
           auto ex = make_state_exchange(mesh, config.method,
                                         static_cast<long long>(config.group_size), o);
@@ -115,8 +126,18 @@ FaultRun run_with_faults(const World& w, const ProtocolConfig& config, std::vect
             end.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
           };
           try {
-            end.fwd = ex->forward(w.s[r].view(), w.m[r].view());
-            end.bwd = ex->backward(w.g[r].view(), w.m[r].view());
+            if (layout.owners.empty()) {
+              end.fwd = ex->forward(w.s[r].view(), w.m[r].view());
+              end.bwd = ex->backward(w.g[r].view(), w.m[r].view());
+            } else {
+              std::vector<PartSummary> fwd, bwd;
+              for (std::size_t j : ex->own_parts()) {
+                fwd.push_back({w.s[j].view(), w.m[j].view(), PartFlags{layout.cuts[j] != 0}});
+                bwd.push_back({w.g[j].view(), w.m[j].view(), PartFlags{layout.cuts[j] != 0}});
+              }
+              end.fwd_parts = ex->forward(fwd);
+              end.bwd_parts = ex->backward(bwd);
+            }
             stamp(End::ok, "");
           } catch (const Timeout& e) {
             stamp(End::timeout, e.what());
@@ -144,6 +165,7 @@ struct Job {
   ProtocolConfig config;
   std::vector<Fault> plan;
   std::chrono::milliseconds timeout;
+  LayoutArgs layout{};
 };
 
 // Every job as its own in-process world, all at once.
@@ -151,7 +173,7 @@ std::vector<FaultRun> run_concurrently(const World& w, const std::vector<Job>& j
   std::vector<FaultRun> runs(jobs.size());
   std::vector<std::thread> threads;
   for (std::size_t i = 0; i < jobs.size(); ++i)
-    threads.emplace_back([&, i] { runs[i] = run_with_faults(w, jobs[i].config, jobs[i].plan, jobs[i].timeout); });
+    threads.emplace_back([&, i] { runs[i] = run_with_faults(w, jobs[i].config, jobs[i].plan, jobs[i].timeout, jobs[i].layout); });
   for (auto& t : threads) t.join();
   return runs;
 }
@@ -239,6 +261,81 @@ TEST_P(Faults, LateMessagesChangeNoBit) {
       if (exact) {
         EXPECT_TRUE(test::bitwise_equal(clean.ranks[r].fwd, chain.ranks[r].fwd));
         EXPECT_TRUE(test::bitwise_equal(clean.ranks[r].bwd, chain.ranks[r].bwd));
+      }
+    }
+  }
+}
+
+// The same on the zigzag layout with cuts: late messages and collectives
+// change no bit of any part, and the exact rows give the chain's bits.
+TEST_P(Faults, LateMessagesChangeNoBitOnZigzagWithCuts) {
+  const Watchdog watchdog(60s);
+  const std::size_t p = GetParam();
+  LayoutArgs layout{zigzag_owners(p), std::vector<char>(2 * p, 0)};
+  for (std::size_t j = 0; j < 2 * p; ++j) layout.cuts[j] = j % 3 == 2;
+  const World w(2 * p, kShape, 7300 + p);
+  const std::size_t mid = p / 2;
+  const std::vector<Fault> late{
+      {0, FaultOp::isend, 0, FaultAction::delay, 15ms, 0},
+      {mid, FaultOp::any, 1, FaultAction::delay, 25ms, 0},
+      {p - 1, FaultOp::collective, 0, FaultAction::delay, 15ms, 0},
+      {p - 1, FaultOp::irecv, 1, FaultAction::delay, 10ms, 0},
+  };
+  std::vector<Job> jobs{{ProtocolConfig{std::string(kChainProtocol), 1, 0}, {}, kLongTimeout, layout}};
+  for (const ProtocolConfig& c : all_configs(p)) {
+    jobs.push_back({c, {}, kLongTimeout, layout});
+    jobs.push_back({c, late, kLongTimeout, layout});
+  }
+  const std::vector<FaultRun> runs = run_concurrently(w, jobs);
+  const FaultRun& chain = runs[0];
+  ASSERT_FALSE(chain.thrown);
+  for (std::size_t i = 1; i < runs.size(); i += 2) {
+    const FaultRun &clean = runs[i], &late_run = runs[i + 1];
+    SCOPED_TRACE(late_run.label + " zigzag P=" + std::to_string(p));
+    ASSERT_FALSE(clean.thrown);
+    ASSERT_FALSE(late_run.thrown);
+    EXPECT_GT(fired_total(late_run), 0u);
+    const bool exact = find_protocol(jobs[i].config.method).exact();
+    for (std::size_t r = 0; r < p; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      ASSERT_EQ(late_run.ranks[r].fwd_parts.size(), 2u);
+      for (std::size_t k = 0; k < 2; ++k) {
+        EXPECT_TRUE(test::bitwise_equal(late_run.ranks[r].fwd_parts[k], clean.ranks[r].fwd_parts[k]));
+        EXPECT_TRUE(test::bitwise_equal(late_run.ranks[r].bwd_parts[k], clean.ranks[r].bwd_parts[k]));
+        if (exact) {
+          EXPECT_TRUE(test::bitwise_equal(clean.ranks[r].fwd_parts[k], chain.ranks[r].fwd_parts[k]));
+          EXPECT_TRUE(test::bitwise_equal(clean.ranks[r].bwd_parts[k], chain.ranks[r].bwd_parts[k]));
+        }
+      }
+    }
+  }
+}
+
+// A rank that stops answering on the zigzag layout with cuts: every row
+// fails with a peer error within the timeout, none hangs (P = 4: one
+// timeout).
+TEST(FaultsOnLayouts, SilentRankOnZigzagFailsEveryRowWithinTheTimeout) {
+  const std::size_t p = 4;
+  const Watchdog watchdog(60s);
+  LayoutArgs layout{zigzag_owners(p), std::vector<char>(2 * p, 0)};
+  for (std::size_t j = 0; j < 2 * p; ++j) layout.cuts[j] = j == p + 1;
+  const World w(2 * p, kShape, 7400 + p);
+  const std::size_t silent = 1;
+  const auto hold = 4 * kShortTimeout;
+  std::vector<Job> jobs;
+  for (const ProtocolConfig& c : all_configs(p))
+    jobs.push_back({c, {{silent, FaultOp::any, 1, FaultAction::delay, hold, 0}}, kShortTimeout, layout});
+  for (const FaultRun& run : run_concurrently(w, jobs)) {
+    SCOPED_TRACE(run.label + " zigzag P=" + std::to_string(p));
+    ASSERT_EQ(run.fired[silent], 1u);
+    ASSERT_TRUE(run.thrown);
+    EXPECT_TRUE(thrown_is_peer_error(run)) << ends_of(run);
+    for (std::size_t r = 0; r < p; ++r) {
+      const RankEnd& end = run.ranks[r];
+      SCOPED_TRACE("rank " + std::to_string(r) + ": " + end.what);
+      EXPECT_TRUE(end.end == End::ok || end.end == End::timeout || end.end == End::remote);
+      if (r != silent) {
+        EXPECT_LT(end.seconds, seconds(kShortTimeout + kSlack));
       }
     }
   }

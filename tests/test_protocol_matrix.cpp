@@ -126,7 +126,12 @@ TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
       for (std::size_t r = 0; r < p; ++r)
         peak = std::max({peak, std::size_t{res.fwd_stats[r].peak_extra_bytes},
                          std::size_t{res.bwd_stats[r].peak_extra_bytes}});
-      const Prediction pred = predict(CostParams{}, ps, config);
+      // The model sees the cuts (they shorten its time, never its memory).
+      ProblemShape with_cuts = ps;
+      with_cuts.part_cuts.assign(cuts.begin(), cuts.end());
+      const Prediction pred = predict(CostParams{}, with_cuts, config);
+      EXPECT_EQ(pred.peak_extra_bytes, predict(CostParams{}, ps, config).peak_extra_bytes);
+      EXPECT_LE(pred.seconds, predict(CostParams{}, ps, config).seconds);
       EXPECT_LE(peak, pred.peak_extra_bytes);
       // Cuts only shorten scans, so the bound is tight without them.
       if (res.method == row->name && std::count(cuts.begin(), cuts.end(), 1) == 0) {

@@ -54,7 +54,37 @@ struct ProblemShape {
   std::size_t key_dim = 128;     // K
   std::size_t value_dim = 128;   // V
   std::size_t elem_bytes = 4;    // FP32
+  // The layout (SPEC §10, ExchangeOptions::part_owners): the rank holding
+  // each part in chain order; empty: one part per rank, part r on rank r.
+  std::vector<std::size_t> part_owners{};
+  // Which parts are cuts (contain a sequence start), in chain order; empty:
+  // none. A chain does not wait across a cut and a gather folds only from the
+  // last cut before a part, so cuts shorten the predicted critical path.
+  std::vector<bool> part_cuts{};
 };
+
+// The zigzag layout over P ranks (flash-linear-attention's): 2P parts, rank r
+// holding parts r and 2P-1-r.
+std::vector<std::size_t> zigzag_owners(std::size_t ranks);
+
+// What the cost terms read from a shape's layout and cuts.
+struct ChainProfile {
+  std::size_t parts = 1;         // n
+  std::size_t per_rank = 1;      // k: the most parts one rank holds
+  // The longest stretch the chain waits along, in chain steps: from a cut
+  // (or the chain's start) to the next cut (or its end). n-1 without cuts.
+  std::size_t steps = 0;
+  // Along the worst stretch: the steps that cross from one run to the next
+  // (a message each), where runs are maximal stretches of consecutive parts
+  // held by one block of `width` consecutive ranks (width 1: one rank).
+  std::size_t relays = 0;
+  std::size_t runs = 1;           // runs in the chain
+  std::size_t runs_per_block = 1; // the most runs one block holds
+  std::size_t longest_run = 1;    // parts in the longest run
+};
+// The profile of `shape` for blocks of `width` ranks. Throws InvalidArgument
+// for owners outside [0, P), a rank without a part, or cuts of another length.
+ChainProfile chain_profile(const ProblemShape& shape, std::size_t width);
 
 // One configuration of one protocol. group_size: w for the grouped
 // protocols (1 otherwise); segments: c for pipelined_p2p (0 otherwise).

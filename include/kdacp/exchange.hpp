@@ -140,6 +140,7 @@ class StateExchange {
   // The rank holding chain position j, and the number of parts.
   std::size_t owner(std::size_t j) const { return part_owners_[j]; }
   std::size_t part_count() const { return part_owners_.size(); }
+  const std::vector<std::size_t>& part_owners() const { return part_owners_; }
   virtual std::vector<const Communicator*> communicators() const = 0;
 
   const ExchangeOptions& options() const { return options_; }

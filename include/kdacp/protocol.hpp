@@ -88,6 +88,11 @@ std::string protocol_names();
 
 // The documented bound of `name` at P ranks and key dim K (0 for exact rows).
 double error_bound(const ProtocolDescriptor& protocol, std::size_t ranks, std::size_t key_dim);
+// The same for a shape with a layout (ProblemShape::part_owners): a
+// reassociating row folds each run of a rank's consecutive parts serially
+// and scans the runs, so its bound is that of R·2^(L-1) positions for R runs
+// of at most L parts (P positions without a layout; at least n for n parts).
+double error_bound(const ProtocolDescriptor& protocol, const ProblemShape& shape);
 
 // "grouped_allgather_p2p w=4", "pipelined_p2p c=8", "p2p": the one label every
 // table, benchmark record and report uses.

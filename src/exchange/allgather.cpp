@@ -41,7 +41,8 @@ class AllGatherExchange final : public CommExchange {
 
   // Each rank gathers its parts as k slots (k: the most parts a rank
   // holds), one collective for all; every part then folds the chain over
-  // parts from the nearest cut, one step at a time in chain order.
+  // parts from the nearest cut (or the rank's previous part), one step at a
+  // time in chain order.
   std::vector<State> run_parts(const PartsCall& c) override {
     const Direction dir = c.direction;
     const std::size_t n = part_count();
@@ -54,27 +55,46 @@ class AllGatherExchange final : public CommExchange {
       gathered.pack(rank_ * k + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
     comm_->all_gather(gathered.bytes());
     const Slots slots = gathered.slots();
-    std::vector<State> result;
-    for (std::size_t j : own_parts()) {
-      // The nearest cut on the way, or the chain's first part.
+    const std::vector<std::size_t>& own = own_parts();
+    std::vector<State> result(own.size());
+    // A rank's parts in the direction's order: a later part continues from
+    // the state entering the earlier one when no cut lies between them (the
+    // same steps from the same state, so the same bits), and the rank folds
+    // each step once.
+    std::optional<std::size_t> last;
+    for (std::size_t t = 0; t < own.size(); ++t) {
+      const std::size_t i = dir == Direction::forward ? t : own.size() - 1 - t;
+      const std::size_t j = own[i];
+      // The nearest cut on the way, the previous own part, or the chain's first part.
       std::size_t start = j;
+      bool from_last = false;
       while (auto prev = chain_prev(start, n, dir)) {
         start = *prev;
         if (gathered.cut(slot_of[start])) break;
+        if (last && start == own[*last]) {
+          from_last = chain_prev(start, n, dir).has_value();
+          break;
+        }
       }
       State cur = make_state(c.shape);  // the chain's first part receives the zero state
-      bool have = false;
-      for (std::size_t t = start; t != j; t = *chain_next(t, n, dir)) {
-        const std::size_t slot = slot_of[t];
-        State next = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
-        const StateView in = cur.view();
-        // From no incoming state the step is the slot's offset itself, exactly.
-        scan(single_slot(slots.offsets.slot(slot), slots.transfers.slot(slot)), 0, 1, dir,
-             have ? &in : nullptr, next.view(), std::nullopt, nullptr, options().exec);
-        cur = std::move(next);
-        have = true;
+      StateView from;
+      const StateView* in = nullptr;
+      if (from_last) {
+        from = result[*last].view();
+        in = &from;
       }
-      result.push_back(std::move(cur));
+      for (std::size_t u = start; u != j; u = *chain_next(u, n, dir)) {
+        const std::size_t slot = slot_of[u];
+        State next = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
+        // From no incoming state the step is the slot's offset itself, exactly.
+        scan(single_slot(slots.offsets.slot(slot), slots.transfers.slot(slot)), 0, 1, dir, in,
+             next.view(), std::nullopt, nullptr, options().exec);
+        cur = std::move(next);
+        from = cur.view();
+        in = &from;
+      }
+      result[i] = std::move(cur);
+      last = i;
     }
     return result;
   }
@@ -82,15 +102,20 @@ class AllGatherExchange final : public CommExchange {
 
 CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
   CostTerms t;
-  // The gather crosses the network: its terms count as network terms.
+  const ChainProfile chain = chain_profile(s, 1);
+  // The gather crosses the network: its terms count as network terms. With
+  // a layout every rank contributes k slots to the one collective.
   if (s.ranks > 1) {
     t.messages = dbl(ceil_log2(s.ranks));
-    t.bytes = dbl(s.ranks - 1) * dbl(packed_bytes(s));
+    t.bytes = dbl(s.ranks - 1) * dbl(chain.per_rank) * dbl(packed_bytes(s));
   }
-  // The last rank folds P-1 slots (the first a copy); rank r folds r-1.
-  t.folds = chain_folds(s.ranks);
-  t.work_folds = s.ranks >= 3 ? dbl(s.ranks - 1) * dbl(s.ranks - 2) / 2 : 0;
-  t.peak_extra_bytes = s.ranks * packed_bytes(s);
+  // Folds start at the last cut before a part: the longest stretch between
+  // cuts (the first step a copy). Without cuts rank r folds r-1.
+  t.folds = stretch_folds(chain.steps);
+  t.work_folds = chain.parts >= 3 ? dbl(chain.parts - 1) * dbl(chain.parts - 2) / 2 : 0;
+  t.peak_extra_bytes = s.ranks * chain.per_rank * packed_bytes(s);
+  // A layout folds step by step through two temporaries.
+  if (has_layout(s)) t.peak_extra_bytes += 2 * state_bytes(s);
   return t;
 }
 

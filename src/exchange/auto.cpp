@@ -26,6 +26,8 @@ std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
     throw InvalidArgument(os.str());
   }
   ProblemShape shape{ctx.size, s.slabs(), s.key_dim, s.value_dim, dtype_size(s.dtype)};
+  // The layout is known here; the cuts come with each call.
+  shape.part_owners = o.part_owners;
   Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation,
                                       !o.part_owners.empty());
   const ProtocolDescriptor& row = find_protocol(choice.config.method);

@@ -107,6 +107,74 @@ void save_cost_params(const CostParams& params, const std::string& path) {
   if (!out) throw IoError("cannot write cost parameters to '" + path + "'");
 }
 
+std::vector<std::size_t> zigzag_owners(std::size_t ranks) {
+  std::vector<std::size_t> owners;
+  for (std::size_t r = 0; r < ranks; ++r) owners.push_back(r);
+  for (std::size_t r = ranks; r-- > 0;) owners.push_back(r);
+  return owners;
+}
+
+ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
+  const std::size_t p = s.ranks;
+  std::vector<std::size_t> owners = s.part_owners;
+  if (owners.empty())
+    for (std::size_t r = 0; r < p; ++r) owners.push_back(r);
+  const std::size_t n = owners.size();
+  std::vector<std::size_t> held(p, 0);
+  for (std::size_t j = 0; j < n; ++j) {
+    if (owners[j] >= p) {
+      std::ostringstream os;
+      os << "cost model: part_owners[" << j << "] is " << owners[j] << ", expected a rank below P = " << p;
+      throw InvalidArgument(os.str());
+    }
+    ++held[owners[j]];
+  }
+  for (std::size_t r = 0; r < p; ++r)
+    if (held[r] == 0) {
+      std::ostringstream os;
+      os << "cost model: part_owners gives rank " << r << " no part, expected every rank to hold one";
+      throw InvalidArgument(os.str());
+    }
+  if (!s.part_cuts.empty() && s.part_cuts.size() != n) {
+    std::ostringstream os;
+    os << "cost model: part_cuts has " << s.part_cuts.size() << " entries, expected one per part (" << n << ")";
+    throw InvalidArgument(os.str());
+  }
+  const std::size_t w = std::max<std::size_t>(1, width);
+  ChainProfile out;
+  out.parts = n;
+  out.per_rank = *std::max_element(held.begin(), held.end());
+  std::vector<std::size_t> run_of(n, 0), block_runs(p / w + 1, 0);
+  std::size_t run_len = 0;
+  out.runs = 0;
+  out.longest_run = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    if (j == 0 || owners[j] / w != owners[j - 1] / w) {
+      ++out.runs;
+      ++block_runs[owners[j] / w];
+      run_len = 0;
+    }
+    run_of[j] = out.runs - 1;
+    out.longest_run = std::max(out.longest_run, ++run_len);
+  }
+  out.runs_per_block = *std::max_element(block_runs.begin(), block_runs.end());
+  // Stretches start at the chain's start and at every cut and end at the
+  // next cut, which receives but need not wait (the backward chain has the
+  // same stretches, mirrored).
+  auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
+  std::size_t start = 0, relays = 0;
+  for (std::size_t j = 1; j < n; ++j) {
+    if (run_of[j] != run_of[j - 1]) ++relays;
+    if (cut(j) || j + 1 == n) {
+      out.steps = std::max(out.steps, j - start);
+      out.relays = std::max(out.relays, relays);
+      start = j;
+      relays = 0;
+    }
+  }
+  return out;
+}
+
 std::size_t max_segments(std::size_t value_dim) { return std::max<std::size_t>(1, value_dim / 16); }
 
 namespace {

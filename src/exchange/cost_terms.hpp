@@ -33,6 +33,13 @@ inline std::size_t packed_bytes(const ProblemShape& s) {
 // Fold steps on the chain's critical path: positions 1..P-2 fold once each
 // (position 1 receives S_0 itself, never a product with the zero state).
 inline double chain_folds(std::size_t p) { return p >= 3 ? dbl(p - 2) : 0; }
+// The same along a stretch of `steps` chain steps from a cut or the start:
+// the first step is the offset itself.
+inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps - 1) : 0; }
+
+// A layout call (ExchangeOptions::part_owners given) runs run_parts, whose
+// buffers the memory terms count; without one the plain call runs.
+inline bool has_layout(const ProblemShape& s) { return !s.part_owners.empty(); }
 
 // A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
 // a group (Bruck / recursive doubling, what MPI picks for these sizes).
@@ -74,6 +81,30 @@ inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::siz
 // on every position but the first (which holds the outgoing one only).
 inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t m) {
   return m <= 1 ? 0 : 3 * packed_bytes(s);
+}
+
+// Recursive doubling over a layout's runs (layouts.hpp) for blocks of w
+// ranks: the block gathers k slots per rank, its carrier folds each run into
+// a pair and scans the runs, standing for runs_per_block positions each
+// round, then broadcasts their incoming states; every rank folds inside its
+// runs. Memory: the slots, per run three scan pairs and an aggregate, one
+// composition pair, the scan's results and the runs' incoming states, two
+// fold temporaries.
+inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const ChainProfile& chain,
+                                std::size_t w) {
+  const std::size_t m = chain.runs_per_block;
+  add_group_all_gather(t, w, chain.per_rank * packed_bytes(s));
+  CostTerms scan;
+  add_recursive_doubling(scan, s, chain.runs);
+  t.messages += scan.messages;
+  t.bytes += scan.bytes * dbl(m);
+  t.folds += scan.folds * dbl(m) + 2 * dbl(chain.longest_run - 1);
+  t.products += scan.products * dbl(m) + dbl(chain.longest_run - 1);
+  t.work_folds += scan.work_folds + dbl(chain.parts) * dbl(chain.longest_run);
+  t.work_products += scan.work_products + dbl(chain.parts);
+  if (w > 1 && chain.runs > 1) add_group_broadcast(t, w, m * state_bytes(s));
+  t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) + (4 * m + 1) * packed_bytes(s) +
+                       (2 * m + 2) * state_bytes(s);
 }
 
 }  // namespace kdacp::detail

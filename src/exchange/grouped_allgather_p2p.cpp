@@ -7,6 +7,7 @@
 // at most two states.
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
+#include "exchange/layouts.hpp"
 
 namespace kdacp::detail {
 
@@ -127,6 +128,16 @@ class GroupedExchange final : public StateExchange {
     return result;
   }
 
+  // A layout: the block gathers all its ranks' parts in one collective (k
+  // slots per rank), the owners relay the state entering each of the block's
+  // runs of consecutive parts, and every rank folds its parts inside their
+  // run, all in the chain's order (layouts.hpp).
+  std::vector<State> run_parts(const PartsCall& c) override {
+    const LayoutIndex layout(part_owners(), size_);
+    return run_layout_in_runs(RunsCall{&layout, width_, rank_, intra_.get(), cp_.get(), RunRelay::chain,
+                                       c.parts, c.shape, c.direction, &options().exec});
+  }
+
   std::shared_ptr<Communicator> cp_;
   std::shared_ptr<Communicator> intra_;
   std::size_t width_, block_, local_, blocks_, owner_;
@@ -135,6 +146,28 @@ class GroupedExchange final : public StateExchange {
 CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
   const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
   CostTerms t;
+  if (has_layout(s) || !s.part_cuts.empty()) {
+    // The runs of consecutive parts per block (layouts.hpp): one gather of k
+    // slots per rank, a relay message per run boundary on the longest
+    // stretch between cuts, each carrier folding its run, one broadcast of
+    // the block's runs' incoming states.
+    const ChainProfile chain = chain_profile(s, w);
+    add_group_all_gather(t, w, chain.per_rank * packed_bytes(s));
+    t.messages = dbl(chain.relays);
+    t.bytes = dbl(chain.relays) * dbl(state_bytes(s));
+    if (chain.runs > 1) add_group_broadcast(t, w, chain.runs_per_block * state_bytes(s));
+    t.folds = dbl(chain.steps);
+    t.work_folds = dbl(chain.parts) * dbl(w) / 2 + dbl(chain.parts);
+    if (has_layout(s)) {
+      // Slots, the runs' incoming states, the carrier's sent states and two
+      // fold temporaries.
+      t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) +
+                           (2 * chain.runs_per_block + 3) * state_bytes(s);
+    } else {
+      t.peak_extra_bytes = w * packed_bytes(s) + 2 * state_bytes(s);
+    }
+    return t;
+  }
   add_group_all_gather(t, w, packed_bytes(s));
   // The owners' relay: one state per block boundary, each owner folding its
   // whole block before it sends.
@@ -171,6 +204,7 @@ const ProtocolDescriptor grouped_allgather_p2p_protocol{
     .name = "grouped_allgather_p2p",
     .kind = ProtocolClass::exact,
     .takes_group_size = true,
+    .takes_layouts = true,
     .memory = "w packed slots + 2 states",
     .use_when = "the exact choice at P ≈ 1000 (w ≈ 32)",
     .cost = grouped_cost,

@@ -10,6 +10,7 @@
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
+#include "exchange/layouts.hpp"
 
 namespace kdacp::detail {
 namespace {
@@ -89,6 +90,16 @@ class GroupedRdExchange final : public StateExchange {
     return pair;
   }
 
+  // A layout: the block gathers all its ranks' parts in one collective, the
+  // owners scan the pairs of the block's runs of consecutive parts, and every
+  // rank folds its parts inside their run in the chain's order (layouts.hpp).
+  std::vector<State> run_parts(const PartsCall& c) override {
+    const LayoutIndex layout(part_owners(), size_);
+    return run_layout_in_runs(RunsCall{&layout, width_, rank_, intra_.get(), owners_.get(),
+                                       RunRelay::doubling, c.parts, c.shape, c.direction,
+                                       &options().exec});
+  }
+
   std::shared_ptr<Communicator> owners_;
   std::shared_ptr<Communicator> intra_;
   std::size_t width_, block_, local_, blocks_;
@@ -99,6 +110,10 @@ class GroupedRdExchange final : public StateExchange {
 CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config) {
   const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
   CostTerms t;
+  if (has_layout(s)) {
+    add_layout_doubling(t, s, chain_profile(s, w), w);
+    return t;
+  }
   add_group_all_gather(t, w, packed_bytes(s));
   if (blocks > 1) {
     t.folds += dbl(w - 1);
@@ -132,6 +147,7 @@ const ProtocolDescriptor grouped_allgather_rd_protocol{
     .name = "grouped_allgather_rd",
     .kind = ProtocolClass::reassociating,
     .takes_group_size = true,
+    .takes_layouts = true,
     .memory = "w packed slots + 4 pairs + 1 state",
     .use_when = "NVLink islands of w joined by a slower network",
     .cost = grouped_rd_cost,

@@ -104,14 +104,22 @@ class P2PExchange final : public CommExchange {
   }
 };
 
+// The critical path is the longest stretch between cuts: one message per
+// step that changes rank, one fold per step after the stretch's first.
 CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
   CostTerms t;
-  if (s.ranks <= 1) return t;
-  t.messages = dbl(s.ranks - 1);
-  t.bytes = dbl(s.ranks - 1) * dbl(state_bytes(s));
-  t.folds = t.work_folds = chain_folds(s.ranks);
-  // A middle rank holds the state it sends besides the one it returns.
-  t.peak_extra_bytes = s.ranks >= 3 ? state_bytes(s) : 0;
+  const ChainProfile chain = chain_profile(s, 1);
+  t.messages = dbl(chain.relays);
+  t.bytes = dbl(chain.relays) * dbl(state_bytes(s));
+  t.folds = stretch_folds(chain.steps);
+  t.work_folds = chain_folds(chain.parts);
+  if (has_layout(s)) {
+    // A rank holds the state each of its parts hands on.
+    t.peak_extra_bytes = chain.parts >= 2 ? chain.per_rank * state_bytes(s) : 0;
+  } else {
+    // A middle rank holds the state it sends besides the one it returns.
+    t.peak_extra_bytes = s.ranks >= 3 ? state_bytes(s) : 0;
+  }
   return t;
 }
 

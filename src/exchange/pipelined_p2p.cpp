@@ -10,6 +10,7 @@
 // (segment j is a dense [B,H,K,w_j] block), the fold reads and writes those
 // blocks directly, and only the received blocks are copied into the
 // row-major result. Memory: two states per rank (receive and send buffers).
+#include <algorithm>
 #include <sstream>
 #include <vector>
 
@@ -127,21 +128,112 @@ class PipelinedExchange final : public CommExchange {
     for (auto& s : sends) s->wait();
     return result;
   }
+
+  // The chain over parts, segment by segment: each part receives its
+  // segments from the rank holding the part before it (or finds them handed
+  // on locally), folds and hands each on at once. A rank works through its
+  // parts in chain order, so zigzag's second half pipelines like the first.
+  std::vector<State> run_parts(const PartsCall& c) override {
+    const SummaryShape& shape = c.shape;
+    const Direction dir = c.direction;
+    const auto segs = segments(shape);  // may throw: still before any message
+    const bool single = segs.size() == 1;
+    const std::size_t n = part_count();
+    const std::vector<std::size_t>& own = own_parts();
+    const std::size_t m = own.size();
+    constexpr auto kWhole = Buffer::Init::uninitialized;
+    auto index_of = [&](std::size_t j) {
+      return static_cast<std::size_t>(std::lower_bound(own.begin(), own.end(), j) - own.begin());
+    };
+    // Each part's input, segment-major (with one segment: the result itself).
+    std::vector<State> result(m), in_buf(m), out_buf(m);
+    for (std::size_t i = 0; i < m; ++i) {
+      const bool has_prev = chain_prev(own[i], n, dir).has_value();
+      result[i] = make_state(shape, has_prev ? kWhole : Buffer::Init::zero);
+      if (has_prev && !single) in_buf[i] = make_state(shape, kWhole);
+    }
+    auto input = [&](std::size_t i) -> const State& { return single ? result[i] : in_buf[i]; };
+    std::vector<std::vector<std::unique_ptr<Request>>> recvs(m);
+    for (std::size_t i = 0; i < m; ++i) {
+      const auto prev = chain_prev(own[i], n, dir);
+      if (prev && owner(*prev) != rank_)
+        for (const auto& [col, width] : segs)
+          recvs[i].push_back(comm_->irecv(block_bytes(block(input(i), shape, col, width)), owner(*prev),
+                                          part_tag(own[i], dir)));
+    }
+    // Where part i's outgoing segments go: the next part's input when this
+    // rank holds it, a send buffer otherwise.
+    auto target = [&](std::size_t i) -> const State& {
+      const std::size_t next = *chain_next(own[i], n, dir);
+      if (owner(next) == rank_) return input(index_of(next));
+      if (out_buf[i].size() == 0) out_buf[i] = make_state(shape, kWhole);
+      return out_buf[i];
+    };
+    std::vector<std::unique_ptr<Request>> sends;
+    auto hand_on = [&](std::size_t i, const StateView& out) {
+      const std::size_t next = *chain_next(own[i], n, dir);
+      if (owner(next) != rank_) sends.push_back(comm_->isend(block_bytes(out), owner(next), part_tag(next, dir)));
+    };
+    std::vector<std::size_t> order(m);
+    for (std::size_t i = 0; i < m; ++i) order[i] = dir == Direction::forward ? i : m - 1 - i;
+    // The chain's first part and every cut hand on their offset itself, the
+    // cuts before their own state arrives.
+    for (std::size_t i : order) {
+      const PartSummary& part = c.parts[i];
+      if (!chain_next(own[i], n, dir) || (chain_prev(own[i], n, dir) && !part.flags.cut)) continue;
+      const State& to = target(i);
+      for (const auto& [col, width] : segs) {
+        const StateView out = block(to, shape, col, width);
+        copy_view(columns(part.offset, col, width), out);
+        hand_on(i, out);
+      }
+    }
+    for (std::size_t i : order) {
+      const PartSummary& part = c.parts[i];
+      if (!chain_next(own[i], n, dir) || !chain_prev(own[i], n, dir) || part.flags.cut) continue;
+      const State& to = target(i);
+      for (std::size_t j = 0; j < segs.size(); ++j) {
+        const auto [col, width] = segs[j];
+        if (!recvs[i].empty()) recvs[i][j]->wait();
+        const StateView in = block(input(i), shape, col, width);
+        const StateView out = block(to, shape, col, width);
+        scan(single_slot(columns(part.offset, col, width), part.transfer), 0, 1, dir, &in, out,
+             std::nullopt, nullptr, options().exec);
+        hand_on(i, out);
+      }
+    }
+    for (std::size_t i = 0; i < m; ++i) {
+      for (auto& r : recvs[i]) r->wait();
+      if (!single && chain_prev(own[i], n, dir))
+        for (const auto& [col, width] : segs)
+          copy_view(block(in_buf[i], shape, col, width), columns(result[i].view(), col, width));
+    }
+    for (auto& s : sends) s->wait();
+    return result;
+  }
 };
 
 // The first segment crosses P-1 hops and is folded on P-2 of them; every
 // further segment arrives one stage later, a stage being the slowest rank's
 // per-segment work (receive, fold, send).
+// With cuts, the longest stretch between them; with a layout, its steps
+// that change rank are the messages (zigzag's middle step is local).
 CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   CostTerms t;
   const std::size_t p = s.ranks, c = config.segments;
-  if (p <= 1) return t;
-  t.messages = dbl(p - 1 + c - 1);
+  const ChainProfile chain = chain_profile(s, 1);
+  if (chain.parts <= 1) return t;
+  t.messages = chain.relays > 0 ? dbl(chain.relays + c - 1) : 0;
   t.bytes = t.messages * dbl(state_bytes(s)) / dbl(c);
-  t.folds = (chain_folds(p) + (p >= 3 ? dbl(c - 1) : 0)) / dbl(c);
-  t.work_folds = chain_folds(p);
-  // Receive and send buffers; the ends of the chain hold one of them.
-  t.peak_extra_bytes = p >= 3 ? 2 * state_bytes(s) : state_bytes(s);
+  t.folds = (stretch_folds(chain.steps) + (chain.steps >= 2 ? dbl(c - 1) : 0)) / dbl(c);
+  t.work_folds = chain_folds(chain.parts);
+  if (has_layout(s)) {
+    // Per part a receive buffer and a send buffer at most.
+    t.peak_extra_bytes = 2 * chain.per_rank * state_bytes(s);
+  } else {
+    // Receive and send buffers; the ends of the chain hold one of them.
+    t.peak_extra_bytes = p >= 3 ? 2 * state_bytes(s) : state_bytes(s);
+  }
   return t;
 }
 
@@ -151,6 +243,7 @@ const ProtocolDescriptor pipelined_p2p_protocol{
     .name = "pipelined_p2p",
     .kind = ProtocolClass::exact,
     .takes_segments = true,
+    .takes_layouts = true,
     .memory = "2 states",
     .use_when = "the exact default from P = 8 to a few hundred, any network",
     .cost = pipelined_cost,

@@ -6,6 +6,7 @@
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
+#include "exchange/layouts.hpp"
 
 namespace kdacp::detail {
 namespace {
@@ -20,12 +21,28 @@ class RecursiveDoublingExchange final : public CommExchange {
     return rd_exclusive_scan(*comm_, PairView{c.offset, c.transfer, c.cut}, c.shape, c.direction,
                              options().exec, c.tag);
   }
+
+  // A layout: a rank's runs of consecutive parts fold into one pair each,
+  // and the scan runs over the chain of those runs, each rank standing for
+  // all of its runs (messages between its own runs stay local).
+  std::vector<State> run_parts(const PartsCall& c) override {
+    const LayoutIndex layout(part_owners(), size_);
+    return run_layout_in_runs(RunsCall{&layout, 1, rank_, nullptr, comm_.get(), RunRelay::doubling,
+                                       c.parts, c.shape, c.direction, &options().exec});
+  }
 };
 
+// Cuts do not shorten the scan: its rounds are fixed by the positions.
+// With a layout the positions are the runs of consecutive parts per rank
+// (zigzag: 2P-1), a rank standing for up to runs_per_block of them per round.
 CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&) {
   CostTerms t;
-  add_recursive_doubling(t, s, s.ranks);
-  t.peak_extra_bytes = recursive_doubling_memory(s, s.ranks);
+  if (!has_layout(s)) {
+    add_recursive_doubling(t, s, s.ranks);
+    t.peak_extra_bytes = recursive_doubling_memory(s, s.ranks);
+    return t;
+  }
+  add_layout_doubling(t, s, chain_profile(s, 1), 1);
   return t;
 }
 
@@ -34,6 +51,7 @@ CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&) 
 const ProtocolDescriptor recursive_doubling_protocol{
     .name = "recursive_doubling",
     .kind = ProtocolClass::reassociating,
+    .takes_layouts = true,
     .memory = "3 packed pairs",
     .use_when = "large P when round-off within the documented bound is acceptable",
     .cost = recursive_doubling_cost,

@@ -45,6 +45,15 @@ double error_bound(const ProtocolDescriptor& protocol, std::size_t ranks, std::s
   return protocol.error_bound ? protocol.error_bound(ranks, key_dim) : 0.0;
 }
 
+double error_bound(const ProtocolDescriptor& protocol, const ProblemShape& shape) {
+  if (!protocol.error_bound) return 0.0;
+  const ChainProfile chain = chain_profile(shape, 1);
+  const std::size_t positions =
+      shape.part_owners.empty() ? shape.ranks
+                                 : chain.runs << std::min<std::size_t>(chain.longest_run - 1, 40);
+  return protocol.error_bound(positions, shape.key_dim);
+}
+
 std::string protocol_label(const ProtocolConfig& config) {
   std::string out = config.method;
   if (config.group_size > 1) out += " w=" + std::to_string(config.group_size);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -83,30 +84,66 @@ double memcpy_seconds(std::size_t bytes, double min_time) {
   return *std::min_element(runs.begin(), runs.end());
 }
 
-ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const SummaryShape& shape, double min_time) {
+std::vector<bool> document_cuts(std::size_t parts, std::size_t part_tokens, std::size_t mean_tokens,
+                                std::uint64_t seed) {
+  std::vector<bool> cuts(parts, false);
+  Rng rng(seed);
+  std::size_t start = 0;
+  while (start < parts * part_tokens) {
+    cuts[start / part_tokens] = true;
+    // Exponential gaps rounded down, at least one token: geometric lengths.
+    const double u = std::max(1e-12, static_cast<double>(rng.uniform(0, 1)));
+    start += 1 + static_cast<std::size_t>(-std::log(u) * double(mean_tokens - 1));
+  }
+  return cuts;
+}
+
+ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const SummaryShape& shape, double min_time,
+                             const std::vector<std::size_t>& part_owners, const std::vector<bool>& cuts) {
   std::vector<std::vector<double>> fwd(p), bwd(p);
   std::vector<std::size_t> peak_f(p), peak_b(p), recv_f(p), recv_b(p);
   const std::size_t threads = ThreadPool::default_threads(p);
   run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
     const std::size_t r = comm->rank();
-    const SyntheticSummary sm = synthetic_summary(shape, 0, r, false);
-    const SyntheticSummary gm = synthetic_summary(shape, 0, r, true);
     ThreadPool pool(threads);
     ExchangeOptions opts;
     opts.exec.pool = &pool;
     opts.segments = var.segments;
+    opts.part_owners = part_owners;
     const DeviceMesh mesh = DeviceMesh::create(comm, {p}, {"cp"});
     auto ex = make_state_exchange(mesh, var.method, static_cast<long long>(var.group_size), opts);
+    // This rank's parts (one without a layout), their summaries and flags.
+    std::vector<SyntheticSummary> sm, gm;
+    std::vector<PartSummary> fparts, bparts;
+    for (std::size_t j : ex->own_parts()) {
+      sm.push_back(synthetic_summary(shape, 0, j, false));
+      gm.push_back(synthetic_summary(shape, 0, j, true));
+    }
+    for (std::size_t i = 0; i < sm.size(); ++i) {
+      const PartFlags flags{!cuts.empty() && cuts[ex->own_parts()[i]]};
+      fparts.push_back({sm[i].offset.view(), sm[i].transfer.view(), flags});
+      bparts.push_back({gm[i].offset.view(), sm[i].transfer.view(), flags});
+    }
+    auto call = [&](Direction dir) {
+      if (part_owners.empty()) {
+        const PartSummary& one = dir == Direction::forward ? fparts[0] : bparts[0];
+        State out = dir == Direction::forward ? ex->forward(one.offset, one.transfer, one.flags)
+                                              : ex->backward(one.offset, one.transfer, one.flags);
+        return out.size();
+      }
+      std::vector<State> out = dir == Direction::forward ? ex->forward(fparts) : ex->backward(bparts);
+      return out.size();
+    };
     auto once = [&](bool record) {
       comm->barrier();
       const auto t0 = clock::now();
-      State in = ex->forward(sm.offset.view(), sm.transfer.view());
+      call(Direction::forward);
       const auto t1 = clock::now();
       peak_f[r] = std::max(peak_f[r], ex->last_stats().peak_extra_bytes);
       recv_f[r] = ex->last_stats().bytes_received;
       comm->barrier();
       const auto t2 = clock::now();
-      State g = ex->backward(gm.offset.view(), sm.transfer.view());
+      call(Direction::backward);
       const auto t3 = clock::now();
       peak_b[r] = std::max(peak_b[r], ex->last_stats().peak_extra_bytes);
       recv_b[r] = ex->last_stats().bytes_received;
@@ -142,7 +179,8 @@ std::vector<ProtocolRecord> bench_protocols(const ProtocolBenchConfig& cfg, cons
   const std::size_t hw = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
   const std::size_t k = cfg.key_dim;
   std::size_t total = 0, done = 0;
-  for (std::size_t p : cfg.ranks) total += variants(p, k).size() * cfg.slabs.size();
+  const std::size_t per_variant = cfg.layouts ? 4 : 1;
+  for (std::size_t p : cfg.ranks) total += variants(p, k).size() * cfg.slabs.size() * per_variant;
   std::vector<ProtocolRecord> records;
   for (std::size_t bh : cfg.slabs) {
     const SummaryShape shape{1, bh, k, k};
@@ -150,30 +188,55 @@ std::vector<ProtocolRecord> bench_protocols(const ProtocolBenchConfig& cfg, cons
       const std::size_t threads = ThreadPool::default_threads(p);
       const double step_s[2] = {step_seconds(k, bh, threads, Direction::forward, cfg.min_time / 4),
                                 step_seconds(k, bh, threads, Direction::backward, cfg.min_time / 4)};
+      struct Layout {
+        std::string name;
+        std::vector<std::size_t> owners;
+        std::vector<bool> cuts;
+      };
+      std::vector<Layout> layouts{{"contiguous", {}, {}}};
+      if (cfg.layouts) {
+        // T = P·4096 tokens, documents of mean T/(2P) = 2048 tokens.
+        constexpr std::size_t kPart = 4096;
+        layouts.push_back({"cuts", {}, document_cuts(p, kPart, kPart / 2, cfg.cut_seed + p)});
+        layouts.push_back({"zigzag", zigzag_owners(p), {}});
+        layouts.push_back({"zigzag+cuts", zigzag_owners(p),
+                           document_cuts(2 * p, kPart / 2, kPart / 2, cfg.cut_seed + p)});
+      }
       for (const ProtocolConfig& var : variants(p, k)) {
-        const ProtocolTiming got = time_protocol(var, p, shape, cfg.min_time);
-        const CostTerms terms = find_protocol(var.method).cost(ProblemShape{p, bh, k, k, sizeof(float)}, var);
-        const auto recv = static_cast<std::size_t>(terms.bytes + terms.group_bytes);
-        const double copy_s = memcpy_seconds(recv, cfg.min_time / 8);
-        for (Direction dir : cfg.directions) {
-          const bool fw = dir == Direction::forward;
-          ProtocolRecord rec{var, p, bh, k, threads, dir};
-          rec.seconds = fw ? got.forward_seconds : got.backward_seconds;
-          rec.peak_extra_bytes = fw ? got.forward_peak : got.backward_peak;
-          rec.theoretical_extra_bytes = terms.peak_extra_bytes;
-          rec.floor_seconds = terms.folds * step_s[fw ? 0 : 1] + copy_s;
-          // Core-seconds of all ranks' steps and of all ranks' copies (every
-          // received byte is one memcpy in-process, at the speed measured on
-          // the critical path's bytes) spread over the host's cores.
-          const std::size_t recv_all = fw ? got.forward_received_all : got.backward_received_all;
-          const double copy_all_s = recv > 0 ? copy_s * double(recv_all) / double(recv) : 0.0;
-          rec.host_floor_seconds =
-              std::max(rec.floor_seconds, (terms.work_folds * step_s[fw ? 0 : 1] * double(threads) + copy_all_s) /
-                                              double(std::min(hw, p * threads)));
-          records.push_back(rec);
+        double contiguous[2] = {0, 0};
+        for (const Layout& layout : layouts) {
+          if (!layout.owners.empty() && !find_protocol(var.method).takes_layouts) continue;
+          const ProtocolTiming got = time_protocol(var, p, shape, cfg.min_time, layout.owners, layout.cuts);
+          ProblemShape ps{p, bh, k, k, sizeof(float)};
+          ps.part_owners = layout.owners;
+          ps.part_cuts = layout.cuts;
+          const CostTerms terms = find_protocol(var.method).cost(ps, var);
+          const auto recv = static_cast<std::size_t>(terms.bytes + terms.group_bytes);
+          const double copy_s = memcpy_seconds(recv, cfg.min_time / 8);
+          for (Direction dir : cfg.directions) {
+            const bool fw = dir == Direction::forward;
+            ProtocolRecord rec{var, p, bh, k, threads, dir};
+            rec.seconds = fw ? got.forward_seconds : got.backward_seconds;
+            rec.peak_extra_bytes = fw ? got.forward_peak : got.backward_peak;
+            rec.theoretical_extra_bytes = terms.peak_extra_bytes;
+            rec.floor_seconds = terms.folds * step_s[fw ? 0 : 1] + copy_s;
+            // Core-seconds of all ranks' steps and of all ranks' copies (every
+            // received byte is one memcpy in-process, at the speed measured on
+            // the critical path's bytes) spread over the host's cores.
+            const std::size_t recv_all = fw ? got.forward_received_all : got.backward_received_all;
+            const double copy_all_s = recv > 0 ? copy_s * double(recv_all) / double(recv) : 0.0;
+            rec.host_floor_seconds =
+                std::max(rec.floor_seconds, (terms.work_folds * step_s[fw ? 0 : 1] * double(threads) + copy_all_s) /
+                                                double(std::min(hw, p * threads)));
+            rec.layout = layout.name;
+            rec.chain_steps = chain_profile(ps, 1).steps;
+            if (layout.name == "contiguous") contiguous[fw ? 0 : 1] = rec.seconds;
+            rec.vs_contiguous = contiguous[fw ? 0 : 1] > 0 ? rec.seconds / contiguous[fw ? 0 : 1] : 0.0;
+            records.push_back(rec);
+          }
+          ++done;
+          if (progress) progress(var, p, bh, got.forward_seconds, got.backward_seconds, done, total);
         }
-        ++done;
-        if (progress) progress(var, p, bh, got.forward_seconds, got.backward_seconds, done, total);
       }
     }
   }

@@ -21,7 +21,10 @@ nlohmann::json run_protocol_bench(const testing::ProtocolBenchConfig& pc, bool s
   for (const testing::ProtocolRecord& r : testing::bench_protocols(pc, progress)) {
     const double peak = double(r.peak_extra_bytes), theory = double(r.theoretical_extra_bytes);
     records.push_back({{"mode", "protocols"},
-                       {"protocol", protocol_label(r.config)}, {"method", r.config.method},
+                       {"protocol", r.layout == "contiguous" ? protocol_label(r.config)
+                                                             : protocol_label(r.config) + " [" + r.layout + "]"},
+                       {"method", r.config.method}, {"layout", r.layout}, {"chain_steps", r.chain_steps},
+                       {"vs_contiguous", r.vs_contiguous},
                        {"group_size", r.config.group_size}, {"P", r.ranks}, {"BH", r.slabs}, {"K", r.key_dim},
                        {"V", r.key_dim}, {"threads_per_rank", r.threads_per_rank},
                        {"direction", r.direction == Direction::forward ? "forward" : "backward"},

@@ -14,7 +14,20 @@
 // is the bound instead when larger: the host floor. The reassociating
 // protocols perform other operations (a log-depth scan) and are measured
 // against the cost model by `kdacp calibrate`, not here.
+//
+// Layouts (SPEC §10). Besides one part per rank without cuts, every
+// configuration also runs (layouts = true) with cuts, the parts that contain
+// a document start when documents of mean length T/(2P) are packed into the
+// stream (seeded), and on the zigzag layout (2P parts, rank r holding parts r
+// and 2P-1-r), without and with the same documents' cuts. Each such record states the chain steps its longest stretch
+// between cuts spans and its time relative to the same configuration on one
+// part per rank without cuts: a chain's should approach the longest stretch
+// over P-1, zigzag's stays under flash-linear-attention's 2× where a rank's
+// two parts travel together.
 #pragma once
+
+#include <cstdint>
+#include <string>
 
 #include <cstddef>
 #include <functional>
@@ -32,7 +45,16 @@ struct ProtocolBenchConfig {
   std::size_t key_dim = 128;       // K = V
   std::vector<Direction> directions;
   double min_time = 0.2;  // seconds of timed calls per configuration (median kept)
+  bool layouts = true;    // also the cut pattern and zigzag (above)
+  std::uint64_t cut_seed = 1;
 };
+
+// The bench's cut pattern: `parts` parts of `part_tokens` tokens in chain
+// order, documents of mean length `mean_tokens` drawn from `seed` (geometric
+// lengths; the same documents for every split of the same stream); part j is
+// a cut when a document starts inside it. Part 0 always is.
+std::vector<bool> document_cuts(std::size_t parts, std::size_t part_tokens, std::size_t mean_tokens,
+                                std::uint64_t seed);
 
 struct ProtocolRecord {
   ProtocolConfig config;
@@ -42,6 +64,13 @@ struct ProtocolRecord {
   double floor_seconds = 0;       // critical path at the measured speeds, a core per rank
   double host_floor_seconds = 0;  // >= floor: all ranks' work over this host's cores
   std::size_t peak_extra_bytes = 0, theoretical_extra_bytes = 0;
+  // "contiguous" (one part per rank), "cuts" (the same with document_cuts
+  // of mean length T/(2P)), "zigzag" or "zigzag+cuts" (the same documents); the longest stretch between cuts in chain steps (P-1, or
+  // 2P-1 for zigzag, without cuts); time over the same configuration's
+  // contiguous time in the same direction (1 for contiguous records).
+  std::string layout = "contiguous";
+  std::size_t chain_steps = 0;
+  double vs_contiguous = 1;
 };
 
 // After each protocol configuration: its forward and backward time and how
@@ -72,7 +101,10 @@ struct ProtocolTiming {
   std::size_t forward_peak = 0, backward_peak = 0;
   std::size_t forward_received_all = 0, backward_received_all = 0;
 };
+// With a layout (`part_owners` not empty) every rank passes its parts; `cuts`
+// (empty: none) are per part in chain order.
 ProtocolTiming time_protocol(const ProtocolConfig& config, std::size_t ranks, const SummaryShape& shape,
-                             double min_time);
+                             double min_time, const std::vector<std::size_t>& part_owners = {},
+                             const std::vector<bool>& cuts = {});
 
 }  // namespace kdacp::testing

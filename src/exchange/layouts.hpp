@@ -1,0 +1,113 @@
+// Internal: what the protocols share to run a layout (SPEC §10), a chain of n
+// parts whose owners are given per chain position, several parts per rank.
+//
+// The chain over parts is cut into runs: maximal stretches of consecutive
+// chain positions whose owners lie in one block of w consecutive ranks (w = 1:
+// one rank). Within a run everything the run's block needs is local after the
+// block's gather (w > 1) or on the rank itself (w = 1), so only the state
+// entering each run crosses blocks: the grouped protocols relay it (exact) or
+// scan the runs' aggregate pairs by recursive doubling (reassociating), and
+// every rank then folds its parts inside their run step by step, in chain
+// order, exactly as the chain does.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "exchange/affine_pairs.hpp"
+#include "exchange/common.hpp"
+
+namespace kdacp::detail {
+
+// The layout as the protocols index it: owners per chain position, each
+// part's index among its owner's parts, and k, the most parts a rank holds
+// (every rank packs k slots so that the gathers are uniform).
+struct LayoutIndex {
+  std::vector<std::size_t> owner;  // chain position -> rank
+  std::vector<std::size_t> local;  // chain position -> index among its owner's parts
+  std::size_t per_rank = 1;        // k
+
+  LayoutIndex(std::span<const std::size_t> owners, std::size_t ranks);
+  std::size_t size() const { return owner.size(); }
+};
+
+// Runs of a layout for blocks of `width` consecutive ranks, in chain order.
+struct Runs {
+  std::vector<std::size_t> first, last;  // chain positions, first <= last
+  std::vector<std::size_t> block;        // the block (rank / width) holding each run
+  std::vector<std::size_t> run_of;       // chain position -> run
+
+  Runs(const LayoutIndex& layout, std::size_t width);
+  std::size_t size() const { return first.size(); }
+  // The run before / after `run` in the direction the chain runs.
+  std::optional<std::size_t> prev(std::size_t run, Direction d) const;
+  std::optional<std::size_t> next(std::size_t run, Direction d) const;
+  // The run's chain positions in the direction's order.
+  std::vector<std::size_t> positions(std::size_t run, Direction d) const;
+  // The runs of block b in the direction's order.
+  std::vector<std::size_t> of_block(std::size_t b, Direction d) const;
+};
+
+// Writes to `out` (dense) the state after folding the first `steps` slots of
+// `order` (slot indices of `gathered`, in the direction's chain order), one
+// chain step at a time, from `in` (nullptr: none, the chain's start), or
+// from the last cut among them, whose offset is then the state exactly.
+// steps == 0 writes `in` (zeros without). Does not modify the slots.
+void fold_slots(const PackedSlots& gathered, std::span<const std::size_t> order, std::size_t steps,
+                Direction direction, const StateView* in, const StateView& out,
+                const ExecPolicy& exec);
+
+// A run as one affine pair: its fold from no incoming state in the
+// direction's order and the product of its transfers in chain order (the
+// same product serves both directions: backward the pair's op is its
+// transpose). A run with a cut is a cut pair: its fold from the cut nearest
+// its end in the direction's order, no product.
+void run_pair(const PackedSlots& gathered, std::span<const std::size_t> ascending_slots,
+              Direction direction, const PairBuffer& pair, const ExecPolicy& exec);
+
+// The recursive-doubling exclusive scan (rd_exclusive_scan) over n virtual
+// positions in chain order, several per member: position j is held by member
+// owner_of[j]; `own` are this member's positions' pairs in ascending chain
+// position. A message between positions of one member stays local; the
+// others are tagged by their receiving position (part_tag). Returns each own
+// position's incoming state (zeros for the direction's first position).
+std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const std::size_t> owner_of,
+                                           std::span<const PairView> own, const SummaryShape& shape,
+                                           Direction direction, const ExecPolicy& policy);
+
+// How the state entering each run crosses blocks.
+enum class RunRelay {
+  chain,     // exact: each run's carrier folds it and sends its outgoing state on
+  doubling,  // reassociating: the carriers scan the runs' pairs by recursive doubling
+};
+
+// One layout call of a protocol built on runs (grouped_allgather_p2p,
+// recursive_doubling, grouped_allgather_rd). Each block gathers its ranks'
+// parts, k slots per rank, in one collective over `intra` (nullptr when
+// width is 1); the block's carrier (its last rank) obtains the state
+// entering each of the block's runs over `cross` (chain: the CP group,
+// carriers addressed by rank; doubling: a group whose rank is the block) and
+// broadcasts them in the block in one message; every rank folds its parts
+// inside their runs. Returns this rank's parts' results in chain order.
+struct RunsCall {
+  const LayoutIndex* layout = nullptr;
+  std::size_t width = 1;
+  std::size_t rank = 0;
+  Communicator* intra = nullptr;
+  Communicator* cross = nullptr;
+  RunRelay relay = RunRelay::chain;
+  std::span<const PartSummary> parts;
+  SummaryShape shape{};
+  Direction direction = Direction::forward;
+  const ExecPolicy* exec = nullptr;
+};
+std::vector<State> run_layout_in_runs(const RunsCall& call);
+
+// A [B,H,K,V] slice of a stack of states laid out [count][B,H,K,V].
+StateView state_slice(const State& stack, const SummaryShape& shape, std::size_t index);
+std::span<std::byte> state_slice_bytes(const State& stack, const SummaryShape& shape,
+                                       std::size_t index);
+
+}  // namespace kdacp::detail
