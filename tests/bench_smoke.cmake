@@ -1,6 +1,8 @@
 # Smoke test of `kdacp bench MODE --quick --json`: the output must parse as a
-# JSON array of records carrying the fields scripts rely on.
-#   cmake -DKDACP=<kdacp binary> -DMODE=kernels|protocols -P bench_smoke.cmake
+# JSON array of records carrying the fields scripts rely on. For `layer`:
+# one record per algorithm (recurrent, chunk) and run (one rank, CP), each
+# algorithm within 5e-5 (float32) of recurrent, positive times and rates.
+#   cmake -DKDACP=<kdacp binary> -DMODE=kernels|protocols|layer -P bench_smoke.cmake
 execute_process(COMMAND ${KDACP} bench ${MODE} --quick --json --quiet
                 OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
@@ -8,6 +10,10 @@ if(NOT rc EQUAL 0)
 endif()
 if(MODE STREQUAL "kernels")
   set(fields mode K V chain threads gflops peak_gflops openblas_gflops scalar_gflops)
+elseif(MODE STREQUAL "layer")
+  set(fields mode run algorithm baseline P T K V forward_seconds backward_seconds seconds gflops peak_gflops
+      fraction_of_peak speedup max_rel_error rel_error_o rel_error_dq rel_error_dk rel_error_dv rel_error_dg
+      rel_error_dbeta)
 else()
   set(fields mode protocol P BH direction seconds floor_seconds peak_extra_bytes
       theoretical_extra_bytes)
@@ -28,5 +34,22 @@ foreach(i RANGE ${last})
   if(NOT m STREQUAL MODE)
     message(FATAL_ERROR "kdacp bench ${MODE}: record ${i} has mode '${m}'")
   endif()
+  if(MODE STREQUAL "layer")
+    string(JSON run GET "${out}" ${i} run)
+    string(JSON algo GET "${out}" ${i} algorithm)
+    string(JSON err GET "${out}" ${i} max_rel_error)
+    string(JSON secs GET "${out}" ${i} seconds)
+    string(JSON rate GET "${out}" ${i} gflops)
+    list(APPEND layer_runs "${run}/${algo}")
+    if(NOT err LESS 5e-5)
+      message(FATAL_ERROR "kdacp bench layer: ${run} ${algo} differs from recurrent by ${err} (> 5e-5)")
+    endif()
+    if(NOT secs GREATER 0 OR NOT rate GREATER 0)
+      message(FATAL_ERROR "kdacp bench layer: ${run} ${algo}: ${secs} s, ${rate} GFLOP/s")
+    endif()
+  endif()
 endforeach()
+if(MODE STREQUAL "layer" AND NOT layer_runs STREQUAL "single/recurrent;single/chunk;cp/recurrent;cp/chunk")
+  message(FATAL_ERROR "kdacp bench layer: runs ${layer_runs}, expected one rank and CP, recurrent then chunk")
+endif()
 message(STATUS "kdacp bench ${MODE}: ${n} records")

@@ -17,6 +17,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/output.hpp"
+#include "kdacp/testing/layer_bench.hpp"
 #include "kdacp/testing/layer_runner.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/units.hpp"
@@ -196,6 +197,88 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
   // Bad jobs are refused naming the array, before any rank starts.
   job.h0.pop_back();
   EXPECT_THROW(job.sequences(), InvalidArgument);
+}
+
+// The job's algorithm reaches both the one-device reference and every rank
+// (`kdacp run/kda --algorithm`): chunk differs from recurrent in the last bits
+// only, and the CP layer with chunk matches one device with chunk.
+TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
+  testing::LayerJob<float> job;
+  const kda::Shape shape{1, 150, 1, 2, 16, 32};  // chunks of 64: two whole, one partial
+  job.data = kda::synthetic_layer<float>(shape, 8);
+  job.scale = kda::default_scale<float>(shape.key_dim);
+  job.cu_seqlens = {0, 70, 71, 150};
+  const std::size_t states = 3 * shape.value_heads * shape.key_dim * shape.value_dim;
+  job.h0 = kda::synthetic_tensor<float>(states, 9);
+  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 10);
+  job.dht = kda::synthetic_tensor<float>(states, 11);
+  const testing::LayerOutputs<float> recurrent = testing::run_single(job, 1);
+  job.algorithm = kda::Algorithm::chunk;
+  const testing::LayerOutputs<float> chunk = testing::run_single(job, 2);
+  EXPECT_FALSE(testing::same_bits(chunk, recurrent));
+  for (double e : testing::relative_errors(chunk, recurrent)) EXPECT_LT(e, 5e-5);
+  testing::LayerRunOptions opts;
+  opts.method = "p2p";
+  opts.layout = testing::LayoutSpec{false, {40, 90, 20}};
+  const testing::LayerOutputs<float> cp = testing::run_context_parallel(job, 3, opts, 30);
+  for (double e : testing::relative_errors(cp, chunk)) EXPECT_LT(e, 2e-5);
+  job.algorithm = kda::Algorithm::recurrent;
+  const testing::LayerOutputs<float> cp_recurrent = testing::run_context_parallel(job, 3, opts, 30);
+  EXPECT_FALSE(testing::same_bits(cp, cp_recurrent));
+  for (double e : testing::relative_errors(cp_recurrent, recurrent)) EXPECT_LT(e, 2e-5);
+}
+
+// `kdacp bench layer`'s measuring code: one record per algorithm and run in
+// order, the baseline at speed-up 1 and error 0, the other within float's
+// tolerance but not bitwise equal, rates of the recurrent flop count.
+TEST(LayerBench, RecordsPerAlgorithmAndRun) {
+  testing::LayerBenchConfig c;
+  c.shape = kda::Shape{1, 150, 1, 2, 16, 32};
+  c.ranks = 3;
+  c.repeats = 2;
+  c.peak_seconds = 0.01;
+  std::size_t calls = 0;
+  const testing::LayerBenchResult res =
+      testing::bench_layer(c, [&](const std::string&, kda::Algorithm, double s, std::size_t done, std::size_t total) {
+        EXPECT_GT(s, 0);
+        EXPECT_EQ(done, ++calls);
+        EXPECT_EQ(total, 8u);
+      });
+  EXPECT_EQ(calls, 8u);
+  EXPECT_GT(res.peak.gflops, 0);
+  ASSERT_EQ(res.records.size(), 4u);
+  const double flops = 34.0 * 150 * 2 * 16 * 32;
+  for (std::size_t i = 0; i < 4; ++i) {
+    const testing::LayerBenchRecord& r = res.records[i];
+    EXPECT_EQ(r.mode, i < 2 ? "single" : "cp");
+    EXPECT_EQ(r.algorithm, i % 2 ? kda::Algorithm::chunk : kda::Algorithm::recurrent);
+    EXPECT_EQ(r.ranks, i < 2 ? 1u : 3u);
+    EXPECT_EQ(r.method, i < 2 ? "none" : "p2p");
+    EXPECT_DOUBLE_EQ(r.flops, flops);
+    EXPECT_GT(r.forward_seconds, 0);
+    EXPECT_GT(r.backward_seconds, 0);
+    EXPECT_NEAR(r.gflops, flops / (r.forward_seconds + r.backward_seconds) / 1e9, 1e-9 * r.gflops);
+    EXPECT_NEAR(r.peak_fraction, r.gflops / res.peak.gflops, 1e-12);
+    ASSERT_EQ(r.rel_errors.size(), 6u);
+    if (i % 2 == 0) {
+      EXPECT_EQ(r.speedup, 1.0);
+      EXPECT_EQ(r.max_rel_error, 0.0);
+    } else {
+      EXPECT_GT(r.speedup, 0);
+      EXPECT_GT(r.max_rel_error, 0.0);  // a different computation, not the baseline's bits
+      EXPECT_LT(r.max_rel_error, 5e-5);
+    }
+  }
+  EXPECT_GT(testing::layer_bench_bytes(c), 0);
+  testing::LayerBenchConfig bad = c;
+  bad.repeats = 0;
+  EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
+  bad = c;
+  bad.algorithms.clear();
+  EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
+  bad = c;
+  bad.ranks = 151;
+  EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
 }
 
 }  // namespace

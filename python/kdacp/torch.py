@@ -283,11 +283,12 @@ def _layer(backend, key, protocol, group_size, layout, counts, tokens, dtype, op
 
 class _KdaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer, shape, scale, cu, want_ht, q, k, v, g, beta, h0):
+    def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, q, k, v, g, beta, h0):
         inputs = [t.data_ptr() for t in (q, k, v, g, beta)]
         h0_ptr = 0 if h0 is None else h0.data_ptr()
-        o, ht, saved = layer.forward(inputs, shape, scale, cu, h0_ptr, want_ht)
+        o, ht, saved = layer.forward(inputs, shape, scale, cu, h0_ptr, want_ht, algorithm)
         ctx.layer, ctx.shape, ctx.scale, ctx.cu, ctx.want_ht = layer, shape, scale, cu, want_ht
+        ctx.algorithm = algorithm
         ctx.kdacp_saved = saved  # the layer's Saved: M and the incoming state per part
         ctx.save_for_backward(q, k, v, g, beta, h0)
         o = torch.from_numpy(o)
@@ -318,8 +319,8 @@ class _KdaFunction(torch.autograd.Function):
         h0_ptr = 0 if h0 is None else h0.data_ptr()
         dq, dk, dv, dg, dbeta, dh0 = ctx.layer.backward(
             ctx.kdacp_saved, inputs, ctx.shape, ctx.scale, ctx.cu, h0_ptr, d_o.data_ptr(),
-            dht_ptr, h0 is not None)
-        return (None, None, None, None, None, torch.from_numpy(dq), torch.from_numpy(dk),
+            dht_ptr, h0 is not None, ctx.algorithm)
+        return (None, None, None, None, None, None, torch.from_numpy(dq), torch.from_numpy(dk),
                 torch.from_numpy(dv), torch.from_numpy(dg), torch.from_numpy(dbeta),
                 _from_numpy(dh0))
 
@@ -366,9 +367,12 @@ def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
     return (b, t_, h, hv, kd, vd), cu
 
 
+_ALGORITHMS = ("recurrent", "chunk")
+
+
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=None, layout="contiguous", protocol="auto",
-        allgather_group_size=1, **options):
+        allgather_group_size=1, algorithm="recurrent", **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -381,8 +385,10 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     with "zigzag" parts r and 2P-1-r concatenated. Returns (o [B,T,HV,V], ht
     [N,HV,K,V] or None); ht, when requested, is complete on every rank.
     Differentiable w.r.t. q, k, v, g, beta and initial_state. Every rank must
-    call kda, and its backward, in the same order. options: as
-    build_kda_state_cp.
+    call kda, and its backward, in the same order. algorithm: "recurrent"
+    (token by token, the reference) or "chunk" (chunkwise WY form, chunks of
+    64 tokens); the same results up to rounding, the same on every rank of a
+    group. options: as build_kda_state_cp.
     """
     shape, cu = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)
     b, t_local, h, hv, kd, vd = shape
@@ -393,6 +399,8 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         raise ValueError(f"scale={scale}, expected a finite value > 0")
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"layout '{layout}', expected 'contiguous' or 'zigzag'")
+    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}, expected 'recurrent' or 'chunk'")
     _options(options)
     dtype = _DTYPES[q.dtype]
     n_seq = (len(cu) - 1) if cu is not None else b
@@ -414,13 +422,14 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         cu_wsum = sum(i * c for i, c in enumerate(cu)) if cu is not None else -1
         row = [b, h, hv, kd, vd, 8 if dtype == "float64" else 4,
                int(initial_state is not None), int(bool(output_final_state)),
-               -1 if cu is None else len(cu), cu_sum, cu_wsum, t_local]
+               -1 if cu is None else len(cu), cu_sum, cu_wsum, _ALGORITHMS.index(algorithm), t_local]
         table = _agree(backend, row, "kda shape")
         if not (table[:, :-1] == table[0, :-1]).all():
             raise ValueError(
                 f"rank {dist.get_rank()}: kda called with different arguments on the group's "
                 "ranks: " + ", ".join(
-                    f"global rank {gr}: (B, H, HV, K, V, bytes, h0, ht, len(cu), sums)={list(r[:-1])}"
+                    f"global rank {gr}: (B, H, HV, K, V, bytes, h0, ht, len(cu), sums, algorithm)="
+                    f"{list(r[:-1])}"
                     for gr, r in zip(backend.global_ranks, table.tolist())))
         counts = [int(x) for x in table[:, -1]]
         tokens = sum(counts)
@@ -436,7 +445,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                        dtype, options, summary_shape=(b, hv, kd, vd))
     qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, bool(output_final_state),
+    o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, bool(output_final_state), algorithm,
                                qc, kc, vc, gc, bc, h0)
     return o, (ht if output_final_state else None)
 

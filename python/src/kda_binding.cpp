@@ -70,19 +70,22 @@ class KdaLayer {
           *mesh_, method, *layout_, group_size, options, pool_.exec());
   }
 
+  // `algorithm`: kda::Algorithm by name ("recurrent" or "chunk"), per call.
   py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::size_t>& shape,
                     double scale, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
-                    std::uintptr_t h0, bool want_ht) {
-    return f64_ ? forward_t<double>(inputs, shape, scale, cu_seqlens, h0, want_ht)
-                : forward_t<float>(inputs, shape, scale, cu_seqlens, h0, want_ht);
+                    std::uintptr_t h0, bool want_ht, const std::string& algorithm) {
+    const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
+    return f64_ ? forward_t<double>(inputs, shape, scale, cu_seqlens, h0, want_ht, a)
+                : forward_t<float>(inputs, shape, scale, cu_seqlens, h0, want_ht, a);
   }
 
   py::tuple backward(const std::shared_ptr<SavedBox>& saved, const std::vector<std::uintptr_t>& inputs,
                      const std::vector<std::size_t>& shape, double scale,
                      const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0,
-                     std::uintptr_t d_o, std::uintptr_t dht, bool want_dh0) {
-    return f64_ ? backward_t<double>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0)
-                : backward_t<float>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0);
+                     std::uintptr_t d_o, std::uintptr_t dht, bool want_dh0, const std::string& algorithm) {
+    const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
+    return f64_ ? backward_t<double>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0, a)
+                : backward_t<float>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0, a);
   }
 
   // The exchange's method ("none" on one process) and whether it is exact.
@@ -115,10 +118,12 @@ class KdaLayer {
 
   template <class T>
   kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s,
-                           double scale) const {
+                           double scale, kda::Algorithm algorithm) const {
     if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
-    return kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
-                          s, static_cast<T>(scale)};
+    kda::Inputs<T> in{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
+                      s, static_cast<T>(scale)};
+    in.algorithm = algorithm;
+    return in;
   }
 
   // The stream's sequences: the whole stream is `tokens` long (the layout's
@@ -136,9 +141,9 @@ class KdaLayer {
   template <class T>
   py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::size_t>& shape,
                       double scale, const std::optional<std::vector<std::int64_t>>& cu,
-                      std::uintptr_t h0p, bool want_ht) {
+                      std::uintptr_t h0p, bool want_ht, kda::Algorithm algorithm) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
     kda::validate(in, "kdacp.torch.kda");
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
@@ -169,9 +174,9 @@ class KdaLayer {
   py::tuple backward_t(const SavedBox& box, const std::vector<std::uintptr_t>& p,
                        const std::vector<std::size_t>& shape, double scale,
                        const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
-                       std::uintptr_t d_o, std::uintptr_t dhtp, bool want_dh0) {
+                       std::uintptr_t d_o, std::uintptr_t dhtp, bool want_dh0, kda::Algorithm algorithm) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
     const DType dt = f64_ ? DType::f64 : DType::f32;
@@ -224,10 +229,10 @@ void bind_kda(py::module_& m) {
            py::arg("counts"), py::arg("tokens"), py::arg("dtype"), py::arg("options"),
            py::arg("threads"))
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
-           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"))
+           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"), py::arg("algorithm") = "recurrent")
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
            py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
-           py::arg("want_dh0"))
+           py::arg("want_dh0"), py::arg("algorithm") = "recurrent")
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
       .def("times", &KdaLayer::times, py::arg("forward"));

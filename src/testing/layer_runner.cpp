@@ -161,7 +161,8 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
   const kda::Shape& s = job.data.shape;
   LayerOutputs<T> r = allocate_outputs(job);
   r.method = "single";
-  const auto in = job.data.inputs(job.scale);
+  auto in = job.data.inputs(job.scale);
+  in.algorithm = job.algorithm;
   ThreadPool pool(threads);
   const ExecPolicy exec{&pool};
   auto t0 = std::chrono::steady_clock::now();
@@ -210,7 +211,8 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   const std::vector<T> q = local(job.data.q, qk), k = local(job.data.k, qk), v = local(job.data.v, vv),
                        g = local(job.data.g, gk), beta = local(job.data.beta, s.value_heads),
                        d_o = grads ? local(job.d_o, vv) : std::vector<T>{};
-  const kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
+  kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
+  in.algorithm = job.algorithm;
   // ht's gradient is the sum over ranks of each rank's dht: rank 0 carries
   // the job's, the others zero, so the sum is the job's dht bit for bit.
   const std::vector<T> dht = job.dht.empty() || rank == 0 ? job.dht : std::vector<T>(job.dht.size());

@@ -88,6 +88,25 @@ def case_scale(kdacp, d):
                      "--scale", scale)
 
 
+def case_algorithm(kdacp, d):
+    # --algorithm (run, kda) and --algorithms (bench layer): a name other than
+    # recurrent or chunk is exit 2 naming the flag and the choices, before
+    # any work; kda writes nothing. The two good names run.
+    layer(d)
+    out = os.path.join(d, "out")
+    for bad in ("wy", "Chunk", ""):
+        expect_error(kdacp, ["kda", "--inputs", d, "--out", out, "--algorithm", bad],
+                     "--algorithm is '%s'" % bad, "'recurrent'", "'chunk'")
+        assert not os.path.exists(out), os.listdir(d)
+        expect_error(kdacp, ["run", "-T", "8", "-H", "1", "-K", "16", "-V", "16", "--algorithm", bad],
+                     "--algorithm is '%s'" % bad, "'recurrent'", "'chunk'")
+    expect_error(kdacp, ["bench", "layer", "--quick", "--algorithms", "recurrent", "wy"],
+                 "--algorithms is 'wy'", "'chunk'")
+    for good in ("recurrent", "chunk"):
+        rc, text = run(kdacp, "kda", "--inputs", d, "--out", out, "--algorithm", good)
+        assert rc == 0 and ", %s algorithm," % good in text, (good, rc, text)
+
+
 def case_stale_outputs(kdacp, d):
     out = os.path.join(d, "out")
     os.makedirs(out)

@@ -4,7 +4,8 @@ packed sequences (given lengths or a random packing) with random h0 and dht,
 contiguous uneven and zigzag layouts. Rank 0 alone prints (stdout is one JSON
 document); every protocol's relative errors of o, every gradient, ht and dh0
 against one device, which are functions of the outputs' bits, are equal to
-the last digit, and exact protocols agree bitwise.
+the last digit, and exact protocols agree bitwise; with --algorithm chunk
+(sequences across chunks of 64 tokens and ranks) as with the default.
 
     cli_run.py NP KDACP MPIEXEC MPI_FLAGS...
 """
@@ -29,6 +30,9 @@ def cases(np_):
     yield ["--seqlens", "10,1,14,15", "--split", ",".join(map(str, split))], ["--backend", "mpi"]
     # The default backend, auto, picks MPI under mpirun.
     yield ["--docs", "5", "-T", "48", "--layout", "zigzag"], []
+    # The chunkwise algorithm: T = 150 over chunks of 64, sequences across
+    # chunk and rank boundaries.
+    yield ["--algorithm", "chunk", "--seqlens", "70,1,69,10"], ["--backend", "mpi"]
 
 
 def main():
@@ -37,6 +41,10 @@ def main():
         local = run([kdacp, "run", "--json", "--ranks", np_, *SHAPE, *args])
         remote = run([mpi[0], "-np", np_, *mpi[1:], kdacp, "run", *backend, "--json", *SHAPE, *args])
         assert local["backend"] == "inprocess" and remote["backend"] == "mpi", (local["backend"], remote["backend"])
+        # Without --algorithm: the CLI's default, whichever it is.
+        algorithm = args[args.index("--algorithm") + 1] if "--algorithm" in args else local["algorithm"]
+        assert local["algorithm"] == remote["algorithm"] == algorithm, (local["algorithm"], remote["algorithm"])
+        assert algorithm in ("recurrent", "chunk"), algorithm
         assert local["P"] == remote["P"] == int(np_)
         assert local["cu_seqlens"] == remote["cu_seqlens"], (local["cu_seqlens"], remote["cu_seqlens"])
         lengths = [b - a for a, b in zip(local["cu_seqlens"], local["cu_seqlens"][1:])]

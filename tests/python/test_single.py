@@ -57,6 +57,39 @@ def test_kda_matches_oracle(dtype, tol, packed):
         assert rel(x.grad, r.grad) <= tol, name
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_kda_chunk_matches_recurrent(packed):
+    """algorithm="chunk" against the default recurrent algorithm in float64:
+    o, ht and every gradient within 1e-10, T over several chunks of 64 with a
+    partial last one (and packed sequences across chunk boundaries)."""
+    b = 1 if packed else 2
+    cu = [0, 70, 71, 140, 150] if packed else None
+    n = 4 if packed else b
+    inputs = make_inputs(b, 150, 2, 4, 16, 32, torch.float64, seed=6, n_states=n)
+    gen = torch.Generator().manual_seed(7)
+    results = {}
+    for algorithm in ("recurrent", "chunk"):
+        xs = _leaves(inputs)
+        o, ht = kt.kda(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                       algorithm=algorithm, threads=1)
+        if algorithm == "recurrent":
+            w_o = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+            w_h = torch.randn(ht.shape, generator=gen, dtype=torch.float64)
+        ((o * w_o).sum() + (ht * w_h).sum()).backward()
+        results[algorithm] = [o.detach(), ht.detach()] + [x.grad for x in xs]
+
+    names = "o ht dq dk dv dg dbeta dh0".split()
+    differ = False
+    for name, got, want in zip(names, results["chunk"], results["recurrent"]):
+        assert got is not None and got.shape == want.shape, name
+        err = ((got - want).norm() / want.norm()).item()
+        assert err <= 1e-10, (name, err)
+        differ = differ or not torch.equal(got, want)
+    assert differ, "chunk gave the recurrent algorithm's bits: the keyword did not reach the layer"
+    with pytest.raises(ValueError, match="algorithm"):
+        kt.kda(*inputs[:5], algorithm="wy")
+
+
 def test_kda_default_scale_and_no_final_state():
     q, k, v, g, beta, _ = make_inputs(1, 8, 1, 2, 16, 16, torch.float64, seed=4)
     o, ht = kt.kda(q, k, v, g, beta)

@@ -1,16 +1,23 @@
-// `kdacp bench kernels|protocols`: how close the fold kernels and the
-// protocols come to what the host can do, as ratios measured in one run.
+// `kdacp bench kernels|protocols|layer`: how close the fold kernels, the
+// protocols and the KDA layer (per algorithm) come to what the host can do,
+// as ratios measured in one run.
 // Human table by default, --json for scripts (one array of flat records),
 // --plot FILE for a PNG or SVG drawn by gnuplot from those records.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "bench.hpp"
 #include "commands.hpp"
+#include "exchange_flags.hpp"
 #include "flags.hpp"
+#include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/testing/layer_runner.hpp"
+#include "layer_flags.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "table.hpp"
 
@@ -133,6 +140,133 @@ void run(const std::string& mode, BenchArgs& args) {
   }
 }
 
+// `kdacp bench layer`: the CLI's side of testing::bench_layer.
+struct LayerArgs {
+  testing::LayerBenchConfig layer;
+  std::size_t value_heads = 0;  // 0: H
+  std::vector<std::string> algorithms{"recurrent", "chunk"};
+  ExchangeFlags exchange;
+  bool json = false, quick = false, quiet = false;
+  std::string max_memory;
+};
+
+// "3.2e-07", or "-" for the baseline itself, "nan" for a NaN.
+std::string err_text(const nlohmann::json& v, bool baseline) {
+  if (baseline) return "-";
+  return v.is_null() ? "nan" : fmt("%.1e", v.get<double>());
+}
+
+void print_layer(const nlohmann::json& recs) {
+  Table t({"run", "algorithm", "P x threads", "protocol", "fwd ms", "bwd ms", "fwd+bwd ms", "GFLOP/s", "% peak",
+           "speed-up", "err o", "err grads"});
+  for (const auto& r : recs) {
+    const bool base = r["algorithm"] == r["baseline"];
+    double grads = 0;
+    bool nan = false;
+    for (const char* f : {"rel_error_dq", "rel_error_dk", "rel_error_dv", "rel_error_dg", "rel_error_dbeta"}) {
+      if (r[f].is_null()) nan = true;
+      else grads = std::max(grads, r[f].get<double>());
+    }
+    t.add({r["run"] == "cp" ? "context-parallel" : "one rank", r["algorithm"].get<std::string>(),
+           std::to_string(r["P"].get<std::size_t>()) + " x " + std::to_string(r["threads_per_rank"].get<std::size_t>()),
+           r["protocol"].get<std::string>(), fmt("%.1f", r["forward_seconds"].get<double>() * 1e3),
+           fmt("%.1f", r["backward_seconds"].get<double>() * 1e3), fmt("%.1f", r["seconds"].get<double>() * 1e3),
+           num(r["gflops"], "%.1f"), fmt("%.1f%%", 100 * r["fraction_of_peak"].get<double>()),
+           fmt("%.2fx", r["speedup"].get<double>()), err_text(r["rel_error_o"], base),
+           base ? "-" : nan ? "nan" : fmt("%.1e", grads)});
+  }
+  if (recs.empty()) return;
+  const auto& r0 = recs[0];
+  std::printf("kdacp bench layer: KDA layer forward+backward, float32, B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu, "
+              "chunk size %zu, median of %zu runs\n\n",
+              r0["B"].get<std::size_t>(), r0["T"].get<std::size_t>(), r0["H"].get<std::size_t>(),
+              r0["HV"].get<std::size_t>(), r0["K"].get<std::size_t>(), r0["V"].get<std::size_t>(),
+              r0["chunk_size"].get<std::size_t>(), r0["repeats"].get<std::size_t>());
+  t.print();
+  std::printf("\nGFLOP/s: 34*B*T*HV*K*V flops (the recurrent algorithm's count on one device, %.2f GFLOP) per "
+              "forward+backward wall time,\nthe same count for every algorithm and run; %% peak: of the FP32 FMA "
+              "peak measured in this run, %.1f GFLOP/s on %zu threads (%s);\nspeed-up: %s's fwd+bwd time / this "
+              "one's, same run; err: relative Frobenius error vs %s, same run (grads: max of dq, dk, dv, dg, dbeta)\n",
+              r0["flops"].get<double>() / 1e9, r0["peak_gflops"].get<double>(), r0["peak_threads"].get<std::size_t>(),
+              r0["target"].get<std::string>().c_str(), r0["baseline"].get<std::string>().c_str(),
+              r0["baseline"].get<std::string>().c_str());
+}
+
+void run_layer(LayerArgs& a) {
+  testing::LayerBenchConfig& c = a.layer;
+  c.algorithms.clear();
+  for (const std::string& name : a.algorithms) c.algorithms.push_back(parse_algorithm_flag(name, "--algorithms"));
+  if (a.quick) {
+    // A smoke-test size: every code path (several chunks per rank, a
+    // partial last chunk), seconds instead of minutes.
+    c.shape = kda::Shape{1, 300, 1, 1, 32, 32};
+    a.value_heads = 0;
+    c.ranks = 2;
+    c.repeats = 1;
+    c.peak_seconds = 0.02;
+  }
+  c.shape.value_heads = a.value_heads ? a.value_heads : c.shape.heads;
+  kda::validate(c.shape);
+  if (c.ranks > c.shape.tokens) {
+    std::ostringstream what;
+    what << "--ranks " << c.ranks << " is more ranks than T = " << c.shape.tokens << " tokens";
+    throw InvalidArgument(what.str());
+  }
+  check_threads(std::max<std::size_t>(c.ranks, 1), c.threads_per_rank);
+  c.method = a.exchange.protocol;
+  c.group_size = a.exchange.group_size;
+  c.exchange = exchange_options(a.exchange, testing::layer_summary_shape(c.shape));
+  std::ostringstream what;
+  what << "kdacp bench layer on " << c.ranks << " ranks";
+  require_memory(testing::layer_bench_bytes(c), max_memory_bytes(a.max_memory), what.str(),
+                 max_memory_name(a.max_memory));
+  const nlohmann::json recs = run_layer_bench(c, !a.quiet);
+  if (a.json) std::printf("%s\n", recs.dump(2).c_str());
+  else print_layer(recs);
+  for (const auto& r : recs)
+    if (r["max_rel_error"].is_null()) {
+      std::ostringstream msg;
+      msg << "kdacp bench layer: " << r["algorithm"].get<std::string>() << " has a NaN error against "
+          << r["baseline"].get<std::string>();
+      throw Error(msg.str());
+    }
+}
+
+void add_layer_command(CLI::App& bench) {
+  auto a = std::make_shared<LayerArgs>();
+  a->exchange.protocol = "p2p";
+  CLI::App* cmd = bench.add_subcommand(
+      "layer", "the KDA layer's forward+backward per algorithm (recurrent, chunk) on one rank and in CP: "
+               "time, GFLOP/s vs the FP32 peak, speed-up and error against the first algorithm");
+  testing::LayerBenchConfig& c = a->layer;
+  add_int(*cmd, "--batch,-B", c.shape.batch, "batch size", kSizeRange);
+  add_int(*cmd, "--tokens,-T", c.shape.tokens, "sequence length", IntRange{1, 1 << 24});
+  add_int(*cmd, "--heads,-H", c.shape.heads, "query/key heads", kSizeRange);
+  add_int(*cmd, "--value-heads", a->value_heads, "value heads (multiple of --heads; 0: same)",
+          IntRange{0, kSizeRange.max});
+  add_int(*cmd, "--key-dim,-K", c.shape.key_dim, "key dim", kDimRange);
+  add_int(*cmd, "--value-dim,-V", c.shape.value_dim, "value dim", kDimRange);
+  add_int(*cmd, "--ranks,-P", c.ranks, "in-process ranks of the context-parallel runs (0: one rank only)",
+          IntRange{0, kRanksRange.max});
+  add_exchange_flags(*cmd, a->exchange);
+  cmd->add_option("--algorithms", a->algorithms,
+                  "algorithms to run, in this order; the first is the baseline of speed-ups and errors "
+                  "(recurrent, chunk)")
+      ->capture_default_str();
+  add_int(*cmd, "--threads", c.threads_per_rank,
+          "threads per rank of the context-parallel runs (0: hardware threads / ranks); the one-rank runs use "
+          "every hardware thread",
+          kThreadsRange);
+  add_int(*cmd, "--repeat", c.repeats, "timed runs per algorithm and run, interleaved; the median is reported",
+          IntRange{1, 1000});
+  add_int(*cmd, "--seed", c.seed, "input seed", IntRange{});
+  add_max_memory(*cmd, a->max_memory);
+  cmd->add_flag("--json", a->json, "print one JSON array of flat records instead of a table");
+  cmd->add_flag("--quick", a->quick, "tiny shape for smoke tests (T=300, H=1, K=V=32, P=2, one run)");
+  cmd->add_flag("--quiet,-q", a->quiet, "no progress lines on stderr");
+  cmd->callback([a] { run_layer(*a); });
+}
+
 void add_common(CLI::App& cmd, BenchArgs& a) {
   cmd.add_flag("--json", a.json, "print one JSON array of flat records instead of a table");
   cmd.add_option("--plot", a.plot, "also draw the records with gnuplot into FILE (.png or .svg)");
@@ -148,7 +282,7 @@ void add_common(CLI::App& cmd, BenchArgs& a) {
 
 void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
-  CLI::App* bench = app.add_subcommand("bench", "measure kernels and protocols against the host's limits");
+  CLI::App* bench = app.add_subcommand("bench", "measure kernels, protocols and the KDA layer against the host's limits");
   bench->require_subcommand(1);
   CLI::App* kern = bench->add_subcommand(
       "kernels", "GFLOP/s of the fused fold vs the measured FMA peak, an OpenBLAS loop and the scalar kernel");
@@ -165,6 +299,7 @@ void add_bench_command(CLI::App& app) {
   add_ints(*prot, "--bh", args->protocols.slabs, "B·H values", kSizeRange);
   add_int(*prot, "--key-dim,-K", args->protocols.key_dim, "K = V", kDimRange);
   prot->callback([args] { run("protocols", *args); });
+  add_layer_command(*bench);
 }
 
 }  // namespace kdacp::cli

@@ -27,6 +27,7 @@ struct KdaConfig {
   std::string inputs, out, max_memory;
   ExchangeFlags exchange;
   LayoutFlags layout;
+  kda::Algorithm algorithm = kDefaultAlgorithm;
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
 };
@@ -62,10 +63,11 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
   StagedOutput staged(cfg.out, testing::kLayerOutputFiles);
   testing::write_layer_outputs_npy(staged.staging_dir(), in, *out);
   staged.commit();
-  std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s on P=%zu %s ranks (%s, %s layout): "
-              "wrote %s to %s\n",
+  std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s, %s algorithm, on P=%zu %s ranks (%s, %s "
+              "layout): wrote %s to %s\n",
               std::is_same_v<T, double> ? "float64" : "float32", s.batch, s.tokens, s.heads, s.value_heads,
-              s.key_dim, s.value_dim, in.sequences, in.cu_seqlens.empty() ? "" : " packed", ranks,
+              s.key_dim, s.value_dim, in.sequences, in.cu_seqlens.empty() ? "" : " packed",
+              kda::algorithm_name(job.algorithm), ranks,
               out->backend.c_str(), out->method.c_str(), layout.name().c_str(),
               job.grads() ? "o, ht, dq, dk, dv, dg, dbeta, dh0" : "o, ht", cfg.out.c_str());
 }
@@ -73,7 +75,8 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
 template <class T>
 void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_bytes) {
   const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
-  const testing::LayerJob<T> job = testing::layer_job<T>(in, scale);
+  testing::LayerJob<T> job = testing::layer_job<T>(in, scale);
+  job.algorithm = cfg.algorithm;
   job.sequences();  // every check of the job before any rank starts
   // In-process, P is known here: check once before the ranks start. Under a
   // launcher every process checks with its world's P before any message.
@@ -123,6 +126,7 @@ void add_kda_command(CLI::App& app) {
   add_backend_flags(*cmd, cfg->backend);
   add_exchange_flags(*cmd, cfg->exchange);
   add_layout_flags(*cmd, cfg->layout);
+  add_algorithm_flag(*cmd, cfg->algorithm);
   add_real(*cmd, "--scale", cfg->scale, "output scale (default 1/sqrt(K))", kPositive)->default_str("1/sqrt(K)");
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

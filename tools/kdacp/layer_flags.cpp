@@ -18,6 +18,27 @@ void add_layout_flags(CLI::App& cmd, LayoutFlags& flags) {
                IntRange{1, std::uint64_t{1} << 40});
 }
 
+kda::Algorithm parse_algorithm_flag(const std::string& text, const std::string& flag) {
+  try {
+    return kda::parse_algorithm(text.c_str());
+  } catch (const InvalidArgument&) {
+    std::ostringstream what;
+    what << flag << " is '" << text << "', expected 'recurrent' (token by token, the reference) or 'chunk' "
+         << "(chunkwise WY form, " << kda::kChunkSize << " tokens per chunk)";
+    throw InvalidArgument(what.str());
+  }
+}
+
+CLI::Option* add_algorithm_flag(CLI::App& cmd, kda::Algorithm& algorithm) {
+  return cmd
+      .add_option_function<std::string>(
+          "--algorithm", [&algorithm](const std::string& t) { algorithm = parse_algorithm_flag(t, "--algorithm"); },
+          "how the KDA layer computes: recurrent (token by token, the reference) or chunk (chunkwise WY form); "
+          "both give the same results up to rounding")
+      ->type_name("recurrent|chunk")
+      ->default_str(kda::algorithm_name(algorithm));
+}
+
 void check_layout_flags(const LayoutFlags& flags) {
   if (flags.layout == "zigzag" && !flags.split.empty())
     throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");

@@ -1,6 +1,6 @@
-// The flags of the commands that run the KDA layer over a stream: --layout
-// and --split, checked here so that a bad one is an error naming the flag
-// before any rank starts (or, under mpirun, before any message).
+// The flags of the commands that run the KDA layer over a stream: --layout,
+// --split and --algorithm, checked here so that a bad one is an error naming
+// the flag before any rank starts (or, under mpirun, before any message).
 #pragma once
 
 #include <cstddef>
@@ -9,9 +9,23 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kdacp/kda.hpp"
 #include "kdacp/testing/layer_runner.hpp"
 
 namespace kdacp::cli {
+
+// The algorithm `kdacp run` and `kdacp kda` (and so `make run`) use without
+// --algorithm: the one place to change the CLI's default.
+inline constexpr kda::Algorithm kDefaultAlgorithm = kda::Algorithm::recurrent;
+
+// Adds --algorithm recurrent|chunk (kda::Algorithm, default `algorithm`'s
+// value); another name throws InvalidArgument naming the flag, the text and
+// the choices (exit status 2).
+CLI::Option* add_algorithm_flag(CLI::App& cmd, kda::Algorithm& algorithm);
+
+// Parses an --algorithm value as add_algorithm_flag does (for commands that
+// take several, e.g. `kdacp bench layer --algorithms`).
+kda::Algorithm parse_algorithm_flag(const std::string& text, const std::string& flag);
 
 struct LayoutFlags {
   std::string layout = "contiguous";

@@ -38,6 +38,7 @@ struct RunConfig {
   std::vector<std::size_t> seqlens;  // packed sequence lengths (sum T)
   std::size_t docs = 0;              // a random packing of this many documents
   LayoutFlags layout;
+  kda::Algorithm algorithm = kDefaultAlgorithm;
   std::uint64_t seed = 0;
   std::size_t threads = 0;
   bool json = false;
@@ -101,7 +102,7 @@ struct Report {
 
 // How the run is set up, for the header line and the JSON.
 struct RunSetup {
-  std::string backend, layout;
+  std::string backend, layout, algorithm;
   std::size_t ranks = 1, per_rank = 1;
   std::vector<std::int64_t> cu_seqlens;
 };
@@ -111,7 +112,8 @@ void print(const RunConfig& cfg, const kda::Shape& shape, const RunSetup& setup,
   const PeakResult& peak = rep.peak;
   const std::size_t per_rank = setup.per_rank;
   if (cfg.json) {
-    nlohmann::json j = {{"command", "run"}, {"backend", setup.backend}, {"layout", setup.layout},
+    nlohmann::json j = {{"command", "run"}, {"algorithm", setup.algorithm}, {"backend", setup.backend},
+                        {"layout", setup.layout},
                         {"P", setup.ranks}, {"B", shape.batch}, {"T", shape.tokens}, {"H", shape.heads},
                         {"HV", shape.value_heads}, {"K", shape.key_dim}, {"V", shape.value_dim},
                         {"threads_per_rank", per_rank}, {"peak_gflops", peak.gflops},
@@ -123,9 +125,9 @@ void print(const RunConfig& cfg, const kda::Shape& shape, const RunSetup& setup,
     std::printf("%s\n", j.dump(2).c_str());
     return;
   }
-  std::printf("kdacp run: KDA layer forward+backward, float32, B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu, "
-              "P=%zu %s ranks x %zu threads, %s layout\n",
-              shape.batch, shape.tokens, shape.heads, shape.value_heads, shape.key_dim,
+  std::printf("kdacp run: KDA layer forward+backward, %s algorithm, float32, B=%zu T=%zu H=%zu HV=%zu K=%zu "
+              "V=%zu, P=%zu %s ranks x %zu threads, %s layout\n",
+              setup.algorithm.c_str(), shape.batch, shape.tokens, shape.heads, shape.value_heads, shape.key_dim,
               shape.value_dim, setup.ranks, setup.backend == "inprocess" ? "in-process" : setup.backend.c_str(),
               per_rank, setup.layout.c_str());
   if (!setup.cu_seqlens.empty()) {
@@ -142,10 +144,10 @@ void print(const RunConfig& cfg, const kda::Shape& shape, const RunSetup& setup,
   }
   std::printf("\n");
   rep.table.print();
-  std::printf("\nerrors: relative Frobenius vs the single-rank layer; exchange: share of layer time in the "
-              "state exchange;\nGFLOP/s: recurrence flops per forward+backward (%.2f GFLOP on one device, %.2f "
-              "with the CP summaries and G pass) / wall time;\n%% peak: of the FP32 FMA peak measured in this run, "
-              "%.1f GFLOP/s on %zu threads (%s)\n",
+  std::printf("\nerrors: relative Frobenius vs the single-rank layer (same algorithm); exchange: share of layer "
+              "time in the state exchange;\nGFLOP/s: the recurrent algorithm's flops per forward+backward (%.2f "
+              "GFLOP on one device, %.2f with the CP summaries and G pass) / wall time, for either algorithm;\n"
+              "%% peak: of the FP32 FMA peak measured in this run, %.1f GFLOP/s on %zu threads (%s)\n",
               rep.one_flops / 1e9, rep.cp_flops / 1e9, peak.gflops, peak.threads, peak.target.c_str());
   std::printf("max rel error %.3e; outputs and gradients bitwise equal across exact protocols: %s\n", rep.worst,
               all_bitwise ? "yes" : "NO");
@@ -213,6 +215,7 @@ void run(RunConfig& cfg) {
   job.scale = kda::default_scale<float>(shape.key_dim);
   job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
   job.final_states = cfg.packed();
+  job.algorithm = cfg.algorithm;
   if (cfg.packed()) {
     const std::size_t states = sequences * shape.value_heads * shape.key_dim * shape.value_dim;
     job.h0 = kda::synthetic_tensor<float>(states, cfg.seed + 3);
@@ -239,7 +242,8 @@ void run(RunConfig& cfg) {
       if (!r.skipped.empty()) rep.skip(r.label, r.skipped);
       else rep.add(r.label, r.out, false, !r.bitwise ? "n/a" : *r.bitwise ? "yes" : "NO");
     }
-    const RunSetup setup{world->backend(), base.layout.name(), world->size(), per_rank, job.cu_seqlens};
+    const RunSetup setup{world->backend(), base.layout.name(), kda::algorithm_name(job.algorithm), world->size(),
+                         per_rank, job.cu_seqlens};
     print(cfg, shape, setup, rep, cmp->all_bitwise);
     if (!cmp->all_bitwise) throw Error("exact protocols disagree bitwise");
   });
@@ -270,6 +274,7 @@ void add_run_command(CLI::App& app) {
           IntRange{1, 1 << 24})
       ->default_str("none");
   add_layout_flags(*cmd, cfg->layout);
+  add_algorithm_flag(*cmd, cfg->algorithm);
   add_int(*cmd, "--seed", cfg->seed, "input seed", IntRange{});
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

@@ -44,6 +44,9 @@ struct LayerJob {
   std::vector<T> dht;                    // [N,HV,K,V]; empty: zero
   // Produce ht (and, with d_o, dh0).
   bool final_states = true;
+  // How the layer computes (kda::Inputs::algorithm), on one device and on
+  // every rank alike.
+  kda::Algorithm algorithm = kda::Algorithm::recurrent;
 
   // Checks B = 1 with cu_seqlens and the rules of kda::Sequences, and the
   // sizes of h0, d_o and dht; throws InvalidArgument naming the array.
@@ -71,7 +74,7 @@ template <class T>
 LayerOutputs<T> allocate_outputs(const LayerJob<T>& job);
 
 // One device: the whole stream on this process with `threads` threads
-// (kda::forward_sequences / backward_sequences).
+// (kda::forward_sequences / backward_sequences) with job.algorithm.
 template <class T>
 LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads);
 
@@ -88,10 +91,11 @@ struct LayerRunOptions {
 // ranks): every rank builds the layer for options.layout with
 // make_state_exchange(mesh, method, group_size, exchange) and its own pool of
 // threads_per_rank threads, takes its parts of the job, runs forward (and
-// backward with d_o). Rank r's dht is the job's dht on rank 0 and zero on
-// the others, so the gradient of ht the layer sums over ranks is the job's
-// dht exactly. Every rank sends its local outputs to rank 0, which returns
-// them in the global layout; the other ranks return nullopt. Times are the
+// backward with d_o) with job.algorithm. Rank r's dht is the job's dht on
+// rank 0 and zero on the others, so the gradient of ht the layer sums over
+// ranks is the job's dht exactly. Every rank sends its local outputs to rank
+// 0, which returns them in the global layout; the other ranks return
+// nullopt. Times are the
 // slowest rank's. Throws what the layer throws (before any message for bad
 // inputs) and, for a layout that is not the job's T and P, InvalidArgument.
 template <class T>

@@ -1,0 +1,82 @@
+// The KDA layer's speed per algorithm (`kdacp bench layer`): forward and
+// backward with every kda::Algorithm asked for, on the same inputs, on one
+// rank and on P in-process ranks (the context-parallel layer), timed in one
+// run beside the FP32 FMA peak measured in that run, with each algorithm's
+// relative error against the first one (so a wrong fast path shows). Part of
+// kdacp_testing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kdacp/exchange.hpp"
+#include "kdacp/kda.hpp"
+#include "kdacp/testing/bench.hpp"
+
+namespace kdacp::testing {
+
+struct LayerBenchConfig {
+  kda::Shape shape{1, 8192, 4, 4, 128, 128};
+  // In this order; the first is the baseline of the speed-ups and errors.
+  std::vector<kda::Algorithm> algorithms{kda::Algorithm::recurrent, kda::Algorithm::chunk};
+  bool single = true;                // run the layer on one rank
+  std::size_t ranks = 4;             // P of the context-parallel runs; 0: none
+  std::string method = "p2p";        // their state exchange (make_state_exchange)
+  long long group_size = 1;
+  ExchangeOptions exchange;          // expected_shape defaults to the layer's summary shape
+  std::size_t threads = 0;           // threads of the one-rank runs (0: hardware threads)
+  std::size_t threads_per_rank = 0;  // of the context-parallel runs (0: hardware threads / P, at least 1)
+  // Timed runs per algorithm and mode, interleaved over the algorithms; the
+  // run with the median forward+backward time is reported.
+  std::size_t repeats = 3;
+  std::uint64_t seed = 0;            // synthetic inputs and d_o (kdacp/testing/synthetic.hpp)
+  double peak_seconds = 0.2;         // measure_fma_peak on the hardware threads
+  double timeout_s = 600;            // of a context-parallel rank waiting for a peer
+};
+
+struct LayerBenchRecord {
+  std::string mode;  // "single" or "cp"
+  kda::Algorithm algorithm = kda::Algorithm::recurrent;
+  std::size_t ranks = 1;
+  std::size_t threads_per_rank = 1;
+  std::string method = "none";  // the exchange's method (auto: its choice); "none" on one rank
+  double forward_seconds = 0, backward_seconds = 0;  // slowest rank
+  double exchange_seconds = 0;                       // slowest rank, forward + backward
+  // The recurrent algorithm's flops on one device, 34·B·T·HV·K·V
+  // (kda::forward_flops + backward_flops), for every algorithm and mode: a
+  // rate of the same work.
+  double flops = 0;
+  double gflops = 0;         // flops / (forward + backward seconds) / 1e9
+  double peak_fraction = 0;  // gflops / the measured peak
+  double speedup = 1;        // the first algorithm's forward+backward time / this one's, same mode
+  // Relative Frobenius errors against the first algorithm in the same mode:
+  // o, dq, dk, dv, dg, dbeta (relative_errors in layer_runner.hpp).
+  std::vector<double> rel_errors;
+  double max_rel_error = 0;  // NaN when any of them is
+};
+
+struct LayerBenchResult {
+  PeakResult peak;                       // FP32 FMA peak on every hardware thread, this run
+  std::vector<LayerBenchRecord> records;  // "single" then "cp", each in config.algorithms order
+};
+
+// Called after each timed run: the algorithm, mode, its forward+backward
+// seconds, runs done and total.
+using LayerBenchProgress =
+    std::function<void(const std::string& mode, kda::Algorithm, double seconds, std::size_t done, std::size_t total)>;
+
+// Runs the sweep in float32 (no packed sequences, zero h0 and dht): every
+// algorithm on the same synthetic inputs and d_o. Throws InvalidArgument for
+// a bad shape, no algorithms, repeats = 0, neither mode, or a P larger than
+// T, before anything runs; what the layer throws otherwise.
+LayerBenchResult bench_layer(const LayerBenchConfig& config, const LayerBenchProgress& progress = {});
+
+// Bytes bench_layer allocates at most: the job, one kept output set per
+// algorithm plus the one being produced, and the larger of a one-rank run
+// and a context-parallel run (layer_run_bytes with the exchange's rank bytes).
+double layer_bench_bytes(const LayerBenchConfig& config);
+
+}  // namespace kdacp::testing

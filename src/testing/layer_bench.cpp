@@ -1,0 +1,136 @@
+#include "kdacp/testing/layer_bench.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "kdacp/admission.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/testing/synthetic.hpp"
+#include "kdacp/thread_pool.hpp"
+
+namespace kdacp::testing {
+namespace {
+
+struct Timing {
+  double forward = 0, backward = 0, exchange = 0;
+  double total() const { return forward + backward; }
+};
+
+// The run with the median forward+backward time (the lower one of an even count).
+Timing median(std::vector<Timing> runs) {
+  std::sort(runs.begin(), runs.end(), [](const Timing& a, const Timing& b) { return a.total() < b.total(); });
+  return runs[(runs.size() - 1) / 2];
+}
+
+void check(const LayerBenchConfig& c) {
+  kda::validate(c.shape);
+  if (c.algorithms.empty()) throw InvalidArgument("bench_layer: no algorithms, expected at least one");
+  if (c.repeats == 0) throw InvalidArgument("bench_layer: repeats = 0, expected >= 1");
+  if (!c.single && c.ranks == 0)
+    throw InvalidArgument("bench_layer: neither the one-rank run nor a context-parallel one (ranks = 0)");
+  if (c.ranks > c.shape.tokens) {
+    std::ostringstream what;
+    what << "bench_layer: P = " << c.ranks << " ranks for T = " << c.shape.tokens
+         << " tokens, expected at most one rank per token";
+    throw InvalidArgument(what.str());
+  }
+}
+
+std::size_t cp_threads(const LayerBenchConfig& c) {
+  return c.threads_per_rank ? c.threads_per_rank : ThreadPool::default_threads(c.ranks);
+}
+
+}  // namespace
+
+LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress& progress) {
+  check(c);
+  const kda::Shape& s = c.shape;
+  LayerJob<float> job;
+  job.data = kda::synthetic_layer<float>(s, c.seed);
+  job.scale = kda::default_scale<float>(s.key_dim);
+  job.d_o = kda::synthetic_tensor<float>(s.v_elems(), c.seed + 1);
+  job.final_states = false;
+  job.sequences();
+
+  const std::size_t hw = ThreadPool::default_threads(1);
+  const std::size_t single_threads = c.threads ? c.threads : hw;
+  LayerBenchResult result;
+  result.peak = measure_fma_peak(hw, c.peak_seconds);
+  const double flops = kda::forward_flops(s, false) + kda::backward_flops(s, false);
+
+  std::vector<std::string> modes;
+  if (c.single) modes.emplace_back("single");
+  if (c.ranks > 0) modes.emplace_back("cp");
+  const std::size_t total = modes.size() * c.repeats * c.algorithms.size();
+  std::size_t done = 0;
+  for (const std::string& mode : modes) {
+    const bool cp = mode == "cp";
+    LayerRunOptions opts;
+    opts.method = c.method;
+    opts.group_size = c.group_size;
+    opts.exchange = c.exchange;
+    opts.threads_per_rank = cp_threads(c);
+    std::vector<std::vector<Timing>> times(c.algorithms.size());
+    std::vector<LayerOutputs<float>> outputs(c.algorithms.size());
+    std::vector<std::string> methods(c.algorithms.size(), "none");
+    // Interleaved, so that a slow spell of a shared machine hits every
+    // algorithm alike.
+    for (std::size_t rep = 0; rep < c.repeats; ++rep) {
+      for (std::size_t a = 0; a < c.algorithms.size(); ++a) {
+        job.algorithm = c.algorithms[a];
+        LayerOutputs<float> out =
+            cp ? run_context_parallel(job, c.ranks, opts, c.timeout_s) : run_single(job, single_threads);
+        const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds};
+        times[a].push_back(t);
+        if (cp) methods[a] = out.method;
+        if (rep == 0) outputs[a] = std::move(out);  // results are the same bits every run
+        if (progress) progress(mode, c.algorithms[a], t.total(), ++done, total);
+      }
+    }
+    const Timing base = median(times[0]);
+    for (std::size_t a = 0; a < c.algorithms.size(); ++a) {
+      LayerBenchRecord r;
+      r.mode = mode;
+      r.algorithm = c.algorithms[a];
+      r.ranks = cp ? c.ranks : 1;
+      r.threads_per_rank = cp ? opts.threads_per_rank : single_threads;
+      r.method = methods[a];
+      const Timing t = median(times[a]);
+      r.forward_seconds = t.forward;
+      r.backward_seconds = t.backward;
+      r.exchange_seconds = t.exchange;
+      r.flops = flops;
+      r.gflops = flops / t.total() / 1e9;
+      r.peak_fraction = r.gflops / result.peak.gflops;
+      r.speedup = base.total() / t.total();
+      r.rel_errors = relative_errors(outputs[a], outputs[0]);
+      for (double e : r.rel_errors)
+        r.max_rel_error = std::isnan(e) || std::isnan(r.max_rel_error) ? std::numeric_limits<double>::quiet_NaN()
+                                                                        : std::max(r.max_rel_error, e);
+      result.records.push_back(std::move(r));
+    }
+  }
+  return result;
+}
+
+double layer_bench_bytes(const LayerBenchConfig& c) {
+  const kda::Shape& s = c.shape;
+  const double out = layer_output_bytes(s, true, sizeof(float));
+  // The job: q, k, v, g, beta (as large as their gradients) and d_o.
+  const double job = out + double(s.batch) * double(s.tokens) * double(s.value_heads) * double(s.value_dim) * 4;
+  const double kept = double(c.algorithms.size() + 1) * out;
+  double run = c.single ? layer_run_bytes(s, s.batch, 1, true, sizeof(float), 0) : 0.0;
+  if (c.ranks > 0) {
+    ExchangeOptions eo = c.exchange;
+    if (!eo.expected_shape) eo.expected_shape = layer_summary_shape(s);
+    const ProblemShape ps{c.ranks, s.batch * s.value_heads, s.key_dim, s.value_dim, sizeof(float)};
+    const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
+    run = std::max(run, layer_run_bytes(s, s.batch, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
+  }
+  return job + kept + run;
+}
+
+}  // namespace kdacp::testing
