@@ -6,10 +6,12 @@
 // backward_flops, src/testing/flops.cpp) per second beside the measured FP32
 // FMA peak of the same threads. Not a test: nothing here asserts.
 //
-//   kdacp_bench_layer [threads=1] [reps=5] [T=8192] [H=4] [K=128] [V=128] [cpu]
+//   kdacp_bench_layer [threads=1] [reps=5] [T=8192] [H=4] [K=128] [V=128] [cpu] [algos]
 //
 // `cpu` (7th argument 1) times CPU time of the process instead of wall time:
 // with one thread on a busy shared machine that is the steadier number.
+// `algos` (8th argument): 3 both (default), 1 recurrent only, 2 chunk only
+// (for profiling one of them).
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
   };
   const std::size_t threads = arg(1, 1), reps = arg(2, 5);
   g_cpu_time = arg(7, 0) != 0;
+  const std::size_t algos = arg(8, 3);
   const Shape s{1, arg(3, 8192), arg(4, 4), arg(4, 4), arg(5, 128), arg(6, 128)};
   std::mt19937 rng(1);
   std::vector<float> q = uniform(s.qk_elems(), -1, 1, rng), k = uniform(s.qk_elems(), -1, 1, rng);
@@ -95,6 +98,7 @@ int main(int argc, char** argv) {
               "f+b ms", "summary", "G pass", "GFLOP/s", "% peak");
   double fb[2] = {0, 0};
   for (Algorithm a : {Algorithm::recurrent, Algorithm::chunk}) {
+    if ((algos & (a == Algorithm::chunk ? 2u : 1u)) == 0) continue;
     Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
                      default_scale<float>(s.key_dim)};
     in.algorithm = a;
@@ -112,6 +116,6 @@ int main(int argc, char** argv) {
                 tf * 1e3, tb * 1e3, (tf + tb) * 1e3, ts * 1e3, tg * 1e3, rate,
                 100 * rate / peak.gflops);
   }
-  std::printf("chunk speed-up, forward+backward: %.2fx\n", fb[0] / fb[1]);
+  if (algos == 3) std::printf("chunk speed-up, forward+backward: %.2fx\n", fb[0] / fb[1]);
   return 0;
 }

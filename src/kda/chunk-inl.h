@@ -11,6 +11,8 @@
 //   Kg_t    = Π(-1,t] ⊙ k_t,   Qg_t = Π(-1,t] ⊙ q_t,   Kr_s = Π(s,c-1] ⊙ k_s,   a_c = Π(-1,c-1]
 //   (I + Diag(β) L) [U | W] = Diag(β) [V | Kg]       (forward substitution)
 //   Δ = U - W S_0,   O = scale (Qg S_0 + P Δ),   S_c = Diag(a_c) S_0 + Krᵀ Δ.
+// The forward and the backward solve for Δ directly, without W (K columns
+// fewer): Δ = (I + Diag(β) L)⁻¹ Diag(β) R with R = V - Kg S_0.
 //
 // The transfer M of the summary is the same update of a K×K "state" started
 // from I with U = 0, so the summary advances [S | M] (K×(V+K)) at once.
@@ -45,6 +47,7 @@
 #pragma clang fp contract(off)
 #endif
 
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -95,17 +98,17 @@ HWY_INLINE hn::Vec<D> fused_mul_add(D d, hn::Vec<D> a, hn::Vec<D> b, hn::Vec<D> 
 }
 
 // One R-row tile of C at columns [j0, j0 + NV·Lanes) (NV = 0: column j0
-// alone): acc = Σ_k a(i,k) b(k,j) in order k = 0..p-1 (each step one fused
+// alone): acc = Σ_k a(i,k) b(k,j) in order k = k0..p-1 (each step one fused
 // multiply-add), then C = acc,
 // C + acc or C - acc. a(i,k) = a[i·ars + k·acs]; B rows are contiguous.
 template <GemmOp Op, std::size_t R, std::size_t NV, class T>
-HWY_INLINE void gemm_tile(std::size_t i0, std::size_t j0, std::size_t p, const T* a,
+HWY_INLINE void gemm_tile(std::size_t i0, std::size_t j0, std::size_t k0, std::size_t p, const T* a,
                           std::size_t ars, std::size_t acs, const T* b, std::size_t ldb, T* c,
                           std::size_t ldc) {
   if constexpr (NV == 0) {
     T acc[R];
     for (std::size_t r = 0; r < R; ++r) acc[r] = 0;
-    for (std::size_t k = 0; k < p; ++k) {
+    for (std::size_t k = k0; k < p; ++k) {
       const T bv = b[k * ldb + j0];
       for (std::size_t r = 0; r < R; ++r) acc[r] = std::fma(a[(i0 + r) * ars + k * acs], bv, acc[r]);
     }
@@ -122,7 +125,7 @@ HWY_INLINE void gemm_tile(std::size_t i0, std::size_t j0, std::size_t p, const T
     V acc[R][NV];
     for (std::size_t r = 0; r < R; ++r)
       for (std::size_t v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
-    for (std::size_t k = 0; k < p; ++k) {
+    for (std::size_t k = k0; k < p; ++k) {
       V bv[NV];
       for (std::size_t v = 0; v < NV; ++v) bv[v] = hn::LoadU(d, b + k * ldb + j0 + v * n);
       for (std::size_t r = 0; r < R; ++r) {
@@ -144,31 +147,60 @@ HWY_INLINE void gemm_tile(std::size_t i0, std::size_t j0, std::size_t p, const T
 }
 
 template <GemmOp Op, std::size_t R, class T>
-HWY_INLINE void gemm_rows(std::size_t i0, std::size_t n_cols, std::size_t p, const T* a,
+HWY_INLINE void gemm_rows(std::size_t i0, std::size_t n_cols, std::size_t k0, std::size_t p, const T* a,
                           std::size_t ars, std::size_t acs, const T* b, std::size_t ldb, T* c,
                           std::size_t ldc) {
   const hn::ScalableTag<T> d;
   const std::size_t n = hn::Lanes(d);
   std::size_t j = 0;
   for (; j + kGemmVecs * n <= n_cols; j += kGemmVecs * n)
-    gemm_tile<Op, R, kGemmVecs>(i0, j, p, a, ars, acs, b, ldb, c, ldc);
-  for (; j + n <= n_cols; j += n) gemm_tile<Op, R, 1>(i0, j, p, a, ars, acs, b, ldb, c, ldc);
-  for (; j < n_cols; ++j) gemm_tile<Op, R, 0>(i0, j, p, a, ars, acs, b, ldb, c, ldc);
+    gemm_tile<Op, R, kGemmVecs>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
+  if constexpr (kGemmVecs > 2)
+    for (; j + 2 * n <= n_cols; j += 2 * n)
+      gemm_tile<Op, R, 2>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
+  for (; j + n <= n_cols; j += n) gemm_tile<Op, R, 1>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
+  for (; j < n_cols; ++j) gemm_tile<Op, R, 0>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
 }
 
-// C (m×n_cols) op= A (m×p) · B (p×n_cols). With kLower, A is lower
-// triangular (a(i,k) = 0 for k > i) and row tile [i0, i0 + R) stops at
-// k = i0 + R: the skipped terms are exact zeros.
-template <GemmOp Op, bool kLower = false, class T>
+// Known zeros of a product, skipped per row tile [i0, i0 + R):
+//   lower_a: A lower triangular (a(i,k) = 0 for k > i): k stops at i0 + R;
+//   upper_a: A upper triangular (a(i,k) = 0 for k < i): k starts at i0 (the
+//            skipped leading terms would leave the +0 accumulator unchanged);
+//   lower_c: only C's columns j < i0 + R are wanted (those above may be left
+//            as anything; whole vectors up to there are computed).
+enum class Tri { full, lower_a, upper_a, lower_c };
+
+// C (m×n_cols) op= A (m×p) · B (p×n_cols), with the zeros of kTri skipped.
+template <GemmOp Op, Tri kTri = Tri::full, class T>
 void gemm(std::size_t m, std::size_t n_cols, std::size_t p, const T* a, std::size_t ars,
           std::size_t acs, const T* b, std::size_t ldb, T* c, std::size_t ldc) {
   constexpr std::size_t kRows = 4;
+  const hn::ScalableTag<T> d;
+  const std::size_t n = hn::Lanes(d);
+  const auto k_begin = [&](std::size_t i) {
+    return kTri == Tri::upper_a ? std::min(i, p) : std::size_t{0};
+  };
+  const auto k_end = [&](std::size_t i, std::size_t r) {
+    return kTri == Tri::lower_a ? std::min(p, i + r) : p;
+  };
+  const auto cols = [&](std::size_t i, std::size_t r) {
+    return kTri == Tri::lower_c ? std::min(n_cols, (i + r + n - 1) / n * n) : n_cols;
+  };
   std::size_t i = 0;
+  // Narrow products (at most two vectors wide) take 8 rows per tile where
+  // the registers allow, to keep enough independent accumulators (only
+  // for full products: with lower_a a tile's rows stop at its own last row,
+  // so the tile height must not depend on the target).
+  if constexpr (kGemmVecs > 2 && kTri == Tri::full) {
+    if (n_cols <= 2 * n)
+      for (; i + 8 <= m; i += 8)
+        gemm_rows<Op, 8>(i, n_cols, 0, p, a, ars, acs, b, ldb, c, ldc);
+  }
   for (; i + kRows <= m; i += kRows)
-    gemm_rows<Op, kRows>(i, n_cols, kLower ? std::min(p, i + kRows) : p, a, ars, acs, b, ldb, c,
+    gemm_rows<Op, kRows>(i, cols(i, kRows), k_begin(i), k_end(i, kRows), a, ars, acs, b, ldb, c,
                          ldc);
   for (; i < m; ++i)
-    gemm_rows<Op, 1>(i, n_cols, kLower ? std::min(p, i + 1) : p, a, ars, acs, b, ldb, c, ldc);
+    gemm_rows<Op, 1>(i, cols(i, 1), k_begin(i), k_end(i, 1), a, ars, acs, b, ldb, c, ldc);
 }
 
 template <class T>
@@ -178,22 +210,151 @@ T plain_dot(const T* x, const T* y, std::size_t n) {
   return s;
 }
 
+// 1/i!, i ≤ kDeg, rounded once to T (at compile time).
+template <class T, int kDeg>
+struct ExpCoefs {
+  T c[kDeg + 1] = {};
+  constexpr ExpCoefs() {
+    long double f = 1;
+    for (int i = 0; i <= kDeg; ++i) {
+      if (i > 1) f *= i;
+      c[i] = static_cast<T>(1.0L / f);
+    }
+  }
+  constexpr T operator[](int i) const { return c[i]; }
+};
+
+// exp on whole vectors, the same operation sequence on every target (so the
+// same bits): x = clamp(x); n = round(x·log2 e); r = x - n·ln2 (two fused
+// steps, Cody-Waite); e^r by a Taylor polynomial (Horner, fused steps,
+// degree 7 in float, 13 in double: below an ulp on |r| ≤ ln2/2); times 2^n
+// in two exact halves, so the last multiplication rounds once into the
+// subnormal range. NaN stays NaN. Within a few ulp of std::exp.
+template <class D>
+HWY_INLINE hn::Vec<D> exp_vec(D d, hn::Vec<D> x) {
+  using T = hn::TFromD<D>;
+  const hn::RebindToSigned<D> di;
+  using TI = hn::TFromD<decltype(di)>;
+  constexpr bool kF32 = sizeof(T) == 4;
+  constexpr int kMant = kF32 ? 23 : 52;
+  constexpr TI kBias = kF32 ? 127 : 1023;
+  const T x_lo = kF32 ? T(-104) : T(-746), x_hi = kF32 ? T(89) : T(710);
+  const T ln2_hi = kF32 ? T(0.693359375f) : T(0.693147180369123816490);
+  const T ln2_lo = kF32 ? T(-2.12194440e-4f) : T(1.90821492927058770002e-10);
+  const auto is_num = hn::Eq(x, x);
+  const auto xc = hn::Min(hn::Max(hn::IfThenElse(is_num, x, hn::Zero(d)), hn::Set(d, x_lo)),
+                          hn::Set(d, x_hi));
+  const auto n = hn::Round(hn::Mul(xc, hn::Set(d, T(1.4426950408889634074))));
+  auto r = fused_mul_add(d, n, hn::Set(d, -ln2_hi), xc);
+  r = fused_mul_add(d, n, hn::Set(d, -ln2_lo), r);
+  constexpr int kDeg = kF32 ? 7 : 13;
+  constexpr ExpCoefs<T, kDeg> coef{};
+  auto p = hn::Set(d, coef[kDeg]);
+  for (int i = kDeg - 1; i >= 0; --i) p = fused_mul_add(d, p, r, hn::Set(d, coef[i]));
+  const auto ni = hn::ConvertTo(di, n);
+  const auto n1 = hn::ShiftRight<1>(ni);
+  const auto n2 = hn::Sub(ni, n1);
+  const auto s1 = hn::BitCast(d, hn::ShiftLeft<kMant>(hn::Add(n1, hn::Set(di, kBias))));
+  const auto s2 = hn::BitCast(d, hn::ShiftLeft<kMant>(hn::Add(n2, hn::Set(di, kBias))));
+  const auto y = hn::Mul(hn::Mul(p, s1), s2);
+  return hn::IfThenElse(is_num, y, x);
+}
+
+// out[i] = exp(in[i]), i < n (the tail through a padded vector).
+template <class T>
+void exp_row(const T* in, T* out, std::size_t n) {
+  const hn::ScalableTag<T> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(exp_vec(d, hn::LoadU(d, in + i)), d, out + i);
+  if (i < n) {
+    HWY_ALIGN T buf[hn::MaxLanes(d)] = {};
+    for (std::size_t j = i; j < n; ++j) buf[j - i] = in[j];
+    hn::Store(exp_vec(d, hn::Load(d, buf)), d, buf);
+    for (std::size_t j = i; j < n; ++j) out[j] = buf[j - i];
+  }
+}
+
+// Element-wise loops over rows of n values on whole vectors: f(d, i) is
+// called for every vector i (and the tail is done by g(i) per element, with
+// the same exact operations). Multiplications, divisions, additions are
+// correctly rounded on every target, so the bits do not depend on it.
+template <class T, class FV, class FS>
+HWY_INLINE void for_vecs(std::size_t n, FV&& fv, FS&& fs) {
+  const hn::ScalableTag<T> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) fv(d, i);
+  for (; i < n; ++i) fs(i);
+}
+
+// Columns [x_lo, x_hi) of X (c×ldx, holding the right-hand side Y) become
+// (I + Diag(β) L)⁻¹ Diag(β) Y, by blocks of kSub rows: the rows above a block
+// are subtracted with one product, then forward substitution inside the block.
+template <class T>
+void chunk_solve(std::size_t c, std::size_t ldx, std::size_t x_lo, std::size_t x_hi,
+                 ChunkWork<T>& w) {
+  T* X = w.x.data();
+  const T* L = w.L.data();
+  const std::size_t nx = x_hi - x_lo;
+  for (std::size_t b = 0; b < c; b += kSub) {
+    const std::size_t e = std::min(b + kSub, c);
+    if (b > 0)
+      gemm<GemmOp::sub>(e - b, nx, b, L + b * kChunk, kChunk, std::size_t{1}, X + x_lo, ldx,
+                        X + b * ldx + x_lo, ldx);
+    for (std::size_t t = b; t < e; ++t) {
+      T* HWY_RESTRICT xt = X + t * ldx + x_lo;
+      for (std::size_t s = b; s < t; ++s) {
+        const T l = L[t * kChunk + s];
+        const T* HWY_RESTRICT xs = X + s * ldx + x_lo;
+        for_vecs<T>(
+            nx,
+            [&](auto d, std::size_t j) {
+              hn::StoreU(hn::Sub(hn::LoadU(d, xt + j), hn::Mul(hn::Set(d, l), hn::LoadU(d, xs + j))),
+                         d, xt + j);
+            },
+            [&](std::size_t j) { xt[j] = xt[j] - l * xs[j]; });
+      }
+      const T bt = w.beta[t];
+      for_vecs<T>(
+          nx,
+          [&](auto d, std::size_t j) {
+            hn::StoreU(hn::Mul(hn::Set(d, bt), hn::LoadU(d, xt + j)), d, xt + j);
+          },
+          [&](std::size_t j) { xt[j] = bt * xt[j]; });
+    }
+  }
+}
+
 // Gathers tokens [t0, t0 + c) of one head and builds everything of the
 // chunk that does not depend on the state: decays, Kg, Qg, Kr, a_c, L, P and
 // the solve's columns [x_lo, x_hi) of X = [U | W] (U: [0, V), W: [V, V+K)).
 // alpha_all: exp(g) of the head's tokens, [tokens×K] (null: computed here).
+// need_p false: P is left as it was (the summary and the backward's first
+// pass use L only); L is the same either way.
 template <class T>
 void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
                    std::size_t vd, std::size_t x_lo, std::size_t x_hi, ChunkWork<T>& w,
-                   const T* alpha_all = nullptr) {
+                   const T* alpha_all = nullptr, bool need_p = true) {
   const std::size_t ldx = vd + kd;
   w.resize(kd, vd);
   T* k = w.k.data();
   T* q = w.q.data();
   T* al = w.alpha.data();
+  constexpr std::size_t kAhead = 8;  // tokens: the rows are strided, prefetch them
   for (std::size_t t = 0; t < c; ++t) {
     const T* kt = h.k_at(t0 + t);
     const T* qt = h.q_at(t0 + t);
+    if (t + kAhead < c) {
+      const std::size_t ta = t0 + t + kAhead;
+      constexpr std::size_t kLine = 64 / sizeof(T);
+      for (std::size_t i = 0; i < kd; i += kLine) {
+        hwy::Prefetch(h.k_at(ta) + i);
+        hwy::Prefetch(h.q_at(ta) + i);
+        if (!alpha_all) hwy::Prefetch(h.g_at(ta) + i);
+      }
+      for (std::size_t i = 0; i < vd; i += kLine) hwy::Prefetch(h.v_at(ta) + i);
+    }
     for (std::size_t i = 0; i < kd; ++i) {
       k[t * kd + i] = kt[i];
       q[t * kd + i] = qt[i];
@@ -202,28 +363,49 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
       const T* at = alpha_all + (t0 + t) * kd;
       for (std::size_t i = 0; i < kd; ++i) al[t * kd + i] = at[i];
     } else {
-      const T* gt = h.g_at(t0 + t);
-      for (std::size_t i = 0; i < kd; ++i) al[t * kd + i] = std::exp(gt[i]);
+      exp_row(h.g_at(t0 + t), al + t * kd, kd);
     }
     w.beta[t] = h.beta_at(t0 + t);
   }
   // Kg, Qg with the running product Π(-1,t]; a_c.
-  T* run = w.run.data();
+  T* HWY_RESTRICT run = w.run.data();
+  T* HWY_RESTRICT kg = w.kg.data();
+  T* HWY_RESTRICT qg = w.qg.data();
+  T* HWY_RESTRICT kr = w.kr.data();
   for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
   for (std::size_t t = 0; t < c; ++t) {
-    for (std::size_t i = 0; i < kd; ++i) {
-      run[i] = run[i] * al[t * kd + i];
-      w.kg[t * kd + i] = k[t * kd + i] * run[i];
-      w.qg[t * kd + i] = q[t * kd + i] * run[i];
-    }
+    const std::size_t o = t * kd;
+    for_vecs<T>(
+        kd,
+        [&](auto d, std::size_t i) {
+          const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, al + o + i));
+          hn::StoreU(r, d, run + i);
+          hn::StoreU(hn::Mul(hn::LoadU(d, k + o + i), r), d, kg + o + i);
+          hn::StoreU(hn::Mul(hn::LoadU(d, q + o + i), r), d, qg + o + i);
+        },
+        [&](std::size_t i) {
+          run[i] = run[i] * al[o + i];
+          kg[o + i] = k[o + i] * run[i];
+          qg[o + i] = q[o + i] * run[i];
+        });
   }
   for (std::size_t i = 0; i < kd; ++i) w.ac[i] = run[i];
   // Kr_s = Π(s,c-1] ⊙ k_s, backwards.
   for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
   for (std::size_t s = c; s-- > 0;) {
-    for (std::size_t i = 0; i < kd; ++i) w.kr[s * kd + i] = k[s * kd + i] * run[i];
-    if (s > 0)
-      for (std::size_t i = 0; i < kd; ++i) run[i] = run[i] * al[s * kd + i];
+    const std::size_t o = s * kd;
+    const bool more = s > 0;
+    for_vecs<T>(
+        kd,
+        [&](auto d, std::size_t i) {
+          const auto r = hn::LoadU(d, run + i);
+          hn::StoreU(hn::Mul(hn::LoadU(d, k + o + i), r), d, kr + o + i);
+          if (more) hn::StoreU(hn::Mul(r, hn::LoadU(d, al + o + i)), d, run + i);
+        },
+        [&](std::size_t i) {
+          kr[o + i] = k[o + i] * run[i];
+          if (more) run[i] = run[i] * al[o + i];
+        });
   }
 
   // L (strictly lower) and P (lower), kChunk×kChunk, zero above.
@@ -234,30 +416,37 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
   const T hi = std::ldexp(T(1), std::numeric_limits<T>::max_exponent - 8);
   for (std::size_t b = 0; b < c; b += kSub) {
     const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
-    T* am = w.amat.data();   // rows [Kf_t; Qf_t], t ∈ σ: (2·nr)×K
-    T* bm = w.bmat.data();   // K×ncol: column s = Π(s,b] ⊙ k_s (s < b), k_s / F_s (s ∈ σ)
-    // Rows first (contiguous, vectorisable), then one transposing copy into bm.
-    T* fr = w.frows.data();  // nr×K: F_t
-    T* br = w.brows.data();  // ncol×K: the columns of bm as rows
+    T* HWY_RESTRICT am = w.amat.data();   // rows [Kf_t; Qf_t], t ∈ σ: (2·nr)×K
+    T* HWY_RESTRICT amt = w.bmat.data();  // K×(2·nr): am transposed
+    // br: ncol×K, row s = Π(s,b] ⊙ k_s (s < b), k_s / F_s (s ∈ σ).
+    T* HWY_RESTRICT fr = w.frows.data();  // nr×K: F_t
+    T* HWY_RESTRICT br = w.brows.data();
     for (std::size_t t = b; t < e; ++t) {
       T* f = fr + (t - b) * kd;
       const T* fp = f - kd;
       const T* a = al + t * kd;
-      if (t == b) {
-        for (std::size_t i = 0; i < kd; ++i) f[i] = 1;
-      } else {
-        for (std::size_t i = 0; i < kd; ++i) f[i] = fp[i] * a[i];
-      }
+      const bool first = t == b;
       const T* kt = k + t * kd;
       const T* qt = q + t * kd;
       T* ak = am + (t - b) * kd;
       T* aq = am + (nr + t - b) * kd;
       T* bt = br + t * kd;
-      for (std::size_t i = 0; i < kd; ++i) {
-        ak[i] = kt[i] * f[i];
-        aq[i] = qt[i] * f[i];
-        bt[i] = kt[i] / f[i];
-      }
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const auto fv = first ? hn::Set(d, T(1)) : hn::Mul(hn::LoadU(d, fp + i), hn::LoadU(d, a + i));
+            hn::StoreU(fv, d, f + i);
+            const auto kv = hn::LoadU(d, kt + i);
+            hn::StoreU(hn::Mul(kv, fv), d, ak + i);
+            hn::StoreU(hn::Mul(hn::LoadU(d, qt + i), fv), d, aq + i);
+            hn::StoreU(hn::Div(kv, fv), d, bt + i);
+          },
+          [&](std::size_t i) {
+            f[i] = first ? T(1) : fp[i] * a[i];
+            ak[i] = kt[i] * f[i];
+            aq[i] = qt[i] * f[i];
+            bt[i] = kt[i] / f[i];
+          });
     }
     // Safe when every F is a normal number in [lo, hi] and every k/F finite
     // (the comparisons are false for NaN).
@@ -273,38 +462,44 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
       const T* a = al + (s2 + 1) * kd;
       const T* ks = k + s2 * kd;
       T* bs = br + s2 * kd;
-      for (std::size_t i = 0; i < kd; ++i) {
-        run[i] = run[i] * a[i];
-        bs[i] = ks[i] * run[i];
-      }
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, a + i));
+            hn::StoreU(r, d, run + i);
+            hn::StoreU(hn::Mul(hn::LoadU(d, ks + i), r), d, bs + i);
+          },
+          [&](std::size_t i) {
+            run[i] = run[i] * a[i];
+            bs[i] = ks[i] * run[i];
+          });
     }
-    for (std::size_t i = 0; i < kd; ++i) {
-      T* col = bm + i * ncol;
-      for (std::size_t s2 = 0; s2 < ncol; ++s2) col[s2] = br[s2 * kd + i];
-    }
-    T* r = w.rbuf.data();  // (2·nr)×ncol
-    gemm<GemmOp::set>(2 * nr, ncol, kd, am, kd, std::size_t{1}, bm, ncol, r, ncol);
+    const std::size_t na = need_p ? 2 * nr : nr;
+    for (std::size_t t = 0; t < na; ++t)
+      for (std::size_t i = 0; i < kd; ++i) amt[i * na + t] = am[t * kd + i];
+    // rt = br · amᵀ (ncol×(2·nr)): element (s, t) is the same fused chain
+    // over the key channels as (am · brᵀ)(t, s), factors swapped.
+    T* r = w.rbuf.data();
+    gemm<GemmOp::set>(ncol, na, kd, br, kd, std::size_t{1}, amt, na, r, na);
     for (std::size_t t = b; t < e; ++t) {
-      const T* rl = r + (t - b) * ncol;
-      const T* rp = r + (nr + t - b) * ncol;
       const std::size_t l_end = safe ? t : b, p_end = safe ? t + 1 : b;
       T* lt = L + t * kChunk;
       T* pt = P + t * kChunk;
-      for (std::size_t s2 = 0; s2 < c; ++s2) {
-        lt[s2] = s2 < l_end ? rl[s2] : T(0);
-        pt[s2] = s2 < p_end ? rp[s2] : T(0);
-      }
+      for (std::size_t s2 = 0; s2 < c; ++s2) lt[s2] = s2 < l_end ? r[s2 * na + (t - b)] : T(0);
+      if (need_p)
+        for (std::size_t s2 = 0; s2 < c; ++s2)
+          pt[s2] = s2 < p_end ? r[s2 * na + (nr + t - b)] : T(0);
     }
     if (!safe) {
       // Exact diagonal block: x = Π(s,t] ⊙ k_s by running products.
-      T* x = w.run.data();
+      T* x = run;
       for (std::size_t s = b; s < e; ++s) {
         for (std::size_t i = 0; i < kd; ++i) x[i] = k[s * kd + i];
         for (std::size_t t = s; t < e; ++t) {
           if (t > s)
             for (std::size_t i = 0; i < kd; ++i) x[i] = x[i] * al[t * kd + i];
           if (t > s) L[t * kChunk + s] = plain_dot(k + t * kd, x, kd);
-          P[t * kChunk + s] = plain_dot(q + t * kd, x, kd);
+          if (need_p) P[t * kChunk + s] = plain_dot(q + t * kd, x, kd);
         }
       }
     }
@@ -320,25 +515,9 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
       const T* vt = h.v_at(t0 + t);
       for (std::size_t j = x_lo; j < std::min(x_hi, vd); ++j) xr[j] = vt[j];
     }
-    for (std::size_t j = std::max(x_lo, vd); j < x_hi; ++j) xr[j] = w.kg[t * kd + j - vd];
+    for (std::size_t j = std::max(x_lo, vd); j < x_hi; ++j) xr[j] = kg[t * kd + j - vd];
   }
-  const std::size_t nx = x_hi - x_lo;
-  for (std::size_t b = 0; b < c; b += kSub) {
-    const std::size_t e = std::min(b + kSub, c);
-    if (b > 0)
-      gemm<GemmOp::sub>(e - b, nx, b, L + b * kChunk, kChunk, std::size_t{1}, X + x_lo, ldx,
-                        X + b * ldx + x_lo, ldx);
-    for (std::size_t t = b; t < e; ++t) {
-      T* xt = X + t * ldx;
-      for (std::size_t s = b; s < t; ++s) {
-        const T l = L[t * kChunk + s];
-        const T* xs = X + s * ldx;
-        for (std::size_t j = x_lo; j < x_hi; ++j) xt[j] = xt[j] - l * xs[j];
-      }
-      const T bt = w.beta[t];
-      for (std::size_t j = x_lo; j < x_hi; ++j) xt[j] = bt * xt[j];
-    }
-  }
+  chunk_solve(c, ldx, x_lo, x_hi, w);
 }
 
 // Advances `state` (K×n, n ≥ V; columns ≥ V see U = 0) over one prepared
@@ -357,7 +536,7 @@ void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n,
   if (o != nullptr) {
     T* tmp = w.tmp.data();  // c×V
     gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, n, tmp, vd);
-    gemm<GemmOp::add, true>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, dl, n, tmp, vd);
+    gemm<GemmOp::add, Tri::lower_a>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, dl, n, tmp, vd);
     for (std::size_t t = 0; t < c; ++t) {
       T* ot = o + t * o_stride;
       for (std::size_t j = 0; j < vd; ++j) ot[j] = scale * tmp[t * vd + j];
@@ -371,6 +550,40 @@ void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n,
   gemm<GemmOp::add>(kd, n, c, w.kr.data(), std::size_t{1}, kd, dl, n, state, n);
 }
 
+// As chunk_advance for the state alone (n = V), with Δ solved directly:
+// Δ = (I + Diag(β) L)⁻¹ Diag(β) (V - Kg S_0), which is U - W S_0 without
+// solving for W (K columns fewer). Needs chunk_prepare's factors only
+// (x_lo = x_hi). o as in chunk_advance.
+template <class T>
+void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
+                         std::size_t vd, T* state, T* o, std::size_t o_stride, T scale,
+                         ChunkWork<T>& w) {
+  const std::size_t ldx = vd + kd;
+  T* X = w.x.data();
+  for (std::size_t t = 0; t < c; ++t) {
+    const T* vt = h.v_at(t0 + t);
+    T* xr = X + t * ldx;
+    for (std::size_t j = 0; j < vd; ++j) xr[j] = vt[j];
+  }
+  gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, state, vd, X, ldx);
+  chunk_solve(c, ldx, 0, vd, w);
+  if (o != nullptr) {
+    T* tmp = w.tmp.data();  // c×V
+    gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, vd, tmp, vd);
+    gemm<GemmOp::add, Tri::lower_a>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, X, ldx, tmp, vd);
+    for (std::size_t t = 0; t < c; ++t) {
+      T* ot = o + t * o_stride;
+      for (std::size_t j = 0; j < vd; ++j) ot[j] = scale * tmp[t * vd + j];
+    }
+  }
+  for (std::size_t i = 0; i < kd; ++i) {
+    const T a = w.ac[i];
+    T* row = state + i * vd;
+    for (std::size_t j = 0; j < vd; ++j) row[j] = a * row[j];
+  }
+  gemm<GemmOp::add>(kd, vd, c, w.kr.data(), std::size_t{1}, kd, X, ldx, state, vd);
+}
+
 // forward of one head: o and, when set, the final state.
 template <class T>
 void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
@@ -381,8 +594,8 @@ void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
   for (std::size_t i = 0; i < kd * vd; ++i) st[i] = incoming ? incoming[i] : T(0);
   for (std::size_t t0 = 0; t0 < tokens; t0 += kChunk) {
     const std::size_t c = std::min(kChunk, tokens - t0);
-    chunk_prepare(h, t0, c, kd, vd, 0, vd + kd, w);
-    chunk_advance(c, kd, vd, vd, st, o + t0 * o_stride, o_stride, scale, w);
+    chunk_prepare(h, t0, c, kd, vd, 0, 0, w);
+    chunk_advance_delta(h, t0, c, kd, vd, st, o + t0 * o_stride, o_stride, scale, w);
   }
   if (final_state)
     for (std::size_t i = 0; i < kd * vd; ++i) final_state[i] = st[i];
@@ -399,7 +612,7 @@ void chunk_summary_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
     for (std::size_t j = 0; j < n; ++j) st[i * n + j] = (j == vd + i) ? T(1) : T(0);
   for (std::size_t t0 = 0; t0 < tokens; t0 += kChunk) {
     const std::size_t c = std::min(kChunk, tokens - t0);
-    chunk_prepare(h, t0, c, kd, vd, 0, vd + kd, w);
+    chunk_prepare(h, t0, c, kd, vd, 0, vd + kd, w, static_cast<const T*>(nullptr), false);
     chunk_advance(c, kd, vd, n, st, static_cast<T*>(nullptr), 0, T(0), w);
   }
   for (std::size_t i = 0; i < kd; ++i) {
@@ -425,7 +638,8 @@ void chunk_incoming_grad_head(const HeadInputs<T>& h, std::size_t tokens, std::s
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t j = 0; j < vd; ++j) dob[t * vd + j] = d_o[(t0 + t) * do_stride + j];
     T* dd = w.delta.data();  // dΔ, c×V
-    gemm<GemmOp::set>(c, vd, c, w.P.data(), std::size_t{1}, kChunk, dob, vd, dd, vd);
+    gemm<GemmOp::set, Tri::upper_a>(c, vd, c, w.P.data(), std::size_t{1}, kChunk, dob, vd, dd,
+                                     vd);
     for (std::size_t i = 0; i < c * vd; ++i) dd[i] = scale * dd[i];
     gemm<GemmOp::add>(c, vd, kd, w.kr.data(), kd, std::size_t{1}, ds, vd, dd, vd);
     T* t2 = w.kv.data();  // K×V
@@ -444,10 +658,10 @@ void chunk_incoming_grad_head(const HeadInputs<T>& h, std::size_t tokens, std::s
 // the state gradient dS, recomputing each chunk's prepared matrices, and
 // applies the adjoint of every line of the forward (chunk-inl.h's header):
 //   dΔ = scale Pᵀ dO + Kr dS,   dP = scale dO Δᵀ,   dQg = scale dO S_0ᵀ,
-//   dKr = Δ dSᵀ,   da_c = rowsum(dS ⊙ S_0),   dW = -dΔ S_0ᵀ,   dU = dΔ,
-//   Z = (I + Diag(β) L)⁻ᵀ [dU | dW],   [dV | dKg] = Diag(β) Z,
-//   dβ_t = Z_t·Y_t - Σ_{s<t} (Z_t·X_s) L_ts,   dL_ts = -β_t Z_t·X_s,
-//   dS ← scale Qgᵀ dO + Diag(a_c) dS - Wᵀ dΔ,
+//   dKr = Δ dSᵀ,   da_c = rowsum(dS ⊙ S_0),
+//   Z = (I + Diag(β) L)⁻ᵀ dΔ,   dR = dV = Diag(β) Z,   dKg = -dR S_0ᵀ,
+//   dβ_t = Z_t·R_t - Σ_{s<t} (Z_t·Δ_s) L_ts,   dL_ts = -β_t Z_t·Δ_s,
+//   dS ← scale Qgᵀ dO + Diag(a_c) dS - Kgᵀ dR   (Kgᵀ dR = Wᵀ dΔ),
 // then the decay factors: every factor is exp of a difference of cumulative
 // log-decays γ, so each product x = k ⊙ e^{γ_a - γ_b} gives dk = dx ⊙ e^{..},
 // dγ_a += dx ⊙ x, dγ_b -= dx ⊙ x; the sub-chunk reference γ_b of L and P
@@ -464,63 +678,70 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
   bw.resize(kd, vd, n_chunks);
   // exp(g) once for both passes.
   T* alpha_all = bw.alpha.data();
-  for (std::size_t t = 0; t < tokens; ++t) {
-    const T* gt = h.g_at(t);
-    for (std::size_t i = 0; i < kd; ++i) alpha_all[t * kd + i] = std::exp(gt[i]);
-  }
+  for (std::size_t t = 0; t < tokens; ++t) exp_row(h.g_at(t), alpha_all + t * kd, kd);
   // Pass 1: the state entering every chunk.
   T* states = bw.states.data();
   for (std::size_t i = 0; i < kv; ++i) states[i] = incoming ? incoming[i] : T(0);
   for (std::size_t ci = 0; ci + 1 < n_chunks; ++ci) {
     T* next = states + (ci + 1) * kv;
     for (std::size_t i = 0; i < kv; ++i) next[i] = states[ci * kv + i];
-    chunk_prepare(h, ci * kChunk, kChunk, kd, vd, 0, ldx, w, alpha_all);
-    chunk_advance(kChunk, kd, vd, vd, next, static_cast<T*>(nullptr), 0, T(0), w);
+    chunk_prepare(h, ci * kChunk, kChunk, kd, vd, 0, 0, w, alpha_all, false);
+    chunk_advance_delta(h, ci * kChunk, kChunk, kd, vd, next, static_cast<T*>(nullptr), 0, T(0),
+                        w);
   }
 
   T* ds = bw.ds.data();  // dS at the end of the current chunk
   for (std::size_t i = 0; i < kv; ++i) ds[i] = d_final ? d_final[i] : T(0);
   for (std::size_t ci = n_chunks; ci-- > 0;) {
     const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
-    chunk_prepare(h, t0, c, kd, vd, 0, ldx, w, alpha_all);
+    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, alpha_all);
     const T* s0 = states + ci * kv;
-    const T* X = w.x.data();
+    T* X = w.x.data();
     const T* k = w.k.data();
     const T* q = w.q.data();
     const T* al = w.alpha.data();
-    // Δ = U - W S_0 (c×V).
-    T* dl = bw.delta.data();
+    // R = V - Kg S_0, Δ = (I + Diag(β) L)⁻¹ Diag(β) R (c×V each).
+    T* HWY_RESTRICT rr = w.tmp.data();  // c×V
+    for (std::size_t t = 0; t < c; ++t) {
+      const T* vt = h.v_at(t0 + t);
+      for (std::size_t j = 0; j < vd; ++j) rr[t * vd + j] = vt[j];
+    }
+    gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, s0, vd, rr, vd);
+    for (std::size_t t = 0; t < c; ++t)
+      for (std::size_t j = 0; j < vd; ++j) X[t * ldx + j] = rr[t * vd + j];
+    chunk_solve(c, ldx, 0, vd, w);
+    T* HWY_RESTRICT dl = bw.delta.data();
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t j = 0; j < vd; ++j) dl[t * vd + j] = X[t * ldx + j];
-    gemm<GemmOp::sub>(c, vd, kd, X + vd, ldx, std::size_t{1}, s0, vd, dl, vd);
-    T* dob = bw.dob.data();
+    T* HWY_RESTRICT dob = bw.dob.data();
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t j = 0; j < vd; ++j) dob[t * vd + j] = d_o[(t0 + t) * do_stride + j];
     // Transposes: S_0ᵀ, dSᵀ (V×K), Δᵀ (V×c).
-    T* s0t = bw.s0t.data();
-    T* dst = bw.dst.data();
+    T* HWY_RESTRICT s0t = bw.s0t.data();
+    T* HWY_RESTRICT dst = bw.dst.data();
     for (std::size_t i = 0; i < kd; ++i)
       for (std::size_t j = 0; j < vd; ++j) {
         s0t[j * kd + i] = s0[i * vd + j];
         dst[j * kd + i] = ds[i * vd + j];
       }
-    T* dlt = bw.dlt.data();
+    T* HWY_RESTRICT dlt = bw.dlt.data();
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t j = 0; j < vd; ++j) dlt[j * c + t] = dl[t * vd + j];
 
     // dΔ = scale Pᵀ dO + Kr dS.
     T* dd = bw.dd.data();
-    gemm<GemmOp::set>(c, vd, c, w.P.data(), std::size_t{1}, kChunk, dob, vd, dd, vd);
+    gemm<GemmOp::set, Tri::upper_a>(c, vd, c, w.P.data(), std::size_t{1}, kChunk, dob, vd, dd,
+                                     vd);
     for (std::size_t i = 0; i < c * vd; ++i) dd[i] = scale * dd[i];
     gemm<GemmOp::add>(c, vd, kd, w.kr.data(), kd, std::size_t{1}, ds, vd, dd, vd);
     // dP = scale dO Δᵀ (lower, incl. the diagonal), dQg = scale dO S_0ᵀ, dKr = Δ dSᵀ.
     T* dP = bw.dP.data();  // c×c
-    gemm<GemmOp::set>(c, c, vd, dob, vd, std::size_t{1}, dlt, c, dP, c);
+    gemm<GemmOp::set, Tri::lower_c>(c, c, vd, dob, vd, std::size_t{1}, dlt, c, dP, c);
     for (std::size_t i = 0; i < c * c; ++i) dP[i] = scale * dP[i];
-    T* dqg = bw.dqg.data();
+    T* HWY_RESTRICT dqg = bw.dqg.data();
     gemm<GemmOp::set>(c, kd, vd, dob, vd, std::size_t{1}, s0t, kd, dqg, kd);
     for (std::size_t i = 0; i < c * kd; ++i) dqg[i] = scale * dqg[i];
-    T* dkr = bw.dkr.data();
+    T* HWY_RESTRICT dkr = bw.dkr.data();
     gemm<GemmOp::set>(c, kd, vd, dl, vd, std::size_t{1}, dst, kd, dkr, kd);
     // da_c.
     T* dac = bw.dac.data();
@@ -529,14 +750,10 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       for (std::size_t j = 0; j < vd; ++j) acc = acc + ds[i * vd + j] * s0[i * vd + j];
       dac[i] = acc;
     }
-    // dX = [dΔ | -dΔ S_0ᵀ]; Z = (I + Diag(β) L)⁻ᵀ dX by back substitution,
-    // blocks of kSub rows from the last.
-    T* Z = bw.z.data();  // c×(V+K)
-    for (std::size_t t = 0; t < c; ++t) {
-      for (std::size_t j = 0; j < vd; ++j) Z[t * ldx + j] = dd[t * vd + j];
-      for (std::size_t j = vd; j < ldx; ++j) Z[t * ldx + j] = 0;
-    }
-    gemm<GemmOp::sub>(c, kd, vd, dd, vd, std::size_t{1}, s0t, kd, Z + vd, ldx);
+    // Z = (I + Diag(β) L)⁻ᵀ dΔ by back substitution, blocks of kSub rows
+    // from the last; then dR = Diag(β) Z.
+    T* Z = bw.z.data();  // c×V
+    for (std::size_t i = 0; i < c * vd; ++i) Z[i] = dd[i];
     T* lb = bw.lb.data();  // β_t L_ts, kChunk×kChunk
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t s2 = 0; s2 < c; ++s2) lb[t * kChunk + s2] = w.beta[t] * w.L[t * kChunk + s2];
@@ -544,71 +761,104 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     for (std::size_t sb = n_sub; sb-- > 0;) {
       const std::size_t b = sb * kSub, e = std::min(b + kSub, c);
       if (e < c)  // Z_t -= Σ_{r ≥ e} β_r L_rt Z_r
-        gemm<GemmOp::sub>(e - b, ldx, c - e, lb + e * kChunk + b, std::size_t{1}, kChunk,
-                          Z + e * ldx, ldx, Z + b * ldx, ldx);
+        gemm<GemmOp::sub>(e - b, vd, c - e, lb + e * kChunk + b, std::size_t{1}, kChunk,
+                          Z + e * vd, vd, Z + b * vd, vd);
       for (std::size_t t = e; t-- > b;) {
-        T* zt = Z + t * ldx;
+        T* HWY_RESTRICT zt = Z + t * vd;
         for (std::size_t r = t + 1; r < e; ++r) {
           const T l = lb[r * kChunk + t];
-          const T* zr = Z + r * ldx;
-          for (std::size_t j = 0; j < ldx; ++j) zt[j] = zt[j] - l * zr[j];
+          const T* HWY_RESTRICT zr = Z + r * vd;
+          for_vecs<T>(
+              vd,
+              [&](auto d, std::size_t j) {
+                hn::StoreU(hn::Sub(hn::LoadU(d, zt + j), hn::Mul(hn::Set(d, l), hn::LoadU(d, zr + j))),
+                           d, zt + j);
+              },
+              [&](std::size_t j) { zt[j] = zt[j] - l * zr[j]; });
         }
       }
     }
-    // M1 = Z Xᵀ (c×c, the strictly lower part is used).
-    T* xt = bw.xt.data();  // (V+K)×c
-    for (std::size_t t = 0; t < c; ++t)
-      for (std::size_t j = 0; j < ldx; ++j) xt[j * c + t] = X[t * ldx + j];
+    // M1 = Z Δᵀ (c×c, the strictly lower part is used).
     T* m1 = bw.m1.data();
-    gemm<GemmOp::set>(c, c, ldx, Z, ldx, std::size_t{1}, xt, c, m1, c);
-    // dβ, dv, dKg; dL.
-    T* dkg = bw.dkg.data();
-    T* dL = bw.dL.data();  // c×c
+    gemm<GemmOp::set, Tri::lower_c>(c, c, vd, Z, vd, std::size_t{1}, dlt, c, m1, c);
+    // dβ, dv (= dR), dL; dKg = -dR S_0ᵀ.
+    T* HWY_RESTRICT dkg = bw.dkg.data();
+    T* HWY_RESTRICT dL = bw.dL.data();  // c×c
+    T* dR = bw.xt.data();  // c×V: dR
     for (std::size_t t = 0; t < c; ++t) {
       const T bt = w.beta[t];
-      const T* zt = Z + t * ldx;
-      const T* vt = h.v_at(t0 + t);
+      const T* zt = Z + t * vd;
+      const T* rt = rr + t * vd;
       T acc = 0;
-      for (std::size_t j = 0; j < vd; ++j) acc = acc + zt[j] * vt[j];
-      for (std::size_t i = 0; i < kd; ++i) acc = acc + zt[vd + i] * w.kg[t * kd + i];
+      for (std::size_t j = 0; j < vd; ++j) acc = acc + zt[j] * rt[j];
       for (std::size_t s2 = 0; s2 < t; ++s2) acc = acc - m1[t * c + s2] * w.L[t * kChunk + s2];
       out.dbeta[(t0 + t) * out.beta_stride] = acc;
       T* dvt = out.dv + (t0 + t) * out.v_stride;
-      for (std::size_t j = 0; j < vd; ++j) dvt[j] = bt * zt[j];
-      for (std::size_t i = 0; i < kd; ++i) dkg[t * kd + i] = bt * zt[vd + i];
+      for (std::size_t j = 0; j < vd; ++j) dvt[j] = dR[t * vd + j] = bt * zt[j];
       for (std::size_t s2 = 0; s2 < c; ++s2) dL[t * c + s2] = s2 < t ? -bt * m1[t * c + s2] : T(0);
     }
+    gemm<GemmOp::set>(c, kd, vd, dR, vd, std::size_t{1}, s0t, kd, dkg, kd);
+    for (std::size_t i = 0; i < c * kd; ++i) dkg[i] = -dkg[i];
 
     // Gradients of the decay factors: dk, dq, dγ (c×K each).
-    T* gk = bw.gk.data();
-    T* gq = bw.gq.data();
-    T* gg = bw.gg.data();
-    T* run = w.run.data();
+    T* HWY_RESTRICT gk = bw.gk.data();
+    T* HWY_RESTRICT gq = bw.gq.data();
+    T* HWY_RESTRICT gg = bw.gg.data();
+    T* HWY_RESTRICT run = w.run.data();
     // Kg, Qg: factor Π(-1,t] = e^{γ_t}; Kr: Π(s,c-1] = e^{γ_{c-1} - γ_s}.
     for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
-    for (std::size_t t = 0; t < c; ++t)
-      for (std::size_t i = 0; i < kd; ++i) {
-        const std::size_t x = t * kd + i;
-        run[i] = run[i] * al[x];
-        gk[x] = dkg[x] * run[i];
-        gq[x] = dqg[x] * run[i];
-        gg[x] = dkg[x] * w.kg[x] + dqg[x] * w.qg[x];
-      }
-    T* last = bw.last.data();  // dγ_{c-1} from Kr and a_c
+    const T* wkg = w.kg.data();
+    const T* wqg = w.qg.data();
+    const T* wkr = w.kr.data();
+    for (std::size_t t = 0; t < c; ++t) {
+      const std::size_t o = t * kd;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const std::size_t x = o + i;
+            const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, al + x));
+            hn::StoreU(r, d, run + i);
+            const auto a = hn::LoadU(d, dkg + x), bq = hn::LoadU(d, dqg + x);
+            hn::StoreU(hn::Mul(a, r), d, gk + x);
+            hn::StoreU(hn::Mul(bq, r), d, gq + x);
+            hn::StoreU(hn::Add(hn::Mul(a, hn::LoadU(d, wkg + x)), hn::Mul(bq, hn::LoadU(d, wqg + x))),
+                       d, gg + x);
+          },
+          [&](std::size_t i) {
+            const std::size_t x = o + i;
+            run[i] = run[i] * al[x];
+            gk[x] = dkg[x] * run[i];
+            gq[x] = dqg[x] * run[i];
+            gg[x] = dkg[x] * wkg[x] + dqg[x] * wqg[x];
+          });
+    }
+    T* HWY_RESTRICT last = bw.last.data();  // dγ_{c-1} from Kr and a_c
     for (std::size_t i = 0; i < kd; ++i) {
       run[i] = 1;
       last[i] = dac[i] * w.ac[i];
     }
     for (std::size_t s2 = c; s2-- > 0;) {
-      for (std::size_t i = 0; i < kd; ++i) {
-        const std::size_t x = s2 * kd + i;
-        gk[x] = gk[x] + dkr[x] * run[i];
-        const T dx = dkr[x] * w.kr[x];
-        gg[x] = gg[x] - dx;
-        last[i] = last[i] + dx;
-      }
-      if (s2 > 0)
-        for (std::size_t i = 0; i < kd; ++i) run[i] = run[i] * al[s2 * kd + i];
+      const std::size_t o = s2 * kd;
+      const bool more = s2 > 0;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const std::size_t x = o + i;
+            const auto r = hn::LoadU(d, run + i), a = hn::LoadU(d, dkr + x);
+            hn::StoreU(hn::Add(hn::LoadU(d, gk + x), hn::Mul(a, r)), d, gk + x);
+            const auto dx = hn::Mul(a, hn::LoadU(d, wkr + x));
+            hn::StoreU(hn::Sub(hn::LoadU(d, gg + x), dx), d, gg + x);
+            hn::StoreU(hn::Add(hn::LoadU(d, last + i), dx), d, last + i);
+            if (more) hn::StoreU(hn::Mul(r, hn::LoadU(d, al + x)), d, run + i);
+          },
+          [&](std::size_t i) {
+            const std::size_t x = o + i;
+            gk[x] = gk[x] + dkr[x] * run[i];
+            const T dx = dkr[x] * wkr[x];
+            gg[x] = gg[x] - dx;
+            last[i] = last[i] + dx;
+            if (more) run[i] = run[i] * al[x];
+          });
     }
     for (std::size_t i = 0; i < kd; ++i) gg[(c - 1) * kd + i] = gg[(c - 1) * kd + i] + last[i];
 
@@ -616,28 +866,55 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     for (std::size_t b = 0; b < c; b += kSub) {
       const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
       const bool safe = w.safe[b / kSub];
-      T* am = w.amat.data();   // (2·nr)×K
-      T* bmr = bw.bmr.data();  // ncol×K: Kb_s (s < b), Kinv_s (s ∈ σ)
-      T* fac = bw.fac.data();  // ncol×K: the factor of each bmr row (F_t for t ∈ σ in am)
-      T* ff = bw.ff.data();    // nr×K: F_t
+      T* HWY_RESTRICT am = w.amat.data();   // (2·nr)×K
+      T* HWY_RESTRICT bmr = bw.bmr.data();  // ncol×K: Kb_s (s < b), Kinv_s (s ∈ σ)
+      T* HWY_RESTRICT fac = bw.fac.data();  // ncol×K: the factor of each bmr row (F_t for t ∈ σ in am)
+      T* HWY_RESTRICT ff = bw.ff.data();    // nr×K: F_t
       for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
-      for (std::size_t t = b; t < e; ++t)
-        for (std::size_t i = 0; i < kd; ++i) {
-          if (t > b) run[i] = run[i] * al[t * kd + i];
-          const T f = run[i];
-          ff[(t - b) * kd + i] = f;
-          am[(t - b) * kd + i] = k[t * kd + i] * f;
-          am[(nr + t - b) * kd + i] = q[t * kd + i] * f;
-          bmr[t * kd + i] = k[t * kd + i] / f;
-        }
+      for (std::size_t t = b; t < e; ++t) {
+        const bool step = t > b;
+        const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
+        for_vecs<T>(
+            kd,
+            [&](auto d, std::size_t i) {
+              auto f = hn::LoadU(d, run + i);
+              if (step) {
+                f = hn::Mul(f, hn::LoadU(d, al + x0 + i));
+                hn::StoreU(f, d, run + i);
+              }
+              hn::StoreU(f, d, ff + y0 + i);
+              const auto kv = hn::LoadU(d, k + x0 + i);
+              hn::StoreU(hn::Mul(kv, f), d, am + y0 + i);
+              hn::StoreU(hn::Mul(hn::LoadU(d, q + x0 + i), f), d, am + yq0 + i);
+              hn::StoreU(hn::Div(kv, f), d, bmr + x0 + i);
+            },
+            [&](std::size_t i) {
+              if (step) run[i] = run[i] * al[x0 + i];
+              const T f = run[i];
+              ff[y0 + i] = f;
+              am[y0 + i] = k[x0 + i] * f;
+              am[yq0 + i] = q[x0 + i] * f;
+              bmr[x0 + i] = k[x0 + i] / f;
+            });
+      }
       for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
-      for (std::size_t s2 = b; s2-- > 0;)
-        for (std::size_t i = 0; i < kd; ++i) {
-          run[i] = run[i] * al[(s2 + 1) * kd + i];
-          fac[s2 * kd + i] = run[i];
-          bmr[s2 * kd + i] = k[s2 * kd + i] * run[i];
-        }
-      T* dr = bw.dr.data();  // (2·nr)×ncol
+      for (std::size_t s2 = b; s2-- > 0;) {
+        const std::size_t x0 = s2 * kd, a0 = (s2 + 1) * kd;
+        for_vecs<T>(
+            kd,
+            [&](auto d, std::size_t i) {
+              const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, al + a0 + i));
+              hn::StoreU(r, d, run + i);
+              hn::StoreU(r, d, fac + x0 + i);
+              hn::StoreU(hn::Mul(hn::LoadU(d, k + x0 + i), r), d, bmr + x0 + i);
+            },
+            [&](std::size_t i) {
+              run[i] = run[i] * al[a0 + i];
+              fac[x0 + i] = run[i];
+              bmr[x0 + i] = k[x0 + i] * run[i];
+            });
+      }
+      T* HWY_RESTRICT dr = bw.dr.data();  // (2·nr)×ncol
       for (std::size_t t = b; t < e; ++t) {
         T* rl = dr + (t - b) * ncol;
         T* rp = dr + (nr + t - b) * ncol;
@@ -647,31 +924,56 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
           rp[s2] = s2 < s_end ? dP[t * c + s2] : T(0);
         }
       }
-      T* dam = bw.dam.data();  // (2·nr)×K
+      T* HWY_RESTRICT dam = bw.dam.data();  // (2·nr)×K
       gemm<GemmOp::set>(2 * nr, kd, ncol, dr, ncol, std::size_t{1}, bmr, kd, dam, kd);
-      T* dbm = bw.dbm.data();  // ncol×K
+      T* HWY_RESTRICT dbm = bw.dbm.data();  // ncol×K
       gemm<GemmOp::set>(ncol, kd, 2 * nr, dr, std::size_t{1}, ncol, am, kd, dbm, kd);
-      for (std::size_t t = b; t < e; ++t)
-        for (std::size_t i = 0; i < kd; ++i) {
-          const std::size_t x = t * kd + i, y = (t - b) * kd + i, yq = (nr + t - b) * kd + i;
-          const T f = ff[y];
-          gk[x] = gk[x] + dam[y] * f;
-          gq[x] = gq[x] + dam[yq] * f;
-          gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq];
-          if (safe) {  // Kinv_s = k_s / F_s
-            gk[x] = gk[x] + dbm[x] / f;
+      for (std::size_t t = b; t < e; ++t) {
+        const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
+        for_vecs<T>(
+            kd,
+            [&](auto d, std::size_t i) {
+              const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
+              const auto f = hn::LoadU(d, ff + y);
+              const auto dy = hn::LoadU(d, dam + y), dyq = hn::LoadU(d, dam + yq);
+              auto gkx = hn::Add(hn::LoadU(d, gk + x), hn::Mul(dy, f));
+              hn::StoreU(hn::Add(hn::LoadU(d, gq + x), hn::Mul(dyq, f)), d, gq + x);
+              auto ggx = hn::Add(hn::Add(hn::LoadU(d, gg + x), hn::Mul(dy, hn::LoadU(d, am + y))),
+                                 hn::Mul(dyq, hn::LoadU(d, am + yq)));
+              if (safe) {  // Kinv_s = k_s / F_s
+                const auto db = hn::LoadU(d, dbm + x);
+                gkx = hn::Add(gkx, hn::Div(db, f));
+                ggx = hn::Sub(ggx, hn::Mul(db, hn::LoadU(d, bmr + x)));
+              }
+              hn::StoreU(gkx, d, gk + x);
+              hn::StoreU(ggx, d, gg + x);
+            },
+            [&](std::size_t i) {
+              const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
+              const T f = ff[y];
+              gk[x] = gk[x] + dam[y] * f;
+              gq[x] = gq[x] + dam[yq] * f;
+              gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq];
+              if (safe) {
+                gk[x] = gk[x] + dbm[x] / f;
+                gg[x] = gg[x] - dbm[x] * bmr[x];
+              }
+            });
+      }
+      for_vecs<T>(
+          b * kd,
+          [&](auto d, std::size_t x) {
+            const auto db = hn::LoadU(d, dbm + x);
+            hn::StoreU(hn::Add(hn::LoadU(d, gk + x), hn::Mul(db, hn::LoadU(d, fac + x))), d, gk + x);
+            hn::StoreU(hn::Sub(hn::LoadU(d, gg + x), hn::Mul(db, hn::LoadU(d, bmr + x))), d, gg + x);
+          },
+          [&](std::size_t x) {
+            gk[x] = gk[x] + dbm[x] * fac[x];
             gg[x] = gg[x] - dbm[x] * bmr[x];
-          }
-        }
-      for (std::size_t s2 = 0; s2 < b; ++s2)
-        for (std::size_t i = 0; i < kd; ++i) {
-          const std::size_t x = s2 * kd + i;
-          gk[x] = gk[x] + dbm[x] * fac[x];
-          gg[x] = gg[x] - dbm[x] * bmr[x];
-        }
+          });
       if (!safe) {
         // The exact diagonal block, pair by pair: y = Π(s,t], x = y ⊙ k_s.
-        T* y = bw.y.data();
+        T* HWY_RESTRICT y = bw.y.data();
         for (std::size_t s2 = b; s2 < e; ++s2) {
           for (std::size_t i = 0; i < kd; ++i) y[i] = 1;
           for (std::size_t t = s2; t < e; ++t) {
@@ -696,15 +998,25 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     // Outputs of the chunk: dq, dk, dg (reverse cumulative sum of dγ).
     for (std::size_t i = 0; i < kd; ++i) run[i] = 0;
     for (std::size_t t = c; t-- > 0;) {
-      T* dqt = out.dq + (t0 + t) * out.qk_stride;
-      T* dkt = out.dk + (t0 + t) * out.qk_stride;
-      T* dgt = out.dg + (t0 + t) * out.g_stride;
-      for (std::size_t i = 0; i < kd; ++i) {
-        dqt[i] = gq[t * kd + i];
-        dkt[i] = gk[t * kd + i];
-        run[i] = run[i] + gg[t * kd + i];
-        dgt[i] = run[i];
-      }
+      T* HWY_RESTRICT dqt = out.dq + (t0 + t) * out.qk_stride;
+      T* HWY_RESTRICT dkt = out.dk + (t0 + t) * out.qk_stride;
+      T* HWY_RESTRICT dgt = out.dg + (t0 + t) * out.g_stride;
+      const std::size_t o = t * kd;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            hn::StoreU(hn::LoadU(d, gq + o + i), d, dqt + i);
+            hn::StoreU(hn::LoadU(d, gk + o + i), d, dkt + i);
+            const auto r = hn::Add(hn::LoadU(d, run + i), hn::LoadU(d, gg + o + i));
+            hn::StoreU(r, d, run + i);
+            hn::StoreU(r, d, dgt + i);
+          },
+          [&](std::size_t i) {
+            dqt[i] = gq[o + i];
+            dkt[i] = gk[o + i];
+            run[i] = run[i] + gg[o + i];
+            dgt[i] = run[i];
+          });
     }
 
     // dS ← scale Qgᵀ dO + Diag(a_c) dS - Wᵀ dΔ.
@@ -715,7 +1027,7 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       for (std::size_t j = 0; j < vd; ++j)
         ds[i * vd + j] = scale * t2[i * vd + j] + a * ds[i * vd + j];
     }
-    gemm<GemmOp::sub>(kd, vd, c, X + vd, std::size_t{1}, ldx, dd, vd, ds, vd);
+    gemm<GemmOp::sub>(kd, vd, c, w.kg.data(), std::size_t{1}, kd, dR, vd, ds, vd);
   }
   if (out.d_incoming)
     for (std::size_t i = 0; i < kv; ++i) out.d_incoming[i] = ds[i];

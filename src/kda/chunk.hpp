@@ -28,13 +28,13 @@ struct ChunkWork {
   std::vector<T> run, ac;                  // K
   std::vector<T> L, P;                     // kChunk×kChunk
   std::vector<T> amat;                     // 2·kSub×K
-  std::vector<T> bmat;                     // K×kChunk
-  std::vector<T> rbuf;                     // 2·kSub×kChunk
+  std::vector<T> bmat;                     // K×kChunk (holds amat transposed, K×2·kSub)
+  std::vector<T> rbuf;                     // kChunk×2·kSub: [L | P] rows of a sub-chunk, transposed
   std::vector<T> frows;                    // kSub×K
   std::vector<T> brows;                    // kChunk×K
   std::vector<T> x;                        // kChunk×(V+K): [U | W]
   std::vector<T> delta;                    // kChunk×(V+K)
-  std::vector<T> tmp;                      // kChunk×V
+  std::vector<T> tmp;                      // kChunk×V (forward: scale·O; backward: R = V - Kg S_0)
   std::vector<T> kv;                       // K×V
   std::vector<T> state;                    // K×(V+K)
   bool safe[kChunk / kSub] = {};          // per sub-chunk: L, P diagonal blocks factorised
@@ -73,7 +73,7 @@ struct ChunkBackWork {
   std::vector<T> delta, dob, dd, dlt;                     // kChunk×V
   std::vector<T> dP, dL, m1, lb;                          // kChunk×kChunk
   std::vector<T> dqg, dkr, dkg, gk, gq, gg, bmr, fac, dbm;  // kChunk×K
-  std::vector<T> z, xt;                                   // kChunk×(V+K)
+  std::vector<T> z, xt;                                   // kChunk×(V+K): Z, dR (c×V used)
   std::vector<T> dac, last, y;                            // K
   std::vector<T> ff, dam, dr;                             // 2·kSub×max(K, kChunk)
   std::size_t kd = 0, vd = 0;
