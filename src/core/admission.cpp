@@ -92,7 +92,9 @@ Prediction predict_exchange(const ProblemShape& shape, const std::string& method
     return predict(options.cost, shape,
                    ProtocolConfig{method, static_cast<std::size_t>(group_size), options.segments});
   }
-  Prediction choice = choose_protocol(options.cost, shape, options.memory_budget_bytes, options.allow_reassociation);
+  // As auto does: with a layout, only the rows that take layouts.
+  Prediction choice = choose_protocol(options.cost, shape, options.memory_budget_bytes, options.allow_reassociation,
+                                      !shape.part_owners.empty());
   if (find_protocol(choice.config.method).takes_segments && options.segments != 0) {
     choice.config.segments = options.segments;
     choice = predict(options.cost, shape, choice.config);
@@ -103,7 +105,9 @@ Prediction predict_exchange(const ProblemShape& shape, const std::string& method
 double exchange_rank_bytes(const ProblemShape& shape, const Prediction& prediction) {
   const double state = double(shape.slabs) * double(shape.key_dim) * double(shape.value_dim);
   const double transfer = double(shape.slabs) * double(shape.key_dim) * double(shape.key_dim);
-  return (2 * state + transfer) * double(shape.elem_bytes) + double(prediction.peak_extra_bytes);
+  // Per part the rank holds (zigzag: two).
+  const double parts = double(chain_profile(shape, 1).per_rank);
+  return parts * (2 * state + transfer) * double(shape.elem_bytes) + double(prediction.peak_extra_bytes);
 }
 
 }  // namespace kdacp

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <sstream>
 #include <utility>
 
 #include "kdacp/admission.hpp"
@@ -178,15 +179,21 @@ double layer_npy_bytes(const std::string& dir) {
 }
 
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
-                     std::size_t ranks, bool grads, double input_bytes, const std::string& method, long long group_size,
-                     const ExchangeOptions& options, const std::string& max_memory) {
-  const ProblemShape ps{ranks, summary.slabs(), s.key_dim, s.value_dim, dtype_size(summary.dtype)};
+                     const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
+                     long long group_size, const ExchangeOptions& options, const std::string& max_memory,
+                     bool one_rank_per_process) {
+  const ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout);
+  const std::size_t ranks = layout.ranks();
   const Prediction pred = predict_exchange(ps, method, group_size, options);
-  const double need =
-      2 * input_bytes + layer_run_bytes(s, sequences, ranks, grads, ps.elem_bytes, exchange_rank_bytes(ps, pred));
-  require_memory(need, max_memory_bytes(max_memory),
-                 "kdacp kda on " + std::to_string(ranks) + " ranks with " + protocol_label(pred.config),
-                 max_memory_name(max_memory));
+  const double exchange = exchange_rank_bytes(ps, pred);
+  const double run = one_rank_per_process
+                         ? layer_rank_bytes(s, sequences, layout, grads, ps.elem_bytes, exchange)
+                         : layer_run_bytes(s, sequences, ranks, grads, ps.elem_bytes, exchange, layout.parts().size());
+  std::ostringstream what;
+  what << "kdacp kda on " << ranks << " ranks";
+  if (one_rank_per_process) what << " (one per process, this process's rank)";
+  what << " with " << protocol_label(pred.config);
+  require_memory(2 * input_bytes + run, max_memory_bytes(max_memory), what.str(), max_memory_name(max_memory));
 }
 
 template <class T>

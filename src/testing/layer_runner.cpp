@@ -305,8 +305,61 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
   return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
 }
 
+std::vector<std::size_t> exchange_part_owners(const kda::Layout& layout) {
+  std::vector<std::size_t> owners = layout.owners();
+  bool plain = owners.size() == layout.ranks();
+  for (std::size_t j = 0; plain && j < owners.size(); ++j) plain = owners[j] == j;
+  return plain ? std::vector<std::size_t>{} : owners;
+}
+
+std::vector<bool> layout_cuts(const kda::Layout& layout, const std::vector<std::int64_t>& cu_seqlens) {
+  const std::vector<kda::LayoutPart>& parts = layout.parts();
+  std::vector<bool> cuts(parts.size(), false);
+  if (cu_seqlens.empty()) {
+    cuts.front() = true;  // every row's sequence starts at token 0
+    return cuts;
+  }
+  if (cu_seqlens.front() != 0 || cu_seqlens.back() != static_cast<std::int64_t>(layout.tokens())) {
+    std::ostringstream what;
+    what << "cu_seqlens run from " << cu_seqlens.front() << " to " << cu_seqlens.back() << ", expected 0 to T = "
+         << layout.tokens();
+    throw InvalidArgument(what.str());
+  }
+  // A part is a cut when a sequence start c_n (n < N) lies in [begin, end).
+  const auto starts_end = cu_seqlens.end() - 1;
+  for (std::size_t j = 0; j < parts.size(); ++j) {
+    const auto it = std::lower_bound(cu_seqlens.begin(), starts_end, static_cast<std::int64_t>(parts[j].begin));
+    cuts[j] = it != starts_end && *it < static_cast<std::int64_t>(parts[j].end);
+  }
+  return cuts;
+}
+
+ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout) {
+  ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
+  ps.part_owners = exchange_part_owners(layout);
+  return ps;
+}
+
+double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
+                        std::size_t elem_bytes, double rank_exchange_bytes) {
+  std::size_t local = 0, parts = 0;
+  std::vector<std::size_t> held(layout.ranks(), 0);
+  for (const kda::LayoutPart& part : layout.parts()) parts = std::max(parts, ++held[part.rank]);
+  for (std::size_t r = 0; r < layout.ranks(); ++r) local = std::max(local, layout.local_tokens(r));
+  const double share = double(local) / double(s.tokens);
+  const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
+  const double state = double(s.batch) * kv;
+  // The largest rank's slices of the inputs and of its outputs, and rank 0's
+  // outputs gathered in the global layout.
+  const double tensors = share * (layer_output_bytes(s, true, elem_bytes) + layer_output_bytes(s, grads, elem_bytes)) +
+                         layer_output_bytes(s, grads, elem_bytes);
+  const double states = state * (double(local) / 64 + 5 * double(parts)) * double(elem_bytes);
+  const double sequence_states = double(sequences) * kv * 5 * double(elem_bytes);
+  return tensors + states + sequence_states + rank_exchange_bytes;
+}
+
 double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
-                       std::size_t elem_bytes, double rank_exchange_bytes) {
+                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts) {
   const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
   const double state = double(s.batch) * kv;
   // The ranks' slices of the inputs (as large as the gradients) and of the
@@ -314,7 +367,7 @@ double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t r
   // incoming state and G, and per rank its dht, ht and dh0 [N,HV,K,V] beside
   // the job's h0 and dht.
   const double tensors = layer_output_bytes(s, true, elem_bytes) + 2 * layer_output_bytes(s, grads, elem_bytes);
-  const double states = state * (double(s.tokens) / 64 + 5 * double(ranks)) * double(elem_bytes);
+  const double states = state * (double(s.tokens) / 64 + 5 * double(parts ? parts : ranks)) * double(elem_bytes);
   const double sequence_states = double(sequences) * kv * (3 * double(ranks) + 2) * double(elem_bytes);
   return tensors + states + sequence_states + double(ranks) * rank_exchange_bytes;
 }
@@ -331,7 +384,9 @@ std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerO
 
 bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
   auto eq = [](const std::vector<float>& x, const std::vector<float>& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+    // memcmp must not see the null data() of an empty vector (ht, dh0 without sequences).
+    return x.size() == y.size() &&
+           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
   };
   return eq(a.o, b.o) && eq(a.dq, b.dq) && eq(a.dk, b.dk) && eq(a.dv, b.dv) && eq(a.dg, b.dg) &&
          eq(a.dbeta, b.dbeta) && eq(a.ht, b.ht) && eq(a.dh0, b.dh0);
@@ -394,18 +449,27 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
   return cmp;
 }
 
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks) {
-  const ProblemShape ps{ranks, shape.batch * shape.value_heads, shape.key_dim, shape.value_dim, sizeof(float)};
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
+                               const LayoutSpec& layout_spec, bool one_rank_per_process) {
+  const kda::Layout layout = layout_spec.build(shape.tokens, ranks);
+  const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
+  // compare_protocols runs only the rows that take the layout when it is not
+  // the plain one.
+  const bool plain = ps.part_owners.empty();
   Prediction hungriest;
   std::size_t protocols = 0;
   for (const Prediction& p : predict_all(CostParams{}, ps, true)) {
+    if (!plain && !find_protocol(p.config.method).takes_layouts) continue;
     ++protocols;
     if (p.peak_extra_bytes >= hungriest.peak_extra_bytes) hungriest = p;
   }
   const double kept_states =
       2 * double(sequences) * double(shape.value_heads) * double(shape.key_dim) * double(shape.value_dim);
-  return double(protocols + 2) * (layer_output_bytes(shape, true, sizeof(float)) + kept_states * sizeof(float)) +
-         layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange_rank_bytes(ps, hungriest));
+  const double kept = double(protocols + 2) * (layer_output_bytes(shape, true, sizeof(float)) + kept_states * sizeof(float));
+  const double exchange = exchange_rank_bytes(ps, hungriest);
+  if (one_rank_per_process)
+    return kept + layer_rank_bytes(shape, sequences, layout, true, sizeof(float), exchange);
+  return kept + layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange, layout.parts().size());
 }
 
 template struct LayerJob<float>;

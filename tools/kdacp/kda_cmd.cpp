@@ -32,8 +32,9 @@ struct KdaConfig {
   std::size_t threads = 0;
 };
 
-// What every rank runs with on `ranks` ranks, after the memory admission of
-// the whole run (admit_layer_run). Throws, naming the flag, for a layout that
+// What every rank runs with on `ranks` ranks, after the memory admission
+// (admit_layer_run) of the whole run in-process, of this process's rank under
+// a launcher, with the layout's part owners. Throws, naming the flag, for a layout that
 // does not fit.
 template <class T>
 testing::LayerRunOptions run_options(const KdaConfig& cfg, const testing::LayerNpy& in,
@@ -47,8 +48,10 @@ testing::LayerRunOptions run_options(const KdaConfig& cfg, const testing::LayerN
   opts.group_size = cfg.exchange.group_size;
   opts.exchange = exchange_options(cfg.exchange, summary);
   opts.threads_per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
-  testing::admit_layer_run(s, in.sequences, summary, ranks, job.grads(), input_bytes, cfg.exchange.protocol,
-                           cfg.exchange.group_size, opts.exchange, cfg.max_memory);
+  // In-process the P ranks are this process's; under a launcher, one.
+  testing::admit_layer_run(s, in.sequences, summary, opts.layout.build(s.tokens, ranks), job.grads(), input_bytes,
+                           cfg.exchange.protocol, cfg.exchange.group_size, opts.exchange, cfg.max_memory,
+                           resolved_backend(cfg.backend) != "inprocess");
   return opts;
 }
 

@@ -1,9 +1,11 @@
 #include "layer_flags.hpp"
 
+#include <numeric>
 #include <sstream>
 
 #include "flags.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp::cli {
 
@@ -62,6 +64,61 @@ testing::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, st
     throw InvalidArgument(what.str() + e.what());
   }
   return spec;
+}
+
+void add_packing_flags(CLI::App& cmd, PackingFlags& flags, std::size_t max_tokens, const std::string& what) {
+  add_int_list(cmd, "--seqlens", flags.seqlens,
+               "pack sequences of these lengths into one row (B = 1; T defaults to their sum)" + what,
+               IntRange{1, max_tokens});
+  add_int(cmd, "--docs", flags.docs,
+          "pack this many documents of random lengths (each >= 1, seeded by --seed) into one row, like --seqlens",
+          IntRange{1, max_tokens})
+      ->default_str("none");
+}
+
+std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool tokens_given,
+                          std::size_t max_tokens) {
+  if (!flags.seqlens.empty() && flags.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
+  if (flags.seqlens.empty()) return tokens;
+  std::size_t sum = 0;
+  for (std::size_t len : flags.seqlens) {
+    sum += len;
+    if (sum > max_tokens) {
+      std::ostringstream what;
+      what << "--seqlens sum to more than the most tokens this command takes, " << max_tokens;
+      throw InvalidArgument(what.str());
+    }
+  }
+  if (tokens_given && sum != tokens) {
+    std::ostringstream what;
+    what << "--seqlens sum to " << sum << ", expected --tokens " << tokens << " (or leave --tokens out)";
+    throw InvalidArgument(what.str());
+  }
+  return sum;
+}
+
+std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
+                                  std::uint64_t seed) {
+  if (!flags.packed()) return {};
+  if (!flags.seqlens.empty() && flags.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
+  if (batch != 1) {
+    std::ostringstream what;
+    what << (flags.docs ? "--docs" : "--seqlens") << " packs sequences into one row, expected --batch 1, not "
+         << batch;
+    throw InvalidArgument(what.str());
+  }
+  if (flags.docs > 0) {
+    if (flags.docs > tokens) {
+      std::ostringstream what;
+      what << "--docs " << flags.docs << " is more documents than T = " << tokens
+           << " tokens (each document needs a token)";
+      throw InvalidArgument(what.str());
+    }
+    return kda::random_cu_seqlens(tokens, flags.docs, seed + 2);
+  }
+  std::vector<std::int64_t> cu{0};
+  for (std::size_t len : flags.seqlens) cu.push_back(cu.back() + static_cast<std::int64_t>(len));
+  return cu;
 }
 
 }  // namespace kdacp::cli

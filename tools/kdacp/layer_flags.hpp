@@ -1,9 +1,11 @@
-// The flags of the commands that run the KDA layer over a stream: --layout,
-// --split and --algorithm, checked here so that a bad one is an error naming
+// The flags of the commands that run the KDA layer over a stream (or price
+// its exchange, `kdacp plan`): --layout, --split, --seqlens, --docs and
+// --algorithm, checked here so that a bad one is an error naming
 // the flag before any rank starts (or, under mpirun, before any message).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -42,5 +44,31 @@ void check_layout_flags(const LayoutFlags& flags);
 // split that is not P entries, has a zero or does not sum to T; zigzag with
 // T < 2P; P > T) throws InvalidArgument naming the flag.
 testing::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
+
+// --seqlens and --docs: packed sequences in one row (`kdacp run`, `kdacp
+// plan`).
+struct PackingFlags {
+  std::vector<std::size_t> seqlens;  // packed sequence lengths (sum T)
+  std::size_t docs = 0;              // a random packing of this many documents
+  bool packed() const { return !seqlens.empty() || docs > 0; }
+};
+
+// Adds --seqlens L1,L2,... (each at most max_tokens; `what` ends the help
+// text, e.g. what the command does with them) and --docs N.
+void add_packing_flags(CLI::App& cmd, PackingFlags& flags, std::size_t max_tokens, const std::string& what);
+
+// T with --seqlens: their sum, which must equal `tokens` when tokens_given
+// and be at most max_tokens; without --seqlens, `tokens`. Throws
+// InvalidArgument naming the flags (also for --seqlens with --docs).
+std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool tokens_given,
+                          std::size_t max_tokens);
+
+// The cu_seqlens of --seqlens or --docs over `tokens` tokens (empty: one
+// sequence per row); --docs draws kda::random_cu_seqlens(tokens, N, seed +
+// 2), `seed` being the command's --seed, so that `kdacp plan` and `kdacp
+// run` with the same --seed pack alike. Throws InvalidArgument naming the
+// flag for --seqlens with --docs, batch != 1, or more documents than tokens.
+std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
+                                  std::uint64_t seed);
 
 }  // namespace kdacp::cli

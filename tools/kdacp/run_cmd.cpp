@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
-#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -35,8 +34,7 @@ struct RunConfig {
   LaunchOptions backend;
   std::size_t batch = 1, tokens = 8192, heads = 4, value_heads = 0, key_dim = 128, value_dim = 128;
   bool tokens_given = false;
-  std::vector<std::size_t> seqlens;  // packed sequence lengths (sum T)
-  std::size_t docs = 0;              // a random packing of this many documents
+  PackingFlags packing;
   LayoutFlags layout;
   kda::Algorithm algorithm = kDefaultAlgorithm;
   std::uint64_t seed = 0;
@@ -44,7 +42,7 @@ struct RunConfig {
   bool json = false;
   std::string max_memory;
 
-  bool packed() const { return !seqlens.empty() || docs > 0; }
+  bool packed() const { return packing.packed(); }
 };
 
 // The table and the JSON records, one row per run, against the single-rank
@@ -153,81 +151,59 @@ void print(const RunConfig& cfg, const kda::Shape& shape, const RunSetup& setup,
               all_bitwise ? "yes" : "NO");
 }
 
-// The packed sequences of --seqlens or --docs (empty: one per row), with
-// the flags named in every error.
-std::vector<std::int64_t> packing(const RunConfig& cfg, std::size_t tokens) {
-  if (!cfg.packed()) return {};
-  if (!cfg.seqlens.empty() && cfg.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
-  if (cfg.batch != 1) {
-    std::ostringstream what;
-    what << (cfg.docs ? "--docs" : "--seqlens") << " packs sequences into one row, expected --batch 1, not "
-         << cfg.batch;
-    throw InvalidArgument(what.str());
-  }
-  if (cfg.docs > 0) {
-    if (cfg.docs > tokens) {
-      std::ostringstream what;
-      what << "--docs " << cfg.docs << " is more documents than T = " << tokens
-           << " tokens (each document needs a token)";
-      throw InvalidArgument(what.str());
-    }
-    return kda::random_cu_seqlens(tokens, cfg.docs, cfg.seed + 2);
-  }
-  std::vector<std::int64_t> cu{0};
-  for (std::size_t len : cfg.seqlens) cu.push_back(cu.back() + static_cast<std::int64_t>(len));
-  return cu;
-}
-
 void run(RunConfig& cfg) {
   check_layout_flags(cfg.layout);
-  if (!cfg.seqlens.empty()) {
-    const std::size_t sum = std::accumulate(cfg.seqlens.begin(), cfg.seqlens.end(), std::size_t{0});
-    if (cfg.tokens_given && sum != cfg.tokens) {
-      std::ostringstream what;
-      what << "--seqlens sum to " << sum << ", expected --tokens " << cfg.tokens << " (or leave --tokens out)";
-      throw InvalidArgument(what.str());
-    }
-    if (sum > (std::size_t{1} << 24)) {
-      std::ostringstream what;
-      what << "--seqlens sum to " << sum << ", more than the most tokens a run takes, " << (1 << 24);
-      throw InvalidArgument(what.str());
-    }
-    cfg.tokens = sum;
-  }
+  cfg.tokens = packed_tokens(cfg.packing, cfg.tokens, cfg.tokens_given, std::size_t{1} << 24);
   const kda::Shape shape{cfg.batch, cfg.tokens, cfg.heads,
                          cfg.value_heads ? cfg.value_heads : cfg.heads, cfg.key_dim, cfg.value_dim};
   kda::validate(shape);
   testing::LayerJob<float> job;
-  job.cu_seqlens = packing(cfg, shape.tokens);
+  job.cu_seqlens = packing(cfg.packing, shape.batch, shape.tokens, cfg.seed);
   const std::size_t sequences = job.cu_seqlens.empty() ? shape.batch : job.cu_seqlens.size() - 1;
   const std::string backend = resolved_backend(cfg.backend);
-  if (backend == "inprocess") layout_spec(cfg.layout, shape.tokens, cfg.backend.ranks);
+  const bool in_process = backend == "inprocess";
+  if (in_process) layout_spec(cfg.layout, shape.tokens, cfg.backend.ranks);
   const std::size_t here = ranks_per_process(cfg.backend);
   check_threads(here, cfg.threads);
-  // Under mpirun every process holds the job; the run's P is known only
-  // there, so the per-process estimate uses the in-process P.
-  require_memory(testing::compare_protocols_bytes(shape, sequences, cfg.backend.ranks),
-                 max_memory_bytes(cfg.max_memory), "kdacp run on " + std::to_string(cfg.backend.ranks) + " ranks",
-                 max_memory_name(cfg.max_memory));
+  // In-process, all P ranks' runs are this process's. Under a launcher P is
+  // known only in the world, where each process counts its own rank's share
+  // (below, before any message).
+  auto admit = [&](const testing::LayoutSpec& layout, std::size_t ranks, bool one_rank_per_process) {
+    std::ostringstream what;
+    what << "kdacp run on " << ranks << " ranks";
+    if (one_rank_per_process) what << " (one per process, this process's share)";
+    require_memory(testing::compare_protocols_bytes(shape, sequences, ranks, layout, one_rank_per_process),
+                   max_memory_bytes(cfg.max_memory), what.str(), max_memory_name(cfg.max_memory));
+  };
+  if (in_process) admit(layout_spec(cfg.layout, shape.tokens, cfg.backend.ranks), cfg.backend.ranks, false);
   const std::size_t hw = ThreadPool::default_threads(1);
   const std::size_t per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(here);
-  job.data = kda::synthetic_layer<float>(shape, cfg.seed);
-  job.scale = kda::default_scale<float>(shape.key_dim);
-  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
-  job.final_states = cfg.packed();
-  job.algorithm = cfg.algorithm;
-  if (cfg.packed()) {
-    const std::size_t states = sequences * shape.value_heads * shape.key_dim * shape.value_dim;
-    job.h0 = kda::synthetic_tensor<float>(states, cfg.seed + 3);
-    job.dht = kda::synthetic_tensor<float>(states, cfg.seed + 4);
-  }
-  job.sequences();  // every check of the job before any rank starts
+  // The job's inputs, generated once admitted: before the ranks start
+  // in-process, in the world (one rank, one call per process) under a launcher.
+  auto generate = [&] {
+    job.data = kda::synthetic_layer<float>(shape, cfg.seed);
+    job.scale = kda::default_scale<float>(shape.key_dim);
+    job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
+    job.final_states = cfg.packed();
+    job.algorithm = cfg.algorithm;
+    if (cfg.packed()) {
+      const std::size_t states = sequences * shape.value_heads * shape.key_dim * shape.value_dim;
+      job.h0 = kda::synthetic_tensor<float>(states, cfg.seed + 3);
+      job.dht = kda::synthetic_tensor<float>(states, cfg.seed + 4);
+    }
+    job.sequences();  // every check of the job before any message
+  };
+  if (in_process) generate();
 
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
     const testing::Progress progress("kdacp run");
     testing::LayerRunOptions base;
     base.threads_per_rank = per_rank;
     base.layout = layout_spec(cfg.layout, shape.tokens, world->size());
+    if (!in_process) {
+      admit(base.layout, world->size(), true);
+      generate();
+    }
     const auto cmp = testing::compare_protocols(world, job, base, progress);
     if (!cmp) return;  // rank 0 reports
     const auto single = testing::run_single(job, hw);
@@ -265,14 +241,7 @@ void add_run_command(CLI::App& app) {
           IntRange{0, kSizeRange.max});
   add_int(*cmd, "--key-dim,-K", cfg->key_dim, "key dim", kDimRange);
   add_int(*cmd, "--value-dim,-V", cfg->value_dim, "value dim", kDimRange);
-  add_int_list(*cmd, "--seqlens", cfg->seqlens,
-               "pack sequences of these lengths into one row (B = 1; T defaults to their sum), with random h0 "
-               "and dht, and report ht and dh0 too",
-               IntRange{1, 1 << 24});
-  add_int(*cmd, "--docs", cfg->docs,
-          "pack this many documents of random lengths (each >= 1, seeded by --seed) into one row, like --seqlens",
-          IntRange{1, 1 << 24})
-      ->default_str("none");
+  add_packing_flags(*cmd, cfg->packing, std::size_t{1} << 24, ", with random h0 and dht, and report ht and dh0 too");
   add_layout_flags(*cmd, cfg->layout);
   add_algorithm_flag(*cmd, cfg->algorithm);
   add_int(*cmd, "--seed", cfg->seed, "input seed", IntRange{});

@@ -43,15 +43,19 @@ std::vector<std::int64_t> read_cu_seqlens_npy(const std::string& path);
 double layer_npy_bytes(const std::string& dir);
 
 // Admission of `kdacp kda`: throws OutOfMemory before any work when the
-// layer of `s` with N = `sequences` on `ranks` ranks (layer_run_bytes, gradients too when
-// `grads`), with the exchange make_state_exchange(mesh, method, group_size,
-// options) builds for `summary`, beside inputs of input_bytes already read
-// (counted twice: the files' bytes and their copy as T) exceeds the limit
-// text max_memory (max_memory_bytes in kdacp/admission.hpp). The message
-// names the ranks and the protocol (auto: its choice).
+// layer of `s` with N = `sequences` on the ranks of `layout` (layer_run_bytes,
+// gradients too when `grads`), with the exchange make_state_exchange(mesh,
+// method, group_size, options) builds for `summary` and the layout's part
+// owners (layer_problem_shape: auto's choice is the one the layer makes),
+// beside inputs of input_bytes already read (counted twice: the files' bytes
+// and their copy as T) exceeds the limit text max_memory (max_memory_bytes
+// in kdacp/admission.hpp). With one_rank_per_process (under a launcher) the
+// run counted is this process's rank's share (layer_rank_bytes), not all P
+// ranks'. The message names the ranks and the protocol (auto: its choice).
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
-                     std::size_t ranks, bool grads, double input_bytes, const std::string& method, long long group_size,
-                     const ExchangeOptions& options, const std::string& max_memory);
+                     const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
+                     long long group_size, const ExchangeOptions& options, const std::string& max_memory,
+                     bool one_rank_per_process = false);
 
 // The arrays as a layer job of T (T must be the files' dtype) with `scale`,
 // asking for the final states; the shape is checked with kda::validate.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kdacp/comm.hpp"
+#include "kdacp/cost_model.hpp"
 #include "kdacp/kda_cp.hpp"
 
 namespace kdacp::testing {
@@ -108,6 +109,24 @@ template <class T>
 LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
                                      double timeout_s);
 
+// The exchange's part owners for `layout` as the layer builds it
+// (ContextParallelLayer): layout.owners(), left empty when that is one part
+// per rank in rank order (the plain exchange every method runs).
+std::vector<std::size_t> exchange_part_owners(const kda::Layout& layout);
+
+// Which parts of `layout` are cuts (kda::PartInfo::cut: a sequence starts at
+// one of its tokens), in chain order, for the packed sequences `cu_seqlens`
+// (0 = c_0 < ... < c_N = T) or, when empty, one sequence per row (only the
+// first part starts one). Throws InvalidArgument for cu_seqlens that do not
+// end at the layout's T.
+std::vector<bool> layout_cuts(const kda::Layout& layout, const std::vector<std::int64_t>& cu_seqlens);
+
+// What the cost model knows of the layer's exchange on `layout`: P, B·HV, K,
+// V, elem_bytes and part_owners = exchange_part_owners(layout). The cuts are
+// left out: auto chooses when the layer is built, before any call brings
+// them (set part_cuts with layout_cuts to price a given packing).
+ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout);
+
 // Bytes of o and, with grads, of the gradients (as large as the inputs
 // q, k, v, g, beta) of `s` in T of elem_bytes.
 double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes);
@@ -116,10 +135,20 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
 // `ranks` ranks with T of elem_bytes: the ranks' slices, the outputs
 // (gradients too when `grads`), h0, dht, ht and dh0 [N,HV,K,V] per rank, the
 // checkpoints and the summaries, and rank_exchange_bytes per rank for its
-// exchange (exchange_rank_bytes in kdacp/admission.hpp). The job itself is
-// not counted.
+// exchange (exchange_rank_bytes in kdacp/admission.hpp). `parts`: the
+// layout's parts (each holds its S, M, incoming state and G); 0: one per
+// rank. The job itself is not counted.
 double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
-                       std::size_t elem_bytes, double rank_exchange_bytes);
+                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts = 0);
+
+// The share of one process holding one rank of run_context_parallel on
+// `layout` (under a launcher, one rank per process): the largest rank's
+// slices of inputs and outputs, rank 0's outputs gathered in the global
+// layout, the checkpoints and summaries of its parts, its h0, dht, ht and dh0
+// [N,HV,K,V], and rank_exchange_bytes for its exchange. The job itself is
+// not counted.
+double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
+                        std::size_t elem_bytes, double rank_exchange_bytes);
 
 // Relative Frobenius errors (reference::relative_error) of `got` against
 // `want`: o, dq, dk, dv, dg, dbeta, then ht and dh0 when both have them.
@@ -172,9 +201,14 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
                                                     const Progress& progress);
 
 // Bytes run_single and compare_protocols allocate for float `shape` with N
-// = `sequences` on `ranks` ranks beside the job: every run's outputs and
-// gradients, kept for the comparison, and one context-parallel run at a time
-// with the hungriest protocol of the cost model.
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks);
+// = `sequences` on `ranks` ranks in `layout` (LayoutSpec) beside the job:
+// every run's outputs and gradients, kept for the comparison, and one
+// context-parallel run at a time with the hungriest protocol of the cost
+// model among those that run on the layout (its part_owners priced). With
+// one_rank_per_process (a launcher's processes, P of them) the bytes of one
+// process: the job it holds, rank 0's kept outputs, and one rank's share of
+// a run (layer_rank_bytes) instead of all P ranks'.
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
+                               const LayoutSpec& layout = {}, bool one_rank_per_process = false);
 
 }  // namespace kdacp::testing

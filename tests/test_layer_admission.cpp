@@ -1,0 +1,125 @@
+// Admission of `kdacp run` / `kdacp kda` with the job's layout (issue 12):
+// the protocol auto names is the one the layer runs, zigzag's extra parts
+// are counted, cuts follow the packing, and under a launcher a process
+// counts its own rank's share.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "kdacp/admission.hpp"
+#include "kdacp/cost_model.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/testing/layer_npy.hpp"
+#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/testing/synthetic.hpp"
+
+namespace kdacp {
+namespace {
+
+testing::LayerJob<float> small_job(const kda::Shape& shape) {
+  testing::LayerJob<float> job;
+  job.data = kda::synthetic_layer<float>(shape, 21);
+  job.scale = kda::default_scale<float>(shape.key_dim);
+  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 22);
+  job.final_states = false;
+  return job;
+}
+
+// With the default cost parameters, P = 2 and K = V = 32, auto picks p2p for
+// one part per rank but allgather for zigzag (two parts per rank): an
+// admission priced without the layout named p2p while the layer ran
+// allgather.
+TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
+  const kda::Shape shape{1, 16, 1, 1, 32, 32};
+  const testing::LayerJob<float> job = small_job(shape);
+  const std::size_t ranks = 2;
+  std::vector<std::string> ran;
+  for (const testing::LayoutSpec& spec : {testing::LayoutSpec{false, {}}, testing::LayoutSpec{true, {}}}) {
+    testing::LayerRunOptions opts;
+    opts.method = "auto";
+    opts.layout = spec;
+    const testing::LayerOutputs<float> out = testing::run_context_parallel(job, ranks, opts, 30);
+    ran.push_back(out.method);
+    const kda::Layout layout = spec.build(shape.tokens, ranks);
+    const ProblemShape ps = testing::layer_problem_shape(shape, sizeof(float), layout);
+    EXPECT_EQ(ps.part_owners.empty(), !spec.zigzag) << spec.name();
+    ExchangeOptions eo;
+    eo.expected_shape = testing::layer_summary_shape(shape);
+    EXPECT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, out.method) << spec.name();
+    // The admission's message names the protocol auto will run.
+    try {
+      testing::admit_layer_run(shape, 1, *eo.expected_shape, layout, true, 0, "auto", 1, eo, "1B");
+      ADD_FAILURE() << "1 byte admitted the run";
+    } catch (const OutOfMemory& e) {
+      EXPECT_NE(std::string(e.what()).find("with " + out.method), std::string::npos) << e.what();
+    }
+  }
+  // The shape tells the layouts apart (else this test shows nothing: pick
+  // another shape if the cost model changed).
+  EXPECT_NE(ran[0], ran[1]);
+}
+
+// A zigzag rank holds two parts: its exchange holds two offsets, transfers
+// and returned states, and the layer two parts' summaries.
+TEST(LayerAdmission, ZigzagCountsItsExtraParts) {
+  const kda::Shape shape{1, 64, 2, 2, 64, 64};
+  const std::size_t ranks = 4;
+  const kda::Layout plain = kda::Layout::contiguous(shape.tokens, ranks);
+  const kda::Layout zigzag = kda::Layout::zigzag(shape.tokens, ranks);
+  const ProblemShape ps_plain = testing::layer_problem_shape(shape, 4, plain);
+  const ProblemShape ps_zig = testing::layer_problem_shape(shape, 4, zigzag);
+  EXPECT_EQ(ps_zig.part_owners, zigzag_owners(ranks));
+  const Prediction p2p_plain = predict(CostParams{}, ps_plain, {"p2p", 1, 0});
+  const Prediction p2p_zig = predict(CostParams{}, ps_zig, {"p2p", 1, 0});
+  const double state = 2.0 * 64 * 64 * 4, transfer = 2.0 * 64 * 64 * 4;  // B·HV = 2, K = V = 64
+  EXPECT_DOUBLE_EQ(exchange_rank_bytes(ps_zig, p2p_zig) - double(p2p_zig.peak_extra_bytes),
+                   2 * (exchange_rank_bytes(ps_plain, p2p_plain) - double(p2p_plain.peak_extra_bytes)));
+  EXPECT_DOUBLE_EQ(exchange_rank_bytes(ps_plain, p2p_plain) - double(p2p_plain.peak_extra_bytes),
+                   2 * state + transfer);
+  EXPECT_GT(testing::layer_run_bytes(shape, 1, ranks, true, 4, 0, zigzag.parts().size()),
+            testing::layer_run_bytes(shape, 1, ranks, true, 4, 0));
+}
+
+// Cuts: the parts holding a sequence start, which shorten the chain.
+TEST(LayerAdmission, LayoutCutsFollowThePacking) {
+  const kda::Layout contiguous = kda::Layout::contiguous(8, 4);
+  EXPECT_EQ(testing::layout_cuts(contiguous, {0, 4, 8}), (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(testing::layout_cuts(contiguous, {0, 3, 8}), (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(testing::layout_cuts(contiguous, {}), (std::vector<bool>{true, false, false, false}));
+  EXPECT_THROW(testing::layout_cuts(contiguous, {0, 4, 9}), InvalidArgument);
+  const kda::Layout zigzag = kda::Layout::zigzag(16, 4);  // 8 parts of 2 tokens
+  ProblemShape ps{4, 1, 32, 32, 4};
+  ps.part_owners = testing::exchange_part_owners(zigzag);
+  EXPECT_EQ(chain_profile(ps, 1).steps, 7u);
+  ps.part_cuts = testing::layout_cuts(zigzag, {0, 8, 16});
+  EXPECT_EQ(ps.part_cuts, (std::vector<bool>{true, false, false, false, true, false, false, false}));
+  EXPECT_EQ(chain_profile(ps, 1).steps, 4u);
+  EXPECT_TRUE(testing::exchange_part_owners(contiguous).empty());
+}
+
+// Under a launcher each process holds one rank: its estimate is one rank's
+// share plus the job and rank 0's outputs, not the whole run of P ranks.
+TEST(LayerAdmission, OneRankPerProcessCountsItsShare) {
+  const kda::Shape shape{1, 1 << 16, 4, 4, 128, 128};
+  // On one rank the share is the whole run.
+  const kda::Layout one = kda::Layout::contiguous(shape.tokens, 1);
+  EXPECT_DOUBLE_EQ(testing::layer_rank_bytes(shape, 1, one, true, 4, 1e6),
+                   testing::layer_run_bytes(shape, 1, 1, true, 4, 1e6));
+  for (bool zig : {false, true}) {
+    const testing::LayoutSpec spec{zig, {}};
+    const double whole = testing::compare_protocols_bytes(shape, 1, 16, spec, false);
+    const double share = testing::compare_protocols_bytes(shape, 1, 16, spec, true);
+    EXPECT_LT(share, whole) << spec.name();
+    // Still at least the job and rank 0's gathered outputs.
+    EXPECT_GT(share, 2 * testing::layer_output_bytes(shape, true, 4)) << spec.name();
+    const kda::Layout layout = spec.build(shape.tokens, 16);
+    EXPECT_LT(testing::layer_rank_bytes(shape, 1, layout, true, 4, 0),
+              testing::layer_run_bytes(shape, 1, 16, true, 4, 0, layout.parts().size()) / 2)
+        << spec.name();
+  }
+}
+
+}  // namespace
+}  // namespace kdacp
