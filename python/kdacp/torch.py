@@ -372,7 +372,7 @@ _ALGORITHMS = ("recurrent", "chunk")
 
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=None, layout="contiguous", protocol="auto",
-        allgather_group_size=1, algorithm="recurrent", **options):
+        allgather_group_size=1, algorithm="chunk", **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -385,9 +385,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     with "zigzag" parts r and 2P-1-r concatenated. Returns (o [B,T,HV,V], ht
     [N,HV,K,V] or None); ht, when requested, is complete on every rank.
     Differentiable w.r.t. q, k, v, g, beta and initial_state. Every rank must
-    call kda, and its backward, in the same order. algorithm: "recurrent"
-    (token by token, the reference) or "chunk" (chunkwise WY form, chunks of
-    64 tokens); the same results up to rounding, the same on every rank of a
+    call kda, and its backward, in the same order. algorithm: "chunk"
+    (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
+    (token by token, the reference); the same results up to rounding, the same on every rank of a
     group. options: as build_kda_state_cp.
     """
     shape, cu = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)

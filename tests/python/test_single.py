@@ -59,7 +59,7 @@ def test_kda_matches_oracle(dtype, tol, packed):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_kda_chunk_matches_recurrent(packed):
-    """algorithm="chunk" against the default recurrent algorithm in float64:
+    """algorithm="chunk" (the default) against the recurrent algorithm in float64:
     o, ht and every gradient within 1e-10, T over several chunks of 64 with a
     partial last one (and packed sequences across chunk boundaries)."""
     b = 1 if packed else 2

@@ -18,7 +18,7 @@ namespace kdacp::cli {
 
 // The algorithm `kdacp run` and `kdacp kda` (and so `make run`) use without
 // --algorithm: the one place to change the CLI's default.
-inline constexpr kda::Algorithm kDefaultAlgorithm = kda::Algorithm::recurrent;
+inline constexpr kda::Algorithm kDefaultAlgorithm = kda::Algorithm::chunk;
 
 // Adds --algorithm recurrent|chunk (kda::Algorithm, default `algorithm`'s
 // value); another name throws InvalidArgument naming the flag, the text and
