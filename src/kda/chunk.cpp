@@ -39,6 +39,7 @@ HWY_AFTER_NAMESPACE();
 #include <type_traits>
 #include <vector>
 
+#include "kda/backward_driver.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda::detail {
@@ -111,65 +112,22 @@ void incoming_grad_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, con
                   });
 }
 
-// As backward_on (kda_math.cpp): with grouped value heads each value head
-// writes its own dq/dk partial, summed afterwards in value-head order.
 template <class T>
 void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming,
                       const T* d_o, const T* d_final, const Grads<T>& grads,
                       const ExecPolicy& exec) {
-  const Shape& s = in.shape;
-  const std::size_t kv = s.key_dim * s.value_dim, group = s.group();
-  const std::size_t head_qk = s.tokens * s.key_dim;
-  std::vector<T> partial_dq(group > 1 ? s.batch * s.value_heads * head_qk : 0);
-  std::vector<T> partial_dk(partial_dq.size());
-  parallel_ranges(exec.pool, s.batch * s.value_heads,
-                  [&](std::size_t begin, std::size_t end, std::size_t) {
+  struct Scratch {
     ChunkWork<T> w;
     ChunkBackWork<T> bw;
-    for (std::size_t p = begin; p < end; ++p) {
-      const std::size_t b = p / s.value_heads, j = p % s.value_heads, h = j / group;
-      HeadGrads<T> out{};
-      if (group > 1) {
-        out.dq = partial_dq.data() + p * head_qk;
-        out.dk = partial_dk.data() + p * head_qk;
-        out.qk_stride = s.key_dim;
-      } else {
-        out.dq = grads.dq + (b * s.tokens * s.heads + h) * s.key_dim;
-        out.dk = grads.dk + (b * s.tokens * s.heads + h) * s.key_dim;
-        out.qk_stride = s.heads * s.key_dim;
-      }
-      out.dv = grads.dv + token_major_offset(s, b, j, s.value_dim);
-      out.v_stride = s.value_heads * s.value_dim;
-      out.dg = grads.dg + token_major_offset(s, b, j, s.key_dim);
-      out.g_stride = s.value_heads * s.key_dim;
-      out.dbeta = grads.dbeta + token_major_offset(s, b, j, 1);
-      out.beta_stride = s.value_heads;
-      out.d_incoming = grads.d_incoming ? grads.d_incoming + p * kv : nullptr;
-      kern.backward(head_inputs(in, b, j), s.tokens, s.key_dim, s.value_dim, in.scale,
-                    incoming ? incoming + p * kv : nullptr,
-                    d_o + token_major_offset(s, b, j, s.value_dim), s.value_heads * s.value_dim,
-                    d_final ? d_final + p * kv : nullptr, out, w, bw);
-    }
-  });
-  if (group == 1) return;
-  parallel_ranges(exec.pool, s.batch * s.heads,
-                  [&](std::size_t begin, std::size_t end, std::size_t) {
-    for (std::size_t p = begin; p < end; ++p) {
-      const std::size_t b = p / s.heads, h = p % s.heads;
-      for (std::size_t t = 0; t < s.tokens; ++t) {
-        T* dq = grads.dq + ((b * s.tokens + t) * s.heads + h) * s.key_dim;
-        T* dk = grads.dk + ((b * s.tokens + t) * s.heads + h) * s.key_dim;
-        for (std::size_t i = 0; i < s.key_dim; ++i) dq[i] = dk[i] = 0;
-        for (std::size_t j = h * group; j < (h + 1) * group; ++j) {
-          const T* pq = partial_dq.data() + (b * s.value_heads + j) * head_qk + t * s.key_dim;
-          const T* pk = partial_dk.data() + (b * s.value_heads + j) * head_qk + t * s.key_dim;
-          for (std::size_t i = 0; i < s.key_dim; ++i) {
-            dq[i] += pq[i];
-            dk[i] += pk[i];
-          }
-        }
-      }
-    }
+  };
+  const Shape& s = in.shape;
+  const std::size_t kv = s.key_dim * s.value_dim;
+  backward_over_heads<Scratch>(in, d_o, grads, exec,
+                               [&](const HeadInputs<T>& head, const HeadGrads<T>& out, const T* head_do,
+                                   std::size_t p, Scratch& scratch) {
+    kern.backward(head, s.tokens, s.key_dim, s.value_dim, in.scale, incoming ? incoming + p * kv : nullptr,
+                  head_do, s.value_heads * s.value_dim, d_final ? d_final + p * kv : nullptr, out, scratch.w,
+                  scratch.bw);
   });
 }
 
