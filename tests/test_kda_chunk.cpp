@@ -19,6 +19,7 @@
 #include <hwy/targets.h>
 
 #include "kda/chunk.hpp"
+#include "kda_cp_runner.hpp"
 #include "kda_helpers.hpp"
 #include "kda_test_inputs.hpp"
 #include "kdacp/error.hpp"
@@ -391,80 +392,18 @@ TEST(KdaChunk, AlgorithmNames) {
 
 using test::LayerResult;
 
-template <class T>
-LayerResult<T> single_rank(const LayerData<T>& d, const std::vector<T>& d_o) {
-  LayerResult<T> r = test::alloc<T>(d.shape);
-  auto in = d.inputs(default_scale<T>(d.shape.key_dim));
-  in.algorithm = Algorithm::chunk;
-  forward(in, nullptr, r.o.data(), nullptr);
-  backward(in, nullptr, d_o.data(), nullptr,
-           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
-                    r.d_incoming0.data()});
-  return r;
-}
-
-template <class T>
-LayerResult<T> context_parallel(const LayerData<T>& d, const std::vector<T>& d_o, std::size_t p,
-                                const std::string& method, long long width) {
-  const Shape& s = d.shape;
-  LayerResult<T> r = test::alloc<T>(s);
-  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t rank = comm->rank();
-    const TokenSplit range = split_tokens(s.tokens, p, rank);
-    const LayerData<T> local = d.slice(range);
-    const Shape& ls = local.shape;
-    std::vector<T> ldo(ls.v_elems());
-    slice_tokens(d_o.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, ldo.data());
-    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    ContextParallelLayer<T> layer(mesh, method, width);
-    auto in = local.inputs(default_scale<T>(s.key_dim));
-    in.algorithm = Algorithm::chunk;
-    LayerResult<T> lr = test::alloc<T>(ls);
-    const Saved saved = layer.forward(in, lr.o.data());
-    layer.backward(in, saved, ldo.data(),
-                   Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(),
-                            lr.dbeta.data(), lr.d_incoming0.data()});
-    unslice_tokens(lr.o.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, r.o.data());
-    unslice_tokens(lr.dq.data(), s.batch, s.tokens, s.heads * s.key_dim, range, r.dq.data());
-    unslice_tokens(lr.dk.data(), s.batch, s.tokens, s.heads * s.key_dim, range, r.dk.data());
-    unslice_tokens(lr.dv.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range,
-                   r.dv.data());
-    unslice_tokens(lr.dg.data(), s.batch, s.tokens, s.value_heads * s.key_dim, range, r.dg.data());
-    unslice_tokens(lr.dbeta.data(), s.batch, s.tokens, s.value_heads, range, r.dbeta.data());
-    if (rank == 0) r.d_incoming0 = lr.d_incoming0;
-  });
-  return r;
-}
-
-struct Method {
-  std::string name;
-  long long width;
-  bool exact;
-};
-
-std::vector<Method> methods_for(std::size_t p) {
-  std::vector<Method> out;
-  for (const ProtocolDescriptor* row : protocol_registry()) {
-    if (row->chooser()) continue;
-    if (!row->takes_group_size) {
-      out.push_back({std::string(row->name), 1, row->exact()});
-      continue;
-    }
-    for (std::size_t w = 2; w < p; ++w)
-      if (p % w == 0) out.push_back({std::string(row->name), static_cast<long long>(w), row->exact()});
-  }
-  return out;
-}
+using test::Method;
+using test::methods_for;
 
 template <class T>
 void check_cp(std::size_t p, const Shape& s, double tol) {
   const auto data = synthetic_layer<T>(s, p * 7 + s.tokens);
   const auto d_o = synthetic_tensor<T>(s.v_elems(), s.tokens);
-  const auto want = single_rank(data, d_o);
+  const auto want = test::single_rank(data, d_o, Algorithm::chunk);
   std::vector<LayerResult<T>> all;
   for (const Method& m : methods_for(p)) {
     const std::string what = m.name + " w=" + std::to_string(m.width) + " P=" + std::to_string(p);
-    all.push_back(context_parallel(data, d_o, p, m.name, m.width));
+    all.push_back(test::context_parallel(data, d_o, p, m.name, m.width, Algorithm::chunk));
     test::expect_close(all.back(), want, tol, what);
     if (m.exact) {
       EXPECT_TRUE(test::same_bits(all.back(), all.front())) << what;
