@@ -6,12 +6,13 @@
 // backward_flops, src/testing/flops.cpp) per second beside the measured FP32
 // FMA peak of the same threads. Not a test: nothing here asserts.
 //
-//   kdacp_bench_layer [threads=1] [reps=5] [T=8192] [H=4] [K=128] [V=128] [cpu] [algos]
+//   kdacp_bench_layer [threads=1] [reps=5] [T=8192] [H=4] [K=128] [V=128] [cpu] [algos] [calls]
 //
 // `cpu` (7th argument 1) times CPU time of the process instead of wall time:
 // with one thread on a busy shared machine that is the steadier number.
 // `algos` (8th argument): 3 both (default), 1 recurrent only, 2 chunk only
-// (for profiling one of them).
+// (for profiling one of them). `calls` (9th): a mask of the calls timed,
+// 1 forward, 2 backward, 4 summary, 8 G pass (default 15: all).
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -69,6 +70,9 @@ int main(int argc, char** argv) {
   const std::size_t threads = arg(1, 1), reps = arg(2, 5);
   g_cpu_time = arg(7, 0) != 0;
   const std::size_t algos = arg(8, 3);
+  // Which calls to time (bit 0 forward, 1 backward, 2 summary, 3 G pass):
+  // one alone makes a profile of that call (perf record) readable.
+  const std::size_t calls = arg(9, 15);
   const Shape s{1, arg(3, 8192), arg(4, 4), arg(4, 4), arg(5, 128), arg(6, 128)};
   std::mt19937 rng(1);
   std::vector<float> q = uniform(s.qk_elems(), -1, 1, rng), k = uniform(s.qk_elems(), -1, 1, rng);
@@ -102,14 +106,17 @@ int main(int argc, char** argv) {
     Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
                      default_scale<float>(s.key_dim)};
     in.algorithm = a;
-    const double tf = median_seconds(reps, [&] { forward(in, nullptr, o.data(), fin.data(), exec); });
-    const double tb = median_seconds(reps, [&] {
+    const auto timed = [&](std::size_t bit, const std::function<void()>& f) {
+      return (calls >> bit) & 1u ? median_seconds(reps, f) : 0.0;
+    };
+    const double tf = timed(0, [&] { forward(in, nullptr, o.data(), fin.data(), exec); });
+    const double tb = timed(1, [&] {
       backward(in, nullptr, d_o.data(), nullptr,
                Grads<float>{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), dinc.data()},
                exec);
     });
-    const double ts = median_seconds(reps, [&] { chunk_summary(in, st.data(), tr.data(), exec); });
-    const double tg = median_seconds(reps, [&] { incoming_grad(in, d_o.data(), gs.data(), exec); });
+    const double ts = timed(2, [&] { chunk_summary(in, st.data(), tr.data(), exec); });
+    const double tg = timed(3, [&] { incoming_grad(in, d_o.data(), gs.data(), exec); });
     const double rate = (ff + bf) / (tf + tb) / 1e9;
     fb[a == Algorithm::chunk] = tf + tb;
     std::printf("%-10s %10.2f %10.2f %10.2f %10.2f %10.2f %9.1f %8.1f%%\n", algorithm_name(a),

@@ -68,12 +68,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 enum class GemmOp { set, add, sub };
 
-// Output vectors per row of a register tile. AVX-512 has 32 vector
-// registers, the others 16: 4 rows × kGemmVecs accumulators plus the B row.
+// Register tiles: kTileRows rows × kPanelVecs vectors of C. AVX-512 has 32
+// vector registers (16 accumulators, 2 B vectors, 1 broadcast), the others
+// 16 (8 + 1 + 1). The tile height is the same on every target: with the
+// triangular variants below it decides which known-zero terms a row's chain
+// includes, so it must not change the bits between targets.
+constexpr std::size_t kTileRows = 8;
 #if HWY_TARGET <= HWY_AVX3
-constexpr std::size_t kGemmVecs = 4;
+constexpr std::size_t kPanelVecs = 2;
 #else
-constexpr std::size_t kGemmVecs = 2;
+constexpr std::size_t kPanelVecs = 1;
 #endif
 
 // acc + a·b rounded once (a fused multiply-add) on every target: the
@@ -146,61 +150,50 @@ HWY_INLINE void gemm_tile(std::size_t i0, std::size_t j0, std::size_t k0, std::s
   }
 }
 
-template <GemmOp Op, std::size_t R, class T>
-HWY_INLINE void gemm_rows(std::size_t i0, std::size_t n_cols, std::size_t k0, std::size_t p, const T* a,
-                          std::size_t ars, std::size_t acs, const T* b, std::size_t ldb, T* c,
-                          std::size_t ldc) {
-  const hn::ScalableTag<T> d;
-  const std::size_t n = hn::Lanes(d);
-  std::size_t j = 0;
-  for (; j + kGemmVecs * n <= n_cols; j += kGemmVecs * n)
-    gemm_tile<Op, R, kGemmVecs>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
-  if constexpr (kGemmVecs > 2)
-    for (; j + 2 * n <= n_cols; j += 2 * n)
-      gemm_tile<Op, R, 2>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
-  for (; j + n <= n_cols; j += n) gemm_tile<Op, R, 1>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
-  for (; j < n_cols; ++j) gemm_tile<Op, R, 0>(i0, j, k0, p, a, ars, acs, b, ldb, c, ldc);
-}
-
 // Known zeros of a product, skipped per row tile [i0, i0 + R):
 //   lower_a: A lower triangular (a(i,k) = 0 for k > i): k stops at i0 + R;
 //   upper_a: A upper triangular (a(i,k) = 0 for k < i): k starts at i0 (the
 //            skipped leading terms would leave the +0 accumulator unchanged);
 //   lower_c: only C's columns j < i0 + R are wanted (those above may be left
-//            as anything; whole vectors up to there are computed).
+//            as anything; every panel starting below i0 + R is computed).
 enum class Tri { full, lower_a, upper_a, lower_c };
 
-// C (m×n_cols) op= A (m×p) · B (p×n_cols), with the zeros of kTri skipped.
-template <GemmOp Op, Tri kTri = Tri::full, class T>
-void gemm(std::size_t m, std::size_t n_cols, std::size_t p, const T* a, std::size_t ars,
-          std::size_t acs, const T* b, std::size_t ldb, T* c, std::size_t ldc) {
-  constexpr std::size_t kRows = 4;
-  const hn::ScalableTag<T> d;
-  const std::size_t n = hn::Lanes(d);
+// Tiles of R rows of one column panel [j, j + NV·Lanes) (NV = 0: column j).
+template <GemmOp Op, Tri kTri, std::size_t NV, class T>
+HWY_INLINE void gemm_panel(std::size_t m, std::size_t j, std::size_t p, const T* a, std::size_t ars,
+                           std::size_t acs, const T* b, std::size_t ldb, T* c, std::size_t ldc) {
+  constexpr std::size_t R = kTileRows;
   const auto k_begin = [&](std::size_t i) {
     return kTri == Tri::upper_a ? std::min(i, p) : std::size_t{0};
   };
   const auto k_end = [&](std::size_t i, std::size_t r) {
     return kTri == Tri::lower_a ? std::min(p, i + r) : p;
   };
-  const auto cols = [&](std::size_t i, std::size_t r) {
-    return kTri == Tri::lower_c ? std::min(n_cols, (i + r + n - 1) / n * n) : n_cols;
-  };
+  // lower_c: a tile whose rows all end before the panel is not wanted.
+  const auto wanted = [&](std::size_t i, std::size_t r) { return kTri != Tri::lower_c || j < i + r; };
   std::size_t i = 0;
-  // Narrow products (at most two vectors wide) take 8 rows per tile where
-  // the registers allow, to keep enough independent accumulators (only
-  // for full products: with lower_a a tile's rows stop at its own last row,
-  // so the tile height must not depend on the target).
-  if constexpr (kGemmVecs > 2 && kTri == Tri::full) {
-    if (n_cols <= 2 * n)
-      for (; i + 8 <= m; i += 8)
-        gemm_rows<Op, 8>(i, n_cols, 0, p, a, ars, acs, b, ldb, c, ldc);
-  }
-  for (; i + kRows <= m; i += kRows)
-    gemm_rows<Op, kRows>(i, cols(i, kRows), k_begin(i), k_end(i, kRows), a, ars, acs, b, ldb, c,
-                         ldc);
+  for (; i + R <= m; i += R)
+    if (wanted(i, R)) gemm_tile<Op, R, NV>(i, j, k_begin(i), k_end(i, R), a, ars, acs, b, ldb, c, ldc);
   for (; i < m; ++i)
-    gemm_rows<Op, 1>(i, cols(i, 1), k_begin(i), k_end(i, 1), a, ars, acs, b, ldb, c, ldc);
+    if (wanted(i, 1)) gemm_tile<Op, 1, NV>(i, j, k_begin(i), k_end(i, 1), a, ars, acs, b, ldb, c, ldc);
+}
+
+// C (m×n_cols) op= A (m×p) · B (p×n_cols), with the zeros of kTri skipped.
+// Column panels outermost: a panel of B (p × kPanelVecs vectors) stays in
+// L1 while every row tile passes over it (row tiles outermost streamed all
+// of B from L2 per tile: half the FMA rate at K = V = 128). The order of
+// the tiles does not change any element's chain.
+template <GemmOp Op, Tri kTri = Tri::full, class T>
+void gemm(std::size_t m, std::size_t n_cols, std::size_t p, const T* a, std::size_t ars,
+          std::size_t acs, const T* b, std::size_t ldb, T* c, std::size_t ldc) {
+  const hn::ScalableTag<T> d;
+  const std::size_t n = hn::Lanes(d);
+  std::size_t j = 0;
+  for (; j + kPanelVecs * n <= n_cols; j += kPanelVecs * n)
+    gemm_panel<Op, kTri, kPanelVecs>(m, j, p, a, ars, acs, b, ldb, c, ldc);
+  if constexpr (kPanelVecs > 1)
+    for (; j + n <= n_cols; j += n) gemm_panel<Op, kTri, 1>(m, j, p, a, ars, acs, b, ldb, c, ldc);
+  for (; j < n_cols; ++j) gemm_panel<Op, kTri, 0>(m, j, p, a, ars, acs, b, ldb, c, ldc);
 }
 
 template <class T>
@@ -288,25 +281,22 @@ HWY_INLINE void for_vecs(std::size_t n, FV&& fv, FS&& fs) {
   for (; i < n; ++i) fs(i);
 }
 
-// Columns [x_lo, x_hi) of X (c×ldx, holding the right-hand side Y) become
-// (I + Diag(β) L)⁻¹ Diag(β) Y, by blocks of kSub rows: the rows above a block
-// are subtracted with one product, then forward substitution inside the block.
+// The nx columns at X (c rows of stride ldx, holding the right-hand side Y)
+// become (I + Diag(β) L)⁻¹ Diag(β) Y, by blocks of kSub rows: the rows above
+// a block are subtracted with one product, then forward substitution inside
+// the block.
 template <class T>
-void chunk_solve(std::size_t c, std::size_t ldx, std::size_t x_lo, std::size_t x_hi,
-                 ChunkWork<T>& w) {
-  T* X = w.x.data();
+void chunk_solve(std::size_t c, T* X, std::size_t ldx, std::size_t nx, const ChunkWork<T>& w) {
   const T* L = w.L.data();
-  const std::size_t nx = x_hi - x_lo;
   for (std::size_t b = 0; b < c; b += kSub) {
     const std::size_t e = std::min(b + kSub, c);
     if (b > 0)
-      gemm<GemmOp::sub>(e - b, nx, b, L + b * kChunk, kChunk, std::size_t{1}, X + x_lo, ldx,
-                        X + b * ldx + x_lo, ldx);
+      gemm<GemmOp::sub>(e - b, nx, b, L + b * kChunk, kChunk, std::size_t{1}, X, ldx, X + b * ldx, ldx);
     for (std::size_t t = b; t < e; ++t) {
-      T* HWY_RESTRICT xt = X + t * ldx + x_lo;
+      T* HWY_RESTRICT xt = X + t * ldx;
       for (std::size_t s = b; s < t; ++s) {
         const T l = L[t * kChunk + s];
-        const T* HWY_RESTRICT xs = X + s * ldx + x_lo;
+        const T* HWY_RESTRICT xs = X + s * ldx;
         for_vecs<T>(
             nx,
             [&](auto d, std::size_t j) {
@@ -322,6 +312,23 @@ void chunk_solve(std::size_t c, std::size_t ldx, std::size_t x_lo, std::size_t x
             hn::StoreU(hn::Mul(hn::Set(d, bt), hn::LoadU(d, xt + j)), d, xt + j);
           },
           [&](std::size_t j) { xt[j] = bt * xt[j]; });
+    }
+  }
+}
+
+// dst (cols×rows, stride ldd) = src (rows×cols, stride lds) transposed, by
+// square blocks that stay in L1 (element by element the rows of dst are
+// written with a stride of a whole row, one cache line per element).
+template <class T>
+void transpose(const T* HWY_RESTRICT src, std::size_t rows, std::size_t cols, std::size_t lds,
+               T* HWY_RESTRICT dst, std::size_t ldd) {
+  constexpr std::size_t kB = 16;
+  for (std::size_t i0 = 0; i0 < rows; i0 += kB) {
+    const std::size_t i1 = std::min(i0 + kB, rows);
+    for (std::size_t j0 = 0; j0 < cols; j0 += kB) {
+      const std::size_t j1 = std::min(j0 + kB, cols);
+      for (std::size_t j = j0; j < j1; ++j)
+        for (std::size_t i = i0; i < i1; ++i) dst[j * ldd + i] = src[i * lds + j];
     }
   }
 }
@@ -475,8 +482,7 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
           });
     }
     const std::size_t na = need_p ? 2 * nr : nr;
-    for (std::size_t t = 0; t < na; ++t)
-      for (std::size_t i = 0; i < kd; ++i) amt[i * na + t] = am[t * kd + i];
+    transpose(am, na, kd, kd, amt, na);
     // rt = br · amᵀ (ncol×(2·nr)): element (s, t) is the same fused chain
     // over the key channels as (am · brᵀ)(t, s), factors swapped.
     T* r = w.rbuf.data();
@@ -517,7 +523,7 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
     }
     for (std::size_t j = std::max(x_lo, vd); j < x_hi; ++j) xr[j] = kg[t * kd + j - vd];
   }
-  chunk_solve(c, ldx, x_lo, x_hi, w);
+  chunk_solve(c, X + x_lo, ldx, x_hi - x_lo, w);
 }
 
 // Advances `state` (K×n, n ≥ V; columns ≥ V see U = 0) over one prepared
@@ -566,7 +572,7 @@ void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, 
     for (std::size_t j = 0; j < vd; ++j) xr[j] = vt[j];
   }
   gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, state, vd, X, ldx);
-  chunk_solve(c, ldx, 0, vd, w);
+  chunk_solve(c, X, ldx, vd, w);
   if (o != nullptr) {
     T* tmp = w.tmp.data();  // c×V
     gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, vd, tmp, vd);
@@ -672,22 +678,39 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
                          std::size_t vd, T scale, const T* incoming, const T* d_o,
                          std::size_t do_stride, const T* d_final, const HeadGrads<T>& out,
                          ChunkWork<T>& w, ChunkBackWork<T>& bw) {
-  const std::size_t ldx = vd + kd, kv = kd * vd;
+  const std::size_t kv = kd * vd;
   const std::size_t n_chunks = (tokens + kChunk - 1) / kChunk;
   w.resize(kd, vd);
   bw.resize(kd, vd, n_chunks);
   // exp(g) once for both passes.
   T* alpha_all = bw.alpha.data();
   for (std::size_t t = 0; t < tokens; ++t) exp_row(h.g_at(t), alpha_all + t * kd, kd);
-  // Pass 1: the state entering every chunk.
+  // Pass 1: the state entering every chunk, R = V - Kg S_0 and
+  // Δ = (I + Diag(β) L)⁻¹ Diag(β) R of every chunk (pass 2 needs them all).
   T* states = bw.states.data();
+  T* rs = bw.rs.data();
+  T* deltas = bw.deltas.data();
   for (std::size_t i = 0; i < kv; ++i) states[i] = incoming ? incoming[i] : T(0);
-  for (std::size_t ci = 0; ci + 1 < n_chunks; ++ci) {
+  for (std::size_t ci = 0; ci < n_chunks; ++ci) {
+    const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
+    const T* s0 = states + ci * kv;
+    T* HWY_RESTRICT rr = rs + t0 * vd;      // c×V
+    T* HWY_RESTRICT dl = deltas + t0 * vd;  // c×V
+    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, alpha_all, false);
+    for (std::size_t t = 0; t < c; ++t) {
+      const T* vt = h.v_at(t0 + t);
+      for (std::size_t j = 0; j < vd; ++j) rr[t * vd + j] = vt[j];
+    }
+    gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, s0, vd, rr, vd);
+    for (std::size_t i = 0; i < c * vd; ++i) dl[i] = rr[i];
+    chunk_solve(c, dl, vd, vd, w);
+    if (ci + 1 == n_chunks) break;
     T* next = states + (ci + 1) * kv;
-    for (std::size_t i = 0; i < kv; ++i) next[i] = states[ci * kv + i];
-    chunk_prepare(h, ci * kChunk, kChunk, kd, vd, 0, 0, w, alpha_all, false);
-    chunk_advance_delta(h, ci * kChunk, kChunk, kd, vd, next, static_cast<T*>(nullptr), 0, T(0),
-                        w);
+    for (std::size_t i = 0; i < kd; ++i) {
+      const T a = w.ac[i];
+      for (std::size_t j = 0; j < vd; ++j) next[i * vd + j] = a * s0[i * vd + j];
+    }
+    gemm<GemmOp::add>(kd, vd, c, w.kr.data(), std::size_t{1}, kd, dl, vd, next, vd);
   }
 
   T* ds = bw.ds.data();  // dS at the end of the current chunk
@@ -696,37 +719,21 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
     chunk_prepare(h, t0, c, kd, vd, 0, 0, w, alpha_all);
     const T* s0 = states + ci * kv;
-    T* X = w.x.data();
     const T* k = w.k.data();
     const T* q = w.q.data();
     const T* al = w.alpha.data();
-    // R = V - Kg S_0, Δ = (I + Diag(β) L)⁻¹ Diag(β) R (c×V each).
-    T* HWY_RESTRICT rr = w.tmp.data();  // c×V
-    for (std::size_t t = 0; t < c; ++t) {
-      const T* vt = h.v_at(t0 + t);
-      for (std::size_t j = 0; j < vd; ++j) rr[t * vd + j] = vt[j];
-    }
-    gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, s0, vd, rr, vd);
-    for (std::size_t t = 0; t < c; ++t)
-      for (std::size_t j = 0; j < vd; ++j) X[t * ldx + j] = rr[t * vd + j];
-    chunk_solve(c, ldx, 0, vd, w);
-    T* HWY_RESTRICT dl = bw.delta.data();
-    for (std::size_t t = 0; t < c; ++t)
-      for (std::size_t j = 0; j < vd; ++j) dl[t * vd + j] = X[t * ldx + j];
+    const T* HWY_RESTRICT rr = rs + t0 * vd;      // R, c×V
+    const T* HWY_RESTRICT dl = deltas + t0 * vd;  // Δ, c×V
     T* HWY_RESTRICT dob = bw.dob.data();
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t j = 0; j < vd; ++j) dob[t * vd + j] = d_o[(t0 + t) * do_stride + j];
     // Transposes: S_0ᵀ, dSᵀ (V×K), Δᵀ (V×c).
     T* HWY_RESTRICT s0t = bw.s0t.data();
     T* HWY_RESTRICT dst = bw.dst.data();
-    for (std::size_t i = 0; i < kd; ++i)
-      for (std::size_t j = 0; j < vd; ++j) {
-        s0t[j * kd + i] = s0[i * vd + j];
-        dst[j * kd + i] = ds[i * vd + j];
-      }
+    transpose(s0, kd, vd, vd, s0t, kd);
+    transpose(ds, kd, vd, vd, dst, kd);
     T* HWY_RESTRICT dlt = bw.dlt.data();
-    for (std::size_t t = 0; t < c; ++t)
-      for (std::size_t j = 0; j < vd; ++j) dlt[j * c + t] = dl[t * vd + j];
+    transpose(dl, c, vd, vd, dlt, c);
 
     // dΔ = scale Pᵀ dO + Kr dS.
     T* dd = bw.dd.data();

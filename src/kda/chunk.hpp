@@ -69,8 +69,9 @@ template <class T>
 struct ChunkBackWork {
   ScratchVec<T> states;                                   // n_chunks×K×V
   ScratchVec<T> alpha;                                    // tokens×K: exp(g)
+  ScratchVec<T> rs, deltas;                               // tokens×V: R, Δ of every chunk
   std::vector<T> ds, s0t, dst, t2;                        // K×V
-  std::vector<T> delta, dob, dd, dlt;                     // kChunk×V
+  std::vector<T> dob, dd, dlt;                            // kChunk×V
   std::vector<T> dP, dL, m1, lb;                          // kChunk×kChunk
   std::vector<T> dqg, dkr, dkg, gk, gq, gg, bmr, fac, dbm;  // kChunk×K
   std::vector<T> z, xt;                                   // kChunk×(V+K): Z, dR (c×V used)
@@ -82,12 +83,14 @@ struct ChunkBackWork {
     if (states.size() < n_chunks * key_dim * value_dim)
       states.resize(n_chunks * key_dim * value_dim);
     if (alpha.size() < n_chunks * kChunk * key_dim) alpha.resize(n_chunks * kChunk * key_dim);
+    for (auto* v : {&rs, &deltas})
+      if (v->size() < n_chunks * kChunk * value_dim) v->resize(n_chunks * kChunk * value_dim);
     if (key_dim == kd && value_dim == vd) return;
     kd = key_dim;
     vd = value_dim;
     const std::size_t kv = kd * vd, cv = kChunk * vd, cc = kChunk * kChunk, ck = kChunk * kd;
     for (auto* v : {&ds, &s0t, &dst, &t2}) v->assign(kv, T(0));
-    for (auto* v : {&delta, &dob, &dd, &dlt}) v->assign(cv, T(0));
+    for (auto* v : {&dob, &dd, &dlt}) v->assign(cv, T(0));
     for (auto* v : {&dP, &dL, &m1, &lb}) v->assign(cc, T(0));
     for (auto* v : {&dqg, &dkr, &dkg, &gk, &gq, &gg, &bmr, &fac, &dbm}) v->assign(ck, T(0));
     for (auto* v : {&z, &xt}) v->assign(kChunk * (vd + kd), T(0));
