@@ -10,8 +10,8 @@
 //
 // `cpu` (7th argument 1) times CPU time of the process instead of wall time:
 // with one thread on a busy shared machine that is the steadier number.
-// `algos` (8th argument): 3 both (default), 1 recurrent only, 2 chunk only
-// (for profiling one of them). `calls` (9th): a mask of the calls timed,
+// `algos` (8th argument): a mask of the runs, 1 recurrent, 2 chunk, 4 chunk
+// with the forward's ForwardCache (default 7: all; one alone for profiling). `calls` (9th): a mask of the calls timed,
 // 1 forward, 2 backward, 4 summary, 8 G pass (default 15: all).
 #include <algorithm>
 #include <cmath>
@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   };
   const std::size_t threads = arg(1, 1), reps = arg(2, 5);
   g_cpu_time = arg(7, 0) != 0;
-  const std::size_t algos = arg(8, 3);
+  const std::size_t algos = arg(8, 7);
   // Which calls to time (bit 0 forward, 1 backward, 2 summary, 3 G pass):
   // one alone makes a profile of that call (perf record) readable.
   const std::size_t calls = arg(9, 15);
@@ -100,29 +100,50 @@ int main(int argc, char** argv) {
   std::printf("FP32 FMA peak: %.1f GFLOP/s (%s)\n", peak.gflops, peak.target.c_str());
   std::printf("%-10s %10s %10s %10s %10s %10s %9s %9s\n", "algorithm", "fwd ms", "bwd ms",
               "f+b ms", "summary", "G pass", "GFLOP/s", "% peak");
-  double fb[2] = {0, 0};
-  for (Algorithm a : {Algorithm::recurrent, Algorithm::chunk}) {
-    if ((algos & (a == Algorithm::chunk ? 2u : 1u)) == 0) continue;
+  // The runs: recurrent, chunk recomputing its forward in the backward, and
+  // chunk with the forward's ForwardCache (the backward skips its first pass).
+  struct Run {
+    Algorithm algorithm;
+    bool keep;
+    const char* name;
+  };
+  double fb[3] = {0, 0, 0};
+  const Run runs[] = {{Algorithm::recurrent, false, "recurrent"},
+                      {Algorithm::chunk, false, "chunk"},
+                      {Algorithm::chunk, true, "chunk+keep"}};
+  for (std::size_t r = 0; r < 3; ++r) {
+    const Run& run = runs[r];
+    if ((algos & (1u << r)) == 0) continue;
     Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
                      default_scale<float>(s.key_dim)};
-    in.algorithm = a;
+    in.algorithm = run.algorithm;
+    ForwardCache<float> cache;
+    ForwardCache<float>* kept = run.keep ? &cache : nullptr;
     const auto timed = [&](std::size_t bit, const std::function<void()>& f) {
       return (calls >> bit) & 1u ? median_seconds(reps, f) : 0.0;
     };
-    const double tf = timed(0, [&] { forward(in, nullptr, o.data(), fin.data(), exec); });
+    const double tf = timed(0, [&] {
+      cache.clear();
+      forward(in, nullptr, o.data(), fin.data(), exec, kept);
+    });
+    if (run.keep && cache.records() == 0) forward(in, nullptr, o.data(), fin.data(), exec, kept);
     const double tb = timed(1, [&] {
+      cache.rewind();
       backward(in, nullptr, d_o.data(), nullptr,
                Grads<float>{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), dinc.data()},
-               exec);
+               exec, kDefaultCheckpointInterval, kept);
     });
     const double ts = timed(2, [&] { chunk_summary(in, st.data(), tr.data(), exec); });
     const double tg = timed(3, [&] { incoming_grad(in, d_o.data(), gs.data(), exec); });
     const double rate = (ff + bf) / (tf + tb) / 1e9;
-    fb[a == Algorithm::chunk] = tf + tb;
-    std::printf("%-10s %10.2f %10.2f %10.2f %10.2f %10.2f %9.1f %8.1f%%\n", algorithm_name(a),
+    fb[r] = tf + tb;
+    std::printf("%-10s %10.2f %10.2f %10.2f %10.2f %10.2f %9.1f %8.1f%%\n", run.name,
                 tf * 1e3, tb * 1e3, (tf + tb) * 1e3, ts * 1e3, tg * 1e3, rate,
                 100 * rate / peak.gflops);
+    if (run.keep)
+      std::printf("chunk+keep: the forward keeps %.1f MiB for the backward\n", double(cache.bytes()) / (1 << 20));
   }
-  if (algos == 3) std::printf("chunk speed-up, forward+backward: %.2fx\n", fb[0] / fb[1]);
+  for (std::size_t r = 1; r < 3; ++r)
+    if (fb[0] > 0 && fb[r] > 0) std::printf("%s speed-up, forward+backward: %.2fx\n", runs[r].name, fb[0] / fb[r]);
   return 0;
 }

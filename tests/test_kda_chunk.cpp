@@ -180,7 +180,7 @@ struct GradOut {
 
 template <class T>
 GradOut<T> run_backward(const Data<T>& d, Algorithm a, bool with_state,
-                        ThreadPool* pool = nullptr) {
+                        ThreadPool* pool = nullptr, ForwardCache<T>* kept = nullptr) {
   const Shape& s = d.shape;
   GradOut<T> r{std::vector<T>(s.qk_elems()), std::vector<T>(s.qk_elems()),
                std::vector<T>(s.v_elems()),  std::vector<T>(s.g_elems()),
@@ -189,8 +189,79 @@ GradOut<T> run_backward(const Data<T>& d, Algorithm a, bool with_state,
            with_state ? d.d_final.data() : nullptr,
            Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
                     r.dinc.data()},
-           ExecPolicy{pool});
+           ExecPolicy{pool}, kDefaultCheckpointInterval, kept);
   return r;
+}
+
+// The forward's ForwardCache changes no bit of o, the final state or any
+// gradient (every T around the chunk size, safe and exact sub-chunks, 1 and
+// 3 threads), is read again after rewind(), reuses its buffers after clear(),
+// and keeps nothing for the recurrent algorithm.
+template <class T>
+void check_forward_cache(const Data<T>& d, ThreadPool* pool) {
+  const Shape& s = d.shape;
+  const std::string what = "T=" + std::to_string(s.tokens) + " threads=" +
+                           std::to_string(pool ? pool->threads() : 1) + (sizeof(T) == 4 ? " float" : " double");
+  const Inputs<T> in = d.inputs(Algorithm::chunk);
+  std::vector<T> o1(s.v_elems()), o2(s.v_elems()), f1(s.state_elems()), f2(s.state_elems());
+  forward(in, d.h0.data(), o1.data(), f1.data(), ExecPolicy{pool});
+  ForwardCache<T> cache;
+  forward(in, d.h0.data(), o2.data(), f2.data(), ExecPolicy{pool}, &cache);
+  EXPECT_TRUE(same_bits(o1, o2)) << what << " o";
+  EXPECT_TRUE(same_bits(f1, f2)) << what << " final state";
+  ASSERT_EQ(cache.records(), 1u) << what;
+  EXPECT_EQ(cache.bytes(), ForwardCache<T>::record_elems(s, Algorithm::chunk) * sizeof(T)) << what;
+  const GradOut<T> want = run_backward(d, Algorithm::chunk, true, pool);
+  EXPECT_TRUE(run_backward(d, Algorithm::chunk, true, pool, &cache) == want) << what << " gradients";
+  // Read again; then a record written over a reused buffer.
+  cache.rewind();
+  EXPECT_TRUE(run_backward(d, Algorithm::chunk, true, pool, &cache) == want) << what << " after rewind";
+  cache.clear();
+  EXPECT_EQ(cache.records(), 0u);
+  forward(in, d.h0.data(), o2.data(), nullptr, ExecPolicy{pool}, &cache);
+  EXPECT_TRUE(run_backward(d, Algorithm::chunk, true, pool, &cache) == want) << what << " reused buffer";
+  // Nothing left to take: a clear error, not a stale record.
+  EXPECT_THROW(run_backward(d, Algorithm::chunk, true, pool, &cache), InvalidArgument) << what;
+}
+
+TEST(KdaChunk, ForwardCacheChangesNoBit) {
+  ThreadPool pool(3);
+  for (std::size_t t : kTokens)
+    for (double g_min : {0.0, -7.0}) {
+      check_forward_cache(Data<double>(shape_with(t), 90 + unsigned(t), g_min), nullptr);
+      check_forward_cache(Data<float>(shape_with(t), 91 + unsigned(t), g_min), &pool);
+    }
+}
+
+TEST(KdaChunk, ForwardCacheMismatchAndRecurrent) {
+  const Data<double> a(shape_with(kC + 1), 95, 0), b(shape_with(2 * kC), 96, 0);
+  const Shape& s = a.shape;
+  std::vector<double> o(s.v_elems());
+  ForwardCache<double> cache;
+  // The recurrent algorithm keeps nothing and takes nothing.
+  forward(a.inputs(Algorithm::recurrent), a.h0.data(), o.data(), nullptr, ExecPolicy{}, &cache);
+  EXPECT_EQ(cache.records(), 0u);
+  EXPECT_EQ(ForwardCache<double>::record_elems(s, Algorithm::recurrent), 0u);
+  EXPECT_TRUE(run_backward(a, Algorithm::recurrent, true, nullptr, &cache) ==
+              run_backward(a, Algorithm::recurrent, true));
+  // A record of another shape is refused by name.
+  std::vector<double> ob(b.shape.v_elems());
+  forward(b.inputs(Algorithm::chunk), b.h0.data(), ob.data(), nullptr, ExecPolicy{}, &cache);
+  try {
+    run_backward(a, Algorithm::chunk, true, nullptr, &cache);
+    ADD_FAILURE() << "a record of another shape was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("another shape"), std::string::npos) << e.what();
+  }
+  // Two calls (the pieces of a sequence forward): taken in order.
+  cache.clear();
+  forward(a.inputs(Algorithm::chunk), a.h0.data(), o.data(), nullptr, ExecPolicy{}, &cache);
+  forward(b.inputs(Algorithm::chunk), b.h0.data(), ob.data(), nullptr, ExecPolicy{}, &cache);
+  EXPECT_EQ(cache.records(), 2u);
+  EXPECT_TRUE(run_backward(a, Algorithm::chunk, true, nullptr, &cache) == run_backward(a, Algorithm::chunk, true));
+  EXPECT_TRUE(run_backward(b, Algorithm::chunk, true, nullptr, &cache) == run_backward(b, Algorithm::chunk, true));
+  cache.release();
+  EXPECT_EQ(cache.bytes(), 0u);
 }
 
 template <class T>
@@ -287,13 +358,23 @@ std::vector<std::vector<T>> run_kernels(const detail::ChunkKernels<T>& kern, con
                                 std::vector<T>(s.g_elems()),       std::vector<T>(s.beta_elems()),
                                 std::vector<T>(s.state_elems())};
   const ExecPolicy exec{};
-  detail::forward_chunked(kern, in, d.h0.data(), r[0].data(), r[1].data(), exec);
+  // The forward's record (ForwardCache) on this target, and the backward from it.
+  std::vector<T> record(ForwardCache<T>::record_elems(s, Algorithm::chunk));
+  detail::forward_chunked(kern, in, d.h0.data(), r[0].data(), r[1].data(), exec, record.data());
   detail::chunk_summary_chunked(kern, in, r[2].data(), r[3].data(), exec);
   detail::incoming_grad_chunked(kern, in, d.d_o.data(), r[4].data(), exec);
   detail::backward_chunked(kern, in, d.h0.data(), d.d_o.data(), d.d_final.data(),
                            Grads<T>{r[5].data(), r[6].data(), r[7].data(), r[8].data(),
                                     r[9].data(), r[10].data()},
                            exec);
+  std::vector<std::vector<T>> kept(6);
+  for (std::size_t i = 0; i < 6; ++i) kept[i].resize(r[5 + i].size());
+  detail::backward_chunked(kern, in, d.h0.data(), d.d_o.data(), d.d_final.data(),
+                           Grads<T>{kept[0].data(), kept[1].data(), kept[2].data(), kept[3].data(),
+                                    kept[4].data(), kept[5].data()},
+                           exec, record.data());
+  for (std::size_t i = 0; i < 6; ++i) EXPECT_TRUE(same_bits(kept[i], r[5 + i])) << "kept record, gradient " << i;
+  r.push_back(std::move(record));
   return r;
 }
 

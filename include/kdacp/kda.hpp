@@ -21,7 +21,9 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "kdacp/kernels.hpp"
 
@@ -106,11 +108,58 @@ template <class T>
 void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
                    const ExecPolicy& exec = {});
 
+// What Algorithm::chunk's forward can keep for the backward of the same call
+// (same inputs, same incoming state), so that the backward skips its first
+// pass over the chunks (recomputing the state entering every chunk, R, Δ, L
+// and P: about a fifth of its time); the gradients are bitwise the same.
+// Memory for a record: B·HV·(⌈T/C⌉·(K·V + 2·C² + C/16) + 2·T·V) elements,
+// C = kChunkSize (forward_saved_elems); Algorithm::recurrent keeps nothing.
+// forward appends one record per call; backward takes the records in the
+// order they were appended (a layer over several parts or sequence pieces
+// runs its backward calls in its forward's order); rewind() lets a second
+// backward read them again. One call at a time.
+template <class T>
+class ForwardCache {
+ public:
+  // Elements of one forward's record on `shape` with `algorithm`.
+  static std::size_t record_elems(const Shape& shape, Algorithm algorithm);
+
+  std::size_t records() const { return used_; }
+  // Bytes held (records in use and buffers kept for reuse).
+  std::size_t bytes() const;
+  // Forgets the records but keeps their buffers: the next forward of the
+  // same shape reuses them (no fresh pages to fault in, which cost as much
+  // as the pass the record saves). release() frees them.
+  void clear() {
+    used_ = 0;
+    next_ = 0;
+  }
+  void release();
+  void rewind() { next_ = 0; }
+
+  // kda::forward's and kda::backward's side (any caller may pass a cache
+  // through; these two are what they call).
+  T* append(std::size_t elems);
+  // The next record, which must have `elems` elements; InvalidArgument
+  // naming `op` otherwise (no record left, or one of another call's size).
+  const T* take(std::size_t elems, const char* op);
+
+ private:
+  struct Record {
+    std::unique_ptr<T[]> data;
+    std::size_t elems = 0, capacity = 0;
+  };
+  std::vector<Record> records_;  // [0, used_) in use
+  std::size_t used_ = 0, next_ = 0;
+};
+
 // Runs the recurrence from `incoming` [B,HV,K,V] (nullptr: the zero state),
 // writing o [B,T,HV,V] and, when `final_state` is not null, S_T [B,HV,K,V].
+// `keep` (optional): receives this call's record for its backward (see
+// ForwardCache; nothing with Algorithm::recurrent). o and S_T are the same.
 template <class T>
 void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
-             const ExecPolicy& exec = {});
+             const ExecPolicy& exec = {}, ForwardCache<Elem<T>>* keep = nullptr);
 
 // Gradients of a loss L(o, S_T), in the layouts of the matching inputs.
 // Every pointer is required except d_incoming (skipped when null).
@@ -134,12 +183,15 @@ inline constexpr std::size_t kDefaultCheckpointInterval = 64;
 // forward ran from (nullptr: zero). dq and dk sum over the HV/H value heads
 // sharing a query/key head, in value-head order. `checkpoint_interval` (≥ 1)
 // trades memory for nothing else: results are bitwise the same for every value.
-// Algorithm::chunk ignores it: it keeps the state entering every chunk
-// (T / kChunkSize · K·V elements per busy thread) and exp(g) of the head.
+// Algorithm::chunk ignores it: it computes the record of one head
+// (ForwardCache::record_elems / (B·HV) elements per busy thread), unless
+// `kept` (optional) holds the forward's record of this call, taken in order
+// (then `incoming` is not read again); the gradients are bitwise the same.
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
               const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec = {},
-              std::size_t checkpoint_interval = kDefaultCheckpointInterval);
+              std::size_t checkpoint_interval = kDefaultCheckpointInterval,
+              ForwardCache<Elem<T>>* kept = nullptr);
 
 // G = ∂L/∂S_0 [B,HV,K,V] for a loss on this chunk's outputs alone (d_final = 0),
 // without parameter gradients: a single reverse sweep on the state gradient,

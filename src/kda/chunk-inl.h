@@ -203,6 +203,23 @@ T plain_dot(const T* x, const T* y, std::size_t n) {
   return s;
 }
 
+// Σ x_i y_i in the same order on every target: element i joins running sum
+// i mod kLanes, then the kLanes sums are added in order. Independent sums
+// instead of one dependent chain (the compiler may put them in vectors of
+// any width; each sum's operations stay the same, so do the bits).
+template <class T>
+T lane_dot(const T* HWY_RESTRICT x, const T* HWY_RESTRICT y, std::size_t n) {
+  constexpr std::size_t kLanes = 16;
+  T acc[kLanes] = {};
+  std::size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (std::size_t l = 0; l < kLanes; ++l) acc[l] = acc[l] + x[i + l] * y[i + l];
+  for (std::size_t l = 0; i + l < n; ++l) acc[l] = acc[l] + x[i + l] * y[i + l];
+  T s = 0;
+  for (std::size_t l = 0; l < kLanes; ++l) s = s + acc[l];
+  return s;
+}
+
 // 1/i!, i ≤ kDeg, rounded once to T (at compile time).
 template <class T, int kDeg>
 struct ExpCoefs {
@@ -337,12 +354,17 @@ void transpose(const T* HWY_RESTRICT src, std::size_t rows, std::size_t cols, st
 // chunk that does not depend on the state: decays, Kg, Qg, Kr, a_c, L, P and
 // the solve's columns [x_lo, x_hi) of X = [U | W] (U: [0, V), W: [V, V+K)).
 // alpha_all: exp(g) of the head's tokens, [tokens×K] (null: computed here).
-// need_p false: P is left as it was (the summary and the backward's first
-// pass use L only); L is the same either way.
+// factors: which of L and P are built (l: P is left as it was, for the
+// summary, which uses L only; none: neither, nor the safe flags, for a
+// caller that kept them from an earlier call on the same chunk); L and P are
+// the same either way.
+enum class Factors { l, l_and_p, none };
+
 template <class T>
 void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
                    std::size_t vd, std::size_t x_lo, std::size_t x_hi, ChunkWork<T>& w,
-                   const T* alpha_all = nullptr, bool need_p = true) {
+                   const T* alpha_all = nullptr, Factors factors = Factors::l_and_p) {
+  const bool need_p = factors == Factors::l_and_p;
   const std::size_t ldx = vd + kd;
   w.resize(kd, vd);
   T* k = w.k.data();
@@ -421,7 +443,7 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
   T* P = w.P.data();
   const T lo = std::ldexp(T(1), std::numeric_limits<T>::min_exponent + 5);
   const T hi = std::ldexp(T(1), std::numeric_limits<T>::max_exponent - 8);
-  for (std::size_t b = 0; b < c; b += kSub) {
+  for (std::size_t b = 0; b < (factors == Factors::none ? 0 : c); b += kSub) {
     const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
     T* HWY_RESTRICT am = w.amat.data();   // rows [Kf_t; Qf_t], t ∈ σ: (2·nr)×K
     T* HWY_RESTRICT amt = w.bmat.data();  // K×(2·nr): am transposed
@@ -559,19 +581,22 @@ void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n,
 // As chunk_advance for the state alone (n = V), with Δ solved directly:
 // Δ = (I + Diag(β) L)⁻¹ Diag(β) (V - Kg S_0), which is U - W S_0 without
 // solving for W (K columns fewer). Needs chunk_prepare's factors only
-// (x_lo = x_hi). o as in chunk_advance.
+// (x_lo = x_hi). o as in chunk_advance. keep_r / keep_delta (c×V each, or
+// null): where R = V - Kg S_0 and Δ are kept (the same bits either way).
 template <class T>
 void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
                          std::size_t vd, T* state, T* o, std::size_t o_stride, T scale,
-                         ChunkWork<T>& w) {
-  const std::size_t ldx = vd + kd;
-  T* X = w.x.data();
+                         ChunkWork<T>& w, T* keep_r = nullptr, T* keep_delta = nullptr) {
+  T* X = keep_delta ? keep_delta : w.x.data();
+  const std::size_t ldx = keep_delta ? vd : vd + kd;
   for (std::size_t t = 0; t < c; ++t) {
     const T* vt = h.v_at(t0 + t);
     T* xr = X + t * ldx;
     for (std::size_t j = 0; j < vd; ++j) xr[j] = vt[j];
   }
   gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, state, vd, X, ldx);
+  if (keep_r)
+    for (std::size_t t = 0; t < c; ++t) std::copy_n(X + t * ldx, vd, keep_r + t * vd);
   chunk_solve(c, X, ldx, vd, w);
   if (o != nullptr) {
     T* tmp = w.tmp.data();  // c×V
@@ -590,18 +615,35 @@ void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, 
   gemm<GemmOp::add>(kd, vd, c, w.kr.data(), std::size_t{1}, kd, X, ldx, state, vd);
 }
 
-// forward of one head: o and, when set, the final state.
+// forward of one head: o (when set) and, when set, the final state. keep
+// (or null): the head's record of chunk_saved_layout, what the backward's
+// first pass would recompute (the record is written in whole).
 template <class T>
 void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
                         std::size_t vd, T scale, const T* incoming, T* o, std::size_t o_stride,
-                        T* final_state, ChunkWork<T>& w) {
+                        T* final_state, ChunkWork<T>& w, T* keep) {
+  const ChunkSavedLayout lay = chunk_saved_layout(tokens, kd, vd);
   w.state.resize(kd * vd);
   T* st = w.state.data();
   for (std::size_t i = 0; i < kd * vd; ++i) st[i] = incoming ? incoming[i] : T(0);
-  for (std::size_t t0 = 0; t0 < tokens; t0 += kChunk) {
+  for (std::size_t ci = 0, t0 = 0; t0 < tokens; ++ci, t0 += kChunk) {
     const std::size_t c = std::min(kChunk, tokens - t0);
-    chunk_prepare(h, t0, c, kd, vd, 0, 0, w);
-    chunk_advance_delta(h, t0, c, kd, vd, st, o + t0 * o_stride, o_stride, scale, w);
+    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, static_cast<const T*>(nullptr),
+                  o != nullptr || keep != nullptr ? Factors::l_and_p : Factors::l);
+    T* keep_r = nullptr;
+    T* keep_delta = nullptr;
+    if (keep) {
+      std::copy_n(st, kd * vd, keep + lay.states + ci * kd * vd);
+      T* lp = keep + lay.factors + ci * 2 * kChunk * kChunk;
+      std::copy_n(w.L.data(), c * kChunk, lp);
+      std::copy_n(w.P.data(), c * kChunk, lp + kChunk * kChunk);
+      for (std::size_t b = 0; b < kChunk / kSub; ++b)
+        keep[lay.flags + ci * (kChunk / kSub) + b] = w.safe[b] ? T(1) : T(0);
+      keep_r = keep + lay.r + t0 * vd;
+      keep_delta = keep + lay.delta + t0 * vd;
+    }
+    chunk_advance_delta(h, t0, c, kd, vd, st, o ? o + t0 * o_stride : nullptr, o_stride, scale, w, keep_r,
+                        keep_delta);
   }
   if (final_state)
     for (std::size_t i = 0; i < kd * vd; ++i) final_state[i] = st[i];
@@ -618,7 +660,7 @@ void chunk_summary_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
     for (std::size_t j = 0; j < n; ++j) st[i * n + j] = (j == vd + i) ? T(1) : T(0);
   for (std::size_t t0 = 0; t0 < tokens; t0 += kChunk) {
     const std::size_t c = std::min(kChunk, tokens - t0);
-    chunk_prepare(h, t0, c, kd, vd, 0, vd + kd, w, static_cast<const T*>(nullptr), false);
+    chunk_prepare(h, t0, c, kd, vd, 0, vd + kd, w, static_cast<const T*>(nullptr), Factors::l);
     chunk_advance(c, kd, vd, n, st, static_cast<T*>(nullptr), 0, T(0), w);
   }
   for (std::size_t i = 0; i < kd; ++i) {
@@ -660,9 +702,10 @@ void chunk_incoming_grad_head(const HeadInputs<T>& h, std::size_t tokens, std::s
 }
 
 // backward of one head. Pass 1 runs the chunks forward from `incoming` and
-// keeps the state entering each chunk; pass 2 walks the chunks backwards with
-// the state gradient dS, recomputing each chunk's prepared matrices, and
-// applies the adjoint of every line of the forward (chunk-inl.h's header):
+// keeps the record of chunk_saved_layout (the state entering each chunk, R,
+// Δ, L and P), unless the forward kept it (`kept`: the same bits); pass 2
+// walks the chunks backwards with the state gradient dS, recomputing each
+// chunk's element-wise factors (decays, Kg, Qg, Kr), and applies the adjoint of every line of the forward (chunk-inl.h's header):
 //   dΔ = scale Pᵀ dO + Kr dS,   dP = scale dO Δᵀ,   dQg = scale dO S_0ᵀ,
 //   dKr = Δ dSᵀ,   da_c = rowsum(dS ⊙ S_0),
 //   Z = (I + Diag(β) L)⁻ᵀ dΔ,   dR = dV = Diag(β) Z,   dKg = -dR S_0ᵀ,
@@ -677,47 +720,33 @@ template <class T>
 void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
                          std::size_t vd, T scale, const T* incoming, const T* d_o,
                          std::size_t do_stride, const T* d_final, const HeadGrads<T>& out,
-                         ChunkWork<T>& w, ChunkBackWork<T>& bw) {
+                         ChunkWork<T>& w, ChunkBackWork<T>& bw, const T* kept) {
   const std::size_t kv = kd * vd;
   const std::size_t n_chunks = (tokens + kChunk - 1) / kChunk;
   w.resize(kd, vd);
-  bw.resize(kd, vd, n_chunks);
-  // exp(g) once for both passes.
-  T* alpha_all = bw.alpha.data();
-  for (std::size_t t = 0; t < tokens; ++t) exp_row(h.g_at(t), alpha_all + t * kd, kd);
-  // Pass 1: the state entering every chunk, R = V - Kg S_0 and
-  // Δ = (I + Diag(β) L)⁻¹ Diag(β) R of every chunk (pass 2 needs them all).
-  T* states = bw.states.data();
-  T* rs = bw.rs.data();
-  T* deltas = bw.deltas.data();
-  for (std::size_t i = 0; i < kv; ++i) states[i] = incoming ? incoming[i] : T(0);
-  for (std::size_t ci = 0; ci < n_chunks; ++ci) {
-    const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
-    const T* s0 = states + ci * kv;
-    T* HWY_RESTRICT rr = rs + t0 * vd;      // c×V
-    T* HWY_RESTRICT dl = deltas + t0 * vd;  // c×V
-    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, alpha_all, false);
-    for (std::size_t t = 0; t < c; ++t) {
-      const T* vt = h.v_at(t0 + t);
-      for (std::size_t j = 0; j < vd; ++j) rr[t * vd + j] = vt[j];
-    }
-    gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, s0, vd, rr, vd);
-    for (std::size_t i = 0; i < c * vd; ++i) dl[i] = rr[i];
-    chunk_solve(c, dl, vd, vd, w);
-    if (ci + 1 == n_chunks) break;
-    T* next = states + (ci + 1) * kv;
-    for (std::size_t i = 0; i < kd; ++i) {
-      const T a = w.ac[i];
-      for (std::size_t j = 0; j < vd; ++j) next[i * vd + j] = a * s0[i * vd + j];
-    }
-    gemm<GemmOp::add>(kd, vd, c, w.kr.data(), std::size_t{1}, kd, dl, vd, next, vd);
+  bw.resize(kd, vd);
+  // Pass 1 (unless the forward kept it): the head's record of
+  // chunk_saved_layout, by the forward itself without outputs.
+  const ChunkSavedLayout lay = chunk_saved_layout(tokens, kd, vd);
+  if (kept == nullptr) {
+    if (bw.record.size() < lay.total) bw.record.resize(lay.total);
+    chunk_forward_head(h, tokens, kd, vd, scale, incoming, static_cast<T*>(nullptr), 0,
+                       static_cast<T*>(nullptr), w, bw.record.data());
+    kept = bw.record.data();
   }
+  const T* states = kept + lay.states;
+  const T* rs = kept + lay.r;
+  const T* deltas = kept + lay.delta;
 
   T* ds = bw.ds.data();  // dS at the end of the current chunk
   for (std::size_t i = 0; i < kv; ++i) ds[i] = d_final ? d_final[i] : T(0);
   for (std::size_t ci = n_chunks; ci-- > 0;) {
     const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
-    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, alpha_all);
+    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, static_cast<const T*>(nullptr), Factors::none);
+    const T* lp = kept + lay.factors + ci * 2 * kChunk * kChunk;
+    std::copy_n(lp, c * kChunk, w.L.data());
+    std::copy_n(lp + kChunk * kChunk, c * kChunk, w.P.data());
+    for (std::size_t sb = 0; sb < kChunk / kSub; ++sb) w.safe[sb] = kept[lay.flags + ci * (kChunk / kSub) + sb] != T(0);
     const T* s0 = states + ci * kv;
     const T* k = w.k.data();
     const T* q = w.q.data();
@@ -752,11 +781,7 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     gemm<GemmOp::set>(c, kd, vd, dl, vd, std::size_t{1}, dst, kd, dkr, kd);
     // da_c.
     T* dac = bw.dac.data();
-    for (std::size_t i = 0; i < kd; ++i) {
-      T acc = 0;
-      for (std::size_t j = 0; j < vd; ++j) acc = acc + ds[i * vd + j] * s0[i * vd + j];
-      dac[i] = acc;
-    }
+    for (std::size_t i = 0; i < kd; ++i) dac[i] = lane_dot(ds + i * vd, s0 + i * vd, vd);
     // Z = (I + Diag(β) L)⁻ᵀ dΔ by back substitution, blocks of kSub rows
     // from the last; then dR = Diag(β) Z.
     T* Z = bw.z.data();  // c×V
@@ -796,10 +821,8 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       const T bt = w.beta[t];
       const T* zt = Z + t * vd;
       const T* rt = rr + t * vd;
-      T acc = 0;
-      for (std::size_t j = 0; j < vd; ++j) acc = acc + zt[j] * rt[j];
-      for (std::size_t s2 = 0; s2 < t; ++s2) acc = acc - m1[t * c + s2] * w.L[t * kChunk + s2];
-      out.dbeta[(t0 + t) * out.beta_stride] = acc;
+      out.dbeta[(t0 + t) * out.beta_stride] =
+          lane_dot(zt, rt, vd) - lane_dot(m1 + t * c, w.L.data() + t * kChunk, t);
       T* dvt = out.dv + (t0 + t) * out.v_stride;
       for (std::size_t j = 0; j < vd; ++j) dvt[j] = dR[t * vd + j] = bt * zt[j];
       for (std::size_t s2 = 0; s2 < c; ++s2) dL[t * c + s2] = s2 < t ? -bt * m1[t * c + s2] : T(0);

@@ -77,9 +77,10 @@ void chunk_summary_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, T* 
 
 template <class T>
 void forward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
-                     T* final_state, const ExecPolicy& exec) {
+                     T* final_state, const ExecPolicy& exec, T* keep) {
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
+  const std::size_t rec = chunk_saved_layout(s.tokens, s.key_dim, s.value_dim).total;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
                   [&](std::size_t begin, std::size_t end, std::size_t) {
                     ChunkWork<T> w;
@@ -89,7 +90,8 @@ void forward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* 
                                    in.scale, incoming ? incoming + p * kv : nullptr,
                                    o + token_major_offset(s, b, j, s.value_dim),
                                    s.value_heads * s.value_dim,
-                                   final_state ? final_state + p * kv : nullptr, w);
+                                   final_state ? final_state + p * kv : nullptr, w,
+                                   keep ? keep + p * rec : nullptr);
                     }
                   });
 }
@@ -115,19 +117,20 @@ void incoming_grad_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, con
 template <class T>
 void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming,
                       const T* d_o, const T* d_final, const Grads<T>& grads,
-                      const ExecPolicy& exec) {
+                      const ExecPolicy& exec, const T* kept) {
   struct Scratch {
     ChunkWork<T> w;
     ChunkBackWork<T> bw;
   };
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
+  const std::size_t rec = chunk_saved_layout(s.tokens, s.key_dim, s.value_dim).total;
   backward_over_heads<Scratch>(in, d_o, grads, exec,
                                [&](const HeadInputs<T>& head, const HeadGrads<T>& out, const T* head_do,
                                    std::size_t p, Scratch& scratch) {
     kern.backward(head, s.tokens, s.key_dim, s.value_dim, in.scale, incoming ? incoming + p * kv : nullptr,
                   head_do, s.value_heads * s.value_dim, d_final ? d_final + p * kv : nullptr, out, scratch.w,
-                  scratch.bw);
+                  scratch.bw, kept ? kept + p * rec : nullptr);
   });
 }
 
@@ -136,11 +139,12 @@ void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T*
   template void chunk_summary_chunked<T>(const ChunkKernels<T>&, const Inputs<T>&, T*, T*,   \
                                          const ExecPolicy&);                                 \
   template void forward_chunked<T>(const ChunkKernels<T>&, const Inputs<T>&, const T*, T*,   \
-                                   T*, const ExecPolicy&);                                   \
+                                   T*, const ExecPolicy&, T*);                               \
   template void incoming_grad_chunked<T>(const ChunkKernels<T>&, const Inputs<T>&, const T*, \
                                          T*, const ExecPolicy&);                             \
   template void backward_chunked<T>(const ChunkKernels<T>&, const Inputs<T>&, const T*,      \
-                                    const T*, const T*, const Grads<T>&, const ExecPolicy&);
+                                    const T*, const T*, const Grads<T>&, const ExecPolicy&,   \
+                                    const T*);
 
 KDACP_KDA_CHUNK_INSTANTIATE(float)
 KDACP_KDA_CHUNK_INSTANTIATE(double)

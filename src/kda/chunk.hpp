@@ -62,14 +62,33 @@ struct ChunkWork {
   }
 };
 
-// backward's scratch on top of ChunkWork: the state entering every chunk
-// (the saved states: T/kChunk · K·V elements per head being computed) and the
-// per-chunk gradient buffers.
+// What the forward keeps of one head for its backward (and what the
+// backward's first pass computes otherwise), offsets in elements of one
+// record: the state entering every chunk (n_chunks×K×V), R = V - Kg S_0 and
+// Δ of every token (tokens×V each), L and P of every chunk
+// (n_chunks×2×kChunk×kChunk, rows < c written) and the sub-chunks' safe
+// flags (n_chunks×kChunk/kSub, 1 or 0).
+struct ChunkSavedLayout {
+  std::size_t states = 0, r = 0, delta = 0, factors = 0, flags = 0, total = 0;
+};
+
+inline ChunkSavedLayout chunk_saved_layout(std::size_t tokens, std::size_t key_dim,
+                                           std::size_t value_dim) {
+  const std::size_t n = (tokens + kChunk - 1) / kChunk;
+  ChunkSavedLayout l;
+  l.r = n * key_dim * value_dim;
+  l.delta = l.r + tokens * value_dim;
+  l.factors = l.delta + tokens * value_dim;
+  l.flags = l.factors + n * 2 * kChunk * kChunk;
+  l.total = l.flags + n * (kChunk / kSub);
+  return l;
+}
+
+// backward's scratch on top of ChunkWork: the record of chunk_saved_layout
+// when the forward kept none, and the per-chunk gradient buffers.
 template <class T>
 struct ChunkBackWork {
-  ScratchVec<T> states;                                   // n_chunks×K×V
-  ScratchVec<T> alpha;                                    // tokens×K: exp(g)
-  ScratchVec<T> rs, deltas;                               // tokens×V: R, Δ of every chunk
+  ScratchVec<T> record;                                   // chunk_saved_layout(...).total
   std::vector<T> ds, s0t, dst, t2;                        // K×V
   std::vector<T> dob, dd, dlt;                            // kChunk×V
   std::vector<T> dP, dL, m1, lb;                          // kChunk×kChunk
@@ -79,12 +98,7 @@ struct ChunkBackWork {
   std::vector<T> ff, dam, dr;                             // 2·kSub×max(K, kChunk)
   std::size_t kd = 0, vd = 0;
 
-  void resize(std::size_t key_dim, std::size_t value_dim, std::size_t n_chunks) {
-    if (states.size() < n_chunks * key_dim * value_dim)
-      states.resize(n_chunks * key_dim * value_dim);
-    if (alpha.size() < n_chunks * kChunk * key_dim) alpha.resize(n_chunks * kChunk * key_dim);
-    for (auto* v : {&rs, &deltas})
-      if (v->size() < n_chunks * kChunk * value_dim) v->resize(n_chunks * kChunk * value_dim);
+  void resize(std::size_t key_dim, std::size_t value_dim) {
     if (key_dim == kd && value_dim == vd) return;
     kd = key_dim;
     vd = value_dim;
@@ -104,14 +118,14 @@ struct ChunkBackWork {
 template <class T>
 struct ChunkKernels {
   void (*forward)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T, const T*, T*,
-                  std::size_t, T*, ChunkWork<T>&);
+                  std::size_t, T*, ChunkWork<T>&, T*);
   void (*summary)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T*, T*,
                   ChunkWork<T>&);
   void (*incoming_grad)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T,
                         const T*, std::size_t, T*, ChunkWork<T>&);
   void (*backward)(const HeadInputs<T>&, std::size_t, std::size_t, std::size_t, T, const T*,
                    const T*, std::size_t, const T*, const HeadGrads<T>&, ChunkWork<T>&,
-                   ChunkBackWork<T>&);
+                   ChunkBackWork<T>&, const T*);
 };
 
 struct ChunkKernelSet {
@@ -131,13 +145,15 @@ const ChunkKernels<T>& chosen_chunk_kernels();
 template <class T>
 void chunk_summary_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, T* state,
                            T* transfer, const ExecPolicy& exec);
+// keep / kept (or null): B·HV records of chunk_saved_layout, pair p at
+// p·total (ForwardCache's record of the call).
 template <class T>
 void forward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
-                     T* final_state, const ExecPolicy& exec);
+                     T* final_state, const ExecPolicy& exec, T* keep = nullptr);
 template <class T>
 void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming,
                       const T* d_o, const T* d_final, const Grads<T>& grads,
-                      const ExecPolicy& exec);
+                      const ExecPolicy& exec, const T* kept = nullptr);
 template <class T>
 void incoming_grad_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* d_o,
                            T* g_state, const ExecPolicy& exec);

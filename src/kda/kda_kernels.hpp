@@ -168,11 +168,11 @@ void chunk_summary_on(const Kernels<T>& kernels, const Inputs<T>& in, T* state, 
                       const ExecPolicy& exec);
 template <class T>
 void forward_on(const Kernels<T>& kernels, const Inputs<T>& in, const T* incoming, T* o,
-                T* final_state, const ExecPolicy& exec);
+                T* final_state, const ExecPolicy& exec, ForwardCache<T>* keep = nullptr);
 template <class T>
 void backward_on(const Kernels<T>& kernels, const Inputs<T>& in, const T* incoming,
                  const T* d_o, const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
-                 std::size_t checkpoint_interval);
+                 std::size_t checkpoint_interval, ForwardCache<T>* kept = nullptr);
 template <class T>
 void incoming_grad_on(const Kernels<T>& kernels, const Inputs<T>& in, const T* d_o,
                       T* g_state, const ExecPolicy& exec);

@@ -138,11 +138,13 @@ void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* 
 
 template <class T>
 void forward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
-                T* final_state, const ExecPolicy& exec) {
+                T* final_state, const ExecPolicy& exec, ForwardCache<T>* keep) {
   validate(in, "forward");
   require(o, "forward", "o");
   if (in.algorithm == Algorithm::chunk)
-    return forward_chunked(chosen_chunk_kernels<T>(), in, incoming, o, final_state, exec);
+    return forward_chunked(chosen_chunk_kernels<T>(), in, incoming, o, final_state, exec,
+                           keep ? keep->append(ForwardCache<T>::record_elems(in.shape, in.algorithm))
+                                : nullptr);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
@@ -164,7 +166,7 @@ void forward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, 
 template <class T>
 void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, const T* d_o,
                  const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
-                 std::size_t checkpoint_interval) {
+                 std::size_t checkpoint_interval, ForwardCache<T>* kept) {
   validate(in, "backward");
   require(d_o, "backward", "d_o");
   require(grads.dq, "backward", "dq");
@@ -175,7 +177,9 @@ void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
   if (checkpoint_interval == 0)
     throw InvalidArgument("kda::backward: checkpoint_interval = 0, expected >= 1");
   if (in.algorithm == Algorithm::chunk)
-    return backward_chunked(chosen_chunk_kernels<T>(), in, incoming, d_o, d_final, grads, exec);
+    return backward_chunked(
+        chosen_chunk_kernels<T>(), in, incoming, d_o, d_final, grads, exec,
+        kept ? kept->take(ForwardCache<T>::record_elems(in.shape, in.algorithm), "backward") : nullptr);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   backward_over_heads<BackwardScratch<T>>(
@@ -214,9 +218,10 @@ void incoming_grad_on(const Kernels<T>& kern, const Inputs<T>& in, const T* d_o,
   template void chunk_summary_on<T>(const Kernels<T>&, const Inputs<T>&, T*, T*,              \
                                     const ExecPolicy&);                                       \
   template void forward_on<T>(const Kernels<T>&, const Inputs<T>&, const T*, T*, T*,          \
-                              const ExecPolicy&);                                             \
+                              const ExecPolicy&, ForwardCache<T>*);                           \
   template void backward_on<T>(const Kernels<T>&, const Inputs<T>&, const T*, const T*,       \
-                               const T*, const Grads<T>&, const ExecPolicy&, std::size_t);    \
+                               const T*, const Grads<T>&, const ExecPolicy&, std::size_t,     \
+                               ForwardCache<T>*);                                             \
   template void incoming_grad_on<T>(const Kernels<T>&, const Inputs<T>&, const T*, T*,        \
                                     const ExecPolicy&);
 
@@ -293,17 +298,66 @@ void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
 }
 
 template <class T>
+std::size_t ForwardCache<T>::record_elems(const Shape& shape, Algorithm algorithm) {
+  if (algorithm != Algorithm::chunk) return 0;
+  return shape.batch * shape.value_heads *
+         detail::chunk_saved_layout(shape.tokens, shape.key_dim, shape.value_dim).total;
+}
+
+template <class T>
+std::size_t ForwardCache<T>::bytes() const {
+  std::size_t n = 0;
+  for (const Record& r : records_) n += r.capacity * sizeof(T);
+  return n;
+}
+
+template <class T>
+void ForwardCache<T>::release() {
+  records_.clear();
+  used_ = 0;
+  next_ = 0;
+}
+
+template <class T>
+T* ForwardCache<T>::append(std::size_t elems) {
+  if (used_ == records_.size()) records_.emplace_back();
+  Record& r = records_[used_++];
+  if (r.capacity < elems) {
+    r.data.reset();
+    r.data.reset(new T[elems]);
+    r.capacity = elems;
+  }
+  r.elems = elems;
+  return r.data.get();
+}
+
+template <class T>
+const T* ForwardCache<T>::take(std::size_t elems, const char* op) {
+  if (next_ >= used_)
+    throw InvalidArgument(std::string("kda::") + op + ": the forward cache has no record left (" +
+                          std::to_string(used_) +
+                          " kept); pass the cache its forward filled, rewound, or none");
+  const Record& r = records_[next_];
+  if (r.elems != elems)
+    throw InvalidArgument(std::string("kda::") + op + ": forward cache record " + std::to_string(next_) +
+                          " holds " + std::to_string(r.elems) + " elements, this call needs " +
+                          std::to_string(elems) + " (it comes from a forward of another shape)");
+  ++next_;
+  return r.data.get();
+}
+
+template <class T>
 void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
-             const ExecPolicy& exec) {
-  detail::forward_on(detail::chosen_kernels<T>(), in, incoming, o, final_state, exec);
+             const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
+  detail::forward_on(detail::chosen_kernels<T>(), in, incoming, o, final_state, exec, keep);
 }
 
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
               const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec,
-              std::size_t checkpoint_interval) {
+              std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
   detail::backward_on(detail::chosen_kernels<T>(), in, incoming, d_o, d_final, grads, exec,
-                      checkpoint_interval);
+                      checkpoint_interval, kept);
 }
 
 template <class T>
@@ -315,9 +369,11 @@ void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
 #define KDACP_KDA_INSTANTIATE(T)                                                             \
   template T default_scale<T>(std::size_t);                                                  \
   template void chunk_summary<T>(const Inputs<T>&, T*, T*, const ExecPolicy&);               \
-  template void forward<T>(const Inputs<T>&, const T*, T*, T*, const ExecPolicy&);           \
+  template class ForwardCache<T>;                                                            \
+  template void forward<T>(const Inputs<T>&, const T*, T*, T*, const ExecPolicy&,            \
+                           ForwardCache<T>*);                                                \
   template void backward<T>(const Inputs<T>&, const T*, const T*, const T*, const Grads<T>&, \
-                            const ExecPolicy&, std::size_t);                                 \
+                            const ExecPolicy&, std::size_t, ForwardCache<T>*);               \
   template void incoming_grad<T>(const Inputs<T>&, const T*, T*, const ExecPolicy&);
 
 KDACP_KDA_INSTANTIATE(float)
