@@ -16,6 +16,9 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
+#include "kdacp/inprocess.hpp"
+#include "kdacp/kda_cp.hpp"
+#include "kdacp/mesh.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/testing/layer_bench.hpp"
 #include "kdacp/testing/layer_runner.hpp"
@@ -226,6 +229,83 @@ TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
   const testing::LayerOutputs<float> cp_recurrent = testing::run_context_parallel(job, 3, opts, 30);
   EXPECT_FALSE(testing::same_bits(cp, cp_recurrent));
   for (double e : testing::relative_errors(cp_recurrent, recurrent)) EXPECT_LT(e, 2e-5);
+}
+
+// The chunk forward's kept states (LayerJob::keep_forward: kda::ForwardCache
+// through forward_sequences and the CP layer's Saved, one record per sequence
+// piece of every part) change no bit of any output, one device and CP, with
+// several pieces per part, zigzag (two parts per rank) and a warm-up step
+// (the layer reuses the cache once the first step's Saved is gone).
+TEST(LayerJob, KeptForwardChangesNoBit) {
+  testing::LayerJob<float> job;
+  const kda::Shape shape{1, 203, 1, 2, 16, 32};
+  job.data = kda::synthetic_layer<float>(shape, 12);
+  job.scale = kda::default_scale<float>(shape.key_dim);
+  job.algorithm = kda::Algorithm::chunk;
+  job.cu_seqlens = {0, 3, 70, 71, 140, 203};
+  const std::size_t states = 5 * shape.value_heads * shape.key_dim * shape.value_dim;
+  job.h0 = kda::synthetic_tensor<float>(states, 13);
+  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 14);
+  job.dht = kda::synthetic_tensor<float>(states, 15);
+  const testing::LayerOutputs<float> want = testing::run_single(job, 2);
+  job.keep_forward = true;
+  EXPECT_TRUE(testing::same_bits(testing::run_single(job, 2), want)) << "one device";
+  job.warmup_steps = 1;
+  EXPECT_TRUE(testing::same_bits(testing::run_single(job, 1), want)) << "one device, after a warm-up step";
+  for (const testing::LayoutSpec& layout : {testing::LayoutSpec{false, {50, 120, 33}}, testing::LayoutSpec{true, {}}}) {
+    testing::LayerRunOptions opts;
+    opts.method = "p2p";
+    opts.layout = layout;
+    job.keep_forward = false;
+    job.warmup_steps = 0;
+    const testing::LayerOutputs<float> cp = testing::run_context_parallel(job, 3, opts, 30);
+    job.keep_forward = true;
+    EXPECT_TRUE(testing::same_bits(testing::run_context_parallel(job, 3, opts, 30), cp)) << layout.name();
+    job.warmup_steps = 2;
+    EXPECT_TRUE(testing::same_bits(testing::run_context_parallel(job, 3, opts, 30), cp))
+        << layout.name() << " after two warm-up steps";
+  }
+}
+
+// A layer that keeps its chunk forward reuses one cache per step once the
+// step's Saved is gone, holds one more while a Saved is alive, and a Saved
+// without its cache (keep_forward off) recomputes: the same bits each way.
+TEST(LayerJob, LayerReusesItsForwardCache) {
+  const kda::Shape shape{1, 130, 1, 1, 16, 16};
+  const kda::LayerData<float> data = kda::synthetic_layer<float>(shape, 16);
+  const std::vector<float> d_o = kda::synthetic_tensor<float>(shape.v_elems(), 17);
+  run_in_process(1, [&](const std::shared_ptr<Communicator>& world) {
+    const DeviceMesh mesh = DeviceMesh::create(world, {1}, {"cp"});
+    kda::ContextParallelLayer<float> layer(mesh, "p2p");
+    auto in = data.inputs(kda::default_scale<float>(shape.key_dim));
+    in.algorithm = kda::Algorithm::chunk;
+    std::vector<float> o(shape.v_elems()), dq(shape.qk_elems()), dk(shape.qk_elems()), dv(shape.v_elems()),
+        dg(shape.g_elems()), db(shape.beta_elems());
+    const kda::Grads<float> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), nullptr};
+    const kda::Saved plain = layer.forward(in, o.data());
+    EXPECT_EQ(plain.kept_f32, nullptr);
+    layer.backward(in, plain, d_o.data(), grads);
+    const std::vector<float> want = dk;
+    layer.keep_forward(true);
+    {
+      const kda::Saved a = layer.forward(in, o.data());
+      ASSERT_NE(a.kept_f32, nullptr);
+      const kda::Saved b = layer.forward(in, o.data());  // a is alive: a second cache
+      EXPECT_NE(a.kept_f32, b.kept_f32);
+      layer.backward(in, b, d_o.data(), grads);
+      EXPECT_EQ(dk, want);
+      layer.backward(in, a, d_o.data(), grads);
+      EXPECT_EQ(dk, want);
+      layer.backward(in, a, d_o.data(), grads);  // twice: the cache is rewound
+      EXPECT_EQ(dk, want);
+    }
+    const std::size_t held = layer.forward_cache_bytes();
+    EXPECT_EQ(held, 2 * kda::ForwardCache<float>::record_elems(shape, kda::Algorithm::chunk) * sizeof(float));
+    const kda::Saved c = layer.forward(in, o.data());  // reuses one of the two
+    EXPECT_EQ(layer.forward_cache_bytes(), held);
+    layer.backward(in, c, d_o.data(), grads);
+    EXPECT_EQ(dk, want);
+  });
 }
 
 // `kdacp bench layer`'s measuring code: one record per algorithm and run in

@@ -94,6 +94,10 @@ struct Saved {
   // The stream of a sequence forward (none for the forward without one):
   // backward runs the same parts with the same cuts.
   std::optional<Stream> stream;
+  // What the chunk forward kept for this backward (keep_forward; null
+  // otherwise): one record per sequence piece of every part, in order.
+  std::shared_ptr<ForwardCache<float>> kept_f32;
+  std::shared_ptr<ForwardCache<double>> kept_f64;
 };
 
 // Seconds spent in each phase of the last call.
@@ -176,7 +180,23 @@ class ContextParallelLayer {
   const PhaseTimes& backward_times() const { return bwd_; }
   const StateExchange& exchange() const { return *exchange_; }
 
+  // With Algorithm::chunk, forward keeps in its Saved what the backward would
+  // recompute (kda::ForwardCache: about 1.25× the rank's q, k, v, g at
+  // K = V = 128), so the backward skips that pass; the same bits either way.
+  // Off by default (Saved stays M and the incoming state). The layer reuses
+  // a cache's buffers once every Saved holding it is gone, so a training
+  // loop does not fault fresh pages in every step; forward_cache_bytes()
+  // is what the layer holds.
+  void keep_forward(bool on) { keep_forward_ = on; }
+  bool keeps_forward() const { return keep_forward_; }
+  std::size_t forward_cache_bytes() const;
+
  private:
+  // A cache for the next forward (null unless keep_forward and chunk): one
+  // no Saved holds any more, else a new one.
+  std::shared_ptr<ForwardCache<Elem<T>>> next_cache(const Inputs<T>& in);
+  static ForwardCache<Elem<T>>* kept_of(const Saved& saved);
+
   // The calls without a stream run the plain exchange: one part per rank.
   void require_plain(std::size_t rank, const char* op) const;
 
@@ -185,6 +205,8 @@ class ContextParallelLayer {
   std::shared_ptr<Communicator> comm_;  // mesh.group(0): ht / dh0 broadcasts, dht gather
   ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;
+  bool keep_forward_ = false;
+  std::vector<std::shared_ptr<ForwardCache<Elem<T>>>> caches_;
 };
 
 // Owning layer inputs in the layout of SPEC §9.

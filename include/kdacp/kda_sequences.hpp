@@ -119,6 +119,9 @@ PartInfo part_info(const Sequences& seqs, const Part& part);
 // `d_end`, `state`, `transfer` and `g_state` are [B,HV,K,V] (transfer
 // [B,HV,K,K]) like the exchange's summaries; outputs of token fields are
 // written for the part's tokens only, in place in the local tensors.
+// `keep` / `kept` (optional): the ForwardCache of kda::forward / backward,
+// one record per piece of the part, so a backward reads the records its
+// forward wrote when it runs the same parts in the same order.
 
 // The part's affine map for the forward exchange, outgoing = A·incoming + b.
 // Not a cut: `state` = S and `transfer` = M of kda::chunk_summary over the
@@ -137,7 +140,8 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {});
+                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {},
+                      ForwardCache<Elem<T>>* keep = nullptr);
 
 // G for the backward exchange: the gradient w.r.t. the part's incoming state
 // of the loss on the part's own outputs (o of its tokens, given by d_o, and ht
@@ -166,14 +170,16 @@ PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part
                        const Elem<T>* d_o, const Elem<T>* d_end,
                        SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
                        SequenceStates<Elem<T>> dh0, const ExecPolicy& exec = {},
-                       std::size_t checkpoint_interval = kDefaultCheckpointInterval);
+                       std::size_t checkpoint_interval = kDefaultCheckpointInterval,
+                       ForwardCache<Elem<T>>* kept = nullptr);
 
 // The single-rank path: one part covering the whole stream
 // (in.shape.tokens = seqs.tokens()). Writes o and, when requested, ht.
 template <class T>
 void forward_sequences(const Inputs<T>& in, const Sequences& seqs,
                        SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {});
+                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {},
+                       ForwardCache<Elem<T>>* keep = nullptr);
 
 // Its gradients: dq, dk, dv, dg, dbeta and, when requested, dh0.
 // grads.d_incoming must be null (the incoming states are h0).
@@ -182,6 +188,7 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                         SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
                         SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
                         SequenceStates<Elem<T>> dh0, const ExecPolicy& exec = {},
-                        std::size_t checkpoint_interval = kDefaultCheckpointInterval);
+                        std::size_t checkpoint_interval = kDefaultCheckpointInterval,
+                        ForwardCache<Elem<T>>* kept = nullptr);
 
 }  // namespace kdacp::kda

@@ -21,9 +21,21 @@ namespace kdacp::python {
 namespace {
 
 // What forward keeps for backward: the layer's Saved (M and the incoming state
-// of each part); nothing on one process, which recomputes from h0.
+// of each part, and with keep_forward its forward cache); on one process
+// nothing, or with keep_forward the forward cache.
 struct SavedBox {
   std::optional<kda::Saved> saved;
+  std::shared_ptr<kda::ForwardCache<float>> kept_f32;
+  std::shared_ptr<kda::ForwardCache<double>> kept_f64;
+
+  template <class T>
+  kda::ForwardCache<T>* kept() const {
+    kda::ForwardCache<T>* c;
+    if constexpr (std::is_same_v<T, float>) c = kept_f32.get();
+    else c = kept_f64.get();
+    if (c) c->rewind();
+    return c;
+  }
 };
 
 kda::Shape to_shape(const std::vector<std::size_t>& s) {
@@ -71,12 +83,14 @@ class KdaLayer {
   }
 
   // `algorithm`: kda::Algorithm by name ("recurrent" or "chunk"), per call.
+  // keep_forward: the chunk forward keeps what its backward would recompute
+  // (kda::ForwardCache) in the returned saved object.
   py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::size_t>& shape,
                     double scale, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
-                    std::uintptr_t h0, bool want_ht, const std::string& algorithm) {
+                    std::uintptr_t h0, bool want_ht, const std::string& algorithm, bool keep_forward) {
     const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
-    return f64_ ? forward_t<double>(inputs, shape, scale, cu_seqlens, h0, want_ht, a)
-                : forward_t<float>(inputs, shape, scale, cu_seqlens, h0, want_ht, a);
+    return f64_ ? forward_t<double>(inputs, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward)
+                : forward_t<float>(inputs, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward);
   }
 
   py::tuple backward(const std::shared_ptr<SavedBox>& saved, const std::vector<std::uintptr_t>& inputs,
@@ -141,7 +155,7 @@ class KdaLayer {
   template <class T>
   py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::size_t>& shape,
                       double scale, const std::optional<std::vector<std::int64_t>>& cu,
-                      std::uintptr_t h0p, bool want_ht, kda::Algorithm algorithm) {
+                      std::uintptr_t h0p, bool want_ht, kda::Algorithm algorithm, bool keep_forward) {
     const kda::Shape s = to_shape(shape);
     const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
     kda::validate(in, "kdacp.torch.kda");
@@ -162,10 +176,16 @@ class KdaLayer {
       py::gil_scoped_release release;
       const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
       const auto hts = kda::sequence_states(ht_data, seqs, s);
-      if (auto* l = layer<T>())
+      if (auto* l = layer<T>()) {
+        l->keep_forward(keep_forward);
         box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o_data, hts);
-      else
-        kda::forward_sequences(in, seqs, h0, o_data, hts, pool_.exec());
+      } else {
+        std::shared_ptr<kda::ForwardCache<T>> cache;
+        if (keep_forward && algorithm == kda::Algorithm::chunk) cache = std::make_shared<kda::ForwardCache<T>>();
+        kda::forward_sequences(in, seqs, h0, o_data, hts, pool_.exec(), cache.get());
+        if constexpr (std::is_same_v<T, float>) box->kept_f32 = cache;
+        else box->kept_f64 = cache;
+      }
     }
     return py::make_tuple(o, ht, box);
   }
@@ -202,7 +222,8 @@ class KdaLayer {
         if (!box.saved) throw InvalidArgument("kda backward without the forward's saved state");
         l->backward(in, *box.saved, h0, ptr<T>(d_o), dht, grads, dh0s);
       } else {
-        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, pool_.exec());
+        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, pool_.exec(),
+                                kda::kDefaultCheckpointInterval, box.kept<T>());
       }
     }
     return py::make_tuple(dq, dk, dv, dg, dbeta, dh0);
@@ -229,7 +250,8 @@ void bind_kda(py::module_& m) {
            py::arg("counts"), py::arg("tokens"), py::arg("dtype"), py::arg("options"),
            py::arg("threads"))
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
-           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"), py::arg("algorithm") = "recurrent")
+           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"), py::arg("algorithm") = "recurrent",
+           py::arg("keep_forward") = false)
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
            py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
            py::arg("want_dh0"), py::arg("algorithm") = "recurrent")

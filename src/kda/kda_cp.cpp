@@ -327,12 +327,42 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   State incoming = exchange_->forward(offset.view(), transfer.view());
   fwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
-  kda::forward(in, incoming.data<T>(), o, nullptr, exec_);
+  const auto cache = next_cache(in);
+  kda::forward(in, incoming.data<T>(), o, nullptr, exec_, cache.get());
   fwd_.local += since(t0);
   Saved saved;
   saved.transfer.push_back(std::move(transfer));
   saved.incoming.push_back(std::move(incoming));
+  if constexpr (std::is_same_v<T, float>) saved.kept_f32 = cache;
+  else saved.kept_f64 = cache;
   return saved;
+}
+
+template <class T>
+std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const Inputs<T>& in) {
+  if (!keep_forward_ || in.algorithm != Algorithm::chunk) return nullptr;
+  for (const auto& c : caches_)
+    if (c.use_count() == 1) {  // no Saved holds it: reuse its buffers
+      c->clear();
+      return c;
+    }
+  return caches_.emplace_back(std::make_shared<ForwardCache<Elem<T>>>());
+}
+
+template <class T>
+ForwardCache<Elem<T>>* ContextParallelLayer<T>::kept_of(const Saved& saved) {
+  ForwardCache<Elem<T>>* kept;
+  if constexpr (std::is_same_v<T, float>) kept = saved.kept_f32.get();
+  else kept = saved.kept_f64.get();
+  if (kept) kept->rewind();
+  return kept;
+}
+
+template <class T>
+std::size_t ContextParallelLayer<T>::forward_cache_bytes() const {
+  std::size_t n = 0;
+  for (const auto& c : caches_) n += c->bytes();
+  return n;
 }
 
 template <class T>
@@ -354,7 +384,8 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   State d_final = exchange_->backward(g.view(), saved.transfer.front().view());
   bwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
-  kda::backward(in, saved.incoming.front().data<T>(), d_o, d_final.data<T>(), grads, exec_);
+  kda::backward(in, saved.incoming.front().data<T>(), d_o, d_final.data<T>(), grads, exec_,
+                kDefaultCheckpointInterval, kept_of(saved));
   bwd_.local += since(t0);
 }
 
@@ -434,16 +465,20 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<State> incoming = exchange_->forward(summaries);
   fwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
+  const auto cache = next_cache(in);
   for (std::size_t i = 0; i < parts.size(); ++i)
     part_forward(in, seqs, parts[i], infos[i].starts_sequence ? nullptr : incoming[i].data<T>(),
-                 h0, o, ht, exec_);
+                 h0, o, ht, exec_, cache.get());
   fwd_.local += since(t0);
   if (ht.data != nullptr) {
     t0 = std::chrono::steady_clock::now();
     share_rows(*comm_, ht, rows_by_part(stream, true));
     fwd_.exchange += since(t0);
   }
-  return Saved{std::move(transfers), std::move(incoming), stream};
+  Saved saved{std::move(transfers), std::move(incoming), stream, nullptr, nullptr};
+  if constexpr (std::is_same_v<T, float>) saved.kept_f32 = cache;
+  else saved.kept_f64 = cache;
+  return saved;
 }
 
 template <class T>
@@ -498,13 +533,15 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   const std::vector<State> d_end = exchange_->backward(summaries);
   bwd_.exchange += since(t0);
   t0 = std::chrono::steady_clock::now();
+  ForwardCache<Elem<T>>* kept = kept_of(saved);
   for (std::size_t i = 0; i < parts.size(); ++i) {
     // d_incoming is one state: that of the rank's first part.
     Grads<Elem<T>> part_grads = grads;
     if (i > 0) part_grads.d_incoming = nullptr;
     part_backward(in, seqs, parts[i],
                   infos[i].starts_sequence ? nullptr : saved.incoming[i].data<T>(), h0, d_o,
-                  d_end[i].data<T>(), dht_total, part_grads, dh0, exec_);
+                  d_end[i].data<T>(), dht_total, part_grads, dh0, exec_, kDefaultCheckpointInterval,
+                  kept);
   }
   bwd_.local += since(t0);
   if (dh0.data != nullptr) {

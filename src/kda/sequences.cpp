@@ -212,7 +212,7 @@ Window<T> window_of(const Inputs<T>& local, const Part& part, const Piece& piece
 template <class T>
 PartInfo forward_impl(const char* op, const Inputs<T>& local, const Sequences& seqs,
                       const Part& part, const T* incoming, SequenceStates<const T> h0, T* o,
-                      SequenceStates<T> ht, const ExecPolicy& exec) {
+                      SequenceStates<T> ht, const ExecPolicy& exec, ForwardCache<T>* keep) {
   check_local(local, seqs, part, op);
   require(o, op, "o");
   check_states(h0, seqs, local.shape, op, "h0");
@@ -225,7 +225,7 @@ PartInfo forward_impl(const char* op, const Inputs<T>& local, const Sequences& s
     Window<T> w = window_of(local, part, piece);
     T* piece_o = w.output(o, s.value_heads * s.value_dim);
     forward(w.inputs(), piece.starts ? slot(h0, s, *piece.starts) : incoming, piece_o,
-            piece.ends ? slot(ht, s, *piece.ends) : nullptr, exec);
+            piece.ends ? slot(ht, s, *piece.ends) : nullptr, exec, keep);
     w.commit();
   }
   return info;
@@ -236,7 +236,7 @@ PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& 
                        const Part& part, const T* incoming, SequenceStates<const T> h0,
                        const T* d_o, const T* d_end, SequenceStates<const T> dht,
                        const Grads<T>& grads, SequenceStates<T> dh0, const ExecPolicy& exec,
-                       std::size_t checkpoint_interval) {
+                       std::size_t checkpoint_interval, ForwardCache<T>* kept) {
   check_local(local, seqs, part, op);
   require(d_o, op, "d_o");
   require(grads.dq, op, "dq");
@@ -267,7 +267,7 @@ PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& 
     backward(w.inputs(), piece.starts ? slot(h0, s, *piece.starts) : incoming,
              w.input(d_o, s.value_heads * s.value_dim),
              piece.ends ? slot(dht, s, *piece.ends) : d_end, piece_grads, exec,
-             checkpoint_interval);
+             checkpoint_interval, kept);
     w.commit();
     if (i == 0 && grads.d_incoming != nullptr && d_start != grads.d_incoming)
       std::copy_n(d_start, s.state_elems(), grads.d_incoming);
@@ -325,8 +325,8 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec) {
-  return forward_impl("part_forward", local, seqs, part, incoming, h0, o, ht, exec);
+                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
+  return forward_impl("part_forward", local, seqs, part, incoming, h0, o, ht, exec, keep);
 }
 
 template <class T>
@@ -370,9 +370,9 @@ PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part
                        const Elem<T>* d_o, const Elem<T>* d_end,
                        SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
                        SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
-                       std::size_t checkpoint_interval) {
+                       std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
   return backward_impl("part_backward", local, seqs, part, incoming, h0, d_o, d_end, dht, grads,
-                       dh0, exec, checkpoint_interval);
+                       dh0, exec, checkpoint_interval, kept);
 }
 
 namespace {
@@ -386,11 +386,11 @@ void check_whole(const Shape& s, const Sequences& seqs, const char* op) {
 template <class T>
 void forward_sequences(const Inputs<T>& in, const Sequences& seqs,
                        SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec) {
+                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
   const char* op = "forward_sequences";
   check_whole(in.shape, seqs, op);
   forward_impl(op, in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0, o,
-               ht, exec);
+               ht, exec, keep);
 }
 
 template <class T>
@@ -398,7 +398,7 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                         SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
                         SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
                         SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
-                        std::size_t checkpoint_interval) {
+                        std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
   const char* op = "backward_sequences";
   check_whole(in.shape, seqs, op);
   if (grads.d_incoming != nullptr)
@@ -407,7 +407,7 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                           "h0; their gradient is dh0)");
   backward_impl(op, in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0,
                 d_o, static_cast<const T*>(nullptr), dht, grads, dh0, exec,
-                checkpoint_interval);
+                checkpoint_interval, kept);
 }
 
 #define KDACP_SEQUENCES_INSTANTIATE(T)                                                         \
@@ -415,21 +415,23 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                                     SequenceStates<const T>, T*, T*, const ExecPolicy&);        \
   template PartInfo part_forward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*,  \
                                     SequenceStates<const T>, T*, SequenceStates<T>,             \
-                                    const ExecPolicy&);                                         \
+                                    const ExecPolicy&, ForwardCache<T>*);                       \
   template PartInfo part_incoming_grad<T>(const Inputs<T>&, const Sequences&, const Part&,      \
                                           const T*, SequenceStates<const T>, T*,                \
                                           const ExecPolicy&);                                   \
   template PartInfo part_backward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*, \
                                      SequenceStates<const T>, const T*, const T*,               \
                                      SequenceStates<const T>, const Grads<T>&,                  \
-                                     SequenceStates<T>, const ExecPolicy&, std::size_t);        \
+                                     SequenceStates<T>, const ExecPolicy&, std::size_t,         \
+                                     ForwardCache<T>*);                                         \
   template void forward_sequences<T>(const Inputs<T>&, const Sequences&,                        \
                                      SequenceStates<const T>, T*, SequenceStates<T>,            \
-                                     const ExecPolicy&);                                        \
+                                     const ExecPolicy&, ForwardCache<T>*);                      \
   template void backward_sequences<T>(const Inputs<T>&, const Sequences&,                       \
                                       SequenceStates<const T>, const T*,                        \
                                       SequenceStates<const T>, const Grads<T>&,                 \
-                                      SequenceStates<T>, const ExecPolicy&, std::size_t);
+                                      SequenceStates<T>, const ExecPolicy&, std::size_t,        \
+                                      ForwardCache<T>*);
 
 KDACP_SEQUENCES_INSTANTIATE(float)
 KDACP_SEQUENCES_INSTANTIATE(double)

@@ -53,6 +53,8 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
   job.scale = kda::default_scale<float>(s.key_dim);
   job.d_o = kda::synthetic_tensor<float>(s.v_elems(), c.seed + 1);
   job.final_states = false;
+  job.keep_forward = c.keep_forward;
+  job.warmup_steps = c.warmup_steps;
   job.sequences();
 
   const std::size_t hw = ThreadPool::default_threads(1);
@@ -130,7 +132,12 @@ double layer_bench_bytes(const LayerBenchConfig& c) {
     const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
     run = std::max(run, layer_run_bytes(s, s.batch, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
   }
-  return job + kept + run;
+  // One forward cache at a time (the largest: the one-rank run's whole stream).
+  const bool chunk = std::find(c.algorithms.begin(), c.algorithms.end(), kda::Algorithm::chunk) != c.algorithms.end();
+  const double cache = c.keep_forward && chunk
+                           ? layer_cache_bytes(s, kda::Algorithm::chunk, s.tokens, s.batch + c.ranks, sizeof(float))
+                           : 0.0;
+  return job + kept + run + cache;
 }
 
 }  // namespace kdacp::testing

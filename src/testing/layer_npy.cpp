@@ -181,7 +181,7 @@ double layer_npy_bytes(const std::string& dir) {
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
                      const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
-                     bool one_rank_per_process) {
+                     bool one_rank_per_process, double cache_bytes) {
   const ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout);
   const std::size_t ranks = layout.ranks();
   const Prediction pred = predict_exchange(ps, method, group_size, options);
@@ -193,7 +193,8 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
   what << "kdacp kda on " << ranks << " ranks";
   if (one_rank_per_process) what << " (one per process, this process's rank)";
   what << " with " << protocol_label(pred.config);
-  require_memory(2 * input_bytes + run, max_memory_bytes(max_memory), what.str(), max_memory_name(max_memory));
+  require_memory(2 * input_bytes + run + cache_bytes, max_memory_bytes(max_memory), what.str(),
+                 max_memory_name(max_memory));
 }
 
 template <class T>

@@ -1,6 +1,7 @@
 #include "kdacp/testing/layer_runner.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -165,16 +166,22 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
   in.algorithm = job.algorithm;
   ThreadPool pool(threads);
   const ExecPolicy exec{&pool};
-  auto t0 = std::chrono::steady_clock::now();
-  kda::forward_sequences(in, seqs, states_of(job.h0, seqs, s), r.o.data(), states_of(r.ht, seqs, s), exec);
-  r.forward_seconds = since(t0);
-  if (job.grads()) {
-    t0 = std::chrono::steady_clock::now();
-    kda::backward_sequences(in, seqs, states_of(job.h0, seqs, s), job.d_o.data(), states_of(job.dht, seqs, s),
-                            kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
-                                          nullptr},
-                            states_of(r.dh0, seqs, s), exec);
-    r.backward_seconds = since(t0);
+  kda::ForwardCache<T> cache;
+  kda::ForwardCache<T>* keep = job.keep_forward && job.grads() ? &cache : nullptr;
+  for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
+    cache.clear();
+    auto t0 = std::chrono::steady_clock::now();
+    kda::forward_sequences(in, seqs, states_of(job.h0, seqs, s), r.o.data(), states_of(r.ht, seqs, s), exec,
+                           keep);
+    r.forward_seconds = since(t0);
+    if (job.grads()) {
+      t0 = std::chrono::steady_clock::now();
+      kda::backward_sequences(in, seqs, states_of(job.h0, seqs, s), job.d_o.data(), states_of(job.dht, seqs, s),
+                              kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
+                                            nullptr},
+                              states_of(r.dh0, seqs, s), exec, kda::kDefaultCheckpointInterval, keep);
+      r.backward_seconds = since(t0);
+    }
   }
   return r;
 }
@@ -197,6 +204,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   ThreadPool pool(options.threads_per_rank);
   kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
                                      ExecPolicy{&pool, eo.exec.kernel});
+  layer.keep_forward(job.keep_forward && job.grads());
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);
   kda::Shape ls = s;
@@ -220,19 +228,24 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   LayerOutputs<T> lr = outputs_for<T>(ls, grads, job.final_states ? job.state_elems() : 0);
 
   const kda::Stream stream{seqs, layout};
-  comm.barrier();
-  auto t0 = std::chrono::steady_clock::now();
-  const kda::Saved saved =
-      layer.forward(in, stream, states_of(job.h0, seqs, ls), lr.o.data(), states_of(lr.ht, seqs, ls));
-  double times[3] = {since(t0), 0, layer.forward_times().exchange};
-  if (grads) {
+  double times[3] = {0, 0, 0};
+  for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
     comm.barrier();
-    t0 = std::chrono::steady_clock::now();
-    layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o.data(), states_of(dht, seqs, ls),
-                   kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(), nullptr},
-                   states_of(lr.dh0, seqs, ls));
-    times[1] = since(t0);
-    times[2] += layer.backward_times().exchange;
+    auto t0 = std::chrono::steady_clock::now();
+    const kda::Saved saved =
+        layer.forward(in, stream, states_of(job.h0, seqs, ls), lr.o.data(), states_of(lr.ht, seqs, ls));
+    times[0] = since(t0);
+    times[2] = layer.forward_times().exchange;
+    if (grads) {
+      comm.barrier();
+      t0 = std::chrono::steady_clock::now();
+      layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o.data(), states_of(dht, seqs, ls),
+                     kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(),
+                                   nullptr},
+                     states_of(lr.dh0, seqs, ls));
+      times[1] = since(t0);
+      times[2] += layer.backward_times().exchange;
+    }
   }
 
   // The slowest rank's times, then every rank's outputs to rank 0.
@@ -449,8 +462,18 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
   return cmp;
 }
 
+double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens, std::size_t pieces,
+                         std::size_t elem_bytes) {
+  if (algorithm != kda::Algorithm::chunk) return 0;
+  const double c = double(kda::kChunkSize);
+  const double chunks = std::ceil(double(tokens) / c) + double(pieces);
+  const double per_pair = chunks * (double(s.key_dim) * double(s.value_dim) + 2 * c * c + c / 16) +
+                          2 * double(tokens) * double(s.value_dim);
+  return double(s.batch) * double(s.value_heads) * per_pair * double(elem_bytes);
+}
+
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
-                               const LayoutSpec& layout_spec, bool one_rank_per_process) {
+                               const LayoutSpec& layout_spec, bool one_rank_per_process, bool keep_forward) {
   const kda::Layout layout = layout_spec.build(shape.tokens, ranks);
   const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
   // compare_protocols runs only the rows that take the layout when it is not
@@ -467,9 +490,14 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, s
       2 * double(sequences) * double(shape.value_heads) * double(shape.key_dim) * double(shape.value_dim);
   const double kept = double(protocols + 2) * (layer_output_bytes(shape, true, sizeof(float)) + kept_states * sizeof(float));
   const double exchange = exchange_rank_bytes(ps, hungriest);
+  // The single-rank run's cache (the whole stream) is as large as all P
+  // ranks' together, and never held at the same time as theirs.
+  const std::size_t pieces = sequences + layout.parts().size();
+  const double cache =
+      keep_forward ? layer_cache_bytes(shape, kda::Algorithm::chunk, shape.tokens, pieces, sizeof(float)) : 0.0;
   if (one_rank_per_process)
-    return kept + layer_rank_bytes(shape, sequences, layout, true, sizeof(float), exchange);
-  return kept + layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange, layout.parts().size());
+    return kept + cache + layer_rank_bytes(shape, sequences, layout, true, sizeof(float), exchange);
+  return kept + cache + layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange, layout.parts().size());
 }
 
 template struct LayerJob<float>;

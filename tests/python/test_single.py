@@ -90,6 +90,34 @@ def test_kda_chunk_matches_recurrent(packed):
         kt.kda(*inputs[:5], algorithm="wy")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kda_keep_forward_changes_no_bit(dtype):
+    """keep_forward=True (the chunk forward keeps its per-chunk states for the
+    backward) gives the same bits as recomputing them: o, ht and every
+    gradient, packed sequences across chunk boundaries; also a second forward
+    whose backward runs after the first's."""
+    cu = [0, 70, 71, 140, 150]
+    inputs = make_inputs(1, 150, 2, 4, 16, 32, dtype, seed=8, n_states=4)
+    gen = torch.Generator().manual_seed(9)
+    w_o = w_h = None
+    results = {}
+    for keep in (False, True):
+        xs = _leaves(inputs)
+        o, ht = kt.kda(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                       keep_forward=keep, threads=2)
+        if w_o is None:
+            w_o = torch.randn(o.shape, generator=gen, dtype=dtype)
+            w_h = torch.randn(ht.shape, generator=gen, dtype=dtype)
+        ys = _leaves(inputs)
+        o2, ht2 = kt.kda(*ys[:5], initial_state=ys[5], output_final_state=True, cu_seqlens=cu,
+                         keep_forward=keep, threads=2)
+        ((o2 * w_o).sum() + (ht2 * w_h).sum()).backward()
+        ((o * w_o).sum() + (ht * w_h).sum()).backward()
+        results[keep] = [o.detach(), ht.detach()] + [x.grad for x in xs] + [y.grad for y in ys]
+    for i, (got, want) in enumerate(zip(results[True], results[False])):
+        assert torch.equal(got, want), i
+
+
 def test_kda_default_scale_and_no_final_state():
     q, k, v, g, beta, _ = make_inputs(1, 8, 1, 2, 16, 16, torch.float64, seed=4)
     o, ht = kt.kda(q, k, v, g, beta)

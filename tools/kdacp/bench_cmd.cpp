@@ -146,7 +146,7 @@ struct LayerArgs {
   std::size_t value_heads = 0;  // 0: H
   std::vector<std::string> algorithms{"recurrent", "chunk"};
   ExchangeFlags exchange;
-  bool json = false, quick = false, quiet = false;
+  bool json = false, quick = false, quiet = false, recompute = false;
   std::string max_memory;
 };
 
@@ -178,10 +178,12 @@ void print_layer(const nlohmann::json& recs) {
   if (recs.empty()) return;
   const auto& r0 = recs[0];
   std::printf("kdacp bench layer: KDA layer forward+backward, float32, B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu, "
-              "chunk size %zu, median of %zu runs\n\n",
+              "chunk size %zu, median of %zu runs (each after %zu untimed step%s on the same layer), chunk forward %s\n\n",
               r0["B"].get<std::size_t>(), r0["T"].get<std::size_t>(), r0["H"].get<std::size_t>(),
               r0["HV"].get<std::size_t>(), r0["K"].get<std::size_t>(), r0["V"].get<std::size_t>(),
-              r0["chunk_size"].get<std::size_t>(), r0["repeats"].get<std::size_t>());
+              r0["chunk_size"].get<std::size_t>(), r0["repeats"].get<std::size_t>(),
+              r0["warmup_steps"].get<std::size_t>(), r0["warmup_steps"].get<std::size_t>() == 1 ? "" : "s",
+              r0["keep_forward"].get<bool>() ? "kept for the backward (kda::ForwardCache)" : "recomputed (--recompute)");
   t.print();
   std::printf("\nGFLOP/s: 34*B*T*HV*K*V flops (the recurrent algorithm's count on one device, %.2f GFLOP) per "
               "forward+backward wall time,\nthe same count for every algorithm and run; %% peak: of the FP32 FMA "
@@ -194,6 +196,7 @@ void print_layer(const nlohmann::json& recs) {
 
 void run_layer(LayerArgs& a) {
   testing::LayerBenchConfig& c = a.layer;
+  c.keep_forward = !a.recompute;
   c.algorithms.clear();
   for (const std::string& name : a.algorithms) c.algorithms.push_back(parse_algorithm_flag(name, "--algorithms"));
   if (a.quick) {
@@ -259,6 +262,11 @@ void add_layer_command(CLI::App& bench) {
           kThreadsRange);
   add_int(*cmd, "--repeat", c.repeats, "timed runs per algorithm and run, interleaved; the median is reported",
           IntRange{1, 1000});
+  add_int(*cmd, "--warmup", c.warmup_steps,
+          "untimed forward+backward steps before each timed one, on the same layer and buffers (a training "
+          "loop's steady state)",
+          IntRange{0, 100});
+  add_recompute_flag(*cmd, a->recompute);
   add_int(*cmd, "--seed", c.seed, "input seed", IntRange{});
   add_max_memory(*cmd, a->max_memory);
   cmd->add_flag("--json", a->json, "print one JSON array of flat records instead of a table");

@@ -38,6 +38,7 @@ nlohmann::json run_layer_bench(const testing::LayerBenchConfig& lc, bool show_pr
                         {"peak_gflops", res.peak.gflops}, {"peak_threads", res.peak.threads},
                         {"target", res.peak.target}, {"fraction_of_peak", r.peak_fraction},
                         {"speedup", r.speedup}, {"repeats", lc.repeats},
+                        {"warmup_steps", lc.warmup_steps}, {"keep_forward", lc.keep_forward},
                         {"max_rel_error", number(r.max_rel_error)}};
     for (std::size_t i = 0; i < r.rel_errors.size() && i < 6; ++i)
       j[std::string("rel_error_") + names[i]] = number(r.rel_errors[i]);

@@ -2,6 +2,7 @@
 // sequences, initial and final states, any layout), for comparison with any
 // other implementation (flash-linear-attention's layout, SPEC §9, §10), on
 // in-process ranks or one process per rank under mpirun.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@ struct KdaConfig {
   kda::Algorithm algorithm = kDefaultAlgorithm;
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
+  bool recompute = false;
 };
 
 // What every rank runs with on `ranks` ranks, after the memory admission
@@ -49,9 +51,19 @@ testing::LayerRunOptions run_options(const KdaConfig& cfg, const testing::LayerN
   opts.exchange = exchange_options(cfg.exchange, summary);
   opts.threads_per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
   // In-process the P ranks are this process's; under a launcher, one.
-  testing::admit_layer_run(s, in.sequences, summary, opts.layout.build(s.tokens, ranks), job.grads(), input_bytes,
-                           cfg.exchange.protocol, cfg.exchange.group_size, opts.exchange, cfg.max_memory,
-                           resolved_backend(cfg.backend) != "inprocess");
+  const kda::Layout layout = opts.layout.build(s.tokens, ranks);
+  const bool one_rank = resolved_backend(cfg.backend) != "inprocess";
+  std::size_t cache_tokens = s.tokens;
+  if (one_rank) {
+    cache_tokens = 0;
+    for (std::size_t r = 0; r < ranks; ++r) cache_tokens = std::max(cache_tokens, layout.local_tokens(r));
+  }
+  const double cache = job.keep_forward ? testing::layer_cache_bytes(s, job.algorithm, cache_tokens,
+                                                                     in.sequences + layout.parts().size(),
+                                                                     sizeof(T))
+                                        : 0.0;
+  testing::admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, cfg.exchange.protocol,
+                           cfg.exchange.group_size, opts.exchange, cfg.max_memory, one_rank, cache);
   return opts;
 }
 
@@ -80,6 +92,7 @@ void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_b
   const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
   testing::LayerJob<T> job = testing::layer_job<T>(in, scale);
   job.algorithm = cfg.algorithm;
+  job.keep_forward = !cfg.recompute && job.grads();
   job.sequences();  // every check of the job before any rank starts
   // In-process, P is known here: check once before the ranks start. Under a
   // launcher every process checks with its world's P before any message.
@@ -130,6 +143,7 @@ void add_kda_command(CLI::App& app) {
   add_exchange_flags(*cmd, cfg->exchange);
   add_layout_flags(*cmd, cfg->layout);
   add_algorithm_flag(*cmd, cfg->algorithm);
+  add_recompute_flag(*cmd, cfg->recompute);
   add_real(*cmd, "--scale", cfg->scale, "output scale (default 1/sqrt(K))", kPositive)->default_str("1/sqrt(K)");
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

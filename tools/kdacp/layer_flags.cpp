@@ -41,6 +41,13 @@ CLI::Option* add_algorithm_flag(CLI::App& cmd, kda::Algorithm& algorithm) {
       ->default_str(kda::algorithm_name(algorithm));
 }
 
+CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute) {
+  return cmd.add_flag("--recompute", recompute,
+                      "chunk algorithm: the backward recomputes the forward's per-chunk states, R, Delta, L and P "
+                      "instead of the forward keeping them (about 1.25x the inputs q, k, v, g less memory at "
+                      "K = V = 128, a slower backward); the same results either way");
+}
+
 void check_layout_flags(const LayoutFlags& flags) {
   if (flags.layout == "zigzag" && !flags.split.empty())
     throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");

@@ -25,6 +25,12 @@ inline constexpr kda::Algorithm kDefaultAlgorithm = kda::Algorithm::chunk;
 // the choices (exit status 2).
 CLI::Option* add_algorithm_flag(CLI::App& cmd, kda::Algorithm& algorithm);
 
+// Adds --recompute: with the chunk algorithm the forward normally keeps what
+// its backward would recompute (kda::ForwardCache, LayerJob::keep_forward);
+// --recompute keeps only the incoming states (less memory, a slower
+// backward). The results are the same bits either way.
+CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute);
+
 // Parses an --algorithm value as add_algorithm_flag does (for commands that
 // take several, e.g. `kdacp bench layer --algorithms`).
 kda::Algorithm parse_algorithm_flag(const std::string& text, const std::string& flag);

@@ -39,7 +39,7 @@ struct RunConfig {
   kda::Algorithm algorithm = kDefaultAlgorithm;
   std::uint64_t seed = 0;
   std::size_t threads = 0;
-  bool json = false;
+  bool json = false, recompute = false;
   std::string max_memory;
 
   bool packed() const { return packing.packed(); }
@@ -172,7 +172,8 @@ void run(RunConfig& cfg) {
     std::ostringstream what;
     what << "kdacp run on " << ranks << " ranks";
     if (one_rank_per_process) what << " (one per process, this process's share)";
-    require_memory(testing::compare_protocols_bytes(shape, sequences, ranks, layout, one_rank_per_process),
+    require_memory(testing::compare_protocols_bytes(shape, sequences, ranks, layout, one_rank_per_process,
+                                                    !cfg.recompute && cfg.algorithm == kda::Algorithm::chunk),
                    max_memory_bytes(cfg.max_memory), what.str(), max_memory_name(cfg.max_memory));
   };
   if (in_process) admit(layout_spec(cfg.layout, shape.tokens, cfg.backend.ranks), cfg.backend.ranks, false);
@@ -186,6 +187,7 @@ void run(RunConfig& cfg) {
     job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), cfg.seed + 1);
     job.final_states = cfg.packed();
     job.algorithm = cfg.algorithm;
+    job.keep_forward = !cfg.recompute;
     if (cfg.packed()) {
       const std::size_t states = sequences * shape.value_heads * shape.key_dim * shape.value_dim;
       job.h0 = kda::synthetic_tensor<float>(states, cfg.seed + 3);
@@ -244,6 +246,7 @@ void add_run_command(CLI::App& app) {
   add_packing_flags(*cmd, cfg->packing, std::size_t{1} << 24, ", with random h0 and dht, and report ht and dh0 too");
   add_layout_flags(*cmd, cfg->layout);
   add_algorithm_flag(*cmd, cfg->algorithm);
+  add_recompute_flag(*cmd, cfg->recompute);
   add_int(*cmd, "--seed", cfg->seed, "input seed", IntRange{});
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

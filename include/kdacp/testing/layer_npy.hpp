@@ -52,10 +52,11 @@ double layer_npy_bytes(const std::string& dir);
 // in kdacp/admission.hpp). With one_rank_per_process (under a launcher) the
 // run counted is this process's rank's share (layer_rank_bytes), not all P
 // ranks'. The message names the ranks and the protocol (auto: its choice).
+// cache_bytes: the forward caches the run holds (layer_cache_bytes), added.
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
                      const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
-                     bool one_rank_per_process = false);
+                     bool one_rank_per_process = false, double cache_bytes = 0);
 
 // The arrays as a layer job of T (T must be the files' dtype) with `scale`,
 // asking for the final states; the shape is checked with kda::validate.

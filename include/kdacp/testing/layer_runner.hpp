@@ -48,6 +48,14 @@ struct LayerJob {
   // How the layer computes (kda::Inputs::algorithm), on one device and on
   // every rank alike.
   kda::Algorithm algorithm = kda::Algorithm::recurrent;
+  // With chunk: the forward keeps what the backward recomputes
+  // (kda::ForwardCache; ContextParallelLayer::keep_forward), for a faster
+  // backward at ≈ 1.25× the inputs' memory (layer_cache_bytes).
+  bool keep_forward = false;
+  // Untimed forward+backward steps before the timed one, on the same layer
+  // and buffers (a training loop's steady state: no fresh pages, the
+  // forward cache reused); the outputs are the same bits either way.
+  std::size_t warmup_steps = 0;
 
   // Checks B = 1 with cu_seqlens and the rules of kda::Sequences, and the
   // sizes of h0, d_o and dht; throws InvalidArgument naming the array.
@@ -150,6 +158,13 @@ double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t r
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
                         std::size_t elem_bytes, double rank_exchange_bytes);
 
+// Bytes of the forward caches (kda::ForwardCache) a keep_forward job holds
+// for `tokens` tokens of `s` cut into at most `pieces` sequence pieces (each
+// piece may add a partial chunk): B·HV·((⌈tokens/C⌉ + pieces)·(K·V + 2·C² +
+// C/16) + 2·tokens·V) elements. 0 for the recurrent algorithm.
+double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens, std::size_t pieces,
+                         std::size_t elem_bytes);
+
 // Relative Frobenius errors (reference::relative_error) of `got` against
 // `want`: o, dq, dk, dv, dg, dbeta, then ht and dh0 when both have them.
 std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want);
@@ -208,7 +223,10 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
 // one_rank_per_process (a launcher's processes, P of them) the bytes of one
 // process: the job it holds, rank 0's kept outputs, and one rank's share of
 // a run (layer_rank_bytes) instead of all P ranks'.
+// keep_forward: the jobs keep their chunk forward (LayerJob::keep_forward),
+// whose caches (layer_cache_bytes) are counted too.
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
-                               const LayoutSpec& layout = {}, bool one_rank_per_process = false);
+                               const LayoutSpec& layout = {}, bool one_rank_per_process = false,
+                               bool keep_forward = false);
 
 }  // namespace kdacp::testing
