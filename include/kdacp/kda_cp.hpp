@@ -103,6 +103,7 @@ struct Saved {
 // Seconds spent in each phase of the last call.
 struct PhaseTimes {
   double local = 0;     // summary / G pass and the local recurrence
+  double summary = 0;   // of local: the summary (forward) or the G pass (backward) alone
   double exchange = 0;  // the state exchange, and the ht / dht / dh0 collectives
 };
 

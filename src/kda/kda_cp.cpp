@@ -322,7 +322,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   State offset(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
   State transfer(s.batch, s.value_heads, s.key_dim, s.key_dim, dtype_of<T>());
   chunk_summary(in, offset.data<T>(), transfer.data<T>(), exec_);
-  fwd_.local = since(t0);
+  fwd_.local = fwd_.summary = since(t0);
   t0 = std::chrono::steady_clock::now();
   State incoming = exchange_->forward(offset.view(), transfer.view());
   fwd_.exchange = since(t0);
@@ -379,7 +379,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   auto t0 = std::chrono::steady_clock::now();
   State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
   incoming_grad(in, d_o, g.data<T>(), exec_);
-  bwd_.local = since(t0);
+  bwd_.local = bwd_.summary = since(t0);
   t0 = std::chrono::steady_clock::now();
   State d_final = exchange_->backward(g.view(), saved.transfer.front().view());
   bwd_.exchange = since(t0);
@@ -460,7 +460,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     for (std::size_t i = 0; i < parts.size(); ++i)
       summaries.push_back({offsets[i].view(), transfers[i].view(), PartFlags{infos[i].cut}});
   });
-  fwd_.local = since(t0);
+  fwd_.local = fwd_.summary = since(t0);
   t0 = std::chrono::steady_clock::now();
   std::vector<State> incoming = exchange_->forward(summaries);
   fwd_.exchange = since(t0);
@@ -528,7 +528,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   }
   for (std::size_t i = 0; i < parts.size(); ++i)
     summaries.push_back({gs[i].view(), saved.transfer[i].view(), PartFlags{infos[i].cut}});
-  bwd_.local = since(t0);
+  bwd_.local = bwd_.summary = since(t0);
   t0 = std::chrono::steady_clock::now();
   const std::vector<State> d_end = exchange_->backward(summaries);
   bwd_.exchange += since(t0);

@@ -15,7 +15,7 @@ namespace kdacp::testing {
 namespace {
 
 struct Timing {
-  double forward = 0, backward = 0, exchange = 0;
+  double forward = 0, backward = 0, exchange = 0, summary = 0;
   double total() const { return forward + backward; }
 };
 
@@ -85,7 +85,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
         job.algorithm = c.algorithms[a];
         LayerOutputs<float> out =
             cp ? run_context_parallel(job, c.ranks, opts, c.timeout_s) : run_single(job, single_threads);
-        const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds};
+        const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds, out.summary_seconds};
         times[a].push_back(t);
         if (cp) methods[a] = out.method;
         if (rep == 0) outputs[a] = std::move(out);  // results are the same bits every run
@@ -104,6 +104,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       r.forward_seconds = t.forward;
       r.backward_seconds = t.backward;
       r.exchange_seconds = t.exchange;
+      r.summary_seconds = t.summary;
       r.flops = flops;
       r.gflops = flops / t.total() / 1e9;
       r.peak_fraction = r.gflops / result.peak.gflops;

@@ -228,7 +228,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   LayerOutputs<T> lr = outputs_for<T>(ls, grads, job.final_states ? job.state_elems() : 0);
 
   const kda::Stream stream{seqs, layout};
-  double times[3] = {0, 0, 0};
+  double times[4] = {0, 0, 0, 0};
   for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
     comm.barrier();
     auto t0 = std::chrono::steady_clock::now();
@@ -236,6 +236,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
         layer.forward(in, stream, states_of(job.h0, seqs, ls), lr.o.data(), states_of(lr.ht, seqs, ls));
     times[0] = since(t0);
     times[2] = layer.forward_times().exchange;
+    times[3] = layer.forward_times().summary;
     if (grads) {
       comm.barrier();
       t0 = std::chrono::steady_clock::now();
@@ -245,12 +246,13 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
                      states_of(lr.dh0, seqs, ls));
       times[1] = since(t0);
       times[2] += layer.backward_times().exchange;
+      times[3] += layer.backward_times().summary;
     }
   }
 
   // The slowest rank's times, then every rank's outputs to rank 0.
-  std::vector<double> all_times(3 * ranks);
-  std::copy_n(times, 3, all_times.begin() + static_cast<std::ptrdiff_t>(3 * rank));
+  std::vector<double> all_times(4 * ranks);
+  std::copy_n(times, 4, all_times.begin() + static_cast<std::ptrdiff_t>(4 * rank));
   comm.all_gather(std::as_writable_bytes(std::span(all_times)));
   const std::vector<std::size_t> inners = output_inners(s, grads);
   auto packed_elems = [&](std::size_t r) {
@@ -286,9 +288,10 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   r.ht = std::move(lr.ht);
   r.dh0 = std::move(lr.dh0);
   for (std::size_t q0 = 0; q0 < ranks; ++q0) {
-    r.forward_seconds = std::max(r.forward_seconds, all_times[3 * q0]);
-    r.backward_seconds = std::max(r.backward_seconds, all_times[3 * q0 + 1]);
-    r.exchange_seconds = std::max(r.exchange_seconds, all_times[3 * q0 + 2]);
+    r.forward_seconds = std::max(r.forward_seconds, all_times[4 * q0]);
+    r.backward_seconds = std::max(r.backward_seconds, all_times[4 * q0 + 1]);
+    r.exchange_seconds = std::max(r.exchange_seconds, all_times[4 * q0 + 2]);
+    r.summary_seconds = std::max(r.summary_seconds, all_times[4 * q0 + 3]);
   }
   r.method = layer.exchange().method();
   r.exact = layer.exchange().exact();

@@ -157,8 +157,8 @@ std::string err_text(const nlohmann::json& v, bool baseline) {
 }
 
 void print_layer(const nlohmann::json& recs) {
-  Table t({"run", "algorithm", "P x threads", "protocol", "fwd ms", "bwd ms", "fwd+bwd ms", "GFLOP/s", "% peak",
-           "speed-up", "err o", "err grads"});
+  Table t({"run", "algorithm", "P x threads", "protocol", "fwd ms", "bwd ms", "fwd+bwd ms", "summary+G",
+           "exchange", "GFLOP/s", "% peak", "speed-up", "err o", "err grads"});
   for (const auto& r : recs) {
     const bool base = r["algorithm"] == r["baseline"];
     double grads = 0;
@@ -171,6 +171,8 @@ void print_layer(const nlohmann::json& recs) {
            std::to_string(r["P"].get<std::size_t>()) + " x " + std::to_string(r["threads_per_rank"].get<std::size_t>()),
            r["protocol"].get<std::string>(), fmt("%.1f", r["forward_seconds"].get<double>() * 1e3),
            fmt("%.1f", r["backward_seconds"].get<double>() * 1e3), fmt("%.1f", r["seconds"].get<double>() * 1e3),
+           r["run"] == "cp" ? fmt("%.1f", r["summary_seconds"].get<double>() * 1e3) : "-",
+           r["run"] == "cp" ? fmt("%.1f", r["exchange_seconds"].get<double>() * 1e3) : "-",
            num(r["gflops"], "%.1f"), fmt("%.1f%%", 100 * r["fraction_of_peak"].get<double>()),
            fmt("%.2fx", r["speedup"].get<double>()), err_text(r["rel_error_o"], base),
            base ? "-" : nan ? "nan" : fmt("%.1e", grads)});
@@ -188,7 +190,9 @@ void print_layer(const nlohmann::json& recs) {
   std::printf("\nGFLOP/s: 34*B*T*HV*K*V flops (the recurrent algorithm's count on one device, %.2f GFLOP) per "
               "forward+backward wall time,\nthe same count for every algorithm and run; %% peak: of the FP32 FMA "
               "peak measured in this run, %.1f GFLOP/s on %zu threads (%s);\nspeed-up: %s's fwd+bwd time / this "
-              "one's, same run; err: relative Frobenius error vs %s, same run (grads: max of dq, dk, dv, dg, dbeta)\n",
+              "one's, same run; err: relative Frobenius error vs %s, same run (grads: max of dq, dk, dv, dg, dbeta);\n"
+              "summary+G, exchange (CP, slowest rank, ms): the chunk summary and the G pass, and the exchanges; "
+              "fwd+bwd minus both is the forward and backward proper\n",
               r0["flops"].get<double>() / 1e9, r0["peak_gflops"].get<double>(), r0["peak_threads"].get<std::size_t>(),
               r0["target"].get<std::string>().c_str(), r0["baseline"].get<std::string>().c_str(),
               r0["baseline"].get<std::string>().c_str());

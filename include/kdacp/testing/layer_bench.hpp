@@ -47,6 +47,7 @@ struct LayerBenchRecord {
   std::string method = "none";  // the exchange's method (auto: its choice); "none" on one rank
   double forward_seconds = 0, backward_seconds = 0;  // slowest rank
   double exchange_seconds = 0;                       // slowest rank, forward + backward
+  double summary_seconds = 0;  // slowest rank, the summary + the G pass (CP only; part of local work)
   // The recurrent algorithm's flops on one device, 34·B·T·HV·K·V
   // (kda::forward_flops + backward_flops), for every algorithm and mode: a
   // rate of the same work.

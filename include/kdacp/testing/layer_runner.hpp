@@ -71,6 +71,7 @@ struct LayerOutputs {
   std::vector<T> ht, dh0;                            // [N,HV,K,V] when the job asks for them
   double forward_seconds = 0, backward_seconds = 0;  // slowest rank
   double exchange_seconds = 0;                       // slowest rank, forward + backward
+  double summary_seconds = 0;  // slowest rank, the summary + the G pass (PhaseTimes::summary; CP only)
   std::string method;
   std::string backend = "single";
   std::size_t ranks = 1;
