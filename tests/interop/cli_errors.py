@@ -107,6 +107,42 @@ def case_algorithm(kdacp, d):
         assert rc == 0 and ", %s algorithm," % good in text, (good, rc, text)
 
 
+def case_recompute(kdacp, d):
+    # --recompute (the chunk backward recomputes what the forward otherwise
+    # keeps) changes no byte of any output file: packed sequences across
+    # chunk boundaries, h0, dht, do, on 1 and 2 ranks; the recurrent algorithm
+    # takes the flag too; run and bench layer say which they did.
+    rng = np.random.default_rng(5)
+    b, t, h, k = 1, 150, 1, 16
+    x = dict(q=rng.uniform(-1, 1, (b, t, h, k)), k=rng.uniform(-1, 1, (b, t, h, k)) / 4,
+             v=rng.uniform(-1, 1, (b, t, h, k)), g=np.log(rng.uniform(0.9, 1, (b, t, h, k))),
+             beta=rng.uniform(0.1, 0.9, (b, t, h)), do=rng.uniform(-1, 1, (b, t, h, k)),
+             h0=rng.uniform(-1, 1, (3, h, k, k)), dht=rng.uniform(-1, 1, (3, h, k, k)))
+    for name, a in x.items():
+        np.save(os.path.join(d, name + ".npy"), a.astype(np.float32))
+    np.save(os.path.join(d, "cu_seqlens.npy"), np.array([0, 70, 71, 150], dtype=np.int64))
+    for ranks in ("1", "2"):
+        outs = []
+        for extra in ([], ["--recompute"]):
+            out = os.path.join(d, "out_%s_%d" % (ranks, len(extra)))
+            rc, text = run(kdacp, "kda", "--inputs", d, "--out", out, "--ranks", ranks, *extra)
+            assert rc == 0, text
+            outs.append(out)
+        names = sorted(os.listdir(outs[0]))
+        assert "dh0.npy" in names and "dq.npy" in names, names
+        assert names == sorted(os.listdir(outs[1])), (names, os.listdir(outs[1]))
+        for n in names:
+            with open(os.path.join(outs[0], n), "rb") as a, open(os.path.join(outs[1], n), "rb") as c:
+                assert a.read() == c.read(), (ranks, n)
+    rc, text = run(kdacp, "kda", "--inputs", d, "--out", os.path.join(d, "rec"), "--algorithm", "recurrent",
+                   "--recompute")
+    assert rc == 0, text
+    rc, text = run(kdacp, "bench", "layer", "--quick", "--recompute", "--warmup", "0", "-q")
+    assert rc == 0 and "recomputed (--recompute)" in text, text
+    rc, text = run(kdacp, "bench", "layer", "--quick", "-q")
+    assert rc == 0 and "kept for the backward" in text, text
+
+
 def case_stale_outputs(kdacp, d):
     out = os.path.join(d, "out")
     os.makedirs(out)
