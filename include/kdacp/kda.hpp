@@ -111,9 +111,9 @@ void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
 // What Algorithm::chunk's forward can keep for the backward of the same call
 // (same inputs, same incoming state), so that the backward skips its first
 // pass over the chunks (recomputing the state entering every chunk, R, Δ, L
-// and P: about a fifth of its time); the gradients are bitwise the same.
-// Memory for a record: B·HV·(⌈T/C⌉·(K·V + 2·C² + C/16) + 2·T·V) elements,
-// C = kChunkSize (forward_saved_elems); Algorithm::recurrent keeps nothing.
+// and P: a quarter of its time at K = V = 128); the gradients are bitwise
+// the same. Memory for a record: B·HV·(⌈T/C⌉·(K·V + 2·C² + C/16) + 2·T·V)
+// elements, C = kChunkSize (record_elems); Algorithm::recurrent keeps nothing.
 // forward appends one record per call; backward takes the records in the
 // order they were appended (a layer over several parts or sequence pieces
 // runs its backward calls in its forward's order); rewind() lets a second
