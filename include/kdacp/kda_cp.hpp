@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kdacp/comm.hpp"
@@ -98,6 +99,18 @@ struct Saved {
   // otherwise): one record per sequence piece of every part, in order.
   std::shared_ptr<ForwardCache<float>> kept_f32;
   std::shared_ptr<ForwardCache<double>> kept_f64;
+
+  // kept_f32 or kept_f64, by element type.
+  template <class T>
+  std::shared_ptr<ForwardCache<T>>& kept() {
+    if constexpr (std::is_same_v<T, float>) return kept_f32;
+    else return kept_f64;
+  }
+  template <class T>
+  const std::shared_ptr<ForwardCache<T>>& kept() const {
+    if constexpr (std::is_same_v<T, float>) return kept_f32;
+    else return kept_f64;
+  }
 };
 
 // Seconds spent in each phase of the last call.

@@ -22,17 +22,14 @@ namespace {
 
 // What forward keeps for backward: the layer's Saved (M and the incoming state
 // of each part, and with keep_forward its forward cache); on one process
-// nothing, or with keep_forward the forward cache.
+// nothing, or with keep_forward a Saved holding the forward cache alone.
 struct SavedBox {
   std::optional<kda::Saved> saved;
-  std::shared_ptr<kda::ForwardCache<float>> kept_f32;
-  std::shared_ptr<kda::ForwardCache<double>> kept_f64;
 
+  // The forward cache (rewound for the backward), or null.
   template <class T>
   kda::ForwardCache<T>* kept() const {
-    kda::ForwardCache<T>* c;
-    if constexpr (std::is_same_v<T, float>) c = kept_f32.get();
-    else c = kept_f64.get();
+    kda::ForwardCache<T>* c = saved ? saved->kept<T>().get() : nullptr;
     if (c) c->rewind();
     return c;
   }
@@ -183,8 +180,7 @@ class KdaLayer {
         std::shared_ptr<kda::ForwardCache<T>> cache;
         if (keep_forward && algorithm == kda::Algorithm::chunk) cache = std::make_shared<kda::ForwardCache<T>>();
         kda::forward_sequences(in, seqs, h0, o_data, hts, pool_.exec(), cache.get());
-        if constexpr (std::is_same_v<T, float>) box->kept_f32 = cache;
-        else box->kept_f64 = cache;
+        if (cache) box->saved.emplace().kept<T>() = cache;
       }
     }
     return py::make_tuple(o, ht, box);

@@ -548,23 +548,16 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
   chunk_solve(c, X + x_lo, ldx, x_hi - x_lo, w);
 }
 
-// Advances `state` (K×n, n ≥ V; columns ≥ V see U = 0) over one prepared
-// chunk and, when o is set, writes its outputs (o_t at o + t·o_stride).
+// The end of one prepared chunk given Δ (c rows of stride ldd, n columns):
+// when o is set, o_t = scale (Qg S_0 + P Δ)_t on the first V columns (at
+// o + t·o_stride); then S ← Diag(a_c) S + Krᵀ Δ (state: K×n).
 template <class T>
-void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n, T* state,
-                   T* o, std::size_t o_stride, T scale, ChunkWork<T>& w) {
-  const std::size_t ldx = vd + kd;
-  const T* X = w.x.data();
-  T* dl = w.delta.data();  // c×n
-  for (std::size_t t = 0; t < c; ++t) {
-    for (std::size_t j = 0; j < vd; ++j) dl[t * n + j] = X[t * ldx + j];
-    for (std::size_t j = vd; j < n; ++j) dl[t * n + j] = 0;
-  }
-  gemm<GemmOp::sub>(c, n, kd, X + vd, ldx, std::size_t{1}, state, n, dl, n);
+void chunk_finish(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n, T* state, const T* dl,
+                  std::size_t ldd, T* o, std::size_t o_stride, T scale, ChunkWork<T>& w) {
   if (o != nullptr) {
     T* tmp = w.tmp.data();  // c×V
     gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, n, tmp, vd);
-    gemm<GemmOp::add, Tri::lower_a>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, dl, n, tmp, vd);
+    gemm<GemmOp::add, Tri::lower_a>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, dl, ldd, tmp, vd);
     for (std::size_t t = 0; t < c; ++t) {
       T* ot = o + t * o_stride;
       for (std::size_t j = 0; j < vd; ++j) ot[j] = scale * tmp[t * vd + j];
@@ -575,13 +568,28 @@ void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n,
     T* row = state + i * n;
     for (std::size_t j = 0; j < n; ++j) row[j] = a * row[j];
   }
-  gemm<GemmOp::add>(kd, n, c, w.kr.data(), std::size_t{1}, kd, dl, n, state, n);
+  gemm<GemmOp::add>(kd, n, c, w.kr.data(), std::size_t{1}, kd, dl, ldd, state, n);
 }
 
-// As chunk_advance for the state alone (n = V), with Δ solved directly:
+// Advances the summary's [S | M] (K×n, n = V + K; the M columns see U = 0)
+// over one chunk prepared with X = [U | W]: Δ = [U | 0] - W [S | M].
+template <class T>
+void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n, T* state, ChunkWork<T>& w) {
+  const std::size_t ldx = vd + kd;
+  const T* X = w.x.data();
+  T* dl = w.delta.data();  // c×n
+  for (std::size_t t = 0; t < c; ++t) {
+    for (std::size_t j = 0; j < vd; ++j) dl[t * n + j] = X[t * ldx + j];
+    for (std::size_t j = vd; j < n; ++j) dl[t * n + j] = 0;
+  }
+  gemm<GemmOp::sub>(c, n, kd, X + vd, ldx, std::size_t{1}, state, n, dl, n);
+  chunk_finish(c, kd, vd, n, state, dl, n, static_cast<T*>(nullptr), 0, T(0), w);
+}
+
+// The forward's step over one chunk (n = V), with Δ solved directly:
 // Δ = (I + Diag(β) L)⁻¹ Diag(β) (V - Kg S_0), which is U - W S_0 without
 // solving for W (K columns fewer). Needs chunk_prepare's factors only
-// (x_lo = x_hi). o as in chunk_advance. keep_r / keep_delta (c×V each, or
+// (x_lo = x_hi). o as in chunk_finish. keep_r / keep_delta (c×V each, or
 // null): where R = V - Kg S_0 and Δ are kept (the same bits either way).
 template <class T>
 void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
@@ -598,21 +606,7 @@ void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, 
   if (keep_r)
     for (std::size_t t = 0; t < c; ++t) std::copy_n(X + t * ldx, vd, keep_r + t * vd);
   chunk_solve(c, X, ldx, vd, w);
-  if (o != nullptr) {
-    T* tmp = w.tmp.data();  // c×V
-    gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, vd, tmp, vd);
-    gemm<GemmOp::add, Tri::lower_a>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, X, ldx, tmp, vd);
-    for (std::size_t t = 0; t < c; ++t) {
-      T* ot = o + t * o_stride;
-      for (std::size_t j = 0; j < vd; ++j) ot[j] = scale * tmp[t * vd + j];
-    }
-  }
-  for (std::size_t i = 0; i < kd; ++i) {
-    const T a = w.ac[i];
-    T* row = state + i * vd;
-    for (std::size_t j = 0; j < vd; ++j) row[j] = a * row[j];
-  }
-  gemm<GemmOp::add>(kd, vd, c, w.kr.data(), std::size_t{1}, kd, X, ldx, state, vd);
+  chunk_finish(c, kd, vd, vd, state, X, ldx, o, o_stride, scale, w);
 }
 
 // forward of one head: o (when set) and, when set, the final state. keep
@@ -661,7 +655,7 @@ void chunk_summary_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
   for (std::size_t t0 = 0; t0 < tokens; t0 += kChunk) {
     const std::size_t c = std::min(kChunk, tokens - t0);
     chunk_prepare(h, t0, c, kd, vd, 0, vd + kd, w, static_cast<const T*>(nullptr), Factors::l);
-    chunk_advance(c, kd, vd, n, st, static_cast<T*>(nullptr), 0, T(0), w);
+    chunk_advance(c, kd, vd, n, st, w);
   }
   for (std::size_t i = 0; i < kd; ++i) {
     for (std::size_t j = 0; j < vd; ++j) s[i * vd + j] = st[i * n + j];

@@ -333,8 +333,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   Saved saved;
   saved.transfer.push_back(std::move(transfer));
   saved.incoming.push_back(std::move(incoming));
-  if constexpr (std::is_same_v<T, float>) saved.kept_f32 = cache;
-  else saved.kept_f64 = cache;
+  saved.kept<T>() = cache;
   return saved;
 }
 
@@ -351,9 +350,7 @@ std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const
 
 template <class T>
 ForwardCache<Elem<T>>* ContextParallelLayer<T>::kept_of(const Saved& saved) {
-  ForwardCache<Elem<T>>* kept;
-  if constexpr (std::is_same_v<T, float>) kept = saved.kept_f32.get();
-  else kept = saved.kept_f64.get();
+  ForwardCache<Elem<T>>* kept = saved.kept<T>().get();
   if (kept) kept->rewind();
   return kept;
 }
@@ -476,8 +473,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     fwd_.exchange += since(t0);
   }
   Saved saved{std::move(transfers), std::move(incoming), stream, nullptr, nullptr};
-  if constexpr (std::is_same_v<T, float>) saved.kept_f32 = cache;
-  else saved.kept_f64 = cache;
+  saved.kept<T>() = cache;
   return saved;
 }
 
