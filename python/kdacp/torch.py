@@ -404,6 +404,8 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         raise ValueError(f"layout '{layout}', expected 'contiguous' or 'zigzag'")
     if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}, expected 'recurrent' or 'chunk'")
+    if not isinstance(keep_forward, bool):
+        raise ValueError(f"keep_forward={keep_forward!r}, expected True or False")
     _options(options)
     dtype = _DTYPES[q.dtype]
     n_seq = (len(cu) - 1) if cu is not None else b

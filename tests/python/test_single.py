@@ -140,6 +140,9 @@ def test_kda_bad_inputs():
         kt.kda(q, k, v, g, beta, initial_state=torch.zeros(2, 4, 16, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="zigzag"):
         kt.kda(q, k, v, g, beta, layout="zigzag")
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError, match="keep_forward"):
+            kt.kda(q, k, v, g, beta, keep_forward=bad)
     with pytest.raises(ValueError, match="dtype"):
         kt.kda(q.to(torch.int64), k, v, g, beta)
     with pytest.raises(ValueError):
