@@ -112,7 +112,7 @@ void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
 // (same inputs, same incoming state), so that the backward skips its first
 // pass over the chunks (recomputing the state entering every chunk, R, Δ, L
 // and P: a quarter of its time at K = V = 128); the gradients are bitwise
-// the same. Memory for a record: B·HV·(⌈T/C⌉·(K·V + 2·C² + C/16) + 2·T·V)
+// the same. Memory for a record: B·HV·(⌈T/C⌉·(K·V + 2·C²) + 2·T·V)
 // elements, C = kChunkSize (record_elems); Algorithm::recurrent keeps nothing.
 // forward appends one record per call; backward takes the records in the
 // order they were appended (a layer over several parts or sequence pieces

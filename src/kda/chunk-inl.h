@@ -19,16 +19,23 @@
 // The G pass runs the adjoint of the last three lines backwards over chunks:
 //   dΔ = scale Pᵀ dO + Kr dS_c,   dS_0 = scale Qgᵀ dO + Diag(a_c) dS_c - Wᵀ dΔ.
 //
-// Strong decay: every decay factor is a product of α's over a token range,
-// never exp of a difference of cumulative sums, so nothing overflows. Inside
+// Strong decay (any finite g ≤ 0, down to -1e4 and beyond): every decay
+// factor is a product of α's over a token range, never exp of a difference
+// of cumulative sums, so nothing overflows and underflow is graceful. Inside
 // a chunk, L and P are built per sub-chunk σ of kSub tokens starting at b:
 // for s < b, Π(s,t] = Π(b,t] · Π(s,b], both ≤ 1 (a product of two small
-// matrices); inside σ, Π(s,t] = F_t / F_s with F_t = Π(b,t] ≥ Π over
-// kSub-1 tokens. That division is used only while every F of the sub-chunk
-// is a normal number well inside range (in float: the decay over 15 tokens
-// above e^-83, i.e. g ≥ -5.5 per channel per token on average); otherwise that
-// diagonal block is computed exactly, pair by pair, with running products
-// (slower, same result up to rounding).
+// matrices); inside σ, Π(s,t] = F_t / F_s with F_t = Π(b,t]. That division
+// is used per key channel, only where every F of σ stays a normal number
+// with `digits` bits to spare (classify_channels: in float, the decay over
+// 15 tokens above e^-69, i.e. g ≥ -4.6 per token on average); the other
+// channels' share of the diagonal block is computed exactly, pair by pair,
+// with running products (scalar, proportional to the number of such
+// channels; the same result up to rounding).
+// Gradients: dg_r = Σ_{t ≥ r} dγ_t, where every factor e^{γ_a - γ_b} adds
+// +x at a and -x at b. Terms whose factor is exactly 1 (the diagonal of P,
+// Kr of the chunk's last token) are left out instead of added and
+// subtracted: under strong decay dg is of the size of α, and the rounding
+// of such O(1) pairs would swamp it.
 //
 // Bitwise agreement across targets (see kda_math.cpp): matrix products
 // vectorise along the output's columns only; every output element is
@@ -350,12 +357,39 @@ void transpose(const T* HWY_RESTRICT src, std::size_t rows, std::size_t cols, st
   }
 }
 
+// The factorisable range of a sub-chunk's decay products F_t = Π(b,t]: a
+// channel's diagonal block is factorised as (k_t F_t)·(k_s / F_s) only while
+// every F of the sub-chunk is in [2^(min_exponent + digits), 2^(max_exponent
+// - 8)] (so k·F and q·F keep full precision for |k|, |q| ≥ 2^-digits) and
+// every k/F is finite; otherwise (strong decay: in float an average g below about -4.6
+// per token over the 15 steps) that channel's pairs are computed exactly.
+// Fills w.ok and w.bad for the nr rows of fr (F) and brow (k/F).
+template <class T>
+void classify_channels(const T* HWY_RESTRICT fr, const T* HWY_RESTRICT brow, std::size_t nr,
+                       std::size_t kd, ChunkWork<T>& w) {
+  const T lo = std::ldexp(T(1), std::numeric_limits<T>::min_exponent + std::numeric_limits<T>::digits);
+  const T hi = std::ldexp(T(1), std::numeric_limits<T>::max_exponent - 8);
+  constexpr T kMax = std::numeric_limits<T>::max();
+  T* ok = w.ok.data();
+  for (std::size_t i = 0; i < kd; ++i) ok[i] = 1;
+  for (std::size_t t = 0; t < nr; ++t) {
+    const T* f = fr + t * kd;
+    const T* bv = brow + t * kd;
+    // The comparisons are false for NaN: such a channel is exact too.
+    for (std::size_t i = 0; i < kd; ++i)
+      if (!(f[i] >= lo) || !(f[i] <= hi) || !(std::abs(bv[i]) <= kMax)) ok[i] = 0;
+  }
+  w.bad.clear();
+  for (std::size_t i = 0; i < kd; ++i)
+    if (ok[i] == T(0)) w.bad.push_back(i);
+}
+
 // Gathers tokens [t0, t0 + c) of one head and builds everything of the
 // chunk that does not depend on the state: decays, Kg, Qg, Kr, a_c, L, P and
 // the solve's columns [x_lo, x_hi) of X = [U | W] (U: [0, V), W: [V, V+K)).
 // alpha_all: exp(g) of the head's tokens, [tokens×K] (null: computed here).
 // factors: which of L and P are built (l: P is left as it was, for the
-// summary, which uses L only; none: neither, nor the safe flags, for a
+// summary, which uses L only; none: neither, for a
 // caller that kept them from an earlier call on the same chunk); L and P are
 // the same either way.
 enum class Factors { l, l_and_p, none };
@@ -441,8 +475,6 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
   // Every row t < c is written whole, [0, c): no separate zero fill.
   T* L = w.L.data();
   T* P = w.P.data();
-  const T lo = std::ldexp(T(1), std::numeric_limits<T>::min_exponent + 5);
-  const T hi = std::ldexp(T(1), std::numeric_limits<T>::max_exponent - 8);
   for (std::size_t b = 0; b < (factors == Factors::none ? 0 : c); b += kSub) {
     const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
     T* HWY_RESTRICT am = w.amat.data();   // rows [Kf_t; Qf_t], t ∈ σ: (2·nr)×K
@@ -477,15 +509,11 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
             bt[i] = kt[i] / f[i];
           });
     }
-    // Safe when every F is a normal number in [lo, hi] and every k/F finite
-    // (the comparisons are false for NaN).
-    int bad = 0;
-    for (std::size_t x = 0; x < nr * kd; ++x) {
-      bad |= static_cast<int>(!(fr[x] >= lo)) | static_cast<int>(!(fr[x] <= hi));
-      bad |= static_cast<int>(!(std::abs(br[b * kd + x]) <= std::numeric_limits<T>::max()));
-    }
-    const bool safe = bad == 0;
-    w.safe[b / kSub] = safe;
+    // Channels out of the factorisable range take the exact path: their k/F
+    // entries leave the product (zeros), their pairs are added below.
+    classify_channels(fr, br + b * kd, nr, kd, w);
+    for (std::size_t i : w.bad)
+      for (std::size_t s2 = b; s2 < e; ++s2) br[s2 * kd + i] = 0;
     for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
     for (std::size_t s2 = b; s2-- > 0;) {
       const T* a = al + (s2 + 1) * kd;
@@ -510,27 +538,25 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
     T* r = w.rbuf.data();
     gemm<GemmOp::set>(ncol, na, kd, br, kd, std::size_t{1}, amt, na, r, na);
     for (std::size_t t = b; t < e; ++t) {
-      const std::size_t l_end = safe ? t : b, p_end = safe ? t + 1 : b;
       T* lt = L + t * kChunk;
       T* pt = P + t * kChunk;
-      for (std::size_t s2 = 0; s2 < c; ++s2) lt[s2] = s2 < l_end ? r[s2 * na + (t - b)] : T(0);
+      for (std::size_t s2 = 0; s2 < c; ++s2) lt[s2] = s2 < t ? r[s2 * na + (t - b)] : T(0);
       if (need_p)
-        for (std::size_t s2 = 0; s2 < c; ++s2)
-          pt[s2] = s2 < p_end ? r[s2 * na + (nr + t - b)] : T(0);
+        for (std::size_t s2 = 0; s2 < c; ++s2) pt[s2] = s2 <= t ? r[s2 * na + (nr + t - b)] : T(0);
     }
-    if (!safe) {
-      // Exact diagonal block: x = Π(s,t] ⊙ k_s by running products.
-      T* x = run;
-      for (std::size_t s = b; s < e; ++s) {
-        for (std::size_t i = 0; i < kd; ++i) x[i] = k[s * kd + i];
-        for (std::size_t t = s; t < e; ++t) {
-          if (t > s)
-            for (std::size_t i = 0; i < kd; ++i) x[i] = x[i] * al[t * kd + i];
-          if (t > s) L[t * kChunk + s] = plain_dot(k + t * kd, x, kd);
-          if (need_p) P[t * kChunk + s] = plain_dot(q + t * kd, x, kd);
+    // The exact channels' share of the diagonal block, channel by channel
+    // in ascending order: x = Π(s,t] k_s by running products.
+    for (std::size_t i : w.bad)
+      for (std::size_t s2 = b; s2 < e; ++s2) {
+        T x = k[s2 * kd + i];
+        for (std::size_t t = s2; t < e; ++t) {
+          if (t > s2) {
+            x = x * al[t * kd + i];
+            L[t * kChunk + s2] = L[t * kChunk + s2] + k[t * kd + i] * x;
+          }
+          if (need_p) P[t * kChunk + s2] = P[t * kChunk + s2] + q[t * kd + i] * x;
         }
       }
-    }
   }
 
   // X = (I + Diag(β) L)⁻¹ Diag(β) Y, Y = [V | Kg], columns [x_lo, x_hi), by
@@ -631,8 +657,6 @@ void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
       T* lp = keep + lay.factors + ci * 2 * kChunk * kChunk;
       std::copy_n(w.L.data(), c * kChunk, lp);
       std::copy_n(w.P.data(), c * kChunk, lp + kChunk * kChunk);
-      for (std::size_t b = 0; b < kChunk / kSub; ++b)
-        keep[lay.flags + ci * (kChunk / kSub) + b] = w.safe[b] ? T(1) : T(0);
       keep_r = keep + lay.r + t0 * vd;
       keep_delta = keep + lay.delta + t0 * vd;
     }
@@ -740,7 +764,6 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     const T* lp = kept + lay.factors + ci * 2 * kChunk * kChunk;
     std::copy_n(lp, c * kChunk, w.L.data());
     std::copy_n(lp + kChunk * kChunk, c * kChunk, w.P.data());
-    for (std::size_t sb = 0; sb < kChunk / kSub; ++sb) w.safe[sb] = kept[lay.flags + ci * (kChunk / kSub) + sb] != T(0);
     const T* s0 = states + ci * kv;
     const T* k = w.k.data();
     const T* q = w.q.data();
@@ -861,35 +884,60 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       run[i] = 1;
       last[i] = dac[i] * w.ac[i];
     }
+    // Kr_{c-1} = k_{c-1} has no decay factor: its dγ_{c-1} terms (+ and -)
+    // would cancel exactly, so they are skipped rather than added and
+    // subtracted (that would leave an O(|dkr·k|) rounding error in dg, which
+    // under strong decay is far larger than dg itself).
     for (std::size_t s2 = c; s2-- > 0;) {
       const std::size_t o = s2 * kd;
-      const bool more = s2 > 0;
+      const bool more = s2 > 0, decayed = s2 + 1 < c;
       for_vecs<T>(
           kd,
           [&](auto d, std::size_t i) {
             const std::size_t x = o + i;
             const auto r = hn::LoadU(d, run + i), a = hn::LoadU(d, dkr + x);
             hn::StoreU(hn::Add(hn::LoadU(d, gk + x), hn::Mul(a, r)), d, gk + x);
-            const auto dx = hn::Mul(a, hn::LoadU(d, wkr + x));
-            hn::StoreU(hn::Sub(hn::LoadU(d, gg + x), dx), d, gg + x);
-            hn::StoreU(hn::Add(hn::LoadU(d, last + i), dx), d, last + i);
+            if (decayed) {
+              const auto dx = hn::Mul(a, hn::LoadU(d, wkr + x));
+              hn::StoreU(hn::Sub(hn::LoadU(d, gg + x), dx), d, gg + x);
+              hn::StoreU(hn::Add(hn::LoadU(d, last + i), dx), d, last + i);
+            }
             if (more) hn::StoreU(hn::Mul(r, hn::LoadU(d, al + x)), d, run + i);
           },
           [&](std::size_t i) {
             const std::size_t x = o + i;
             gk[x] = gk[x] + dkr[x] * run[i];
-            const T dx = dkr[x] * wkr[x];
-            gg[x] = gg[x] - dx;
-            last[i] = last[i] + dx;
+            if (decayed) {
+              const T dx = dkr[x] * wkr[x];
+              gg[x] = gg[x] - dx;
+              last[i] = last[i] + dx;
+            }
             if (more) run[i] = run[i] * al[x];
           });
     }
     for (std::size_t i = 0; i < kd; ++i) gg[(c - 1) * kd + i] = gg[(c - 1) * kd + i] + last[i];
 
-    // L and P per sub-chunk σ: R = [Kf; Qf] Bmᵀ, dR = [dL; dP] rows of σ.
+    // The diagonal of P, P_tt = q_t·k_t (no decay factor, so no dγ): exact.
+    for (std::size_t t = 0; t < c; ++t) {
+      const T dpt = dP[t * c + t];
+      const std::size_t o = t * kd;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const auto cp = hn::Set(d, dpt);
+            hn::StoreU(hn::Add(hn::LoadU(d, gq + o + i), hn::Mul(cp, hn::LoadU(d, k + o + i))), d, gq + o + i);
+            hn::StoreU(hn::Add(hn::LoadU(d, gk + o + i), hn::Mul(cp, hn::LoadU(d, q + o + i))), d, gk + o + i);
+          },
+          [&](std::size_t i) {
+            gq[o + i] = gq[o + i] + dpt * k[o + i];
+            gk[o + i] = gk[o + i] + dpt * q[o + i];
+          });
+    }
+    // The rest of L and P per sub-chunk σ: R = [Kf; Qf] Bmᵀ, dR = [dL; dP]
+    // rows of σ, strictly below the diagonal; the exact channels' pairs of
+    // the diagonal block after the products.
     for (std::size_t b = 0; b < c; b += kSub) {
       const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
-      const bool safe = w.safe[b / kSub];
       T* HWY_RESTRICT am = w.amat.data();   // (2·nr)×K
       T* HWY_RESTRICT bmr = bw.bmr.data();  // ncol×K: Kb_s (s < b), Kinv_s (s ∈ σ)
       T* HWY_RESTRICT fac = bw.fac.data();  // ncol×K: the factor of each bmr row (F_t for t ∈ σ in am)
@@ -921,6 +969,11 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
               bmr[x0 + i] = k[x0 + i] / f;
             });
       }
+      // The forward's split of the channels (the same products, the same bits).
+      classify_channels(ff, bmr + b * kd, nr, kd, w);
+      const T* HWY_RESTRICT okc = w.ok.data();
+      for (std::size_t i : w.bad)
+        for (std::size_t s2 = b; s2 < e; ++s2) bmr[s2 * kd + i] = 0;
       for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
       for (std::size_t s2 = b; s2-- > 0;) {
         const std::size_t x0 = s2 * kd, a0 = (s2 + 1) * kd;
@@ -942,46 +995,42 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       for (std::size_t t = b; t < e; ++t) {
         T* rl = dr + (t - b) * ncol;
         T* rp = dr + (nr + t - b) * ncol;
-        const std::size_t s_end = safe ? t + 1 : b;
         for (std::size_t s2 = 0; s2 < ncol; ++s2) {
-          rl[s2] = (s2 < s_end && s2 < t) ? dL[t * c + s2] : T(0);
-          rp[s2] = s2 < s_end ? dP[t * c + s2] : T(0);
+          rl[s2] = s2 < t ? dL[t * c + s2] : T(0);
+          rp[s2] = s2 < t ? dP[t * c + s2] : T(0);
         }
       }
       T* HWY_RESTRICT dam = bw.dam.data();  // (2·nr)×K
       gemm<GemmOp::set>(2 * nr, kd, ncol, dr, ncol, std::size_t{1}, bmr, kd, dam, kd);
       T* HWY_RESTRICT dbm = bw.dbm.data();  // ncol×K
       gemm<GemmOp::set>(ncol, kd, 2 * nr, dr, std::size_t{1}, ncol, am, kd, dbm, kd);
+      // Kinv_s = k_s / F_s on the factorised channels (ok = 1); the exact
+      // ones (ok = 0) get 0 / 1: their Kinv entries were constants (zeros).
       for (std::size_t t = b; t < e; ++t) {
         const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
         for_vecs<T>(
             kd,
             [&](auto d, std::size_t i) {
               const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
-              const auto f = hn::LoadU(d, ff + y);
+              const auto f = hn::LoadU(d, ff + y), okv = hn::LoadU(d, okc + i);
               const auto dy = hn::LoadU(d, dam + y), dyq = hn::LoadU(d, dam + yq);
-              auto gkx = hn::Add(hn::LoadU(d, gk + x), hn::Mul(dy, f));
+              const auto db = hn::Mul(hn::LoadU(d, dbm + x), okv);
+              const auto fd = hn::Add(hn::Mul(f, okv), hn::Sub(hn::Set(d, T(1)), okv));
+              const auto gkx = hn::Add(hn::Add(hn::LoadU(d, gk + x), hn::Mul(dy, f)), hn::Div(db, fd));
               hn::StoreU(hn::Add(hn::LoadU(d, gq + x), hn::Mul(dyq, f)), d, gq + x);
-              auto ggx = hn::Add(hn::Add(hn::LoadU(d, gg + x), hn::Mul(dy, hn::LoadU(d, am + y))),
-                                 hn::Mul(dyq, hn::LoadU(d, am + yq)));
-              if (safe) {  // Kinv_s = k_s / F_s
-                const auto db = hn::LoadU(d, dbm + x);
-                gkx = hn::Add(gkx, hn::Div(db, f));
-                ggx = hn::Sub(ggx, hn::Mul(db, hn::LoadU(d, bmr + x)));
-              }
+              const auto ggx = hn::Sub(hn::Add(hn::Add(hn::LoadU(d, gg + x), hn::Mul(dy, hn::LoadU(d, am + y))),
+                                               hn::Mul(dyq, hn::LoadU(d, am + yq))),
+                                       hn::Mul(db, hn::LoadU(d, bmr + x)));
               hn::StoreU(gkx, d, gk + x);
               hn::StoreU(ggx, d, gg + x);
             },
             [&](std::size_t i) {
               const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
-              const T f = ff[y];
-              gk[x] = gk[x] + dam[y] * f;
+              const T f = ff[y], okv = okc[i];
+              const T db = dbm[x] * okv, fd = f * okv + (T(1) - okv);
+              gk[x] = gk[x] + dam[y] * f + db / fd;
               gq[x] = gq[x] + dam[yq] * f;
-              gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq];
-              if (safe) {
-                gk[x] = gk[x] + dbm[x] / f;
-                gg[x] = gg[x] - dbm[x] * bmr[x];
-              }
+              gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq] - db * bmr[x];
             });
       }
       for_vecs<T>(
@@ -995,28 +1044,24 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
             gk[x] = gk[x] + dbm[x] * fac[x];
             gg[x] = gg[x] - dbm[x] * bmr[x];
           });
-      if (!safe) {
-        // The exact diagonal block, pair by pair: y = Π(s,t], x = y ⊙ k_s.
-        T* HWY_RESTRICT y = bw.y.data();
+      // The exact channels' pairs s < t of the diagonal block, as the
+      // forward added them: y = Π(s,t], x = y k_s.
+      for (std::size_t i : w.bad)
         for (std::size_t s2 = b; s2 < e; ++s2) {
-          for (std::size_t i = 0; i < kd; ++i) y[i] = 1;
-          for (std::size_t t = s2; t < e; ++t) {
-            if (t > s2)
-              for (std::size_t i = 0; i < kd; ++i) y[i] = y[i] * al[t * kd + i];
-            const T cl = t > s2 ? dL[t * c + s2] : T(0), cp = dP[t * c + s2];
-            for (std::size_t i = 0; i < kd; ++i) {
-              const T xi = y[i] * k[s2 * kd + i];
-              const T u = cl * k[t * kd + i] + cp * q[t * kd + i];
-              gk[t * kd + i] = gk[t * kd + i] + cl * xi;
-              gq[t * kd + i] = gq[t * kd + i] + cp * xi;
-              gk[s2 * kd + i] = gk[s2 * kd + i] + y[i] * u;
-              const T dgm = u * xi;
-              gg[t * kd + i] = gg[t * kd + i] + dgm;
-              gg[s2 * kd + i] = gg[s2 * kd + i] - dgm;
-            }
+          T y = 1;
+          for (std::size_t t = s2 + 1; t < e; ++t) {
+            y = y * al[t * kd + i];
+            const T cl = dL[t * c + s2], cp = dP[t * c + s2];
+            const T xi = y * k[s2 * kd + i];
+            const T u = cl * k[t * kd + i] + cp * q[t * kd + i];
+            gk[t * kd + i] = gk[t * kd + i] + cl * xi;
+            gq[t * kd + i] = gq[t * kd + i] + cp * xi;
+            gk[s2 * kd + i] = gk[s2 * kd + i] + y * u;
+            const T dgm = u * xi;
+            gg[t * kd + i] = gg[t * kd + i] + dgm;
+            gg[s2 * kd + i] = gg[s2 * kd + i] - dgm;
           }
         }
-      }
     }
 
     // Outputs of the chunk: dq, dk, dg (reverse cumulative sum of dγ).

@@ -37,7 +37,11 @@ struct ChunkWork {
   std::vector<T> tmp;                      // kChunk×V (forward: scale·O; backward: R = V - Kg S_0)
   std::vector<T> kv;                       // K×V
   std::vector<T> state;                    // K×(V+K)
-  bool safe[kChunk / kSub] = {};          // per sub-chunk: L, P diagonal blocks factorised
+  // The key channels of the current sub-chunk whose decay leaves the range
+  // where its diagonal block may be factorised (chunk-inl.h, "Strong
+  // decay"): ok[i] = 1 or 0, bad = the channels with ok[i] = 0, ascending.
+  std::vector<T> ok;                       // K
+  std::vector<std::size_t> bad;            // ≤ K
   std::size_t kd = 0, vd = 0;
 
   void resize(std::size_t key_dim, std::size_t value_dim) {
@@ -59,6 +63,9 @@ struct ChunkWork {
     delta.assign(kChunk * (vd + kd), T(0));
     tmp.assign(kChunk * vd, T(0));
     kv.assign(kd * vd, T(0));
+    ok.assign(kd, T(1));
+    bad.clear();
+    bad.reserve(kd);
   }
 };
 
@@ -66,10 +73,10 @@ struct ChunkWork {
 // backward's first pass computes otherwise), offsets in elements of one
 // record: the state entering every chunk (n_chunks×K×V), R = V - Kg S_0 and
 // Δ of every token (tokens×V each), L and P of every chunk
-// (n_chunks×2×kChunk×kChunk, rows < c written) and the sub-chunks' safe
-// flags (n_chunks×kChunk/kSub, 1 or 0).
+// (n_chunks×2×kChunk×kChunk, rows < c written). Which channels took the
+// exact path is not kept: the backward recomputes the same decay products.
 struct ChunkSavedLayout {
-  std::size_t states = 0, r = 0, delta = 0, factors = 0, flags = 0, total = 0;
+  std::size_t states = 0, r = 0, delta = 0, factors = 0, total = 0;
 };
 
 inline ChunkSavedLayout chunk_saved_layout(std::size_t tokens, std::size_t key_dim,
@@ -79,8 +86,7 @@ inline ChunkSavedLayout chunk_saved_layout(std::size_t tokens, std::size_t key_d
   l.r = n * key_dim * value_dim;
   l.delta = l.r + tokens * value_dim;
   l.factors = l.delta + tokens * value_dim;
-  l.flags = l.factors + n * 2 * kChunk * kChunk;
-  l.total = l.flags + n * (kChunk / kSub);
+  l.total = l.factors + n * 2 * kChunk * kChunk;
   return l;
 }
 
@@ -94,7 +100,7 @@ struct ChunkBackWork {
   std::vector<T> dP, dL, m1, lb;                          // kChunk×kChunk
   std::vector<T> dqg, dkr, dkg, gk, gq, gg, bmr, fac, dbm;  // kChunk×K
   std::vector<T> z, xt;                                   // kChunk×(V+K): Z, dR (c×V used)
-  std::vector<T> dac, last, y;                            // K
+  std::vector<T> dac, last;                               // K
   std::vector<T> ff, dam, dr;                             // 2·kSub×max(K, kChunk)
   std::size_t kd = 0, vd = 0;
 
@@ -108,7 +114,7 @@ struct ChunkBackWork {
     for (auto* v : {&dP, &dL, &m1, &lb}) v->assign(cc, T(0));
     for (auto* v : {&dqg, &dkr, &dkg, &gk, &gq, &gg, &bmr, &fac, &dbm}) v->assign(ck, T(0));
     for (auto* v : {&z, &xt}) v->assign(kChunk * (vd + kd), T(0));
-    for (auto* v : {&dac, &last, &y}) v->assign(kd, T(0));
+    for (auto* v : {&dac, &last}) v->assign(kd, T(0));
     const std::size_t wide = 2 * kSub * std::max<std::size_t>(kd, kChunk);
     for (auto* v : {&ff, &dam, &dr}) v->assign(wide, T(0));
   }

@@ -470,7 +470,7 @@ double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::siz
   if (algorithm != kda::Algorithm::chunk) return 0;
   const double c = double(kda::kChunkSize);
   const double chunks = std::ceil(double(tokens) / c) + double(pieces);
-  const double per_pair = chunks * (double(s.key_dim) * double(s.value_dim) + 2 * c * c + c / 16) +
+  const double per_pair = chunks * (double(s.key_dim) * double(s.value_dim) + 2 * c * c) +
                           2 * double(tokens) * double(s.value_dim);
   return double(s.batch) * double(s.value_heads) * per_pair * double(elem_bytes);
 }
