@@ -384,6 +384,133 @@ void classify_channels(const T* HWY_RESTRICT fr, const T* HWY_RESTRICT brow, std
     if (ok[i] == T(0)) w.bad.push_back(i);
 }
 
+// The exact channels (w.bad) of rows [b, e) gathered into compact rows of
+// nb = |bad| columns: kb, qb, ab (α), row t - b.
+template <class T>
+void gather_exact(const T* k, const T* q, const T* al, std::size_t b, std::size_t e,
+                  std::size_t kd, ChunkWork<T>& w) {
+  const std::size_t nb = w.bad.size();
+  const std::size_t* bad = w.bad.data();
+  for (std::size_t t = b; t < e; ++t) {
+    T* HWY_RESTRICT kr = w.kb.data() + (t - b) * nb;
+    T* HWY_RESTRICT qr = w.qb.data() + (t - b) * nb;
+    T* HWY_RESTRICT ar = w.ab.data() + (t - b) * nb;
+    for (std::size_t j = 0; j < nb; ++j) {
+      kr[j] = k[t * kd + bad[j]];
+      qr[j] = q[t * kd + bad[j]];
+      ar[j] = al[t * kd + bad[j]];
+    }
+  }
+}
+
+// The exact channels' share of the diagonal block of sub-chunk [b, e):
+// L_ts += Σ_j k_tj x_j, P_ts += Σ_j q_tj x_j with x = Π(s,t] ⊙ k_s by
+// running products (element-wise, so any vector width gives the same
+// bits), the sums by lane_dot's fixed order.
+template <class T>
+void exact_block_forward(const T* k, const T* q, const T* al, std::size_t b, std::size_t e,
+                         std::size_t kd, bool need_p, T* L, T* P, ChunkWork<T>& w) {
+  gather_exact(k, q, al, b, e, kd, w);
+  const std::size_t nb = w.bad.size();
+  const T* kb = w.kb.data();
+  const T* qb = w.qb.data();
+  const T* ab = w.ab.data();
+  T* HWY_RESTRICT x = w.xb.data();
+  for (std::size_t s = b; s < e; ++s) {
+    std::copy_n(kb + (s - b) * nb, nb, x);
+    for (std::size_t t = s; t < e; ++t) {
+      const std::size_t r = (t - b) * nb;
+      if (t > s) {
+        const T* HWY_RESTRICT a = ab + r;
+        for_vecs<T>(
+            nb,
+            [&](auto d, std::size_t j) {
+              hn::StoreU(hn::Mul(hn::LoadU(d, x + j), hn::LoadU(d, a + j)), d, x + j);
+            },
+            [&](std::size_t j) { x[j] = x[j] * a[j]; });
+        L[t * kChunk + s] = L[t * kChunk + s] + lane_dot(kb + r, x, nb);
+      }
+      if (need_p) P[t * kChunk + s] = P[t * kChunk + s] + lane_dot(qb + r, x, nb);
+    }
+  }
+}
+
+// The adjoint of exact_block_forward's pairs s < t (the diagonal of P is
+// handled with every channel): with y = Π(s,t], x = y ⊙ k_s and
+// u = dL_ts k_t + dP_ts q_t, dk_t += dL_ts x, dq_t += dP_ts x, dk_s += y ⊙ u,
+// dγ_t += u ⊙ x, dγ_s -= u ⊙ x; summed in compact rows, then added to
+// gk, gq, gg (c×K) once per element.
+template <class T>
+void exact_block_backward(const T* k, const T* q, const T* al, std::size_t b, std::size_t e,
+                          std::size_t kd, std::size_t c, const T* dL, const T* dP, T* gk, T* gq,
+                          T* gg, ChunkWork<T>& w) {
+  gather_exact(k, q, al, b, e, kd, w);
+  const std::size_t nb = w.bad.size(), nr = e - b;
+  const T* kb = w.kb.data();
+  const T* qb = w.qb.data();
+  const T* ab = w.ab.data();
+  T* gkb = w.gkb.data();
+  T* gqb = w.gqb.data();
+  T* ggb = w.ggb.data();
+  std::fill_n(gkb, nr * nb, T(0));
+  std::fill_n(gqb, nr * nb, T(0));
+  std::fill_n(ggb, nr * nb, T(0));
+  T* HWY_RESTRICT y = w.xb.data();
+  for (std::size_t s = b; s < e; ++s) {
+    const std::size_t rs = (s - b) * nb;
+    std::fill_n(y, nb, T(1));
+    const T* HWY_RESTRICT ks = kb + rs;
+    T* HWY_RESTRICT gks = gkb + rs;
+    T* HWY_RESTRICT ggs = ggb + rs;
+    for (std::size_t t = s + 1; t < e; ++t) {
+      const std::size_t rt = (t - b) * nb;
+      const T cl = dL[t * c + s], cp = dP[t * c + s];
+      const T* HWY_RESTRICT a = ab + rt;
+      const T* HWY_RESTRICT kt = kb + rt;
+      const T* HWY_RESTRICT qt = qb + rt;
+      T* HWY_RESTRICT gkt = gkb + rt;
+      T* HWY_RESTRICT gqt = gqb + rt;
+      T* HWY_RESTRICT ggt = ggb + rt;
+      for_vecs<T>(
+          nb,
+          [&](auto d, std::size_t j) {
+            const auto yv = hn::Mul(hn::LoadU(d, y + j), hn::LoadU(d, a + j));
+            hn::StoreU(yv, d, y + j);
+            const auto xi = hn::Mul(yv, hn::LoadU(d, ks + j));
+            const auto u = hn::Add(hn::Mul(hn::Set(d, cl), hn::LoadU(d, kt + j)),
+                                   hn::Mul(hn::Set(d, cp), hn::LoadU(d, qt + j)));
+            hn::StoreU(hn::Add(hn::LoadU(d, gkt + j), hn::Mul(hn::Set(d, cl), xi)), d, gkt + j);
+            hn::StoreU(hn::Add(hn::LoadU(d, gqt + j), hn::Mul(hn::Set(d, cp), xi)), d, gqt + j);
+            hn::StoreU(hn::Add(hn::LoadU(d, gks + j), hn::Mul(yv, u)), d, gks + j);
+            const auto dgm = hn::Mul(u, xi);
+            hn::StoreU(hn::Add(hn::LoadU(d, ggt + j), dgm), d, ggt + j);
+            hn::StoreU(hn::Sub(hn::LoadU(d, ggs + j), dgm), d, ggs + j);
+          },
+          [&](std::size_t j) {
+            y[j] = y[j] * a[j];
+            const T xi = y[j] * ks[j];
+            const T u = cl * kt[j] + cp * qt[j];
+            gkt[j] = gkt[j] + cl * xi;
+            gqt[j] = gqt[j] + cp * xi;
+            gks[j] = gks[j] + y[j] * u;
+            const T dgm = u * xi;
+            ggt[j] = ggt[j] + dgm;
+            ggs[j] = ggs[j] - dgm;
+          });
+    }
+  }
+  const std::size_t* bad = w.bad.data();
+  for (std::size_t t = b; t < e; ++t) {
+    const std::size_t r = (t - b) * nb;
+    for (std::size_t j = 0; j < nb; ++j) {
+      const std::size_t x = t * kd + bad[j];
+      gk[x] = gk[x] + gkb[r + j];
+      gq[x] = gq[x] + gqb[r + j];
+      gg[x] = gg[x] + ggb[r + j];
+    }
+  }
+}
+
 // Gathers tokens [t0, t0 + c) of one head and builds everything of the
 // chunk that does not depend on the state: decays, Kg, Qg, Kr, a_c, L, P and
 // the solve's columns [x_lo, x_hi) of X = [U | W] (U: [0, V), W: [V, V+K)).
@@ -544,19 +671,8 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
       if (need_p)
         for (std::size_t s2 = 0; s2 < c; ++s2) pt[s2] = s2 <= t ? r[s2 * na + (nr + t - b)] : T(0);
     }
-    // The exact channels' share of the diagonal block, channel by channel
-    // in ascending order: x = Π(s,t] k_s by running products.
-    for (std::size_t i : w.bad)
-      for (std::size_t s2 = b; s2 < e; ++s2) {
-        T x = k[s2 * kd + i];
-        for (std::size_t t = s2; t < e; ++t) {
-          if (t > s2) {
-            x = x * al[t * kd + i];
-            L[t * kChunk + s2] = L[t * kChunk + s2] + k[t * kd + i] * x;
-          }
-          if (need_p) P[t * kChunk + s2] = P[t * kChunk + s2] + q[t * kd + i] * x;
-        }
-      }
+    // The exact channels' share of the diagonal block.
+    if (!w.bad.empty()) exact_block_forward(k, q, al, b, e, kd, need_p, L, P, w);
   }
 
   // X = (I + Diag(β) L)⁻¹ Diag(β) Y, Y = [V | Kg], columns [x_lo, x_hi), by
@@ -1044,24 +1160,8 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
             gk[x] = gk[x] + dbm[x] * fac[x];
             gg[x] = gg[x] - dbm[x] * bmr[x];
           });
-      // The exact channels' pairs s < t of the diagonal block, as the
-      // forward added them: y = Π(s,t], x = y k_s.
-      for (std::size_t i : w.bad)
-        for (std::size_t s2 = b; s2 < e; ++s2) {
-          T y = 1;
-          for (std::size_t t = s2 + 1; t < e; ++t) {
-            y = y * al[t * kd + i];
-            const T cl = dL[t * c + s2], cp = dP[t * c + s2];
-            const T xi = y * k[s2 * kd + i];
-            const T u = cl * k[t * kd + i] + cp * q[t * kd + i];
-            gk[t * kd + i] = gk[t * kd + i] + cl * xi;
-            gq[t * kd + i] = gq[t * kd + i] + cp * xi;
-            gk[s2 * kd + i] = gk[s2 * kd + i] + y * u;
-            const T dgm = u * xi;
-            gg[t * kd + i] = gg[t * kd + i] + dgm;
-            gg[s2 * kd + i] = gg[s2 * kd + i] - dgm;
-          }
-        }
+      // The exact channels' pairs s < t of the diagonal block.
+      if (!w.bad.empty()) exact_block_backward(k, q, al, b, e, kd, c, dL, dP, gk, gq, gg, w);
     }
 
     // Outputs of the chunk: dq, dk, dg (reverse cumulative sum of dγ).

@@ -42,6 +42,10 @@ struct ChunkWork {
   // decay"): ok[i] = 1 or 0, bad = the channels with ok[i] = 0, ascending.
   std::vector<T> ok;                       // K
   std::vector<std::size_t> bad;            // ≤ K
+  // Their columns gathered (exact_block_*): kSub×|bad| rows of k, q, α and
+  // the backward's dk, dq, dγ sums; one row of running products.
+  std::vector<T> kb, qb, ab, gkb, gqb, ggb;  // kSub×K
+  std::vector<T> xb;                         // K
   std::size_t kd = 0, vd = 0;
 
   void resize(std::size_t key_dim, std::size_t value_dim) {
@@ -64,6 +68,8 @@ struct ChunkWork {
     tmp.assign(kChunk * vd, T(0));
     kv.assign(kd * vd, T(0));
     ok.assign(kd, T(1));
+    for (auto* v : {&kb, &qb, &ab, &gkb, &gqb, &ggb}) v->assign(kSub * kd, T(0));
+    xb.assign(kd, T(0));
     bad.clear();
     bad.reserve(kd);
   }
