@@ -61,6 +61,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kda/chunk.hpp"
@@ -370,14 +371,24 @@ void classify_channels(const T* HWY_RESTRICT fr, const T* HWY_RESTRICT brow, std
   const T lo = std::ldexp(T(1), std::numeric_limits<T>::min_exponent + std::numeric_limits<T>::digits);
   const T hi = std::ldexp(T(1), std::numeric_limits<T>::max_exponent - 8);
   constexpr T kMax = std::numeric_limits<T>::max();
-  T* ok = w.ok.data();
+  T* HWY_RESTRICT ok = w.ok.data();
   for (std::size_t i = 0; i < kd; ++i) ok[i] = 1;
+  // ok = 0 where a row is out of range; the comparisons are false for NaN,
+  // so such a channel is exact too.
   for (std::size_t t = 0; t < nr; ++t) {
-    const T* f = fr + t * kd;
-    const T* bv = brow + t * kd;
-    // The comparisons are false for NaN: such a channel is exact too.
-    for (std::size_t i = 0; i < kd; ++i)
-      if (!(f[i] >= lo) || !(f[i] <= hi) || !(std::abs(bv[i]) <= kMax)) ok[i] = 0;
+    const T* HWY_RESTRICT f = fr + t * kd;
+    const T* HWY_RESTRICT bv = brow + t * kd;
+    for_vecs<T>(
+        kd,
+        [&](auto d, std::size_t i) {
+          const auto fv = hn::LoadU(d, f + i);
+          const auto in = hn::And(hn::And(hn::Ge(fv, hn::Set(d, lo)), hn::Le(fv, hn::Set(d, hi))),
+                                  hn::Le(hn::Abs(hn::LoadU(d, bv + i)), hn::Set(d, kMax)));
+          hn::StoreU(hn::IfThenElseZero(in, hn::LoadU(d, ok + i)), d, ok + i);
+        },
+        [&](std::size_t i) {
+          if (!(f[i] >= lo) || !(f[i] <= hi) || !(std::abs(bv[i]) <= kMax)) ok[i] = 0;
+        });
   }
   w.bad.clear();
   for (std::size_t i = 0; i < kd; ++i)
@@ -1122,33 +1133,50 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       gemm<GemmOp::set>(ncol, kd, 2 * nr, dr, std::size_t{1}, ncol, am, kd, dbm, kd);
       // Kinv_s = k_s / F_s on the factorised channels (ok = 1); the exact
       // ones (ok = 0) get 0 / 1: their Kinv entries were constants (zeros).
-      for (std::size_t t = b; t < e; ++t) {
-        const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
-        for_vecs<T>(
-            kd,
-            [&](auto d, std::size_t i) {
-              const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
-              const auto f = hn::LoadU(d, ff + y), okv = hn::LoadU(d, okc + i);
-              const auto dy = hn::LoadU(d, dam + y), dyq = hn::LoadU(d, dam + yq);
-              const auto db = hn::Mul(hn::LoadU(d, dbm + x), okv);
-              const auto fd = hn::Add(hn::Mul(f, okv), hn::Sub(hn::Set(d, T(1)), okv));
-              const auto gkx = hn::Add(hn::Add(hn::LoadU(d, gk + x), hn::Mul(dy, f)), hn::Div(db, fd));
-              hn::StoreU(hn::Add(hn::LoadU(d, gq + x), hn::Mul(dyq, f)), d, gq + x);
-              const auto ggx = hn::Sub(hn::Add(hn::Add(hn::LoadU(d, gg + x), hn::Mul(dy, hn::LoadU(d, am + y))),
-                                               hn::Mul(dyq, hn::LoadU(d, am + yq))),
-                                       hn::Mul(db, hn::LoadU(d, bmr + x)));
-              hn::StoreU(gkx, d, gk + x);
-              hn::StoreU(ggx, d, gg + x);
-            },
-            [&](std::size_t i) {
-              const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
-              const T f = ff[y], okv = okc[i];
-              const T db = dbm[x] * okv, fd = f * okv + (T(1) - okv);
-              gk[x] = gk[x] + dam[y] * f + db / fd;
-              gq[x] = gq[x] + dam[yq] * f;
-              gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq] - db * bmr[x];
-            });
-      }
+      // Without exact channels the mask is left out (ok = 1 changes no bit).
+      const auto sub_rows = [&](auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
+        for (std::size_t t = b; t < e; ++t) {
+          const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
+          for_vecs<T>(
+              kd,
+              [&](auto d, std::size_t i) {
+                const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
+                const auto f = hn::LoadU(d, ff + y);
+                const auto dy = hn::LoadU(d, dam + y), dyq = hn::LoadU(d, dam + yq);
+                auto db = hn::LoadU(d, dbm + x);
+                auto fd = f;
+                if constexpr (kMasked) {
+                  const auto okv = hn::LoadU(d, okc + i);
+                  db = hn::Mul(db, okv);
+                  fd = hn::Add(hn::Mul(f, okv), hn::Sub(hn::Set(d, T(1)), okv));
+                }
+                const auto gkx = hn::Add(hn::Add(hn::LoadU(d, gk + x), hn::Mul(dy, f)), hn::Div(db, fd));
+                hn::StoreU(hn::Add(hn::LoadU(d, gq + x), hn::Mul(dyq, f)), d, gq + x);
+                const auto ggx = hn::Sub(hn::Add(hn::Add(hn::LoadU(d, gg + x), hn::Mul(dy, hn::LoadU(d, am + y))),
+                                                 hn::Mul(dyq, hn::LoadU(d, am + yq))),
+                                         hn::Mul(db, hn::LoadU(d, bmr + x)));
+                hn::StoreU(gkx, d, gk + x);
+                hn::StoreU(ggx, d, gg + x);
+              },
+              [&](std::size_t i) {
+                const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
+                const T f = ff[y];
+                T db = dbm[x], fd = f;
+                if constexpr (kMasked) {
+                  db = db * okc[i];
+                  fd = f * okc[i] + (T(1) - okc[i]);
+                }
+                gk[x] = gk[x] + dam[y] * f + db / fd;
+                gq[x] = gq[x] + dam[yq] * f;
+                gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq] - db * bmr[x];
+              });
+        }
+      };
+      if (w.bad.empty())
+        sub_rows(std::false_type{});
+      else
+        sub_rows(std::true_type{});
       for_vecs<T>(
           b * kd,
           [&](auto d, std::size_t x) {
