@@ -32,6 +32,14 @@ class RemoteError : public Error {
   using Error::Error;
 };
 
+// A computation produced a NaN or an infinity (for example float32 overflow
+// from finite inputs): the result would be silently wrong. The message names
+// the tensor and its first non-finite element.
+class NumericalError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Reading or writing a file (for example a malformed .npy) failed.
 class IoError : public Error {
  public:

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -16,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kdacp/agreement.hpp"
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda.hpp"
@@ -120,6 +122,32 @@ struct PhaseTimes {
   double exchange = 0;  // the state exchange, and the ht / dht / dh0 collectives
 };
 
+// What the layer checks beyond its arguments' own validity.
+struct LayerChecks {
+  // A forward or backward that writes a NaN or ±Inf (o, ht, dq, dk, dv, dg,
+  // dbeta, dh0, d_incoming; float32 overflow from finite inputs, say) throws
+  // NumericalError naming the tensor and its first non-finite element
+  // instead of returning it. Off: no scan of the outputs (a little faster).
+  bool check_finite = true;
+  // The caller's own fields that every rank must share (the CLI: a hash of
+  // its input files' bytes, its seed), compared with the layer's own at
+  // construction, in the same collective.
+  Fingerprint agree;
+};
+
+// Ranks agree before any message (kdacp/agreement.hpp): the constructor and
+// every forward and backward first compare, in one all-gather of a small
+// fixed-size record over mesh.group(0), every argument that must be the same
+// on every rank. At construction: dtype, method, allgather_group_size,
+// every ExchangeOptions knob (segments, memory budget, reassociation, cost
+// parameters, expected shape, part owners), the layout's part lengths, the
+// communicator's timeout and LayerChecks::agree. Per call: the call itself,
+// B, H, HV, K, V, scale, algorithm and, with a stream, its sequences (B, T,
+// the exact cu_seqlens), the layout's part owners and lengths and which of
+// h0 / ht / dht / dh0 are given. A difference, or an argument error on any
+// one rank, throws InvalidArgument on EVERY rank naming each field and which
+// ranks hold which value ("scale: ranks 0,2 have 0.088388346, rank 1 has
+// 0.1"), before any message of the exchange, so no rank waits or crashes.
 template <class T>
 class ContextParallelLayer {
  public:
@@ -130,7 +158,7 @@ class ContextParallelLayer {
   // layer and is used by one call at a time.
   ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                        long long allgather_group_size = 1, ExchangeOptions options = {},
-                       const ExecPolicy& exec = {});
+                       const ExecPolicy& exec = {}, LayerChecks checks = {});
   // The layer for streams laid out by `layout` (P = the mesh's ranks): the
   // exchange is built with options.part_owners = layout.owners() unless the
   // layout is one part per rank in rank order (then part_owners stays empty,
@@ -139,7 +167,7 @@ class ContextParallelLayer {
   // auto); make_state_exchange throws InvalidArgument for the others.
   ContextParallelLayer(const DeviceMesh& mesh, const std::string& method, const Layout& layout,
                        long long allgather_group_size = 1, ExchangeOptions options = {},
-                       const ExecPolicy& exec = {});
+                       const ExecPolicy& exec = {}, LayerChecks checks = {});
 
   // One sequence per batch row, zero initial state, no final state: rank r
   // holds the r-th run of consecutive tokens (any lengths; the rank needs
@@ -205,6 +233,10 @@ class ContextParallelLayer {
   bool keeps_forward() const { return keep_forward_; }
   std::size_t forward_cache_bytes() const;
 
+  // LayerChecks::check_finite, for the following calls.
+  void check_finite(bool on) { check_finite_ = on; }
+  bool checks_finite() const { return check_finite_; }
+
  private:
   // A cache for the next forward (null unless keep_forward and chunk): one
   // no Saved holds any more, else a new one.
@@ -213,6 +245,12 @@ class ContextParallelLayer {
 
   // The calls without a stream run the plain exchange: one part per rank.
   void require_plain(std::size_t rank, const char* op) const;
+  // Runs `checks` (this rank's argument checks), then agree() over comm_
+  // with `fields` and their error, if any: every rank throws or none.
+  void agree_on(const char* op, const Fingerprint& fields, const std::function<void()>& checks) const;
+  // Both constructors: the agreement at construction, then the exchange.
+  void build(const DeviceMesh& mesh, const std::string& method, long long allgather_group_size,
+             ExchangeOptions options, const Layout* layout, const Fingerprint& caller);
 
   std::unique_ptr<StateExchange> exchange_;
   std::vector<std::size_t> part_owners_;  // the exchange's: chain position -> rank
@@ -220,6 +258,7 @@ class ContextParallelLayer {
   ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;
   bool keep_forward_ = false;
+  bool check_finite_ = true;
   std::vector<std::shared_ptr<ForwardCache<Elem<T>>>> caches_;
 };
 

@@ -6,10 +6,12 @@
 #include <cstring>
 #include <functional>
 #include <span>
+#include <sstream>
 #include <type_traits>
 #include <utility>
 
 #include "kdacp/error.hpp"
+#include "kdacp/finite.hpp"
 
 namespace kdacp::kda {
 
@@ -280,17 +282,6 @@ std::vector<T> summed_over_ranks(Communicator& comm, const SequenceStates<const 
 }
 }  // namespace
 
-template <class T>
-ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
-                                              long long allgather_group_size,
-                                              ExchangeOptions options, const ExecPolicy& exec)
-    : part_owners_(options.part_owners), comm_(mesh.group(0)), exec_(exec) {
-  if (part_owners_.empty())
-    for (std::size_t r = 0; r < mesh.size(); ++r) part_owners_.push_back(r);
-  options.exec = exec;
-  exchange_ = make_state_exchange(mesh, method, allgather_group_size, std::move(options));
-}
-
 namespace {
 ExchangeOptions with_layout(const DeviceMesh& mesh, const Layout& layout,
                             ExchangeOptions options) {
@@ -304,19 +295,200 @@ ExchangeOptions with_layout(const DeviceMesh& mesh, const Layout& layout,
       one_part_per_rank(owners, mesh.size()) ? std::vector<std::size_t>{} : std::move(owners);
   return options;
 }
+
+std::vector<std::size_t> part_lengths(const Layout& layout) {
+  std::vector<std::size_t> out;
+  for (const LayoutPart& p : layout.parts()) out.push_back(p.end - p.begin);
+  return out;
+}
+
+// What every rank must build the layer with (the layer's doc lists it).
+template <class T>
+Fingerprint construction_fields(const std::string& method, long long group_size,
+                                const ExchangeOptions& o, const Layout* layout,
+                                std::chrono::milliseconds timeout) {
+  Fingerprint f;
+  f.add_text("call", "construction");
+  f.add_text("dtype", std::is_same_v<T, double> ? "float64" : "float32");
+  f.add_text("method", method);
+  f.add_int("allgather_group_size", group_size);
+  f.add_int("options.segments", static_cast<long long>(o.segments));
+  f.add_int("options.memory_budget_bytes", static_cast<long long>(o.memory_budget_bytes));
+  f.add_flag("options.allow_reassociation", o.allow_reassociation);
+  f.add_hash("options.cost", fnv1a64(to_json(o.cost)));
+  f.add_text("options.expected_shape", o.expected_shape ? to_string(*o.expected_shape) : "none");
+  f.add_bytes("options.part_owners", std::as_bytes(std::span(o.part_owners)),
+              list_text(std::span<const std::size_t>(o.part_owners)));
+  const std::vector<std::size_t> lengths = layout ? part_lengths(*layout) : std::vector<std::size_t>{};
+  f.add_bytes("layout part lengths", std::as_bytes(std::span(lengths)),
+              list_text(std::span<const std::size_t>(lengths)));
+  f.add_int("timeout ms", static_cast<long long>(timeout.count()));
+  return f;
+}
+
+// The arguments of a call that every rank shares: all but T_local (each
+// rank's own) and the tensors' contents.
+template <class T>
+Fingerprint call_fields(const char* call, const Inputs<T>& in) {
+  const Shape& s = in.shape;
+  const std::size_t dims[5] = {s.batch, s.heads, s.value_heads, s.key_dim, s.value_dim};
+  Fingerprint f;
+  f.add_text("call", call);
+  f.add_bytes("shape B,H,HV,K,V", std::as_bytes(std::span(dims)), list_text(std::span<const std::size_t>(dims)));
+  f.add_real("scale", in.scale);
+  f.add_text("algorithm", algorithm_name(in.algorithm));
+  return f;
+}
+
+// A stream's fields: its sequences (B, T, the exact cu_seqlens) and layout.
+void add_stream(Fingerprint& f, const Stream& stream) {
+  const Sequences& seqs = stream.sequences;
+  const std::size_t bt[2] = {seqs.batch(), seqs.tokens()};
+  f.add_bytes("stream B,T", std::as_bytes(std::span(bt)), list_text(std::span<const std::size_t>(bt)));
+  f.add_flag("packed (cu_seqlens given)", seqs.packed());
+  const std::vector<std::size_t>& bounds = seqs.boundaries();
+  f.add_bytes("cu_seqlens", std::as_bytes(std::span(bounds)), list_text(std::span<const std::size_t>(bounds)));
+  const std::vector<std::size_t> owners = stream.layout.owners(), lengths = part_lengths(stream.layout);
+  f.add_bytes("layout part owners", std::as_bytes(std::span(owners)), list_text(std::span<const std::size_t>(owners)));
+  f.add_bytes("layout part lengths", std::as_bytes(std::span(lengths)),
+              list_text(std::span<const std::size_t>(lengths)));
+}
+
+// A tensor of this rank for the finite check: its name, data (null: not
+// given) and shape.
+template <class T>
+struct Named {
+  const char* name;
+  const T* data;
+  std::vector<std::size_t> shape;
+};
+std::string where(std::size_t rank, const char* op) {
+  return std::string("kda::ContextParallelLayer::") + op + " on rank " + std::to_string(rank);
+}
+
+std::size_t elems_of(const std::vector<std::size_t>& shape) {
+  std::size_t n = 1;
+  for (std::size_t d : shape) n *= d;
+  return n;
+}
+// Throws NumericalError naming the first of `outputs` that holds a NaN or
+// ±Inf, its first such element, and whether this rank's `inputs` were finite.
+template <class T>
+void require_finite_results(const std::string& where, const std::vector<Named<T>>& outputs,
+                            const std::vector<Named<T>>& inputs) {
+  for (const Named<T>& out : outputs) {
+    if (out.data == nullptr) continue;
+    const auto bad = find_non_finite(std::span<const T>(out.data, elems_of(out.shape)));
+    if (!bad) continue;
+    std::ostringstream os;
+    os << where << ": " << out.name << index_string(*bad, out.shape) << " = " << out.data[*bad]
+       << ", a non-finite result";
+    std::string cause = " from finite inputs (" + std::string(std::is_same_v<T, float> ? "float32" : "float64") +
+                        " overflow: inputs too large for this dtype?)";
+    for (const Named<T>& in : inputs) {
+      if (in.data == nullptr) continue;
+      if (const auto i = find_non_finite(std::span<const T>(in.data, elems_of(in.shape)))) {
+        std::ostringstream c;
+        c << "; the input " << in.name << index_string(*i, in.shape) << " is already " << in.data[*i];
+        cause = c.str();
+        break;
+      }
+    }
+    throw NumericalError(os.str() + cause +
+                         " (LayerChecks::check_finite / check_finite(false) turns this check off)");
+  }
+}
+
+template <class T>
+std::vector<Named<T>> input_tensors(const Inputs<T>& in) {
+  const Shape& s = in.shape;
+  return {{"q", in.q, {s.batch, s.tokens, s.heads, s.key_dim}},
+          {"k", in.k, {s.batch, s.tokens, s.heads, s.key_dim}},
+          {"v", in.v, {s.batch, s.tokens, s.value_heads, s.value_dim}},
+          {"g", in.g, {s.batch, s.tokens, s.value_heads, s.key_dim}},
+          {"beta", in.beta, {s.batch, s.tokens, s.value_heads}}};
+}
+
+template <class T>
+std::vector<std::size_t> states_shape(const SequenceStates<T>& st) {
+  return {st.sequences, st.value_heads, st.key_dim, st.value_dim};
+}
+
+template <class T>
+std::vector<Named<T>> grad_tensors(const Grads<T>& g, const Shape& s) {
+  return {{"dq", g.dq, {s.batch, s.tokens, s.heads, s.key_dim}},
+          {"dk", g.dk, {s.batch, s.tokens, s.heads, s.key_dim}},
+          {"dv", g.dv, {s.batch, s.tokens, s.value_heads, s.value_dim}},
+          {"dg", g.dg, {s.batch, s.tokens, s.value_heads, s.key_dim}},
+          {"dbeta", g.dbeta, {s.batch, s.tokens, s.value_heads}},
+          {"d_incoming", g.d_incoming, {s.batch, s.value_heads, s.key_dim, s.value_dim}}};
+}
 }  // namespace
 
 template <class T>
 ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
+                                              long long allgather_group_size,
+                                              ExchangeOptions options, const ExecPolicy& exec,
+                                              LayerChecks checks)
+    : comm_(mesh.group(0)), exec_(exec), check_finite_(checks.check_finite) {
+  build(mesh, method, allgather_group_size, std::move(options), nullptr, checks.agree);
+}
+
+template <class T>
+ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                                               const Layout& layout, long long allgather_group_size,
-                                              ExchangeOptions options, const ExecPolicy& exec)
-    : ContextParallelLayer(mesh, method, allgather_group_size,
-                           with_layout(mesh, layout, std::move(options)), exec) {}
+                                              ExchangeOptions options, const ExecPolicy& exec,
+                                              LayerChecks checks)
+    : comm_(mesh.group(0)), exec_(exec), check_finite_(checks.check_finite) {
+  build(mesh, method, allgather_group_size, std::move(options), &layout, checks.agree);
+}
+
+template <class T>
+void ContextParallelLayer<T>::build(const DeviceMesh& mesh, const std::string& method,
+                                    long long allgather_group_size, ExchangeOptions options,
+                                    const Layout* layout, const Fingerprint& caller) {
+  // The layout's own error (P not the mesh's) is this rank's: shared in the
+  // agreement, so that no rank goes on to build the exchange alone.
+  std::string local_error;
+  if (layout != nullptr) {
+    try {
+      options = with_layout(mesh, *layout, std::move(options));
+    } catch (const InvalidArgument& e) {
+      local_error = e.what();
+    }
+  }
+  Fingerprint fields = construction_fields<T>(method, allgather_group_size, options, layout,
+                                              comm_->timeout());
+  fields.append(caller);
+  // Before make_state_exchange, which may split the mesh: ranks that asked
+  // for different protocols would otherwise wait in different collectives.
+  agree(*comm_, fields, "kda::ContextParallelLayer construction", local_error);
+  part_owners_ = options.part_owners;
+  if (part_owners_.empty())
+    for (std::size_t r = 0; r < mesh.size(); ++r) part_owners_.push_back(r);
+  options.exec = exec_;
+  exchange_ = make_state_exchange(mesh, method, allgather_group_size, std::move(options));
+}
+
+template <class T>
+void ContextParallelLayer<T>::agree_on(const char* op, const Fingerprint& fields,
+                                       const std::function<void()>& checks) const {
+  std::string local_error;
+  try {
+    on_rank(comm_->rank(), op, checks);
+  } catch (const InvalidArgument& e) {
+    local_error = e.what();
+  }
+  agree(*comm_, fields, std::string("kda::ContextParallelLayer::") + op, local_error);
+}
 
 template <class T>
 Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
-  validate(in.shape);
-  require_plain(exchange_->rank(), "forward");
+  agree_on("forward", call_fields("forward", in), [&] {
+    check_inputs(in);
+    require(o, "o");
+    require_plain(exchange_->rank(), "forward");
+  });
   const Shape& s = in.shape;
   auto t0 = std::chrono::steady_clock::now();
   State offset(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
@@ -330,6 +502,9 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   const auto cache = next_cache(in);
   kda::forward(in, incoming.data<T>(), o, nullptr, exec_, cache.get());
   fwd_.local += since(t0);
+  if (check_finite_)
+    require_finite_results<T>(where(comm_->rank(), "forward"), {{"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
+                              input_tensors(in));
   Saved saved;
   saved.transfer.push_back(std::move(transfer));
   saved.incoming.push_back(std::move(incoming));
@@ -365,13 +540,23 @@ std::size_t ContextParallelLayer<T>::forward_cache_bytes() const {
 template <class T>
 void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                                        const Grads<Elem<T>>& grads) {
-  validate(in.shape);
-  if (saved.stream)
-    throw InvalidArgument("kda::ContextParallelLayer::backward on rank " +
-                          std::to_string(exchange_->rank()) +
-                          ": saved comes from the forward over a stream, expected the backward "
-                          "that takes h0, dht and dh0");
-  require_plain(exchange_->rank(), "backward");
+  agree_on("backward", call_fields("backward", in), [&] {
+    check_inputs(in);
+    if (saved.stream)
+      throw InvalidArgument(
+          "saved comes from the forward over a stream, expected the backward that takes h0, dht "
+          "and dh0");
+    if (saved.transfer.size() != 1 || saved.incoming.size() != 1)
+      throw InvalidArgument("saved holds " + std::to_string(saved.transfer.size()) +
+                            " parts, expected the one of the forward without a stream");
+    require(d_o, "d_o");
+    require(grads.dq, "dq");
+    require(grads.dk, "dk");
+    require(grads.dv, "dv");
+    require(grads.dg, "dg");
+    require(grads.dbeta, "dbeta");
+    require_plain(exchange_->rank(), "backward");
+  });
   const Shape& s = in.shape;
   auto t0 = std::chrono::steady_clock::now();
   State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
@@ -384,6 +569,11 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   kda::backward(in, saved.incoming.front().data<T>(), d_o, d_final.data<T>(), grads, exec_,
                 kDefaultCheckpointInterval, kept_of(saved));
   bwd_.local += since(t0);
+  if (check_finite_) {
+    std::vector<Named<T>> inputs = input_tensors(in);
+    inputs.push_back({"d_o", d_o, {s.batch, s.tokens, s.value_heads, s.value_dim}});
+    require_finite_results<T>(where(comm_->rank(), "backward"), grad_tensors(grads, s), inputs);
+  }
 }
 
 namespace {
@@ -439,12 +629,18 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<PartInfo> infos;
   std::vector<State> offsets, transfers;
   std::vector<PartSummary> summaries;
-  on_rank(rank, "forward", [&] {
+  Fingerprint fields = call_fields("forward (stream)", in);
+  add_stream(fields, stream);
+  fields.add_flag("h0 given", h0.data != nullptr);
+  fields.add_flag("ht requested", ht.data != nullptr);
+  agree_on("forward", fields, [&] {
     check_inputs(in);
     parts = checked_parts(stream, in.shape, rank, exchange_->size(), part_owners_);
     require(o, "o");
     check_states(h0, seqs, in.shape, "h0");
     check_states(ht, seqs, in.shape, "ht");
+  });
+  on_rank(rank, "forward", [&] {
     const Shape& s = in.shape;
     for (const Part& part : parts) {
       offsets.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
@@ -472,6 +668,17 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     share_rows(*comm_, ht, rows_by_part(stream, true));
     fwd_.exchange += since(t0);
   }
+  // After the ht broadcasts, so that no rank stops before its peers' last
+  // message; ht is the same bits on every rank, so every rank throws for it.
+  if (check_finite_) {
+    const Shape& s = in.shape;
+    std::vector<Named<T>> inputs = input_tensors(in);
+    inputs.push_back({"h0", h0.data, states_shape(h0)});
+    require_finite_results<T>(where(comm_->rank(), "forward"),
+                              {{"ht", ht.data, states_shape(ht)},
+                               {"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
+                              inputs);
+  }
   Saved saved{std::move(transfers), std::move(incoming), stream, nullptr, nullptr};
   saved.kept<T>() = cache;
   return saved;
@@ -485,7 +692,13 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   const std::size_t rank = exchange_->rank();
   std::vector<Part> parts;
   std::vector<PartInfo> infos;
-  on_rank(rank, "backward", [&] {
+  Fingerprint fields = call_fields("backward (stream)", in);
+  if (saved.stream) add_stream(fields, *saved.stream);
+  else fields.add_text("stream", "none (saved from the forward without one)");
+  fields.add_flag("h0 given", h0.data != nullptr);
+  fields.add_flag("dht given", dht.data != nullptr);
+  fields.add_flag("dh0 requested", dh0.data != nullptr);
+  agree_on("backward", fields, [&] {
     if (!saved.stream)
       throw InvalidArgument(
           "saved comes from the forward without a stream, expected the sequence forward's");
@@ -544,6 +757,16 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
     t0 = std::chrono::steady_clock::now();
     share_rows(*comm_, dh0, rows_by_part(stream, false));
     bwd_.exchange += since(t0);
+  }
+  // After the dh0 broadcasts (see forward); dh0 first: every rank has it.
+  if (check_finite_) {
+    std::vector<Named<T>> outputs{{"dh0", dh0.data, states_shape(dh0)}};
+    for (const Named<T>& g : grad_tensors(grads, s)) outputs.push_back(g);
+    std::vector<Named<T>> inputs = input_tensors(in);
+    inputs.push_back({"d_o", d_o, {s.batch, s.tokens, s.value_heads, s.value_dim}});
+    inputs.push_back({"h0", h0.data, states_shape(h0)});
+    inputs.push_back({"dht", dht.data, states_shape(dht)});
+    require_finite_results<T>(where(comm_->rank(), "backward"), outputs, inputs);
   }
 }
 

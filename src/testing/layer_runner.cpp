@@ -202,8 +202,10 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   }
   const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
   ThreadPool pool(options.threads_per_rank);
+  kda::LayerChecks checks;
+  checks.agree = options.agree;
   kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
-                                     ExecPolicy{&pool, eo.exec.kernel});
+                                     ExecPolicy{&pool, eo.exec.kernel}, checks);
   layer.keep_forward(job.keep_forward && job.grads());
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);

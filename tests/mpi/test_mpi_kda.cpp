@@ -7,10 +7,12 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/mesh.hpp"
@@ -196,6 +198,50 @@ void check_sequences(double tol) {
 
 TEST(MpiKda, DoubleSequencesEveryLayoutBitwiseInProcess) { check_sequences<double>(1e-12); }
 TEST(MpiKda, FloatSequencesEveryLayoutBitwiseInProcess) { check_sequences<float>(2e-5); }
+
+}  // namespace
+}  // namespace kdacp::kda
+
+namespace kdacp::kda {
+namespace {
+
+// Ranks agree before any message (issue 18), over MPI: the last rank calls
+// forward with another scale, then (with the same scale) builds its layer
+// with another protocol; every rank must throw InvalidArgument naming the
+// field and the ranks, and the job must go on (no rank left in a collective).
+TEST(MpiKda, DisagreeingRanksFailOnEveryRank) {
+  auto comm = mpi_world();
+  const std::size_t p = comm->size(), rank = comm->rank(), odd = p - 1;
+  std::ostringstream ranks_text;  // the ranks other than `odd`, as the message writes them
+  if (p == 2) ranks_text << "rank 0 has";
+  else if (p == 3) ranks_text << "ranks 0,1 have";
+  else ranks_text << "ranks 0-" << p - 2 << " have";
+  const std::string others = ranks_text.str();
+  auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
+  {
+    ContextParallelLayer<double> layer(mesh, "p2p");
+    const Shape s{1, 4, 1, 1, 8, 8};
+    const std::vector<double> q(s.qk_elems(), 0.5), v(s.v_elems(), 0.5), g(s.g_elems(), -0.1),
+        beta(s.beta_elems(), 0.5);
+    std::vector<double> o(s.v_elems());
+    const Inputs<double> in{q.data(), q.data(), v.data(), g.data(), beta.data(), s, rank == odd ? 0.5 : 0.25};
+    try {
+      layer.forward(in, o.data());
+      ADD_FAILURE() << "rank " << rank << ": no InvalidArgument for a scale that differs on rank " << odd;
+    } catch (const InvalidArgument& e) {
+      const std::string want = "scale: " + others + " 0.25, rank " + std::to_string(odd) + " has 0.5";
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what() << "\nexpected: " << want;
+    }
+  }
+  try {
+    ContextParallelLayer<double> layer(mesh, rank == odd ? "allgather" : "p2p");
+    ADD_FAILURE() << "rank " << rank << ": no InvalidArgument for a method that differs on rank " << odd;
+  } catch (const InvalidArgument& e) {
+    const std::string want = "method: " + others + " p2p, rank " + std::to_string(odd) + " has allgather";
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what() << "\nexpected: " << want;
+  }
+  comm->barrier();  // every rank left the agreement: the next collective works
+}
 
 }  // namespace
 }  // namespace kdacp::kda

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "exchange_flags.hpp"
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
+#include "kdacp/agreement.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/testing/layer_npy.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -87,6 +89,34 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
               job.grads() ? "o, ht, dq, dk, dv, dg, dbeta, dh0" : "o, ht", cfg.out.c_str());
 }
 
+// Under a launcher every process reads the whole job itself: the layer's
+// construction compares these hashes of what each one read (one field per
+// file, so a mismatch names the file and the ranks), with its own fields.
+Fingerprint input_fields(const testing::LayerNpy& in) {
+  Fingerprint f;
+  auto add = [&](const char* name, const NpyArray* a) {
+    if (a == nullptr) {
+      f.add_text(name, "absent");
+      return;
+    }
+    const std::uint64_t dtype = a->dtype == DType::f64 ? 8 : 4;
+    std::uint64_t h = fnv1a64(std::as_bytes(std::span(&dtype, 1)));
+    h = fnv1a64(std::as_bytes(std::span(a->shape)), h);
+    f.add_hash(name, fnv1a64(a->data, h));
+  };
+  add("--inputs q.npy", &in.q);
+  add("--inputs k.npy", &in.k);
+  add("--inputs v.npy", &in.v);
+  add("--inputs g.npy", &in.g);
+  add("--inputs beta.npy", &in.beta);
+  add("--inputs do.npy", in.d_o ? &*in.d_o : nullptr);
+  add("--inputs h0.npy", in.h0 ? &*in.h0 : nullptr);
+  add("--inputs dht.npy", in.dht ? &*in.dht : nullptr);
+  f.add_bytes("--inputs cu_seqlens.npy", std::as_bytes(std::span(in.cu_seqlens)),
+              in.cu_seqlens.empty() ? std::string("absent") : list_text(std::span<const std::int64_t>(in.cu_seqlens)));
+  return f;
+}
+
 template <class T>
 void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_bytes) {
   const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
@@ -99,7 +129,10 @@ void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_b
   std::optional<testing::LayerRunOptions> opts;
   if (resolved_backend(cfg.backend) == "inprocess") opts = run_options(cfg, in, job, cfg.backend.ranks, input_bytes);
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
-    run_rank<T>(cfg, world, in, job, opts ? *opts : run_options(cfg, in, job, world->size(), input_bytes));
+    if (opts) return run_rank<T>(cfg, world, in, job, *opts);
+    testing::LayerRunOptions mine = run_options(cfg, in, job, world->size(), input_bytes);
+    mine.agree = input_fields(in);
+    run_rank<T>(cfg, world, in, job, mine);
   });
 }
 

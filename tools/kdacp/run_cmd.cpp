@@ -202,6 +202,10 @@ void run(RunConfig& cfg) {
     testing::LayerRunOptions base;
     base.threads_per_rank = per_rank;
     base.layout = layout_spec(cfg.layout, shape.tokens, world->size());
+    // Under a launcher each process generates the whole job from its seed:
+    // every layer built compares it (with the shape, packing and layout the
+    // layer compares itself) before its first message.
+    base.agree.add_int("--seed", static_cast<long long>(cfg.seed));
     if (!in_process) {
       admit(base.layout, world->size(), true);
       generate();

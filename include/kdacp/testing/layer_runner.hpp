@@ -95,6 +95,10 @@ struct LayerRunOptions {
   std::size_t threads_per_rank = 1;
   ExchangeOptions exchange;  // expected_shape defaults to the job's summary shape
   LayoutSpec layout;
+  // Fields every rank must share beyond the layer's own (kda::LayerChecks::
+  // agree): where each process reads or generates the whole job, a hash of
+  // its input files or its seed.
+  Fingerprint agree;
 };
 
 // Collective over `world` (P = world->size(), its ranks in order the CP

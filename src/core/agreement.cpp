@@ -1,0 +1,293 @@
+#include "kdacp/agreement.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include "kdacp/comm.hpp"
+#include "kdacp/error.hpp"
+
+namespace kdacp {
+
+std::uint64_t fnv1a64(std::span<const std::byte> bytes, std::uint64_t hash) {
+  for (std::byte b : bytes) {
+    hash ^= static_cast<std::uint64_t>(b);
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+std::uint64_t fnv1a64(std::string_view text, std::uint64_t hash) {
+  return fnv1a64(std::as_bytes(std::span(text.data(), text.size())), hash);
+}
+
+namespace {
+
+std::string hex(std::uint64_t h, int digits) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "%0*llx", digits,
+                static_cast<unsigned long long>(h >> (64 - 4 * digits)));
+  std::string out = "#";
+  return out.append(buf);
+}
+
+template <class V>
+std::uint64_t hash_of(const V& value) {
+  return fnv1a64(std::as_bytes(std::span(&value, 1)));
+}
+
+// A text that fits the record, cut with ".." when too long.
+std::string fitted(std::string_view text) {
+  if (text.size() <= kAgreementTextChars) return std::string(text);
+  return std::string(text.substr(0, kAgreementTextChars - 2)) + "..";
+}
+
+template <class Real>
+std::string shortest(Real value) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, value);
+  return std::string(buf, r.ptr);
+}
+
+template <class Int>
+std::string list_of(std::span<const Int> values) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < values.size(); ++i)
+    out.append(i ? "," : "").append(std::to_string(values[i]));
+  out += "]";
+  if (out.size() <= kAgreementTextChars) return out;
+  const std::uint64_t h = fnv1a64(std::as_bytes(values));
+  return std::to_string(values.size()) + " entries " + hex(h, 8);
+}
+
+constexpr std::uint64_t kMagic = 0x314545524741444bull;  // "KDAGREE1"
+constexpr std::size_t kHeaderBytes = 32;
+constexpr std::size_t kSlotBytes = 16 + kAgreementTextChars + 1;
+
+struct Header {
+  std::uint64_t magic, count, failed, reserved;
+};
+struct Slot {
+  std::uint64_t name, value;
+  std::string text;
+};
+
+// The record: header, then kAgreementFields slots of (name hash, value hash,
+// NUL-terminated text). Fields beyond the last slot are folded into it.
+std::vector<std::byte> encode(const Fingerprint& fp, bool failed) {
+  std::vector<std::byte> rec(kAgreementRecordBytes);
+  const auto& f = fp.fields();
+  const std::size_t count = std::min(f.size(), kAgreementFields);
+  const Header h{kMagic, count, failed ? 1u : 0u, 0};
+  std::memcpy(rec.data(), &h, sizeof h);
+  for (std::size_t i = 0; i < count; ++i) {
+    std::uint64_t name = fnv1a64(f[i].name), value = f[i].hash;
+    std::string text = f[i].text;
+    if (i + 1 == kAgreementFields && f.size() > kAgreementFields) {
+      for (std::size_t j = i + 1; j < f.size(); ++j) {
+        name = fnv1a64(f[j].name, name);
+        value = fnv1a64(std::as_bytes(std::span(&f[j].hash, 1)), value);
+      }
+      text = hex(value, 16);
+    }
+    std::byte* slot = rec.data() + kHeaderBytes + i * kSlotBytes;
+    std::memcpy(slot, &name, 8);
+    std::memcpy(slot + 8, &value, 8);
+    text = fitted(text);
+    std::memcpy(slot + 16, text.data(), text.size());  // the rest stays NUL
+  }
+  return rec;
+}
+
+Header header_of(std::span<const std::byte> rec) {
+  Header h;
+  std::memcpy(&h, rec.data(), sizeof h);
+  return h;
+}
+
+Slot slot_of(std::span<const std::byte> rec, std::size_t i) {
+  Slot s;
+  const std::byte* p = rec.data() + kHeaderBytes + i * kSlotBytes;
+  std::memcpy(&s.name, p, 8);
+  std::memcpy(&s.value, p + 8, 8);
+  const char* text = reinterpret_cast<const char*>(p + 16);
+  s.text.assign(text, strnlen(text, kAgreementTextChars));
+  return s;
+}
+
+// "rank 1", "ranks 0,2", "ranks 0-3,5".
+std::string ranks_text(const std::vector<std::size_t>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size();) {
+    std::size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += i ? "," : "";
+    out += std::to_string(ranks[i]);
+    if (j >= i + 2) out.append("-").append(std::to_string(ranks[j]));
+    else if (j == i + 1) out.append(",").append(std::to_string(ranks[j]));
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+Fingerprint& Fingerprint::add_real(std::string name, double value) {
+  fields_.push_back({std::move(name), hash_of(value), fitted(shortest(value))});
+  return *this;
+}
+
+Fingerprint& Fingerprint::add_real(std::string name, float value) {
+  const double exact = value;
+  fields_.push_back({std::move(name), hash_of(exact), fitted(shortest(value))});
+  return *this;
+}
+
+Fingerprint& Fingerprint::add_int(std::string name, long long value) {
+  const std::int64_t v = value;
+  fields_.push_back({std::move(name), hash_of(v), std::to_string(value)});
+  return *this;
+}
+
+Fingerprint& Fingerprint::add_flag(std::string name, bool value) {
+  const std::uint8_t v = value ? 1 : 0;
+  fields_.push_back({std::move(name), hash_of(v), value ? "yes" : "no"});
+  return *this;
+}
+
+Fingerprint& Fingerprint::add_text(std::string name, std::string_view value) {
+  fields_.push_back({std::move(name), fnv1a64(value), fitted(value)});
+  return *this;
+}
+
+Fingerprint& Fingerprint::add_bytes(std::string name, std::span<const std::byte> bytes,
+                                    std::string_view shown) {
+  return add_hash(std::move(name), fnv1a64(bytes), shown);
+}
+
+Fingerprint& Fingerprint::add_hash(std::string name, std::uint64_t hash, std::string_view shown) {
+  std::string text = !shown.empty() && shown.size() <= kAgreementTextChars
+                         ? std::string(shown)
+                         : std::string("hash ").append(hex(hash, 16));
+  fields_.push_back({std::move(name), hash, std::move(text)});
+  return *this;
+}
+
+Fingerprint& Fingerprint::append(const Fingerprint& other) {
+  fields_.insert(fields_.end(), other.fields_.begin(), other.fields_.end());
+  return *this;
+}
+
+std::string list_text(std::span<const std::int64_t> values) { return list_of(values); }
+std::string list_text(std::span<const std::size_t> values) { return list_of(values); }
+
+std::string agreement_error(std::span<const std::byte> records, std::size_t ranks,
+                            const Fingerprint& local) {
+  if (records.size() != ranks * kAgreementRecordBytes)
+    throw InvalidArgument("agreement_error: " + std::to_string(records.size()) +
+                          " bytes of records for " + std::to_string(ranks) + " ranks, expected " +
+                          std::to_string(ranks * kAgreementRecordBytes));
+  auto rec = [&](std::size_t r) { return records.subspan(r * kAgreementRecordBytes, kAgreementRecordBytes); };
+  std::vector<std::string> parts;
+  std::vector<std::size_t> failed, foreign;
+  std::size_t slots = 0;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const Header h = header_of(rec(r));
+    if (h.magic != kMagic || h.count > kAgreementFields) {
+      foreign.push_back(r);
+      continue;
+    }
+    if (h.failed) failed.push_back(r);
+    slots = std::max<std::size_t>(slots, h.count);
+  }
+  if (!failed.empty())
+    parts.push_back(ranks_text(failed) + (failed.size() == 1 ? " rejected its" : " rejected their") +
+                    " own arguments (see " + (failed.size() == 1 ? "its" : "their") + " error)");
+  if (!foreign.empty())
+    parts.push_back(ranks_text(foreign) + " sent no agreement record (another collective or "
+                                          "another kdacp build at the same point)");
+  auto counted = [&](std::size_t r) {
+    const Header h = header_of(rec(r));
+    return h.magic == kMagic && h.count <= kAgreementFields;
+  };
+  for (std::size_t i = 0; i < slots; ++i) {
+    // Ranks by the name hash of field i (0: none), then by its value hash.
+    std::map<std::uint64_t, std::vector<std::size_t>> by_name;
+    std::map<std::uint64_t, std::vector<std::size_t>> by_value;
+    std::map<std::uint64_t, std::string> shown;
+    for (std::size_t r = 0; r < ranks; ++r) {
+      if (!counted(r)) continue;
+      const Header h = header_of(rec(r));
+      if (i >= h.count) {
+        by_name[0].push_back(r);
+        continue;
+      }
+      const Slot s = slot_of(rec(r), i);
+      by_name[s.name].push_back(r);
+      by_value[s.value].push_back(r);
+      shown.emplace(s.value, s.text);
+    }
+    const std::string name = i < local.fields().size()
+                                 ? (i + 1 == kAgreementFields && local.fields().size() > kAgreementFields
+                                        ? "fields " + local.fields()[i].name + " and later"
+                                        : local.fields()[i].name)
+                                 : std::string("(none)");
+    if (by_name.size() > 1) {
+      // Different checks from here on: another call, or another build.
+      std::string text = "the ranks check different arguments from field " + std::to_string(i + 1) + ": ";
+      bool first = true;
+      for (const auto& [h, rs] : by_name) {
+        text += first ? "" : ", ";
+        first = false;
+        const bool mine = i < local.fields().size() && h == fnv1a64(local.fields()[i].name);
+        text += ranks_text(rs) + (rs.size() == 1 ? " checks " : " check ") +
+                (h == 0 ? std::string("nothing more") : mine ? "'" + name + "'" : std::string("another"));
+      }
+      parts.push_back(text + " (a different call, or another kdacp build)");
+      break;
+    }
+    if (by_value.size() <= 1) continue;
+    // Groups in order of their first rank; texts that read the same get hashes.
+    std::vector<std::pair<std::uint64_t, std::vector<std::size_t>>> groups(by_value.begin(), by_value.end());
+    std::sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.second[0] < b.second[0]; });
+    std::map<std::string, int> seen;
+    for (const auto& g : groups) ++seen[shown[g.first]];
+    std::string text = name + ": ";
+    for (std::size_t k = 0; k < groups.size(); ++k) {
+      const auto& [h, rs] = groups[k];
+      std::string value = shown[h];
+      if (seen[value] > 1) value.append(" (").append(hex(h, 16)).append(")");
+      text.append(k ? ", " : "").append(ranks_text(rs)).append(rs.size() == 1 ? " has " : " have ").append(value);
+    }
+    parts.push_back(text);
+  }
+  std::string out;
+  for (std::size_t k = 0; k < parts.size(); ++k) out.append(k ? "; " : "").append(parts[k]);
+  return out;
+}
+
+void agree(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
+           const std::string& local_error) {
+  const std::size_t ranks = comm.size(), rank = comm.rank();
+  if (ranks <= 1) {
+    if (!local_error.empty()) throw InvalidArgument(local_error);
+    return;
+  }
+  std::vector<std::byte> all(ranks * kAgreementRecordBytes);
+  const std::vector<std::byte> mine = encode(fingerprint, !local_error.empty());
+  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(rank * kAgreementRecordBytes));
+  comm.all_gather(all);
+  const std::string diff = agreement_error(all, ranks, fingerprint);
+  if (!local_error.empty())
+    throw InvalidArgument(diff.empty() || diff.find(';') == std::string::npos
+                              ? local_error
+                              : local_error + " [also, across ranks: " + diff + "]");
+  if (!diff.empty())
+    throw InvalidArgument(what + " on rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                          ": the ranks disagree (checked before any message): " + diff);
+}
+
+}  // namespace kdacp
