@@ -85,6 +85,41 @@ TEST(CliFlags, FindsTheFirstNonFiniteValue) {
   }
 }
 
+// One validator for the CLI (.npy) and kdacp.torch (tensor memory): the name,
+// the multi-index, the exact value (shortest round-trip text) and the rule.
+TEST(CliFlags, ValidatorNamesTheElementAndItsExactValue) {
+  const std::vector<float> beta{0.5f, 1.0000001f, 0.f, 0.f, 0.f, 0.f};
+  try {
+    require_kda_beta(tensor_ref("beta", {1, 2, 3}, std::span<const float>(beta)));
+    ADD_FAILURE() << "beta 1.0000001 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()), "beta: element [0,0,1] is 1.0000001, expected beta in [0, 1]");
+  }
+  const std::vector<double> g{-1.0, -0.0, 1e-300, -2.0};
+  try {
+    require_kda_gate(tensor_ref("g", {2, 2}, std::span<const double>(g)));
+    ADD_FAILURE() << "g > 0 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()), "g: element [1,0] is 1e-300, expected g <= 0 (the log of a decay in (0, 1])");
+  }
+  const std::vector<double> q{0.1, NAN};
+  EXPECT_THROW(require_finite(tensor_ref("q", {2}, std::span<const double>(q))), InvalidArgument);
+  EXPECT_THROW(tensor_ref("q", {3}, std::span<const double>(q)), InvalidArgument);
+  EXPECT_EQ(exact_string(0.1), "0.1");
+  EXPECT_EQ(exact_string(3.4028235e38f), "3.4028235e+38");
+  // The .npy overloads are the same check: the same message.
+  NpyArray a;
+  a.shape = {1, 2, 3};
+  a.data.resize(sizeof(float) * beta.size());
+  std::memcpy(a.data.data(), beta.data(), a.data.size());
+  try {
+    require_kda_beta(tensor_ref(a, "beta"));
+    ADD_FAILURE() << "beta.npy 1.0000001 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()), "beta: element [0,0,1] is 1.0000001, expected beta in [0, 1]");
+  }
+}
+
 TEST(CliFlags, MemoryAdmission) {
   EXPECT_GT(available_memory_bytes(), 0u);
   EXPECT_NO_THROW(require_memory(1024, 1024, "x", "--max-memory"));

@@ -40,6 +40,10 @@ double parse_real(std::string_view text, const RealRange& range, std::string_vie
 inline constexpr double kMaxTimeoutSeconds = 86400;
 inline constexpr RealRange kTimeoutRange{0, kMaxTimeoutSeconds, true};
 
+// Worker threads per rank a caller may ask for (the CLI's --threads, the
+// Python package's threads=); 0: the default.
+inline constexpr IntRange kThreadsRange{0, 1024};
+
 // Quantities with a unit; decimal and binary prefixes mean what they say and
 // a bare number is in the base unit. Each is positive and finite.
 double parse_seconds(std::string_view text, std::string_view what);  // s, ms, us, µs, ns

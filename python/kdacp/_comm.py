@@ -38,13 +38,52 @@ from torch.utils.dlpack import from_dlpack
 VIEW_TAG = 1 << 20
 
 
-def group_members(group):
-    """Global ranks of `group`'s members in group-rank order (collective)."""
+def group_members(group, timeout_s=None):
+    """Global ranks of `group`'s members in group-rank order (collective;
+    with timeout_s, TimeoutError naming the group when a member does not
+    answer within it, rather than the process group's own default of 30
+    minutes)."""
     size = dist.get_world_size(group)
     me = torch.tensor([dist.get_rank()], dtype=torch.int64)
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(out, me, group=group)
+    work = dist.all_gather(out, me, group=group, async_op=True)
+    what = f"rank {dist.get_rank()}: gathering the members of a group of {size}"
+    try:
+        done = work.wait() if timeout_s is None else \
+            work.wait(timeout=datetime.timedelta(seconds=float(timeout_s)))
+    except RuntimeError as e:
+        text = str(e)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise TimeoutError(f"{what}: no answer within {timeout_s:g} s ({text})") from None
+        raise RuntimeError(f"{what} failed: {text}") from None
+    if done is False:
+        raise TimeoutError(f"{what}: no answer within {timeout_s:g} s")
     return [int(t.item()) for t in out]
+
+
+def check_group(group):
+    """ValueError unless torch.distributed is initialised and `group` (None:
+    the default group) is a live process group this process belongs to: a
+    group destroyed by destroy_process_group, or one from an earlier
+    init_process_group, is refused (it would otherwise run on stale
+    connections, or not at all)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialised: call "
+                         "torch.distributed.init_process_group first (or, for kda, omit group "
+                         "to run one process)")
+    if group is None:
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group={group!r}, expected a torch.distributed ProcessGroup")
+    try:
+        rank = dist.get_rank(group)
+    except RuntimeError as e:
+        raise ValueError(f"group {group!r} is not a live process group (destroyed by "
+                         "destroy_process_group, or created before the current "
+                         f"init_process_group): {e}") from None
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
+                         f"group {group!r}")
 
 
 def _tensor(buf):
@@ -76,6 +115,11 @@ class GroupBackend:
         # list) where the backend has it (gloo from torch 2.x, NCCL); None:
         # not tried yet.
         self._flat_gather = None if hasattr(dist, "all_gather_into_tensor") else False
+
+    def with_timeout(self, timeout_s):
+        """The same communicator with another timeout (no message)."""
+        return GroupBackend(self.group, self.global_ranks, self.torch_order, self.world_size,
+                            timeout_s, self.spans_world)
 
     @property
     def size(self):
@@ -218,10 +262,8 @@ def backend_for(group, timeout_s):
     kdacp world is the group itself: its splits are correct whether or not it
     spans the default group (see the module docstring).
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: call "
-                         "torch.distributed.init_process_group first, or pass group=None to kda")
+    check_group(group)
     g = dist.group.WORLD if group is None else group
-    members = group_members(g)
+    members = group_members(g, timeout_s)
     spans = len(members) == dist.get_world_size()
     return GroupBackend(g, members, members, len(members), timeout_s, spans)

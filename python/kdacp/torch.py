@@ -15,15 +15,32 @@ before anything is sent; a failed or silent peer raises RuntimeError naming
 it within the timeout.
 """
 
+import hashlib
 import math
+import numbers
+import operator
+import struct
 
 import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
-from kdacp._comm import backend_for
+from kdacp._comm import backend_for, check_group
 
-__all__ = ["build_kda_state_cp", "merge_affine_summaries", "kda", "StateExchange"]
+__all__ = ["build_kda_state_cp", "merge_affine_summaries", "kda", "StateExchange",
+           "SINGLE_PROCESS"]
+
+
+class _SingleProcess:
+    """kda's default group: one process, the whole stream local. Distinct
+    from None, which torch.distributed.group.WORLD also is before
+    init_process_group and after destroy_process_group."""
+
+    def __repr__(self):
+        return "kdacp.torch.SINGLE_PROCESS"
+
+
+SINGLE_PROCESS = _SingleProcess()
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 _DEFAULT_TIMEOUT_S = 60.0
@@ -61,22 +78,29 @@ def _from_numpy(a):
     return None if a is None else torch.from_numpy(a)
 
 
+def _integer(value, name, lo, hi):
+    """An int option in [lo, hi], checked by the CLI's parser (kdacp/units.hpp):
+    ValueError naming the option for anything else (bool, float, str, out of range)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}, expected an integer in [{lo}, {hi}]")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r}, expected an integer in [{lo}, {hi}]") from None
+    return _kdacp.parse_integer(str(value), name, lo, hi)
+
+
 def _parse_bytes(value):
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, str):
-        units = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30,
-                 "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}
-        text = value.strip()
-        num = text.rstrip("KMGiB")
-        unit = text[len(num):]
-        if unit in units:
-            try:
-                return int(float(num) * units[unit])
-            except ValueError:
-                pass
-    raise ValueError(f"memory_budget_bytes={value!r}, expected a non-negative int or a size "
-                     "such as '64MiB'")
+    """memory_budget_bytes: 0 or None (no budget), a positive int, or a size
+    such as '64MiB', read by the CLI's --memory-budget parser (kdacp/units.hpp)."""
+    name = "memory_budget_bytes"
+    if value is None or (type(value) is int and value == 0):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise ValueError(f"{name}={value!r}, expected 0 (no budget), a positive int or a size "
+                         "such as '64MiB'")
+    return _kdacp.parse_bytes(str(operator.index(value)) if not isinstance(value, str) else value,
+                              name)
 
 
 def _options(options, part_owners=(), expected=None, expected_dtype=None):
@@ -86,31 +110,62 @@ def _options(options, part_owners=(), expected=None, expected_dtype=None):
                         f"{list(_EXCHANGE_OPTIONS)}")
     shape = options.get("expected_shape", expected)
     if shape is not None:
-        shape = [int(x) for x in shape]
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__"):
+            raise ValueError(f"expected_shape={shape!r}, expected (B, H, K, V)")
+        shape = [_integer(x, "expected_shape", 1, 1 << 32) for x in shape]
+    for flag in ("allow_reassociation", "check_ranks"):
+        if flag in options and not isinstance(options[flag], bool):
+            raise ValueError(f"{flag}={options[flag]!r}, expected True or False")
+    calibration = options.get("calibration", "")
+    if calibration is None:
+        calibration = ""
+    if not isinstance(calibration, str):
+        raise ValueError(f"calibration={calibration!r}, expected the path of a "
+                         "`kdacp calibrate` JSON file")
     return _kdacp.make_options(
-        segments=int(options.get("segments", 0)),
+        segments=_segments(options),
         memory_budget_bytes=_parse_bytes(options.get("memory_budget_bytes", 0)),
         allow_reassociation=bool(options.get("allow_reassociation", False)),
-        calibration=str(options.get("calibration", "") or ""),
+        calibration=calibration,
         expected_shape=shape,
         expected_dtype=expected_dtype,
         part_owners=list(part_owners))
 
 
+def _segments(options):
+    return _integer(options.get("segments", 0), "segments", *_kdacp.segments_range)
+
+
 def _threads(options):
-    return int(options.get("threads", torch.get_num_threads()))
+    """threads: the C++ pool's size, in the CLI's --threads range; 0 or
+    absent: torch.get_num_threads() (capped at the range's top)."""
+    lo, hi = _kdacp.threads_range
+    n = _integer(options.get("threads", 0), "threads", lo, hi)
+    return n if n > 0 else max(1, min(torch.get_num_threads(), hi))
 
 
 def _timeout(options):
-    t = float(options.get("timeout", _DEFAULT_TIMEOUT_S))
-    if not t > 0:
-        raise ValueError(f"timeout={t}, expected seconds > 0")
-    return t
+    """timeout: seconds, a finite number in (0, one day], read by the CLI's
+    --timeout parser (kdacp/units.hpp)."""
+    t = options.get("timeout", _DEFAULT_TIMEOUT_S)
+    if isinstance(t, bool) or not isinstance(t, (numbers.Real, str)):
+        raise ValueError(f"timeout={t!r}, expected seconds: a finite number > 0")
+    if isinstance(t, numbers.Integral):
+        text = str(operator.index(t))
+    elif isinstance(t, str):
+        text = t
+    else:
+        text = repr(float(t))
+    return _kdacp.parse_timeout(text, "timeout")
+
+
+def _group_size(value):
+    return _integer(value, "allgather_group_size", 1, 1 << 31)
 
 
 def _agree(backend, row, what):
-    """All-gathers an int64 row from every rank; raises ValueError on every
-    rank when the rows differ (the mismatch is then known everywhere)."""
+    """All-gathers an int64 row from every rank (one fixed-size collective,
+    bounded by the backend's timeout); returns the [size, len(row)] table."""
     mine = torch.tensor(row, dtype=torch.int64)
     table = torch.zeros(backend.size, mine.numel(), dtype=torch.int64)
     table[backend.rank] = mine
@@ -121,6 +176,106 @@ def _agree(backend, row, what):
     return table.numpy()
 
 
+def _digest(*parts):
+    """A signed 64-bit hash of the exact bytes of `parts` (bytes, or text)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        b = p if isinstance(p, bytes) else repr(p).encode()
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _float_bits(x):
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(b):
+    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
+
+
+class _Fingerprint:
+    """The arguments every rank must pass alike, as one fixed-size int64 row:
+    (name, value, shown) per argument, where shown(value) prints it (None:
+    a hash, printed as such). ok=False marks a rank whose own checks failed:
+    its error is raised on it, and its peers name it, instead of them waiting
+    for it in the next collective."""
+
+    def __init__(self, fields):
+        # Every rank sends a row of the same length, whatever its own checks
+        # found (a shorter row would abort the process inside gloo).
+        self.fields = tuple(fields)
+        self.names, self.values, self.shows = [], [], []
+
+    def add(self, name, value, show=str):
+        assert name == self.fields[len(self.names)], (name, self.fields)
+        self.names.append(name)
+        self.values.append(int(value))
+        self.shows.append(show)
+
+    def add_hash(self, name, *parts):
+        self.add(name, _digest(*parts), None)
+
+    def check(self, backend, what, ok=True, error=None, extra=()):
+        """Gathers [ok] + fingerprint + extra (per-rank values, not compared)
+        from every rank. Raises on every rank: `error` on the ranks that
+        failed their own checks, ValueError naming them on the others, and
+        ValueError naming each argument that differs and which global ranks
+        hold which value. Returns the gathered `extra` columns."""
+        if ok:
+            assert len(self.values) == len(self.fields), (self.names, self.fields)
+        row = [int(ok)] + (self.values if ok else [0] * len(self.fields)) + \
+            [int(x) for x in extra]
+        table = _agree(backend, row, what)
+        ranks = backend.global_ranks
+        me = dist.get_rank()
+        if error is not None:
+            raise error
+        bad = [ranks[j] for j in range(backend.size) if not table[j, 0]]
+        if bad:
+            raise ValueError(f"rank {me}: {what}: global rank(s) {bad} rejected their own "
+                             "arguments (their error says why); nothing was sent")
+        diffs = []
+        for c, (name, show) in enumerate(zip(self.names, self.shows)):
+            col = table[:, 1 + c]
+            if (col == col[0]).all():
+                continue
+            groups = {}
+            for j, x in enumerate(col.tolist()):
+                groups.setdefault(x, []).append(ranks[j])
+            diffs.append(f"{name} differs: " + "; ".join(
+                f"global rank(s) {g}" + ("" if show is None else f": {show(x)}")
+                for x, g in groups.items()))
+        if diffs:
+            raise ValueError(f"rank {me}: {what} called with different arguments on the "
+                             "group's ranks: " + "; ".join(diffs) + " (every rank must pass the same)")
+        return table[:, 1 + len(self.fields):]
+
+
+_OPTION_FIELDS = ("protocol", "allgather_group_size", "segments", "memory_budget_bytes",
+                  "allow_reassociation", "calibration", "expected_shape", "timeout")
+_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "layout",
+               "initial_state given", "output_final_state", "cu_seqlens length",
+               "cu_seqlens") + _OPTION_FIELDS
+_SHAPE_FIELDS = ("direction", "B", "H", "K", "V", "dtype")
+
+
+def _options_fingerprint(fp, options, protocol, group_size, timeout_s):
+    """The exchange's arguments that must match: protocol, width, options that
+    shape the messages, timeout (threads and check_ranks are per-rank)."""
+    fp.add_hash("protocol", protocol)
+    fp.add("allgather_group_size", group_size)
+    fp.add("segments", _segments(options))
+    budget = _parse_bytes(options.get("memory_budget_bytes", 0))  # < 2^64: as signed bits
+    fp.add("memory_budget_bytes", budget - (1 << 64) if budget >= 1 << 63 else budget,
+           lambda b: str(b % (1 << 64)))
+    fp.add("allow_reassociation", bool(options.get("allow_reassociation", False)))
+    fp.add_hash("calibration", options.get("calibration", "") or "")
+    shape = options.get("expected_shape")
+    fp.add_hash("expected_shape", None if shape is None else [int(x) for x in shape])
+    fp.add("timeout", _float_bits(timeout_s), lambda b: f"{_bits_float(b)!r} s")
+
+
 # -- the exchange ---------------------------------------------------------------
 
 class StateExchange:
@@ -129,10 +284,22 @@ class StateExchange:
     def __init__(self, backend, protocol, group_size, options):
         self._backend = backend
         self._protocol = protocol
-        self._group_size = group_size
         self._options = options
-        self._check = bool(options.get("check_ranks", True))
         self._cpp = None
+        # Local checks, then one fixed-size collective: every rank learns
+        # whether all ranks passed the same protocol, width, options and
+        # timeout before anything that depends on them runs (a split, a
+        # protocol's first message).
+        fp = _Fingerprint(_OPTION_FIELDS)
+        error = None
+        try:
+            self._group_size = _group_size(group_size)
+            _options(options)
+            self._check = bool(options.get("check_ranks", True))
+            _options_fingerprint(fp, options, protocol, self._group_size, backend.timeout_s)
+        except ValueError as e:
+            error = e
+        fp.check(backend, "build_kda_state_cp", ok=error is None, error=error)
         if protocol != "auto" or "expected_shape" in options:
             self._build(None, None)
 
@@ -188,15 +355,20 @@ class StateExchange:
         if tuple(matrix.shape) != (b, h, k, k):
             raise ValueError(f"matrix has shape {list(matrix.shape)}, expected "
                              f"[{b},{h},{k},{k}] to match {name} {list(offset.shape)}")
+        if torch.is_grad_enabled() and (offset.requires_grad or matrix.requires_grad):
+            raise ValueError(
+                f"{name if offset.requires_grad else 'matrix'} requires grad: the exchange is "
+                "not differentiable (its result would silently carry no gradient); detach the "
+                "inputs, and use StateExchange.backward for the adjoint")
         if self._check:
-            row = [int(forward), b, h, k, v, 8 if offset.dtype == torch.float64 else 4]
-            table = _agree(self._backend, row, "exchange shape")
-            if not (table == table[0]).all():
-                raise ValueError(
-                    f"rank {dist.get_rank()}: exchange {'forward' if forward else 'backward'} "
-                    f"called with different shapes on the group's ranks: "
-                    + ", ".join(f"global rank {g}: (dir, B, H, K, V, bytes)={list(r)}"
-                                for g, r in zip(self._backend.global_ranks, table.tolist())))
+            fp = _Fingerprint(_SHAPE_FIELDS)
+            fp.add("direction", int(forward), lambda x: "forward" if x else "backward")
+            for dim, n in zip("BHKV", (b, h, k, v)):
+                fp.add(dim, n)
+            fp.add("dtype", 8 if offset.dtype == torch.float64 else 4,
+                   lambda x: "float64" if x == 8 else "float32")
+            fp.check(self._backend, f"exchange {'forward' if forward else 'backward'} "
+                     "(different shapes)")
         if self._cpp is None:
             self._build([b, h, k, v], _DTYPES[offset.dtype])
         with torch.no_grad():
@@ -226,7 +398,13 @@ def build_kda_state_cp(group=None, protocol="auto", allgather_group_size=1, **op
     if protocol not in _kdacp.exchange_methods():
         raise ValueError(f"unknown protocol '{protocol}', expected one of "
                          f"{_kdacp.exchange_methods()}")
-    backend = backend_for(group, _timeout(options))
+    _group_size(allgather_group_size)
+    _threads(options)
+    timeout_s = _timeout(options)
+    try:
+        backend = backend_for(group, timeout_s)
+    except TimeoutError as e:
+        raise RuntimeError(str(e)) from None
     return StateExchange(backend, protocol, allgather_group_size, dict(options))
 
 
@@ -281,6 +459,43 @@ def _layer(backend, key, protocol, group_size, layout, counts, tokens, dtype, op
     return layer
 
 
+def _require_finite_result(t, name, what):
+    """RuntimeError naming the tensor, its first non-finite element and value
+    when a forward or backward produced one from finite inputs (the C++
+    validator's scan; a cheap torch.isfinite first)."""
+    if t is None or bool(torch.isfinite(t).all()):
+        return
+    try:
+        _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, "finite")
+    except ValueError as e:
+        raise RuntimeError(f"kdacp.torch.kda: the {what} produced a non-finite value from "
+                           f"finite inputs: {e}") from None
+
+
+def _check_input(t, name, rule):
+    """kdacp/finite.hpp's rules on a contiguous tensor: the CLI's messages."""
+    _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, rule)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """Marks a first-order gradient of kda, computed under create_graph=True:
+    the same values, but a backward through them raises (the C++ backward
+    has no derivative of its own). torch's once_differentiable would not do:
+    it marks nothing when the incoming gradient needs no grad (loss.sum()),
+    and kda's second-order part was then silently dropped."""
+
+    @staticmethod
+    def forward(ctx, grad, *anchors):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "kdacp.torch.kda is differentiable once: a double backward through it "
+            "(torch.autograd.grad(..., create_graph=True) then a backward through kda's "
+            "gradient, gradgradcheck) is not supported (once_differentiable)")
+
+
 class _KdaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, q, k, v, g, beta, h0):
@@ -292,8 +507,11 @@ class _KdaFunction(torch.autograd.Function):
         ctx.kdacp_saved = saved  # the layer's Saved: M and the incoming state per part
         ctx.save_for_backward(q, k, v, g, beta, h0)
         o = torch.from_numpy(o)
+        ht = torch.from_numpy(ht) if want_ht else None
+        _require_finite_result(o, "o", "forward")
+        _require_finite_result(ht, "ht", "forward")
         if want_ht:
-            return o, torch.from_numpy(ht)
+            return o, ht
         empty = o.new_empty(0)
         ctx.mark_non_differentiable(empty)
         return o, empty
@@ -301,9 +519,22 @@ class _KdaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_ht):
         q, k, v, g, beta, h0 = ctx.saved_tensors
+        with torch.no_grad():
+            grads = _KdaFunction._backward(ctx, q, k, v, g, beta, h0, d_o, d_ht)
+        if torch.is_grad_enabled():
+            # create_graph=True: the C++ backward is not itself
+            # differentiable, so a backward through these gradients raises
+            # instead of silently dropping kda's second-order part.
+            anchors = [t for t in (q, k, v, g, beta, h0) if t is not None and t.requires_grad]
+            grads = [None if x is None else _NoSecondOrder.apply(x, *anchors) for x in grads]
+        return (None, None, None, None, None, None, None) + tuple(grads)
+
+    @staticmethod
+    def _backward(ctx, q, k, v, g, beta, h0, d_o, d_ht):
         if d_o is None:
             d_o = torch.zeros(ctx.shape[0], ctx.shape[1], ctx.shape[3], ctx.shape[5], dtype=q.dtype)
         d_o = d_o.contiguous()
+        _check_input(d_o, "the gradient of o", "finite")
         dht_ptr = 0
         if ctx.want_ht:
             # Every rank passes dht (zeros when its loss does not use ht): the
@@ -314,15 +545,41 @@ class _KdaFunction(torch.autograd.Function):
                 n = (len(ctx.cu) - 1) if ctx.cu is not None else ctx.shape[0]
                 d_ht = torch.zeros(n, ctx.shape[3], ctx.shape[4], ctx.shape[5], dtype=q.dtype)
             d_ht = d_ht.contiguous()
+            _check_input(d_ht, "the gradient of ht", "finite")
             dht_ptr = d_ht.data_ptr()
         inputs = [t.data_ptr() for t in (q, k, v, g, beta)]
         h0_ptr = 0 if h0 is None else h0.data_ptr()
-        dq, dk, dv, dg, dbeta, dh0 = ctx.layer.backward(
+        grads = ctx.layer.backward(
             ctx.kdacp_saved, inputs, ctx.shape, ctx.scale, ctx.cu, h0_ptr, d_o.data_ptr(),
             dht_ptr, h0 is not None, ctx.algorithm)
-        return (None, None, None, None, None, None, None, torch.from_numpy(dq), torch.from_numpy(dk),
-                torch.from_numpy(dv), torch.from_numpy(dg), torch.from_numpy(dbeta),
-                _from_numpy(dh0))
+        grads = [_from_numpy(x) for x in grads]
+        for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+            _require_finite_result(x, name, "backward")
+        return grads
+
+
+def _cu_list(cu_seqlens):
+    """cu_seqlens as a list of Python ints: a 1-D int32/int64 tensor, or a
+    sequence of integers (a float, even 2.0, is an error: never truncated)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens is {cu_seqlens.dtype} with {cu_seqlens.dim()} dims, "
+                             "expected a 1-D int32 or int64 tensor")
+        return [int(x) for x in cu_seqlens.tolist()]
+    if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
+        raise ValueError(f"cu_seqlens={cu_seqlens!r}, expected a 1-D integer tensor or a "
+                         "sequence of integers")
+    cu = []
+    for i, x in enumerate(cu_seqlens):
+        if isinstance(x, bool):
+            raise ValueError(f"cu_seqlens[{i}] is {x!r}, expected an integer")
+        try:
+            cu.append(operator.index(x))
+        except TypeError:
+            raise ValueError(f"cu_seqlens[{i}] is {x!r} ({type(x).__name__}), expected an "
+                             "integer (sequence boundaries are token indices, never "
+                             "truncated)") from None
+    return cu
 
 
 def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -346,13 +603,7 @@ def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"beta has shape {list(beta.shape)}, expected [{b},{t_},{hv}] ([B,T,HV])")
     cu = None
     if cu_seqlens is not None:
-        if isinstance(cu_seqlens, torch.Tensor):
-            if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
-                raise ValueError(f"cu_seqlens is {cu_seqlens.dtype} with {cu_seqlens.dim()} dims, "
-                                 "expected a 1-D int32 or int64 tensor")
-            cu = [int(x) for x in cu_seqlens.tolist()]
-        else:
-            cu = [int(x) for x in cu_seqlens]
+        cu = _cu_list(cu_seqlens)
         if len(cu) < 2:
             raise ValueError(f"cu_seqlens has {len(cu)} entries, expected at least 2")
         if b != 1:
@@ -368,90 +619,146 @@ def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
 
 
 _ALGORITHMS = ("recurrent", "chunk")
+_LAYOUTS = ("contiguous", "zigzag")
 
 
-def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-        cu_seqlens=None, group=None, layout="contiguous", protocol="auto",
-        allgather_group_size=1, algorithm="chunk", keep_forward=False, **options):
-    """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
-
-    q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
-    [B,T,HV]; float32 or float64 CPU tensors (flash-linear-attention layout).
-    scale None: 1/sqrt(K). initial_state h0 [N,HV,K,V]; cu_seqlens: N packed
-    sequences (B = 1), global, identical on every rank. group None: one
-    process, the whole stream local. Otherwise the group's ranks in group
-    order are the CP order and the local tensors are this rank's tokens: with
-    layout "contiguous" rank r holds the r-th run of tokens (any lengths),
-    with "zigzag" parts r and 2P-1-r concatenated. Returns (o [B,T,HV,V], ht
-    [N,HV,K,V] or None); ht, when requested, is complete on every rank.
-    Differentiable w.r.t. q, k, v, g, beta and initial_state. Every rank must
-    call kda, and its backward, in the same order. algorithm: "chunk"
-    (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
-    (token by token, the reference); the same results up to rounding, the same on every rank of a
-    group. keep_forward: with "chunk", the forward keeps what its backward
-    would recompute (about 1.25x the local q, k, v, g at K = V = 128) in the
-    autograd context, for a faster backward; the same results either way.
-    options: as build_kda_state_cp.
-    """
+def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                     layout, algorithm, keep_forward, options):
+    """Every local check of kda's arguments (no message sent): the shapes,
+    the options, then the values (finite inputs, g <= 0, beta in [0, 1], by
+    the C++ validator the CLI uses). Returns what kda runs with."""
     shape, cu = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)
     b, t_local, h, hv, kd, vd = shape
     if scale is None:
         scale = 1.0 / math.sqrt(kd)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale={scale!r}, expected a finite number > 0")
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale}, expected a finite value > 0")
-    if layout not in ("contiguous", "zigzag"):
+    if layout not in _LAYOUTS:
         raise ValueError(f"layout '{layout}', expected 'contiguous' or 'zigzag'")
     if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}, expected 'recurrent' or 'chunk'")
     if not isinstance(keep_forward, bool):
         raise ValueError(f"keep_forward={keep_forward!r}, expected True or False")
+    if not isinstance(output_final_state, bool):
+        raise ValueError(f"output_final_state={output_final_state!r}, expected True or False")
     _options(options)
-    dtype = _DTYPES[q.dtype]
+    _timeout(options)
+    threads = _threads(options)
     n_seq = (len(cu) - 1) if cu is not None else b
     if initial_state is not None and initial_state.shape[0] != n_seq:
         raise ValueError(f"initial_state has {initial_state.shape[0]} sequences, expected "
                          f"N = {n_seq}")
-    threads = _threads(options)
-    if group is None:
+    tensors = [t.contiguous() for t in (q, k, v, g, beta)]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    for t, name in zip(tensors[:3], ("q", "k", "v")):
+        _check_input(t, name, "finite")
+    _check_input(tensors[3], "g", "gate")
+    _check_input(tensors[4], "beta", "beta")
+    if h0 is not None:
+        _check_input(h0, "initial_state", "finite")
+    return shape, cu, scale, threads, tensors, h0
+
+
+def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
+        allgather_group_size=1, algorithm="chunk", keep_forward=False, **options):
+    """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
+
+    q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
+    [B,T,HV]; float32 or float64 CPU tensors (flash-linear-attention layout),
+    finite, with g <= 0 and beta in [0, 1] (ValueError naming the first bad
+    element otherwise, the CLI's message). scale None: 1/sqrt(K).
+    initial_state h0 [N,HV,K,V]; cu_seqlens: N packed sequences (B = 1),
+    integers, global, identical on every rank. group omitted
+    (SINGLE_PROCESS): one process, the whole stream local. Otherwise a live
+    torch.distributed group (None: the default group, which must be
+    initialised); the group's ranks in group order are the CP order and the
+    local tensors are this rank's tokens: with layout "contiguous" rank r
+    holds the r-th run of tokens (any lengths), with "zigzag" parts r and
+    2P-1-r concatenated. Before any other message the ranks compare every
+    argument that must match (ValueError on every rank naming it and the
+    ranks that differ). Returns (o [B,T,HV,V], ht [N,HV,K,V] or None); ht,
+    when requested, is complete on every rank. Differentiable (once) w.r.t.
+    q, k, v, g, beta and initial_state; a double backward raises. A
+    non-finite o, ht or gradient raises RuntimeError naming it. Every rank
+    must call kda, and its backward, in the same order. algorithm: "chunk"
+    (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
+    (token by token, the reference); the same results up to rounding, the
+    same on every rank of a group. keep_forward: with "chunk", the forward
+    keeps what its backward would recompute (about 1.25x the local q, k, v,
+    g at K = V = 128) in the autograd context, for a faster backward; the
+    same results either way. options: as build_kda_state_cp.
+    """
+    if group is SINGLE_PROCESS:
+        shape, cu, scale, threads, tensors, h0 = _check_arguments(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
+            algorithm, keep_forward, options)
         if layout != "contiguous":
-            raise ValueError("layout 'zigzag' needs a group (group=None runs one process)")
+            raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
+        dtype = _DTYPES[q.dtype]
         key = ("single", dtype, threads)
-        layer = _layer(None, key, "none", 1, layout, [], t_local, dtype, options)
+        layer = _layer(None, key, "none", 1, layout, [], shape[1], dtype, options)
     else:
-        if protocol not in _kdacp.exchange_methods():
-            raise ValueError(f"unknown protocol '{protocol}', expected one of "
-                             f"{_kdacp.exchange_methods()}")
-        backend = _group_backend(group, _timeout(options))
-        cu_sum = sum(cu) if cu is not None else -1
-        cu_wsum = sum(i * c for i, c in enumerate(cu)) if cu is not None else -1
-        row = [b, h, hv, kd, vd, 8 if dtype == "float64" else 4,
-               int(initial_state is not None), int(bool(output_final_state)),
-               -1 if cu is None else len(cu), cu_sum, cu_wsum, _ALGORITHMS.index(algorithm), t_local]
-        table = _agree(backend, row, "kda shape")
-        if not (table[:, :-1] == table[0, :-1]).all():
+        # The group and timeout first (a rank that cannot reach its peers
+        # cannot tell them why); every other check runs locally and its
+        # outcome travels in the agreement row, so a rank with a bad argument
+        # raises its own error and its peers name it, none waits for it.
+        if group is None:
             raise ValueError(
-                f"rank {dist.get_rank()}: kda called with different arguments on the group's "
-                "ranks: " + ", ".join(
-                    f"global rank {gr}: (B, H, HV, K, V, bytes, h0, ht, len(cu), sums, algorithm)="
-                    f"{list(r[:-1])}"
-                    for gr, r in zip(backend.global_ranks, table.tolist())))
-        counts = [int(x) for x in table[:, -1]]
+                "kda: group=None, expected a process group: torch.distributed.group.WORLD is "
+                "None before init_process_group and after destroy_process_group, so None "
+                "cannot mean the default group here; omit group (or pass "
+                "kdacp.torch.SINGLE_PROCESS) to run one process")
+        check_group(group)
+        backend = _group_backend(group, _timeout(options))
+        fp = _Fingerprint(_KDA_FIELDS)
+        error = None
+        t_local = 0
+        try:
+            if not isinstance(protocol, str) or protocol not in _kdacp.exchange_methods():
+                raise ValueError(f"unknown protocol {protocol!r}, expected one of "
+                                 f"{_kdacp.exchange_methods()}")
+            width = _group_size(allgather_group_size)
+            shape, cu, scale, threads, tensors, h0 = _check_arguments(
+                q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
+                algorithm, keep_forward, options)
+            b, t_local, h, hv, kd, vd = shape
+            dtype = _DTYPES[q.dtype]
+            for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
+                fp.add(name, n)
+            fp.add("dtype", 8 if dtype == "float64" else 4,
+                   lambda x: "float64" if x == 8 else "float32")
+            fp.add("scale", _float_bits(scale), lambda x: repr(_bits_float(x)))
+            fp.add("algorithm", _ALGORITHMS.index(algorithm), lambda x: _ALGORITHMS[x])
+            fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
+            fp.add("initial_state given", int(h0 is not None), lambda x: str(bool(x)))
+            fp.add("output_final_state", int(output_final_state), lambda x: str(bool(x)))
+            fp.add("cu_seqlens length", -1 if cu is None else len(cu),
+                   lambda x: "None" if x < 0 else str(x))
+            fp.add_hash("cu_seqlens", b"" if cu is None else
+                        torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
+            _options_fingerprint(fp, options, protocol, width, backend.timeout_s)
+        except ValueError as e:
+            error = e
+        what = "kda"
+        extra = fp.check(backend, what, ok=error is None, error=error, extra=[t_local])
+        counts = [int(x) for x in extra[:, 0]]
         tokens = sum(counts)
         if layout == "zigzag":
             want = _zigzag_counts(tokens, backend.size)
             if counts != want:
                 raise ValueError(f"rank {dist.get_rank()}: zigzag over {backend.size} ranks of "
                                  f"{tokens} tokens holds {want} tokens per rank, got {counts}")
-        key = (id(backend), protocol, int(allgather_group_size), layout, tuple(counts), dtype,
+        key = (id(backend), protocol, width, layout, tuple(counts), dtype,
                tuple(sorted((k_, repr(v_)) for k_, v_ in options.items())))
         key = key + ((b, hv, kd, vd),)
-        layer = _layer(backend, key, protocol, allgather_group_size, layout, counts, tokens,
+        layer = _layer(backend, key, protocol, width, layout, counts, tokens,
                        dtype, options, summary_shape=(b, hv, kd, vd))
-    qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, bool(output_final_state), algorithm,
-                               bool(keep_forward), qc, kc, vc, gc, bc, h0)
+    o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
+                               keep_forward, *tensors, h0)
     return o, (ht if output_final_state else None)
 
 
@@ -460,11 +767,23 @@ _BACKENDS = {}
 
 def _group_backend(group, timeout_s):
     """One backend per (group, timeout), reused across kda calls, so the
-    layers cached for it stay valid. Collective on first use."""
-    key = (id(group) if group is not None else None, timeout_s)
+    layers cached for it stay valid. Only the first call on a group is
+    collective (it gathers the members, bounded by timeout_s); a new timeout
+    on a known group reuses them, so ranks that pass different timeouts still
+    meet in the agreement that names the difference. The group must be live
+    (check_group)."""
+    key = (id(group), timeout_s)
     entry = _BACKENDS.get(key)
-    if entry is not None and entry[0] is (group if group is not None else dist.group.WORLD):
+    if entry is not None and entry[0] is group:
         return entry[1]
-    backend = backend_for(group, timeout_s)
-    _BACKENDS[key] = (group if group is not None else dist.group.WORLD, backend)
+    known = next((e[1] for k_, e in _BACKENDS.items() if k_[0] == id(group) and e[0] is group),
+                 None)
+    if known is not None:
+        backend = known.with_timeout(timeout_s)
+    else:
+        try:
+            backend = backend_for(group, timeout_s)
+        except TimeoutError as e:
+            raise RuntimeError(str(e)) from None
+    _BACKENDS[key] = (group, backend)
     return backend

@@ -51,5 +51,6 @@ struct Pool {
 
 void bind_exchange(pybind11::module_& m);
 void bind_kda(pybind11::module_& m);
+void bind_checks(pybind11::module_& m);
 
 }  // namespace kdacp::python

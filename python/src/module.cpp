@@ -8,6 +8,9 @@
 
 #include "binding.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/finite.hpp"
+#include "kdacp/summary.hpp"
+#include "kdacp/units.hpp"
 
 namespace py = pybind11;
 
@@ -77,6 +80,55 @@ py::array new_array(DType dtype, const std::vector<std::size_t>& shape) {
   return py::array_t<float>(s);
 }
 
+namespace {
+
+// kdacp/finite.hpp on a contiguous tensor's memory: the rule by name
+// ("finite", "gate": g <= 0, "beta": beta in [0, 1]), the same checks and
+// messages as the CLI's on .npy files. The scan runs without the GIL.
+void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, const std::string& dtype,
+                  const std::string& name, const std::string& rule) {
+  TensorRef t{name, shape, reinterpret_cast<const void*>(data), DType::f32};
+  if (dtype == "float64")
+    t.dtype = DType::f64;
+  else if (dtype != "float32")
+    throw InvalidArgument(name + " has dtype " + dtype + ", expected float32 or float64");
+  void (*check)(const TensorRef&) = nullptr;
+  if (rule == "finite")
+    check = [](const TensorRef& x) { require_finite(x); };
+  else if (rule == "gate")
+    check = &require_kda_gate;
+  else if (rule == "beta")
+    check = &require_kda_beta;
+  else
+    throw InvalidArgument("check_tensor: rule '" + rule + "', expected 'finite', 'gate' or 'beta'");
+  py::gil_scoped_release release;
+  check(t);
+}
+
+}  // namespace
+
+void bind_checks(py::module_& m) {
+  m.def("check_tensor", &check_tensor, py::arg("data"), py::arg("shape"), py::arg("dtype"),
+        py::arg("name"), py::arg("rule"));
+  // kdacp/units.hpp: the CLI's parsers of numbers and sizes, one for both.
+  m.def(
+      "parse_integer",
+      [](const std::string& text, const std::string& what, std::uint64_t min, std::uint64_t max) {
+        return parse_integer(text, IntRange{min, max, 1}, what);
+      },
+      py::arg("text"), py::arg("what"), py::arg("min"), py::arg("max"));
+  m.def(
+      "parse_bytes", [](const std::string& text, const std::string& what) { return parse_bytes(text, what); },
+      py::arg("text"), py::arg("what"));
+  m.def(
+      "parse_timeout",
+      [](const std::string& text, const std::string& what) { return parse_real(text, kTimeoutRange, what); },
+      py::arg("text"), py::arg("what"));
+  m.attr("threads_range") = py::make_tuple(kThreadsRange.min, kThreadsRange.max);
+  // pipelined_p2p's column segments: at most V / 16 (the CLI's --segments).
+  m.attr("segments_range") = py::make_tuple(0, kMaxDim / kDimMultiple);
+}
+
 }  // namespace kdacp::python
 
 PYBIND11_MODULE(_kdacp, m) {
@@ -108,4 +160,5 @@ PYBIND11_MODULE(_kdacp, m) {
   });
   kdacp::python::bind_exchange(m);
   kdacp::python::bind_kda(m);
+  kdacp::python::bind_checks(m);
 }

@@ -1,8 +1,11 @@
 #include "kdacp/finite.hpp"
 
+#include <charconv>
 #include <cmath>
 #include <cstring>
-#include <sstream>
+#include <type_traits>
+#include <limits>
+#include <utility>
 
 #include "kdacp/error.hpp"
 
@@ -23,34 +26,53 @@ std::optional<std::size_t> first_outside(std::span<const T> data, double lo, dou
   return std::nullopt;
 }
 
-// Element i of the array as T; the bytes of an NpyArray carry no alignment
-// promise, and a copy of a large input just to check it would double its memory.
 template <class T>
-T element(const NpyArray& a, std::size_t i) {
+std::string shortest(T x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, x);
+  return ec == std::errc() ? std::string(buf, end) : std::string("?");
+}
+
+// Element i as T; the bytes carry no alignment promise (an NpyArray's
+// vector<byte>), and a copy of a large input just to check it would double
+// its memory.
+template <class T>
+T element(const void* data, std::size_t i) {
   T x;
-  std::memcpy(&x, a.data.data() + i * sizeof(T), sizeof(T));
+  std::memcpy(&x, static_cast<const std::byte*>(data) + i * sizeof(T), sizeof(T));
   return x;
 }
 
 template <class T>
-void check(const NpyArray& a, const std::string& name, bool bounded, double lo, double hi,
-           const std::string& domain) {
-  const std::size_t n = a.elements();
+void check(const TensorRef& t, bool bounded, double lo, double hi, const std::string& rule) {
+  const std::size_t n = t.elements();
   for (std::size_t i = 0; i < n; ++i) {
-    const T x = element<T>(a, i);
+    const T x = element<T>(t.data, i);
     const bool finite = std::isfinite(x);
     if (finite && (!bounded || (x >= lo && x <= hi))) continue;
-    std::ostringstream os;
-    os << name << ": element " << index_string(i, a.shape) << " is " << x << ", expected "
-       << (finite ? domain : std::string("finite values"));
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(t.name + ": element " + index_string(i, t.shape) + " is " + shortest(x) +
+                          ", expected " + (finite ? rule : std::string("finite values")));
   }
 }
 
-void dispatch(const NpyArray& a, const std::string& name, bool bounded, double lo, double hi,
-              const std::string& domain) {
-  if (a.dtype == DType::f64) check<double>(a, name, bounded, lo, hi, domain);
-  else check<float>(a, name, bounded, lo, hi, domain);
+void dispatch(const TensorRef& t, bool bounded, double lo, double hi, const std::string& rule) {
+  if (t.elements() != 0 && t.data == nullptr)
+    throw InvalidArgument(t.name + ": no data for " + std::to_string(t.elements()) + " elements");
+  if (t.dtype == DType::f64)
+    check<double>(t, bounded, lo, hi, rule);
+  else
+    check<float>(t, bounded, lo, hi, rule);
+}
+
+template <class T>
+TensorRef make_ref(std::string name, std::vector<std::size_t> shape, std::span<const T> data) {
+  TensorRef t{std::move(name), std::move(shape), data.data(), std::is_same_v<T, double> ? DType::f64 : DType::f32};
+  if (t.elements() != data.size())
+    throw InvalidArgument(t.name + ": " + std::to_string(data.size()) + " elements for a shape of " +
+                          std::to_string(t.elements()));
+  return t;
 }
 
 }  // namespace
@@ -79,10 +101,41 @@ std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape
   return s + "]";
 }
 
-void require_finite(const NpyArray& a, const std::string& name) { dispatch(a, name, false, 0, 0, ""); }
+std::string exact_string(float x) { return shortest(x); }
+std::string exact_string(double x) { return shortest(x); }
 
-void require_within(const NpyArray& a, const std::string& name, double lo, double hi, const std::string& domain) {
-  dispatch(a, name, true, lo, hi, domain);
+std::size_t TensorRef::elements() const {
+  std::size_t n = 1;
+  for (std::size_t d : shape) n *= d;
+  return n;
+}
+
+TensorRef tensor_ref(std::string name, std::vector<std::size_t> shape, std::span<const float> data) {
+  return make_ref(std::move(name), std::move(shape), data);
+}
+TensorRef tensor_ref(std::string name, std::vector<std::size_t> shape, std::span<const double> data) {
+  return make_ref(std::move(name), std::move(shape), data);
+}
+TensorRef tensor_ref(const NpyArray& a, std::string name) {
+  return TensorRef{std::move(name), a.shape, a.data.data(), a.dtype};
+}
+
+void require_finite(const TensorRef& t) { dispatch(t, false, 0, 0, ""); }
+
+void require_within(const TensorRef& t, double lo, double hi, const std::string& rule) {
+  dispatch(t, true, lo, hi, rule);
+}
+
+void require_kda_gate(const TensorRef& g) {
+  require_within(g, -std::numeric_limits<double>::max(), 0, "g <= 0 (the log of a decay in (0, 1])");
+}
+
+void require_kda_beta(const TensorRef& beta) { require_within(beta, 0, 1, "beta in [0, 1]"); }
+
+void require_finite(const NpyArray& a, const std::string& name) { require_finite(tensor_ref(a, name)); }
+
+void require_within(const NpyArray& a, const std::string& name, double lo, double hi, const std::string& rule) {
+  require_within(tensor_ref(a, name), lo, hi, rule);
 }
 
 }  // namespace kdacp

@@ -161,9 +161,8 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
   if (in.d_o) require_finite(*in.d_o, (dir / "do.npy").string());
   if (in.h0) require_finite(*in.h0, (dir / "h0.npy").string());
   if (in.dht) require_finite(*in.dht, (dir / "dht.npy").string());
-  require_within(in.g, (dir / "g.npy").string(), -std::numeric_limits<double>::max(), 0,
-                 "g <= 0 (the log of a decay in (0, 1])");
-  require_within(in.beta, (dir / "beta.npy").string(), 0, 1, "beta in [0, 1]");
+  require_kda_gate(tensor_ref(in.g, (dir / "g.npy").string()));
+  require_kda_beta(tensor_ref(in.beta, (dir / "beta.npy").string()));
   return in;
 }
 

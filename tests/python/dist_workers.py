@@ -4,7 +4,9 @@ checks its own results; an assertion fails the spawn."""
 
 import datetime
 import faulthandler
+import math
 import os
+import re
 import time
 
 import torch
@@ -246,3 +248,161 @@ def error_worker(rank, world, init_file):
         else:
             raise AssertionError("rank %d: no error although a peer never sent" % rank)
     os._exit(0)  # the group holds a stale receive; leave without tearing it down
+
+
+def _raises(exc, fn, *words):
+    """fn() raises exc whose message holds every word; returns the message."""
+    try:
+        fn()
+    except exc as e:
+        text = str(e)
+        for w in words:
+            assert w in text, (w, text)
+        return text
+    raise AssertionError(f"rank {dist.get_rank()}: no {exc.__name__} ({words})")
+
+
+def trust_worker(rank, world, init_file):
+    """Issue 18 over gloo: every argument that must match is compared before
+    any other message (ValueError on every rank naming the argument and the
+    global ranks, no rank crashes or waits for the timeout); a rank with a bad
+    value or option raises its own error and its peers name it; an overflow
+    raises RuntimeError on every rank; a double backward raises; a destroyed
+    group raises. Each case leaves the group in step for the next."""
+    init(rank, world, init_file, timeout_s=60)
+    world_group = dist.group.WORLD
+    t_rank = 12
+    full = make_inputs(1, t_rank * world, 2, 4, 16, 16, torch.float64, seed=31, n_states=1)
+    mine = [x[:, rank * t_rank:(rank + 1) * t_rank].contiguous() for x in full[:5]]
+    h0 = full[5]
+    base = dict(group=world_group, protocol="p2p", timeout=10, threads=1)
+    other = rank == world - 1  # the rank that passes something else
+
+    def run(**kw):
+        args = dict(base)
+        args.update(kw)
+        xs = args.pop("xs", mine)
+        return kt.kda(*xs, **args)
+
+    # A correct call first: the group's backend exists from here on.
+    o_ok, _ = run()
+    last = [world - 1]
+    first = list(range(world - 1))
+    cases = [
+        ("scale", dict(scale=0.5 if other else 0.25), ["0.25", "0.5"]),
+        ("cu_seqlens", dict(cu_seqlens=[0, 2, 3, 7, 24] if other else [0, 1, 5, 6, 24]), []),
+        ("layout", dict(layout="zigzag" if other else "contiguous"), ["zigzag", "contiguous"]),
+        ("protocol", dict(protocol="allgather" if other else "p2p"), []),
+        ("allgather_group_size", dict(protocol="grouped_allgather_p2p",
+                                      allgather_group_size=2 if other else 1), []),
+        ("algorithm", dict(algorithm="recurrent" if other else "chunk"), ["recurrent", "chunk"]),
+        ("output_final_state", dict(output_final_state=other), []),
+        ("initial_state given", dict(initial_state=h0 if other else None), []),
+        ("timeout", dict(timeout=7 if other else 10), ["7.0 s", "10.0 s"]),
+        ("segments", dict(protocol="pipelined_p2p", segments=1 if other else 0), []),
+        ("memory_budget_bytes", dict(memory_budget_bytes="1MiB" if other else 0), ["1048576"]),
+        ("dtype", dict(xs=[x.float() for x in mine] if other else mine), ["float32", "float64"]),
+    ]
+    for name, kw, shown in cases:
+        t0 = time.monotonic()
+        text = _raises(ValueError, lambda: run(**kw), f"{name} differs", "different arguments",
+                       f"global rank(s) {first}", f"global rank(s) {last}", *shown)
+        assert time.monotonic() - t0 < 5, (name, text)  # the agreement, not a timeout (10 s)
+    # Still in step: the same correct call gives the same bits.
+    assert torch.equal(run()[0], o_ok)
+
+    # A rank with a bad value (NaN, g > 0, beta > 1) or option raises its
+    # own error (the CLI's message); its peers name it, none waits for it.
+    bad_cases = [
+        (dict(xs=[mine[0].clone().index_fill_(1, torch.tensor([3]), math.nan)] + mine[1:]),
+         "q: element [0,3,0,0] is nan, expected finite values"),
+        (dict(xs=mine[:3] + [mine[3].clone().fill_(0.5)] + mine[4:]),
+         "g: element [0,0,0,0] is 0.5, expected g <= 0"),
+        (dict(xs=mine[:4] + [mine[4].clone().fill_(1.5)]), "beta: element [0,0,0] is 1.5"),
+        (dict(threads=30000), "threads is '30000'"),
+        (dict(segments=-1), "segments is '-1'"),
+        (dict(memory_budget_bytes="-5MiB"), "memory_budget_bytes is '-5MiB'"),
+        (dict(cu_seqlens=[0, 2.5, 24]), "cu_seqlens[1] is 2.5"),
+    ]
+    for kw, message in bad_cases:
+        t0 = time.monotonic()
+        if other:
+            _raises(ValueError, lambda: run(**kw), message)
+        else:
+            _raises(ValueError, lambda: run(), f"global rank(s) {last} rejected their own arguments")
+        assert time.monotonic() - t0 < 5, message
+    assert torch.equal(run()[0], o_ok)
+
+    # An overflow from finite inputs: RuntimeError naming the tensor on every rank.
+    b, t, h, kd, vd = 1, 2, 1, 16, 16
+    q = torch.ones(b, t, h, kd)
+    big = [q, q.clone(), torch.full((b, t, h, vd), 3e38), torch.zeros(b, t, h, kd),
+           torch.ones(b, t, h)]
+    text = _raises(RuntimeError, lambda: run(xs=big))
+    assert re.search(r"\b(o|ht)\b", text), text
+    fine = [x.clone().requires_grad_(True) for x in big[:2]] + \
+        [torch.ones(b, t, h, vd, requires_grad=True)] + [x.clone().requires_grad_(True) for x in big[3:]]
+    o, _ = run(xs=fine)
+    text = _raises(RuntimeError, lambda: (o * 3e38).sum().backward())
+    assert re.search(r"\bd(q|k|v|g|beta)\b", text), text
+
+    # A double backward through kda over the group raises on every rank.
+    xs = [x.clone().requires_grad_(True) for x in mine]
+    o, _ = run(xs=xs)
+    (gq,) = torch.autograd.grad(o.sum() + (xs[0] * xs[0]).sum(), xs[0], create_graph=True)
+    _raises(RuntimeError, lambda: gq.sum().backward(), "once_differentiable")
+    assert torch.equal(run()[0], o_ok)
+
+    # The exchange: protocol, width, options and timeout agree at construction.
+    for name, kw in (("protocol", dict(protocol="allgather" if other else "p2p")),
+                     ("segments", dict(protocol="pipelined_p2p", segments=2 if other else 1)),
+                     ("timeout", dict(protocol="p2p", timeout=7 if other else 10)),
+                     ("allgather_group_size", dict(protocol="grouped_allgather_p2p",
+                                                   allgather_group_size=2 if other else 1))):
+        _raises(ValueError, lambda: kt.build_kda_state_cp(world_group, threads=1, **{
+            "timeout": 10, **kw}), f"{name} differs", f"global rank(s) {last}")
+    ex = kt.build_kda_state_cp(world_group, "p2p", timeout=10, threads=1)
+    s = torch.randn(1, 2, 16, 32)
+    m = torch.randn(1, 2, 16, 16)
+    _raises(ValueError, lambda: ex.forward(s.clone().requires_grad_(True), m), "requires grad")
+    _raises(ValueError, lambda: ex.forward(s, m) if not other else ex.backward(s, m),
+            "direction differs", "different shapes")
+    assert torch.equal(ex.forward(s, m), ex.forward(s, m))
+
+    finish()
+    # The group is gone: the same object, or dist.group.WORLD (now None),
+    # raise instead of running one process.
+    _raises(ValueError, lambda: run(), "not initialised")
+    _raises(ValueError, lambda: run(group=dist.group.WORLD), "group=None")
+    os._exit(0)
+
+
+def first_call_timeout_worker(rank, world, init_file):
+    """The timeout option bounds the very first call over a group (the
+    members' gather), not the process group's own timeout (60 s here): the
+    last rank never calls; the others raise RuntimeError well before it
+    exits (10 s)."""
+    init(rank, world, init_file, timeout_s=60)
+    if rank == world - 1:
+        time.sleep(10)
+        os._exit(0)
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 16, 16, torch.float64, seed=3)
+    t0 = time.monotonic()
+    _raises(RuntimeError, lambda: kt.kda(q, k, v, g, beta, group=dist.group.WORLD,
+                                         protocol="p2p", timeout=2, threads=1),
+            "no answer within 2 s")
+    assert time.monotonic() - t0 < 8, time.monotonic() - t0
+    os._exit(0)
+
+
+def first_exchange_timeout_worker(rank, world, init_file):
+    """The same for build_kda_state_cp."""
+    init(rank, world, init_file, timeout_s=60)
+    if rank == world - 1:
+        time.sleep(10)
+        os._exit(0)
+    t0 = time.monotonic()
+    _raises(RuntimeError, lambda: kt.build_kda_state_cp(None, "p2p", timeout=2, threads=1),
+            "no answer within 2 s")
+    assert time.monotonic() - t0 < 8, time.monotonic() - t0
+    os._exit(0)

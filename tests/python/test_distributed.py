@@ -41,3 +41,13 @@ def test_kda_over_group(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_errors(world):
     spawn(dist_workers.error_worker, world, 90)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_and_fail_alike(world):
+    spawn(dist_workers.trust_worker, world, 150)
+
+
+@pytest.mark.parametrize("worker", ["first_call_timeout_worker", "first_exchange_timeout_worker"])
+def test_timeout_bounds_the_first_call(worker):
+    spawn(getattr(dist_workers, worker), 2, 60)

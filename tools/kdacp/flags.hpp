@@ -20,7 +20,6 @@ namespace kdacp::cli {
 inline constexpr IntRange kDimRange{kMinDim, kMaxDim, kDimMultiple};  // K, V
 inline constexpr IntRange kSizeRange{1, 65536};                       // B, H, B·H
 inline constexpr IntRange kRanksRange{1, 4096};                       // P of a run
-inline constexpr IntRange kThreadsRange{0, 1024};                     // per rank; 0: default
 inline constexpr RealRange kPositive{0, std::numeric_limits<double>::max(), true};
 inline constexpr RealRange kMinTimeRange{0, 3600, true};  // seconds a measurement repeats
 
