@@ -1,5 +1,6 @@
 #include "kdacp/finite.hpp"
 
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -8,6 +9,13 @@
 
 namespace kdacp {
 namespace {
+
+template <class T>
+std::string shortest(T x) {
+  char buf[64];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, x);
+  return ec == std::errc{} ? std::string(buf, end) : std::string("?");
+}
 
 template <class T>
 std::optional<std::size_t> first_non_finite(std::span<const T> data) {
@@ -41,7 +49,7 @@ void check(const NpyArray& a, const std::string& name, bool bounded, double lo, 
     const bool finite = std::isfinite(x);
     if (finite && (!bounded || (x >= lo && x <= hi))) continue;
     std::ostringstream os;
-    os << name << ": element " << index_string(i, a.shape) << " is " << x << ", expected "
+    os << name << ": element " << index_string(i, a.shape) << " is " << shortest(x) << ", expected "
        << (finite ? domain : std::string("finite values"));
     throw InvalidArgument(os.str());
   }
@@ -63,6 +71,9 @@ std::optional<std::size_t> find_outside(std::span<const float> d, double lo, dou
 std::optional<std::size_t> find_outside(std::span<const double> d, double lo, double hi) {
   return first_outside(d, lo, hi);
 }
+
+std::string exact_string(float x) { return shortest(x); }
+std::string exact_string(double x) { return shortest(x); }
 
 std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape) {
   std::vector<std::size_t> idx(shape.size());
