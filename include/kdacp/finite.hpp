@@ -29,6 +29,11 @@ std::optional<std::size_t> find_non_finite(std::span<const double> data);
 std::optional<std::size_t> find_outside(std::span<const float> data, double lo, double hi);
 std::optional<std::size_t> find_outside(std::span<const double> data, double lo, double hi);
 
+// The shortest text that reads back as exactly `x` in its own type
+// (std::to_chars): 1.0000001f is "1.0000001", not "1"; "inf", "-inf", "nan".
+std::string exact_string(float x);
+std::string exact_string(double x);
+
 // "[1,0,3]": the C-order multi-index of flat index `flat` in `shape`.
 std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape);
 

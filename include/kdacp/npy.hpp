@@ -22,7 +22,12 @@ struct NpyArray {
   std::vector<float> to_f32(bool allow_f64) const;
 };
 
-// Reads a whole file. The header's shape is checked against the file's size
+// Throws IoError naming `path` unless it is a regular file (or a link to
+// one): checked with stat before any open, so that a FIFO, a device or a
+// directory is refused with a message instead of blocking the reader.
+void require_regular_file(const std::string& path);
+
+// Reads a whole file (require_regular_file first). The header's shape is checked against the file's size
 // before anything is allocated: a truncated file, or bytes after the data,
 // raise IoError naming the file, the shape and both sizes.
 NpyArray read_npy(const std::string& path);

@@ -86,6 +86,9 @@ std::optional<std::size_t> find_outside(std::span<const double> d, double lo, do
   return first_outside(d, lo, hi);
 }
 
+std::string exact_string(float x) { return shortest(x); }
+std::string exact_string(double x) { return shortest(x); }
+
 std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape) {
   std::vector<std::size_t> idx(shape.size());
   for (std::size_t d = shape.size(); d-- > 0;) {
@@ -100,9 +103,6 @@ std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape
   }
   return s + "]";
 }
-
-std::string exact_string(float x) { return shortest(x); }
-std::string exact_string(double x) { return shortest(x); }
 
 std::size_t TensorRef::elements() const {
   std::size_t n = 1;

@@ -1,5 +1,8 @@
 #include "kdacp/npy.hpp"
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <bit>
 #include <cstring>
 #include <fstream>
@@ -146,7 +149,21 @@ std::string shape_text(const std::vector<std::size_t>& shape) {
 
 }  // namespace
 
+void require_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw IoError(path + ": cannot open for reading: " + std::strerror(errno));
+  if (S_ISREG(st.st_mode)) return;
+  const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO (named pipe)"
+                     : S_ISDIR(st.st_mode) ? "a directory"
+                     : S_ISCHR(st.st_mode) ? "a character device"
+                     : S_ISBLK(st.st_mode) ? "a block device"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                                            : "not a regular file";
+  throw IoError(path + ": is " + kind + ", expected a regular file");
+}
+
 NpyArray read_npy(const std::string& path) {
+  require_regular_file(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) bad(path, "cannot open for reading");
   in.seekg(0, std::ios::end);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdacp/error.hpp"
+#include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
 
 namespace kdacp {
@@ -93,6 +94,11 @@ CostParams cost_params_from_json(const std::string& text) {
 }
 
 CostParams load_cost_params(const std::string& path) {
+  try {
+    require_regular_file(path);
+  } catch (const IoError& e) {
+    throw IoError(std::string("cannot read cost parameters: ") + e.what());
+  }
   std::ifstream in(path);
   if (!in) throw IoError("cannot read cost parameters from '" + path + "'");
   std::stringstream ss;

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <span>
+#include <string_view>
 #include <type_traits>
 
 #include <nlohmann/json.hpp>
@@ -309,6 +311,19 @@ std::vector<RankErrors> chain_errors(const WorldSummaries& world, const std::vec
     errors.push_back({reference::compare(runs[q].incoming.data(), ref_f[q]),
                       reference::compare(runs[q].final_grad.data(), ref_b[q])});
   return errors;
+}
+
+void require_finite_runs(const SummaryShape& shape, const std::vector<RankRun>& runs) {
+  const std::size_t p = runs.size(), n = shape.state_elems();
+  const std::vector<std::size_t> dims{p, shape.batch, shape.heads, shape.key_dim, shape.value_dim};
+  for (const char* name : {"incoming.npy", "final_grad.npy"})
+    for (std::size_t q = 0; q < p; ++q) {
+      const State& st = std::string_view(name) == "incoming.npy" ? runs[q].incoming : runs[q].final_grad;
+      const std::span<const float> data(st.data<float>(), st.size());
+      if (const auto bad = find_non_finite(data))
+        throw Error(std::string("the run produced a non-finite result from finite inputs: ") + name + " element " +
+                    index_string(q * n + *bad, dims) + " is " + exact_string(data[*bad]) + " (float32)");
+    }
 }
 
 void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std::vector<RankRun>& runs) {

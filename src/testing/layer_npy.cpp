@@ -6,6 +6,7 @@
 #include <iterator>
 #include <limits>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include "kdacp/admission.hpp"
@@ -68,6 +69,7 @@ void check_cu_seqlens(const std::vector<std::int64_t>& c, const std::string& pat
 }  // namespace
 
 std::vector<std::int64_t> read_cu_seqlens_npy(const std::string& path) {
+  require_regular_file(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError(path + ": cannot open for reading");
   std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -216,28 +218,55 @@ LayerJob<T> layer_job(const LayerNpy& in, T scale) {
   return job;
 }
 
+namespace {
+
+// The files of LayerOutputs as write_layer_outputs_npy writes them: name,
+// data and shape, in kLayerOutputFiles order.
+template <class T>
+struct OutputArray {
+  const char* name;
+  const std::vector<T>* data;
+  std::vector<std::size_t> shape;
+};
+
+template <class T>
+std::vector<OutputArray<T>> output_arrays(const LayerNpy& in, const LayerOutputs<T>& out) {
+  const std::vector<std::size_t> states{in.sequences, in.v.shape[2], in.q.shape[3], in.v.shape[3]};
+  std::vector<OutputArray<T>> arrays{{"o.npy", &out.o, in.v.shape}, {"ht.npy", &out.ht, states}};
+  if (!in.d_o) return arrays;
+  for (OutputArray<T> a : {OutputArray<T>{"dq.npy", &out.dq, in.q.shape}, OutputArray<T>{"dk.npy", &out.dk, in.k.shape},
+                           OutputArray<T>{"dv.npy", &out.dv, in.v.shape}, OutputArray<T>{"dg.npy", &out.dg, in.g.shape},
+                           OutputArray<T>{"dbeta.npy", &out.dbeta, in.beta.shape},
+                           OutputArray<T>{"dh0.npy", &out.dh0, states}})
+    arrays.push_back(std::move(a));
+  return arrays;
+}
+
+}  // namespace
+
+template <class T>
+void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out) {
+  for (const OutputArray<T>& a : output_arrays(in, out)) {
+    const auto bad = find_non_finite(std::span<const T>(*a.data));
+    if (!bad) continue;
+    throw Error(std::string("the run produced a non-finite result from finite inputs: ") + a.name + " element " +
+                index_string(*bad, a.shape) + " is " + exact_string((*a.data)[*bad]) + " (" +
+                (std::is_same_v<T, double> ? "float64" : "float32") + ")");
+  }
+}
+
 template <class T>
 void write_layer_outputs_npy(const std::string& dir_name, const LayerNpy& in, const LayerOutputs<T>& out) {
   fs::create_directories(dir_name);
   const fs::path dir(dir_name);
-  auto write = [&](const char* name, const std::vector<T>& data, const NpyArray& like) {
-    write_npy((dir / name).string(), data.data(), like.shape);
-  };
-  const std::vector<std::size_t> states{in.sequences, in.v.shape[2], in.q.shape[3], in.v.shape[3]};
-  write("o.npy", out.o, in.v);
-  write_npy((dir / "ht.npy").string(), out.ht.data(), states);
-  if (!in.d_o) return;
-  write_npy((dir / "dh0.npy").string(), out.dh0.data(), states);
-  write("dq.npy", out.dq, in.q);
-  write("dk.npy", out.dk, in.k);
-  write("dv.npy", out.dv, in.v);
-  write("dg.npy", out.dg, in.g);
-  write("dbeta.npy", out.dbeta, in.beta);
+  for (const OutputArray<T>& a : output_arrays(in, out)) write_npy((dir / a.name).string(), a.data->data(), a.shape);
 }
 
 template LayerJob<float> layer_job<float>(const LayerNpy&, float);
 template LayerJob<double> layer_job<double>(const LayerNpy&, double);
 template void write_layer_outputs_npy<float>(const std::string&, const LayerNpy&, const LayerOutputs<float>&);
 template void write_layer_outputs_npy<double>(const std::string&, const LayerNpy&, const LayerOutputs<double>&);
+template void require_finite_outputs<float>(const LayerNpy&, const LayerOutputs<float>&);
+template void require_finite_outputs<double>(const LayerNpy&, const LayerOutputs<double>&);
 
 }  // namespace kdacp::testing

@@ -7,6 +7,7 @@ and that no partial or stale output is left behind.
     cli_errors.py KDACP CASE
 """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,13 +15,13 @@ import tempfile
 import numpy as np
 
 
-def run(kdacp, *args):
-    r = subprocess.run([kdacp, *args], capture_output=True, text=True, timeout=60)
+def run(kdacp, *args, cwd=None):
+    r = subprocess.run([kdacp, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
     return r.returncode, r.stdout + r.stderr
 
 
-def expect_error(kdacp, args, *words):
-    rc, out = run(kdacp, *args)
+def expect_error(kdacp, args, *words, cwd=None):
+    rc, out = run(kdacp, *args, cwd=cwd)
     assert rc == 2, (args, rc, out)
     for w in words:
         assert w in out, (args, w, out)
@@ -249,8 +250,98 @@ def case_sequences(kdacp, d):
         expect_error(kdacp, ["run", "-H", "1", "-K", "16", "-V", "16", *flags], *words)
 
 
+def snapshot(folder):
+    """Every file under `folder` (names and bytes), to prove it unchanged."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, folder)] = f.read()
+    return files
+
+
+def case_non_finite_outputs(kdacp, d):
+    # Finite inputs whose results overflow float32 (v ~ 3e38): the run must
+    # fail (exit 2) naming the first non-finite output file, its element and
+    # value, and --out must stay exactly as it was (an earlier run's files,
+    # no new file, no staging folder).
+    out = os.path.join(d, "out")
+    layer(d)
+    rc, text = run(kdacp, "kda", "--inputs", d, "--out", out)
+    assert rc == 0, text
+    open(os.path.join(out, "notes.txt"), "w").close()
+    before = snapshot(out)
+    layer(d, v=((slice(None),), 3e38))
+    for flags in ([], ["--algorithm", "recurrent"], ["--ranks", "2"]):
+        rc, text = run(kdacp, "kda", "--inputs", d, "--out", out, *flags)
+        assert rc == 2, (flags, rc, text)
+        assert "dq" in text and "inf" in text and "internal error" not in text, (flags, text)
+        assert snapshot(out) == before, (flags, sorted(os.listdir(out)))
+    # The CLI's own check names the file, the element and the value.
+    rc, text = run(kdacp, "kda", "--inputs", d, "--out", out, "--algorithm", "recurrent")
+    assert re.search(r"dq\.npy element \[0,[0-7],0,[0-9]+\] is -?inf", text), text
+    assert "nothing was written to " + out in text, text
+    # The same for the exchange's outputs: summaries near the float32 limit
+    # whose chain overflows.
+    p = 3
+    np.save(os.path.join(d, "S.npy"), np.full((p, 1, 1, 16, 16), 3e38, np.float32))
+    np.save(os.path.join(d, "M.npy"), np.tile(np.eye(16, dtype=np.float32), (p, 1, 1, 1, 1)))
+    expect_error(kdacp, ["exchange", "--summaries", d, "--out", out],
+                 "incoming.npy element [2,0,0,0,0] is inf", "nothing was written")
+    assert snapshot(out) == before, sorted(os.listdir(out))
+
+
+def case_empty_paths(kdacp, d):
+    # An empty path is an error naming the flag, never the current directory:
+    # a dq.npy in the working directory must survive `--out ""`.
+    work = os.path.join(d, "work")
+    os.makedirs(work)
+    with open(os.path.join(work, "dq.npy"), "wb") as f:
+        f.write(b"not kdacp's")
+    inputs = os.path.join(d, "in")
+    os.makedirs(inputs)
+    layer(inputs)
+    summaries(inputs, 2)
+    for args, flag in ((["kda", "--inputs", inputs, "--out", ""], "--out"),
+                       (["kda", "--inputs", "", "--out", os.path.join(d, "o")], "--inputs"),
+                       (["exchange", "--summaries", inputs, "--out", ""], "--out"),
+                       (["exchange", "--summaries", ""], "--summaries"),
+                       (["exchange", "--calibration", ""], "--calibration"),
+                       (["plan", "-P", "4", "--calibration", ""], "--calibration"),
+                       (["plan", "-P", "4", "--plot", ""], "--plot"),
+                       (["calibrate", "--out", ""], "--out")):
+        expect_error(kdacp, args, flag + " is ''", cwd=work)
+        assert sorted(os.listdir(work)) == ["dq.npy"], (args, os.listdir(work))
+        with open(os.path.join(work, "dq.npy"), "rb") as f:
+            assert f.read() == b"not kdacp's", args
+    assert not os.path.exists(os.path.join(d, "o"))
+
+
+def case_fifo_inputs(kdacp, d):
+    # A FIFO where an input file should be: refused naming it, never a read
+    # that blocks until the test's timeout.
+    out = os.path.join(d, "out")
+    for name in ("q.npy", "cu_seqlens.npy", "h0.npy"):
+        packed(d)
+        os.remove(os.path.join(d, name)) if os.path.exists(os.path.join(d, name)) else None
+        os.mkfifo(os.path.join(d, name))
+        expect_error(kdacp, ["kda", "--inputs", d, "--out", out], name, "FIFO", "expected a regular file")
+        os.remove(os.path.join(d, name))
+        assert not os.path.exists(out)
+    for name in os.listdir(d):
+        os.remove(os.path.join(d, name))
+    summaries(d, 2)
+    os.remove(os.path.join(d, "M.npy"))
+    os.mkfifo(os.path.join(d, "M.npy"))
+    expect_error(kdacp, ["exchange", "--summaries", d], "M.npy", "FIFO")
+    cal = os.path.join(d, "cal.json")
+    os.mkfifo(cal)
+    expect_error(kdacp, ["plan", "-P", "4", "--calibration", cal], "cal.json", "FIFO")
+
+
 def main():
-    kdacp, case = sys.argv[1], sys.argv[2]
+    kdacp, case = os.path.abspath(sys.argv[1]), sys.argv[2]
     with tempfile.TemporaryDirectory() as d:
         globals()["case_" + case](kdacp, d)
     print(case, "ok")

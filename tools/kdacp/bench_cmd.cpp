@@ -281,7 +281,7 @@ void add_layer_command(CLI::App& bench) {
 
 void add_common(CLI::App& cmd, BenchArgs& a) {
   cmd.add_flag("--json", a.json, "print one JSON array of flat records instead of a table");
-  cmd.add_option("--plot", a.plot, "also draw the records with gnuplot into FILE (.png or .svg)");
+  add_path(cmd, "--plot", a.plot, "also draw the records with gnuplot into FILE (.png or .svg)", "a file name");
   cmd.add_flag("--quick", a.quick, "tiny sweep for smoke tests (seconds)");
   cmd.add_flag("--quiet,-q", a.quiet, "no progress lines on stderr");
   add_real(cmd, "--min-time", a.min_time, "seconds each timing repeats for (at least 3 runs)", kMinTimeRange);

@@ -150,7 +150,7 @@ void add_calibrate_command(CLI::App& app) {
       "measure the cost model's alpha, beta and gamma on a backend (in-process threads, or MPI "
       "under mpirun); --validate compares its predictions with measured times");
   add_backend_flags(*cmd, cfg->backend);
-  cmd->add_option("--out,-o", cfg->out, "JSON file to write (rank 0)")->capture_default_str();
+  add_path(*cmd, "--out,-o", cfg->out, "JSON file to write (rank 0)", "a file name")->default_str(cfg->out);
   add_int(*cmd, "--repeat", cfg->repeat, "small-message round trips", IntRange{1, 10000000});
   add_int(*cmd, "--large-mib", cfg->large_mib, "bandwidth message size in MiB", IntRange{1, 4096});
   add_int(*cmd, "--threads", cfg->threads, "threads per rank for the fold (0: hardware threads / ranks in this process)",
@@ -159,8 +159,8 @@ void add_calibrate_command(CLI::App& app) {
   cmd->add_flag("--validate", cfg->validate,
                 "then run every configuration the model weighs (predict_all, reassociating "
                 "included) and print predicted vs measured forward+backward time");
-  cmd->add_option("--calibration", cfg->calibration,
-                  "with --validate: load these parameters instead of measuring them");
+  add_path(*cmd, "--calibration", cfg->calibration,
+           "with --validate: load these parameters instead of measuring them", "a JSON file name");
   add_ints(*cmd, "--validate-ranks", cfg->validate_ranks,
            "in-process: the P values to validate (under MPI, P is the number of processes)",
            IntRange{2, kRanksRange.max})

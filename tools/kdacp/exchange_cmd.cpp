@@ -83,6 +83,12 @@ void report(const Config& cfg, const ExchangeCheckResult& run) {
   }
   std::optional<StagedOutput> out;
   if (!cfg.out.empty()) {
+    // A NaN or Inf is a failure, not a result: checked before any file is staged.
+    try {
+      testing::require_finite_runs(run.shape, runs);
+    } catch (const Error& e) {
+      throw Error(std::string(e.what()) + "; nothing was written to " + cfg.out);
+    }
     out.emplace(cfg.out, std::vector<std::string>{"incoming.npy", "final_grad.npy"});
     testing::write_runs_npy(out->staging_dir(), run.shape, runs);
   }
@@ -143,12 +149,14 @@ void add_exchange_command(CLI::App& app) {
   cmd->add_option("--kernel", cfg->kernel, "fold kernel: best, simd or scalar")
       ->check(CLI::IsMember({"best", "simd", "scalar"}))
       ->capture_default_str();
-  cmd->add_option("--summaries", cfg->summaries,
+  add_path(*cmd, "--summaries", cfg->summaries,
                   "read S.npy [P,B,H,K,V], M.npy [P,B,H,K,K] and optional G.npy (float32, finite) from DIR; "
-                  "in-process without --ranks, P is the files' P; otherwise it must equal the ranks of the run");
-  cmd->add_option("--out", cfg->out,
+                  "in-process without --ranks, P is the files' P; otherwise it must equal the ranks of the run",
+           "a directory");
+  add_path(*cmd, "--out", cfg->out,
                   "write incoming.npy and final_grad.npy [P,B,H,K,V] to DIR (created if needed) once the run "
-                  "succeeded; other files in DIR are left alone");
+                  "succeeded; other files in DIR are left alone",
+           "a directory");
   add_max_memory(*cmd, cfg->max_memory);
   cmd->add_flag("--json", cfg->json, "print JSON instead of a table");
   cmd->callback([cfg, ob, oh, ok, ov] {

@@ -29,9 +29,9 @@ void add_exchange_flags(CLI::App& cmd, ExchangeFlags& f) {
   cmd.add_flag("--allow-reassociation", f.allow_reassociation,
                "auto: also weigh the reassociating protocols (not bitwise equal to the chain; "
                "error bound in kdacp protocols)");
-  cmd.add_option("--calibration", f.calibration,
-                 "auto: cost parameters from `kdacp calibrate` (default: the built-in "
-                 "InfiniBand-like machine)");
+  add_path(cmd, "--calibration", f.calibration,
+           "auto: cost parameters from `kdacp calibrate` (default: the built-in InfiniBand-like machine)",
+           "a JSON file name");
 }
 
 ExchangeOptions exchange_options(const ExchangeFlags& f, const SummaryShape& shape) {

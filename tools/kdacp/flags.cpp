@@ -70,6 +70,21 @@ CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& 
       help);
 }
 
+CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path, const std::string& help,
+                      const std::string& what) {
+  const std::string flag = flag_name(names);
+  return cmd
+      .add_option_function<std::string>(
+          names,
+          [&path, flag, what](const std::string& t) {
+            if (t.empty())
+              throw InvalidArgument(flag + " is '', expected " + what + " (write . for the current directory)");
+            path = t;
+          },
+          help)
+      ->type_name("PATH");
+}
+
 CLI::Option* add_max_memory(CLI::App& cmd, std::string& text) {
   return add_quantity(cmd, "--max-memory", text,
                       "refuse to start when the run's estimated memory exceeds this, e.g. 8GiB "

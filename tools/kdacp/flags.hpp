@@ -74,6 +74,12 @@ enum class Quantity { bytes, seconds, rate };
 CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& text, const std::string& help,
                           Quantity kind);
 
+// A file or directory name. An empty text ("--out ''") throws
+// InvalidArgument naming the flag: it would otherwise mean the current
+// directory, or no file, without a word. `what` says which ("a directory").
+CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path, const std::string& help,
+                      const std::string& what);
+
 // --max-memory: what a command may allocate; empty text means what the
 // machine has available now (max_memory_bytes in kdacp/admission.hpp).
 CLI::Option* add_max_memory(CLI::App& cmd, std::string& text);

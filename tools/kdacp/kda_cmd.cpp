@@ -17,6 +17,7 @@
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/agreement.hpp"
+#include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/testing/layer_npy.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -77,6 +78,13 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
   const testing::LayoutSpec& layout = opts.layout;
   const auto out = testing::run_context_parallel(world, job, opts);
   if (!out) return;  // rank 0 writes and reports
+  // A NaN or Inf from finite inputs is a failure, not a result: nothing
+  // reaches --out (not even the finite files of the same run).
+  try {
+    testing::require_finite_outputs(in, *out);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + "; nothing was written to " + cfg.out);
+  }
   StagedOutput staged(cfg.out, testing::kLayerOutputFiles);
   testing::write_layer_outputs_npy(staged.staging_dir(), in, *out);
   staged.commit();
@@ -160,17 +168,19 @@ void add_kda_command(CLI::App& app) {
       "kda",
       "run the context-parallel KDA layer on q/k/v/g/beta(.npy) [cu_seqlens, h0, dht, do] and write o, ht "
       "(and gradients, dh0)");
-  cmd->add_option("--inputs", cfg->inputs,
+  add_path(*cmd, "--inputs", cfg->inputs,
                   "DIR with q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy [B,T,HV], "
                   "optional do.npy [B,T,HV,V] (float32 or float64, all alike), optional cu_seqlens.npy "
                   "(int32/int64, 1-D, 0 = c_0 < ... < c_N = T, B = 1), optional h0.npy and dht.npy "
                   "[N,HV,K,V] (N: sequences, or B rows without cu_seqlens); NaN or Inf anywhere, g > 0 or beta "
-                  "outside [0, 1] is an error")
+                  "outside [0, 1] is an error",
+           "a directory")
       ->required();
-  cmd->add_option("--out", cfg->out,
+  add_path(*cmd, "--out", cfg->out,
                   "DIR for o.npy, ht.npy and, with do.npy, dq/dk/dv/dg/dbeta.npy and dh0.npy, written (by rank 0) "
                   "once the run succeeded; those of an earlier run that this one does not write are removed, "
-                  "other files are left alone")
+                  "other files are left alone",
+           "a directory")
       ->required();
   add_backend_flags(*cmd, cfg->backend);
   add_exchange_flags(*cmd, cfg->exchange);

@@ -220,9 +220,11 @@ void add_plan_command(CLI::App& app) {
                Quantity::seconds);
   add_quantity(*cmd, "--group-bandwidth", cfg->group_bandwidth, "bandwidth inside an all-gather group",
                Quantity::rate);
-  cmd->add_option("--calibration", cfg->calibration, "JSON from `kdacp calibrate` (flags override it)");
+  add_path(*cmd, "--calibration", cfg->calibration, "JSON from `kdacp calibrate` (flags override it)",
+           "a JSON file name");
   add_quantity(*cmd, "--memory-budget", cfg->memory_budget, "per-rank budget for auto, e.g. 2GiB", Quantity::bytes);
-  cmd->add_option("--plot", cfg->plot, "write a PNG of time vs P per protocol (gnuplot) and its script FILE.gp");
+  add_path(*cmd, "--plot", cfg->plot, "write a PNG of time vs P per protocol (gnuplot) and its script FILE.gp",
+           "a file name");
   auto* tokens = add_int(*cmd, "--tokens,-T", cfg->tokens,
                          "tokens of the stream, for the layout's part boundaries and cuts (with --seqlens: their sum)",
                          IntRange{1, kPlanMaxTokens})

@@ -145,6 +145,11 @@ struct RankErrors {
 // of `world` (one run per rank of world).
 std::vector<RankErrors> chain_errors(const WorldSummaries& world, const std::vector<RankRun>& runs);
 
+// Checks what write_runs_npy would write, before anything is written: the
+// first NaN or ±Inf throws Error naming the file (incoming.npy, then
+// final_grad.npy), the element's index [P,B,H,K,V] and its value.
+void require_finite_runs(const SummaryShape& shape, const std::vector<RankRun>& runs);
+
 // incoming.npy and final_grad.npy [P,B,H,K,V] of the runs into `dir`
 // (created if needed).
 void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std::vector<RankRun>& runs);

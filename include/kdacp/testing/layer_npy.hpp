@@ -71,4 +71,11 @@ inline const std::vector<std::string> kLayerOutputFiles{"o.npy",  "ht.npy", "dq.
 template <class T>
 void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const LayerOutputs<T>& out);
 
+// Checks every array write_layer_outputs_npy would write, in
+// kLayerOutputFiles order, before anything is written: the first NaN or ±Inf
+// throws Error naming the file (e.g. "dq.npy"), the element's index in the
+// file's shape and its value ("inf", "nan", "-inf").
+template <class T>
+void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out);
+
 }  // namespace kdacp::testing
