@@ -80,6 +80,21 @@ TEST(Agreement, EqualFingerprintsPass) {
   for (const std::string& m : msgs) EXPECT_EQ(m, "");
 }
 
+TEST(Agreement, OneRankSendsNothing) {
+  run_in_process(1, [](const std::shared_ptr<Communicator>& comm) {
+    Fingerprint f;
+    f.add_int("n", 1);
+    agree(*comm, f, "test call");
+    EXPECT_EQ(comm->stats().messages_sent, 0u);
+    try {
+      agree(*comm, f, "test call", "q is null");
+      ADD_FAILURE() << "no InvalidArgument for the rank's own error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), "q is null");
+    }
+  });
+}
+
 TEST(Agreement, NamesTheFieldAndTheRanksOfEachValue) {
   const auto msgs = agree_on_ranks(4, [](std::size_t r) {
     Fingerprint f;
