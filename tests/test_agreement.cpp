@@ -9,6 +9,7 @@
 // the tensor, unless check_finite is off.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -23,10 +24,12 @@
 
 #include "kdacp/agreement.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/finite.hpp"
 #include "kdacp/inprocess.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/kda_sequences.hpp"
 #include "kdacp/mesh.hpp"
+#include "kdacp/thread_pool.hpp"
 
 namespace kdacp {
 namespace {
@@ -75,6 +78,21 @@ TEST(Agreement, EqualFingerprintsPass) {
     return f;
   });
   for (const std::string& m : msgs) EXPECT_EQ(m, "");
+}
+
+TEST(Agreement, OneRankSendsNothing) {
+  run_in_process(1, [](const std::shared_ptr<Communicator>& comm) {
+    Fingerprint f;
+    f.add_int("n", 1);
+    agree(*comm, f, "test call");
+    EXPECT_EQ(comm->stats().messages_sent, 0u);
+    try {
+      agree(*comm, f, "test call", "q is null");
+      ADD_FAILURE() << "no InvalidArgument for the rank's own error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), "q is null");
+    }
+  });
 }
 
 TEST(Agreement, NamesTheFieldAndTheRanksOfEachValue) {
@@ -538,6 +556,45 @@ TEST(FiniteResults, Float32OverflowInTheBackwardIsAnError) {
       EXPECT_FALSE(all_finite(r.dq));
     }
   }
+}
+
+// With a pool the scan runs in blocks on several threads: the element named
+// must still be the first non-finite one. Overflow only from token 1500 on,
+// so o's first bad element lies in a later block than the first.
+TEST(FiniteResults, ThePoolsScanNamesTheFirstElement) {
+  const std::size_t tokens = 2048, first_big = 1500;
+  Shape s = kShape;
+  s.tokens = tokens;
+  const std::vector<float> q = filled<float>(s.qk_elems(), 0.5, 1, 1), k = filled<float>(s.qk_elems(), 0.2, 0.25, 2),
+                           g = filled<float>(s.g_elems(), -0.01, 0, 4), beta = filled<float>(s.beta_elems(), 0.1, 0.2, 5);
+  std::vector<float> v(s.v_elems(), 1.0f);
+  std::fill(v.begin() + static_cast<std::ptrdiff_t>(first_big * s.value_heads * s.value_dim), v.end(), 3e38f);
+  Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s, 1.0f};
+  in.algorithm = Algorithm::chunk;
+  auto run = [&](bool check, std::vector<float>& o) {
+    std::string error;
+    run_in_process(1, [&](const std::shared_ptr<Communicator>& comm) {
+      ThreadPool pool(3);
+      auto mesh = DeviceMesh::create(comm, {1}, {"cp"});
+      LayerChecks checks;
+      checks.check_finite = check;
+      ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{&pool}, checks);
+      try {
+        layer.forward(in, layer.contiguous_stream(1, tokens), {}, o.data(), {});
+      } catch (const NumericalError& e) {
+        error = e.what();
+      }
+    });
+    return error;
+  };
+  std::vector<float> o(s.v_elems());
+  EXPECT_EQ(run(false, o), "");
+  const auto first = find_non_finite(std::span<const float>(o));
+  ASSERT_TRUE(first.has_value());
+  EXPECT_GE(*first, first_big * s.value_heads * s.value_dim);
+  const std::string want = "o" + index_string(*first, {1, tokens, s.value_heads, s.value_dim}) + " = ";
+  const std::string got = run(true, o);
+  EXPECT_NE(got.find(want), std::string::npos) << got << "\nexpected: " << want;
 }
 
 TEST(FiniteResults, OrdinaryInputsPass) {

@@ -12,6 +12,7 @@
 
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
+#include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda {
 
@@ -373,12 +374,28 @@ std::size_t elems_of(const std::vector<std::size_t>& shape) {
 }
 // Throws NumericalError naming the first of `outputs` that holds a NaN or
 // ±Inf, its first such element, and whether this rank's `inputs` were finite.
+// find_non_finite over the pool's threads (a memory-bound scan): the first
+// non-finite index of `data`, or nullopt.
+template <class T>
+std::optional<std::size_t> first_non_finite(std::span<const T> data, ThreadPool* pool) {
+  constexpr std::size_t kBlock = 1 << 14;  // elements per work item
+  if (data.empty()) return std::nullopt;
+  const std::size_t blocks = (data.size() + kBlock - 1) / kBlock;
+  std::vector<std::size_t> first(participants(pool, blocks), data.size());
+  parallel_ranges(pool, blocks, [&](std::size_t begin, std::size_t end, std::size_t part) {
+    const std::size_t lo = begin * kBlock, hi = std::min(data.size(), end * kBlock);
+    if (const auto i = find_non_finite(data.subspan(lo, hi - lo))) first[part] = lo + *i;
+  });
+  const std::size_t i = *std::min_element(first.begin(), first.end());
+  return i < data.size() ? std::optional<std::size_t>(i) : std::nullopt;
+}
+
 template <class T>
 void require_finite_results(const std::string& where, const std::vector<Named<T>>& outputs,
-                            const std::vector<Named<T>>& inputs) {
+                            const std::vector<Named<T>>& inputs, ThreadPool* pool) {
   for (const Named<T>& out : outputs) {
     if (out.data == nullptr) continue;
-    const auto bad = find_non_finite(std::span<const T>(out.data, elems_of(out.shape)));
+    const auto bad = first_non_finite(std::span<const T>(out.data, elems_of(out.shape)), pool);
     if (!bad) continue;
     std::ostringstream os;
     os << where << ": " << out.name << index_string(*bad, out.shape) << " = " << out.data[*bad]
@@ -504,7 +521,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
   fwd_.local += since(t0);
   if (check_finite_)
     require_finite_results<T>(where(comm_->rank(), "forward"), {{"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
-                              input_tensors(in));
+                              input_tensors(in), exec_.pool);
   Saved saved;
   saved.transfer.push_back(std::move(transfer));
   saved.incoming.push_back(std::move(incoming));
@@ -572,7 +589,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, 
   if (check_finite_) {
     std::vector<Named<T>> inputs = input_tensors(in);
     inputs.push_back({"d_o", d_o, {s.batch, s.tokens, s.value_heads, s.value_dim}});
-    require_finite_results<T>(where(comm_->rank(), "backward"), grad_tensors(grads, s), inputs);
+    require_finite_results<T>(where(comm_->rank(), "backward"), grad_tensors(grads, s), inputs, exec_.pool);
   }
 }
 
@@ -677,7 +694,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     require_finite_results<T>(where(comm_->rank(), "forward"),
                               {{"ht", ht.data, states_shape(ht)},
                                {"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
-                              inputs);
+                              inputs, exec_.pool);
   }
   Saved saved{std::move(transfers), std::move(incoming), stream, nullptr, nullptr};
   saved.kept<T>() = cache;
@@ -766,7 +783,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
     inputs.push_back({"d_o", d_o, {s.batch, s.tokens, s.value_heads, s.value_dim}});
     inputs.push_back({"h0", h0.data, states_shape(h0)});
     inputs.push_back({"dht", dht.data, states_shape(dht)});
-    require_finite_results<T>(where(comm_->rank(), "backward"), outputs, inputs);
+    require_finite_results<T>(where(comm_->rank(), "backward"), outputs, inputs, exec_.pool);
   }
 }
 

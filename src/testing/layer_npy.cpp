@@ -5,11 +5,13 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <span>
 #include <sstream>
 #include <type_traits>
 #include <utility>
 
 #include "kdacp/admission.hpp"
+#include "kdacp/agreement.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/protocol.hpp"
@@ -115,6 +117,31 @@ std::vector<std::int64_t> read_cu_seqlens_npy(const std::string& path) {
     }
   }
   return out;
+}
+
+Fingerprint layer_npy_fingerprint(const LayerNpy& in) {
+  Fingerprint f;
+  auto add = [&](const char* name, const NpyArray* a) {
+    if (a == nullptr) {
+      f.add_text(name, "absent");
+      return;
+    }
+    const std::uint64_t dtype = a->dtype == DType::f64 ? 8 : 4;
+    std::uint64_t h = fnv1a64(std::as_bytes(std::span(&dtype, 1)));
+    h = fnv1a64(std::as_bytes(std::span(a->shape)), h);
+    f.add_hash(name, fnv1a64(a->data, h));
+  };
+  add("--inputs q.npy", &in.q);
+  add("--inputs k.npy", &in.k);
+  add("--inputs v.npy", &in.v);
+  add("--inputs g.npy", &in.g);
+  add("--inputs beta.npy", &in.beta);
+  add("--inputs do.npy", in.d_o ? &*in.d_o : nullptr);
+  add("--inputs h0.npy", in.h0 ? &*in.h0 : nullptr);
+  add("--inputs dht.npy", in.dht ? &*in.dht : nullptr);
+  f.add_bytes("--inputs cu_seqlens.npy", std::as_bytes(std::span(in.cu_seqlens)),
+              in.cu_seqlens.empty() ? std::string("absent") : list_text(std::span<const std::int64_t>(in.cu_seqlens)));
+  return f;
 }
 
 LayerNpy read_layer_npy(const std::string& dir_name) {

@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
-#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -16,7 +15,6 @@
 #include "exchange_flags.hpp"
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
-#include "kdacp/agreement.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/testing/layer_npy.hpp"
@@ -97,34 +95,6 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
               job.grads() ? "o, ht, dq, dk, dv, dg, dbeta, dh0" : "o, ht", cfg.out.c_str());
 }
 
-// Under a launcher every process reads the whole job itself: the layer's
-// construction compares these hashes of what each one read (one field per
-// file, so a mismatch names the file and the ranks), with its own fields.
-Fingerprint input_fields(const testing::LayerNpy& in) {
-  Fingerprint f;
-  auto add = [&](const char* name, const NpyArray* a) {
-    if (a == nullptr) {
-      f.add_text(name, "absent");
-      return;
-    }
-    const std::uint64_t dtype = a->dtype == DType::f64 ? 8 : 4;
-    std::uint64_t h = fnv1a64(std::as_bytes(std::span(&dtype, 1)));
-    h = fnv1a64(std::as_bytes(std::span(a->shape)), h);
-    f.add_hash(name, fnv1a64(a->data, h));
-  };
-  add("--inputs q.npy", &in.q);
-  add("--inputs k.npy", &in.k);
-  add("--inputs v.npy", &in.v);
-  add("--inputs g.npy", &in.g);
-  add("--inputs beta.npy", &in.beta);
-  add("--inputs do.npy", in.d_o ? &*in.d_o : nullptr);
-  add("--inputs h0.npy", in.h0 ? &*in.h0 : nullptr);
-  add("--inputs dht.npy", in.dht ? &*in.dht : nullptr);
-  f.add_bytes("--inputs cu_seqlens.npy", std::as_bytes(std::span(in.cu_seqlens)),
-              in.cu_seqlens.empty() ? std::string("absent") : list_text(std::span<const std::int64_t>(in.cu_seqlens)));
-  return f;
-}
-
 template <class T>
 void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_bytes) {
   const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
@@ -139,7 +109,8 @@ void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_b
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
     if (opts) return run_rank<T>(cfg, world, in, job, *opts);
     testing::LayerRunOptions mine = run_options(cfg, in, job, world->size(), input_bytes);
-    mine.agree = input_fields(in);
+    // Each process read the whole job itself: the layer's construction compares what they read.
+    mine.agree = testing::layer_npy_fingerprint(in);
     run_rank<T>(cfg, world, in, job, mine);
   });
 }

@@ -34,6 +34,13 @@ struct LayerNpy {
 // B > 1.
 LayerNpy read_layer_npy(const std::string& dir);
 
+// What a process read, for ranks that each read the whole job (`kdacp kda`
+// under a launcher) to compare before the layer's first message
+// (LayerRunOptions::agree): one field per file, named "--inputs q.npy" etc.,
+// an FNV-1a hash of its dtype, shape and bytes ("absent" for an optional
+// file not given), and cu_seqlens.npy's values.
+Fingerprint layer_npy_fingerprint(const LayerNpy& in);
+
 // cu_seqlens.npy at `path`: int32 or int64 ('<i4' / '<i8'), 1-D, at least
 // two entries, as int64; anything else throws IoError naming the file. The
 // values are not checked here (read_layer_npy does).
