@@ -297,7 +297,7 @@ class StateExchange:
             _options(options)
             self._check = bool(options.get("check_ranks", True))
             _options_fingerprint(fp, options, protocol, self._group_size, backend.timeout_s)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             error = e
         fp.check(backend, "build_kda_state_cp", ok=error is None, error=error)
         if protocol != "auto" or "expected_shape" in options:
@@ -741,7 +741,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             fp.add_hash("cu_seqlens", b"" if cu is None else
                         torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
             _options_fingerprint(fp, options, protocol, width, backend.timeout_s)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: an unknown option
             error = e
         what = "kda"
         extra = fp.check(backend, what, ok=error is None, error=error, extra=[t_local])
