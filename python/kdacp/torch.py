@@ -462,8 +462,8 @@ def _layer(backend, key, protocol, group_size, layout, counts, tokens, dtype, op
 def _require_finite_result(t, name, what):
     """RuntimeError naming the tensor, its first non-finite element and value
     when a forward or backward produced one from finite inputs (the C++
-    validator's scan; a cheap torch.isfinite first)."""
-    if t is None or bool(torch.isfinite(t).all()):
+    validator's scan, without the GIL: faster than torch.isfinite().all())."""
+    if t is None:
         return
     try:
         _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, "finite")
