@@ -579,6 +579,8 @@ def _cu_list(cu_seqlens):
             raise ValueError(f"cu_seqlens[{i}] is {x!r} ({type(x).__name__}), expected an "
                              "integer (sequence boundaries are token indices, never "
                              "truncated)") from None
+        if not 0 <= cu[-1] < 1 << 63:
+            raise ValueError(f"cu_seqlens[{i}] is {cu[-1]}, expected a token index >= 0")
     return cu
 
 
@@ -631,6 +633,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
     b, t_local, h, hv, kd, vd = shape
     if scale is None:
         scale = 1.0 / math.sqrt(kd)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.requires_grad:
+        scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ValueError(f"scale={scale!r}, expected a finite number > 0")
     scale = float(scale)
