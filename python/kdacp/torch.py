@@ -11,8 +11,10 @@ torch.distributed group, the serial fold, and a differentiable CP KDA layer.
 Tensors are CPU float32 or float64. Inputs C++ can view (unit column stride,
 batch stride = H x head stride) are used in place; others are copied once.
 Results alias C++-owned memory (no copy). Invalid input raises ValueError
-before anything is sent; a failed or silent peer raises RuntimeError naming
-it within the timeout.
+before anything is sent (kda's values by the C++ validator the CLI uses, with
+its messages); arguments that differ between ranks raise ValueError on every
+rank naming them; a failed or silent peer raises RuntimeError naming it
+within the timeout; a non-finite kda result raises RuntimeError naming it.
 """
 
 import hashlib
@@ -380,17 +382,24 @@ class StateExchange:
 def build_kda_state_cp(group=None, protocol="auto", allgather_group_size=1, **options):
     """The kdacp state exchange over a torch.distributed group.
 
-    group: a ProcessGroup (None: the default group); its ranks in group order
-    are the chronological CP order. protocol: one of kdacp.exchange_methods().
-    Collective over the group (and, for the grouped protocols, their split).
+    group: a live ProcessGroup (None: the default group, which must be
+    initialised); its ranks in group order are the chronological CP order.
+    protocol: one of kdacp.exchange_methods(). Collective over the group (and,
+    for the grouped protocols, their split): the ranks first compare protocol,
+    allgather_group_size, the options and timeout (ValueError on every rank
+    naming what differs and the ranks).
 
-    options: memory_budget_bytes (int or '64MiB'), allow_reassociation,
-    segments, calibration (a `kdacp calibrate` JSON file), expected_shape
-    (B, H, K, V) for auto (without it, auto chooses at the first call),
-    timeout (seconds, default 60: every wait on a peer), threads (default
-    torch.get_num_threads()), check_ranks (default True: each call first
-    checks that every rank passes the same shape, so a mismatch is a
-    ValueError on every rank).
+    options (ValueError naming the option when out of range, from the CLI's
+    parsers): memory_budget_bytes (0/None: no budget, a positive int or
+    '64MiB'), allow_reassociation, segments (0..16), calibration (a `kdacp
+    calibrate` JSON file), expected_shape (B, H, K, V) for auto (without it,
+    auto chooses at the first call), timeout (seconds in (0, 86400], default
+    60: every wait on a peer, the first gather over the group included),
+    threads (0..1024; 0 or absent: torch.get_num_threads()), check_ranks
+    (default True: each call first checks that every rank passes the same
+    direction and shape, so a mismatch is a ValueError on every rank).
+    The exchange is not differentiable: a state or matrix that requires grad
+    (with grad mode on) is a ValueError.
     """
     _options(options)  # rejects unknown options before anything is sent
     if not isinstance(protocol, str):
