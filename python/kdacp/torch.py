@@ -11,8 +11,10 @@ torch.distributed group, the serial fold, and a differentiable CP KDA layer.
 Tensors are CPU float32 or float64. Inputs C++ can view (unit column stride,
 batch stride = H x head stride) are used in place; others are copied once.
 Results alias C++-owned memory (no copy). Invalid input raises ValueError
-before anything is sent; a failed or silent peer raises RuntimeError naming
-it within the timeout.
+before anything is sent (kda's values by the C++ validator the CLI uses, with
+its messages); arguments that differ between ranks raise ValueError on every
+rank naming them; a failed or silent peer raises RuntimeError naming it
+within the timeout; a non-finite kda result raises RuntimeError naming it.
 """
 
 import hashlib
@@ -297,7 +299,7 @@ class StateExchange:
             _options(options)
             self._check = bool(options.get("check_ranks", True))
             _options_fingerprint(fp, options, protocol, self._group_size, backend.timeout_s)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             error = e
         fp.check(backend, "build_kda_state_cp", ok=error is None, error=error)
         if protocol != "auto" or "expected_shape" in options:
@@ -380,17 +382,24 @@ class StateExchange:
 def build_kda_state_cp(group=None, protocol="auto", allgather_group_size=1, **options):
     """The kdacp state exchange over a torch.distributed group.
 
-    group: a ProcessGroup (None: the default group); its ranks in group order
-    are the chronological CP order. protocol: one of kdacp.exchange_methods().
-    Collective over the group (and, for the grouped protocols, their split).
+    group: a live ProcessGroup (None: the default group, which must be
+    initialised); its ranks in group order are the chronological CP order.
+    protocol: one of kdacp.exchange_methods(). Collective over the group (and,
+    for the grouped protocols, their split): the ranks first compare protocol,
+    allgather_group_size, the options and timeout (ValueError on every rank
+    naming what differs and the ranks).
 
-    options: memory_budget_bytes (int or '64MiB'), allow_reassociation,
-    segments, calibration (a `kdacp calibrate` JSON file), expected_shape
-    (B, H, K, V) for auto (without it, auto chooses at the first call),
-    timeout (seconds, default 60: every wait on a peer), threads (default
-    torch.get_num_threads()), check_ranks (default True: each call first
-    checks that every rank passes the same shape, so a mismatch is a
-    ValueError on every rank).
+    options (ValueError naming the option when out of range, from the CLI's
+    parsers): memory_budget_bytes (0/None: no budget, a positive int or
+    '64MiB'), allow_reassociation, segments (0..16), calibration (a `kdacp
+    calibrate` JSON file), expected_shape (B, H, K, V) for auto (without it,
+    auto chooses at the first call), timeout (seconds in (0, 86400], default
+    60: every wait on a peer, the first gather over the group included),
+    threads (0..1024; 0 or absent: torch.get_num_threads()), check_ranks
+    (default True: each call first checks that every rank passes the same
+    direction and shape, so a mismatch is a ValueError on every rank).
+    The exchange is not differentiable: a state or matrix that requires grad
+    (with grad mode on) is a ValueError.
     """
     _options(options)  # rejects unknown options before anything is sent
     if not isinstance(protocol, str):
@@ -462,8 +471,8 @@ def _layer(backend, key, protocol, group_size, layout, counts, tokens, dtype, op
 def _require_finite_result(t, name, what):
     """RuntimeError naming the tensor, its first non-finite element and value
     when a forward or backward produced one from finite inputs (the C++
-    validator's scan; a cheap torch.isfinite first)."""
-    if t is None or bool(torch.isfinite(t).all()):
+    validator's scan, without the GIL: faster than torch.isfinite().all())."""
+    if t is None:
         return
     try:
         _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, "finite")
@@ -579,6 +588,8 @@ def _cu_list(cu_seqlens):
             raise ValueError(f"cu_seqlens[{i}] is {x!r} ({type(x).__name__}), expected an "
                              "integer (sequence boundaries are token indices, never "
                              "truncated)") from None
+        if not 0 <= cu[-1] < 1 << 63:
+            raise ValueError(f"cu_seqlens[{i}] is {cu[-1]}, expected a token index >= 0")
     return cu
 
 
@@ -631,6 +642,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
     b, t_local, h, hv, kd, vd = shape
     if scale is None:
         scale = 1.0 / math.sqrt(kd)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.requires_grad:
+        scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ValueError(f"scale={scale!r}, expected a finite number > 0")
     scale = float(scale)
@@ -741,7 +754,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             fp.add_hash("cu_seqlens", b"" if cu is None else
                         torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
             _options_fingerprint(fp, options, protocol, width, backend.timeout_s)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: an unknown option
             error = e
         what = "kda"
         extra = fp.check(backend, what, ok=error is None, error=error, extra=[t_local])

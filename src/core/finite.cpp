@@ -1,5 +1,6 @@
 #include "kdacp/finite.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -35,25 +36,34 @@ std::string shortest(T x) {
   return ec == std::errc() ? std::string(buf, end) : std::string("?");
 }
 
-// Element i as T; the bytes carry no alignment promise (an NpyArray's
-// vector<byte>), and a copy of a large input just to check it would double
-// its memory.
 template <class T>
-T element(const void* data, std::size_t i) {
-  T x;
-  std::memcpy(&x, static_cast<const std::byte*>(data) + i * sizeof(T), sizeof(T));
-  return x;
+bool block_ok(const T* x, std::size_t n, bool bounded, double lo, double hi) {
+  int ok = 1;
+  if (bounded) {
+    for (std::size_t i = 0; i < n; ++i) ok &= (double(x[i]) >= lo) & (double(x[i]) <= hi);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) ok &= (x[i] - x[i] == T(0));
+  }
+  return ok != 0;
 }
 
 template <class T>
 void check(const TensorRef& t, bool bounded, double lo, double hi, const std::string& rule) {
+  constexpr std::size_t kBlock = 1024;
+  T block[kBlock];
   const std::size_t n = t.elements();
-  for (std::size_t i = 0; i < n; ++i) {
-    const T x = element<T>(t.data, i);
-    const bool finite = std::isfinite(x);
-    if (finite && (!bounded || (x >= lo && x <= hi))) continue;
-    throw InvalidArgument(t.name + ": element " + index_string(i, t.shape) + " is " + shortest(x) +
-                          ", expected " + (finite ? rule : std::string("finite values")));
+  for (std::size_t start = 0; start < n; start += kBlock) {
+    const std::size_t len = std::min(kBlock, n - start);
+    // A copy per block: the bytes carry no alignment promise.
+    std::memcpy(block, static_cast<const std::byte*>(t.data) + start * sizeof(T), len * sizeof(T));
+    if (block_ok(block, len, bounded, lo, hi)) continue;
+    for (std::size_t i = 0; i < len; ++i) {
+      const T x = block[i];
+      const bool finite = std::isfinite(x);
+      if (finite && (!bounded || (x >= lo && x <= hi))) continue;
+      throw InvalidArgument(t.name + ": element " + index_string(start + i, t.shape) + " is " + shortest(x) +
+                            ", expected " + (finite ? rule : std::string("finite values")));
+    }
   }
 }
 

@@ -323,11 +323,12 @@ def trust_worker(rank, world, init_file):
         (dict(segments=-1), "segments is '-1'"),
         (dict(memory_budget_bytes="-5MiB"), "memory_budget_bytes is '-5MiB'"),
         (dict(cu_seqlens=[0, 2.5, 24]), "cu_seqlens[1] is 2.5"),
+        (dict(budget=3), "unknown exchange option"),
     ]
     for kw, message in bad_cases:
         t0 = time.monotonic()
         if other:
-            _raises(ValueError, lambda: run(**kw), message)
+            _raises(TypeError if "unknown" in message else ValueError, lambda: run(**kw), message)
         else:
             _raises(ValueError, lambda: run(), f"global rank(s) {last} rejected their own arguments")
         assert time.monotonic() - t0 < 5, message

@@ -76,7 +76,7 @@ def test_same_validator_as_the_cli():
 
 
 @pytest.mark.parametrize("cu", [[0, 2.5, 8], [0, 4.0, 8], np.array([0, 3, 8], dtype=np.float64),
-                                [0, True, 8], "08", 8])
+                                [0, True, 8], "08", 8, [0, -3, 8], [0, 2 ** 70, 8]])
 def test_cu_seqlens_must_be_integers(cu):
     q, k, v, g, beta, _ = _inputs()
     with pytest.raises(ValueError, match="cu_seqlens"):
@@ -87,11 +87,14 @@ def test_cu_seqlens_must_be_integers(cu):
 
 def test_cu_seqlens_integer_types_accepted():
     q, k, v, g, beta, _ = _inputs()
-    ref, _ = kt.kda(q, k, v, g, beta, cu_seqlens=[0, 3, 8], threads=1)
-    for cu in (np.array([0, 3, 8]), [np.int32(0), np.int64(3), 8], torch.tensor([0, 3, 8]),
-               (0, 3, 8)):
+    ref = {n: kt.kda(q, k, v, g, beta, cu_seqlens=[0, n, 8], threads=1)[0] for n in (3, 4)}
+    for cu, n in ((np.array([0, 3, 8]), 3), ([np.int32(0), np.int64(3), 8], 3),
+                  (torch.tensor([0, 3, 8]), 3), ((0, 3, 8), 3), (range(0, 9, 4), 4)):
         o, _ = kt.kda(q, k, v, g, beta, cu_seqlens=cu, threads=1)
-        assert torch.equal(o, ref)
+        assert torch.equal(o, ref[n]), cu
+    # A 0-d tensor scale is a number.
+    assert torch.equal(kt.kda(q, k, v, g, beta, scale=torch.tensor(0.25), threads=1)[0],
+                       kt.kda(q, k, v, g, beta, scale=0.25, threads=1)[0])
 
 
 @pytest.mark.parametrize("option,value", [
