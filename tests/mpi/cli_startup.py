@@ -27,8 +27,12 @@ def main():
     try:
         output, _ = job.communicate(timeout=END_BOUND)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
+        job.terminate()  # mpirun ends its processes on SIGTERM (a SIGKILL would orphan `sleep`)
+        try:
+            output, _ = job.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            output, _ = job.communicate()
         sys.exit(f"FAIL: the job still ran {END_BOUND} s after its start (MPI_Init waits forever):\n{output}")
     finally:
         if job.poll() is None:
