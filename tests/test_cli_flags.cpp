@@ -1,6 +1,7 @@
 // The one parser behind every numeric flag (kdacp/units.hpp), the input
 // checks (kdacp/finite.hpp), memory admission (kdacp/admission.hpp) and
 // staged outputs (kdacp/output.hpp).
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -14,13 +15,17 @@
 #include <gtest/gtest.h>
 
 #include "kdacp/admission.hpp"
+#include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/inprocess.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/mesh.hpp"
+#include "kdacp/npy.hpp"
 #include "kdacp/output.hpp"
+#include "kdacp/protocol.hpp"
 #include "kdacp/testing/layer_bench.hpp"
+#include "kdacp/testing/layer_npy.hpp"
 #include "kdacp/testing/layer_runner.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/units.hpp"
@@ -394,6 +399,112 @@ TEST(LayerBench, RecordsPerAlgorithmAndRun) {
   bad = c;
   bad.ranks = 151;
   EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
+}
+
+
+// Issue 18 ("Trust"): a value in a message is the value, to the last digit.
+TEST(CliFlags, ValuesPrintedExactly) {
+  EXPECT_EQ(exact_string(1.0000001f), "1.0000001");
+  EXPECT_EQ(exact_string(1.0000000000000002), "1.0000000000000002");
+  EXPECT_EQ(exact_string(std::numeric_limits<float>::infinity()), "inf");
+  NpyArray beta;
+  beta.shape = {1, 2, 1};
+  const float values[] = {0.5f, 1.0000001f};
+  beta.data.resize(sizeof values);
+  std::memcpy(beta.data.data(), values, sizeof values);
+  try {
+    require_within(beta, "beta.npy", 0, 1, "beta in [0, 1]");
+    FAIL() << "beta 1.0000001 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("element [0,1,0] is 1.0000001, expected beta in [0, 1]"), std::string::npos)
+        << e.what();
+  }
+}
+
+// Every output file kdacp kda would write is checked before any is: the
+// first non-finite value is named by file, element and value.
+TEST(LayerNpy, NonFiniteOutputsNamedBeforeWriting) {
+  testing::LayerNpy in;
+  const std::size_t t = 3, k = 16;
+  for (NpyArray* a : {&in.q, &in.k, &in.v, &in.g}) a->shape = {1, t, 1, k};
+  in.beta.shape = {1, t, 1};
+  in.d_o = in.v;
+  in.sequences = 1;
+  testing::LayerOutputs<double> out;
+  for (std::vector<double>* f : {&out.o, &out.dq, &out.dk, &out.dv, &out.dg}) f->assign(t * k, 0.25);
+  out.dbeta.assign(t, 0.5);
+  out.ht.assign(k * k, 1);
+  out.dh0.assign(k * k, 1);
+  EXPECT_NO_THROW(testing::require_finite_outputs(in, out));
+  out.dg[k + 3] = -std::numeric_limits<double>::infinity();
+  out.dq[2 * k + 5] = std::nan("");
+  try {
+    testing::require_finite_outputs(in, out);
+    FAIL() << "a NaN in dq passed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dq.npy element [0,2,0,5] is nan (float64)"), std::string::npos) << e.what();
+  }
+  out.dq[2 * k + 5] = 0;
+  EXPECT_THROW(testing::require_finite_outputs(in, out), Error);
+  try {
+    testing::require_finite_outputs(in, out);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dg.npy element [0,1,0,3] is -inf"), std::string::npos) << e.what();
+  }
+  // Without do.npy only o and ht are written, and only they are checked.
+  in.d_o.reset();
+  EXPECT_NO_THROW(testing::require_finite_outputs(in, out));
+  out.ht[17] = std::numeric_limits<double>::infinity();
+  EXPECT_THROW(testing::require_finite_outputs(in, out), Error);
+}
+
+// Inputs are regular files: a FIFO or a directory is refused by stat, before
+// an open that would block.
+TEST(CliFlags, InputsMustBeRegularFiles) {
+  const fs::path dir = fs::temp_directory_path() / ("kdacp_fifo_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path fifo = dir / "q.npy";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    read_npy(fifo.string());
+    FAIL() << "a FIFO was read";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("q.npy: is a FIFO (named pipe), expected a regular file"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(testing::read_cu_seqlens_npy(fifo.string()), IoError);
+  EXPECT_THROW(load_cost_params(fifo.string()), IoError);
+  EXPECT_THROW(read_npy(dir.string()), IoError);
+  fs::remove_all(dir);
+}
+
+// `kdacp run` and `kdacp bench layer` fail when an error is NaN or above its
+// tolerance: 5e-5 in float32, plus a reassociating protocol's bound.
+TEST(LayerErrors, NaNOrAboveToleranceIsNamed) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(testing::errors_above({1e-7, nan, 1.88, 5e-5, 5.1e-5, 0, 0, 2e-4}, 5e-5),
+            (std::vector<std::string>{"dq nan", "dk 1.88", "dg 5.1e-05", "dh0 0.0002"}));
+  EXPECT_TRUE(testing::errors_above({1e-7, 0, 5e-5}, 5e-5).empty());
+  EXPECT_EQ(testing::layer_error_tolerance("p2p", 4, 128), testing::kLayerFloat32Tolerance);
+  EXPECT_EQ(testing::layer_error_tolerance("none", 1, 128), testing::kLayerFloat32Tolerance);
+  EXPECT_EQ(testing::layer_error_tolerance("recursive_doubling", 8, 128),
+            testing::kLayerFloat32Tolerance + error_bound(find_protocol("recursive_doubling"), 8, 128));
+  EXPECT_GT(error_bound(find_protocol("recursive_doubling"), 8, 128), 0);
+  testing::LayerBenchResult res;
+  testing::LayerBenchRecord base, ok, bad;
+  base.mode = ok.mode = "single";
+  bad.mode = "cp";
+  base.algorithm = kda::Algorithm::recurrent;
+  ok.algorithm = bad.algorithm = kda::Algorithm::chunk;
+  base.rel_errors.assign(6, 0);
+  ok.rel_errors.assign(6, 1e-6);
+  bad.rel_errors = {1e-6, 1e-6, 1e-6, 1e-6, nan, 3e-4};
+  for (testing::LayerBenchRecord* r : {&base, &ok, &bad}) r->tolerance = testing::kLayerFloat32Tolerance;
+  res.records = {base, ok};
+  EXPECT_TRUE(testing::layer_bench_failures(res).empty());
+  res.records.push_back(bad);
+  EXPECT_EQ(testing::layer_bench_failures(res),
+            std::vector<std::string>{"context-parallel chunk vs recurrent: dg nan, dbeta 0.0003"});
 }
 
 }  // namespace

@@ -110,6 +110,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       r.peak_fraction = r.gflops / result.peak.gflops;
       r.speedup = base.total() / t.total();
       r.rel_errors = relative_errors(outputs[a], outputs[0]);
+      r.tolerance = layer_error_tolerance(r.method, r.ranks, s.key_dim);
       for (double e : r.rel_errors)
         r.max_rel_error = std::isnan(e) || std::isnan(r.max_rel_error) ? std::numeric_limits<double>::quiet_NaN()
                                                                         : std::max(r.max_rel_error, e);
@@ -117,6 +118,20 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
     }
   }
   return result;
+}
+
+std::vector<std::string> layer_bench_failures(const LayerBenchResult& result) {
+  std::vector<std::string> out;
+  const std::string baseline =
+      result.records.empty() ? "" : kda::algorithm_name(result.records.front().algorithm);
+  for (const LayerBenchRecord& r : result.records) {
+    std::string what;
+    for (const std::string& e : errors_above(r.rel_errors, r.tolerance)) what += (what.empty() ? "" : ", ") + e;
+    if (!what.empty())
+      out.push_back(std::string(r.mode == "cp" ? "context-parallel " : "one rank ") + kda::algorithm_name(r.algorithm) +
+                    " vs " + baseline + ": " + what);
+  }
+  return out;
 }
 
 double layer_bench_bytes(const LayerBenchConfig& c) {

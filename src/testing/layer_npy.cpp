@@ -163,6 +163,9 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
       throw IoError(std::string(name) + ": dtype " + to_string(a.dtype) + ", expected " + to_string(q.dtype) +
                     " like q.npy");
   };
+  if (h == 0 || hv % h != 0)
+    throw IoError("v.npy: HV = " + idx(hv) + " value heads (dimension 2), expected a multiple of q.npy's H = " +
+                  idx(h) + " heads (each query/key head serves HV/H value heads)");
   expect("k.npy", in.k, {b, t, h, kd});
   expect("v.npy", in.v, {b, t, hv, vd});
   expect("g.npy", in.g, {b, t, hv, kd});

@@ -400,6 +400,25 @@ std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerO
   return errs;
 }
 
+double layer_error_tolerance(const std::string& method, std::size_t ranks, std::size_t key_dim) {
+  double bound = 0;
+  for (const ProtocolDescriptor* row : protocol_registry())
+    if (row->name == method) bound = error_bound(*row, ranks, key_dim);
+  return kLayerFloat32Tolerance + bound;
+}
+
+std::vector<std::string> errors_above(const std::vector<double>& errors, double tolerance) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < errors.size(); ++i) {
+    if (errors[i] <= tolerance) continue;  // false for NaN
+    const std::string name = i < kLayerErrorNames.size() ? kLayerErrorNames[i] : "?";
+    char value[32] = "nan";
+    if (!std::isnan(errors[i])) std::snprintf(value, sizeof value, "%.3g", errors[i]);
+    out.push_back(name + " " + value);
+  }
+  return out;
+}
+
 bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
   auto eq = [](const std::vector<float>& x, const std::vector<float>& y) {
     // memcmp must not see the null data() of an empty vector (ht, dh0 without sequences).

@@ -340,6 +340,63 @@ def case_fifo_inputs(kdacp, d):
     expect_error(kdacp, ["plan", "-P", "4", "--calibration", cal], "cal.json", "FIFO")
 
 
+def case_exact_values(kdacp, d):
+    # A rejected value is printed to its last digit (1.0000001, not 1), and
+    # a shape error names the file, not the library's field.
+    out = os.path.join(d, "out")
+    layer(d, beta=((0, 2, 0), np.float32(1.0000001)))
+    expect_error(kdacp, ["kda", "--inputs", d, "--out", out], "beta.npy", "element [0,2,0] is 1.0000001")
+    layer(d, g=((0, 1, 0, 2), 1e-30))
+    expect_error(kdacp, ["kda", "--inputs", d, "--out", out], "g.npy", "element [0,1,0,2] is 1e-30")
+    layer(d)
+    v = np.load(os.path.join(d, "v.npy"))
+    q = np.repeat(np.load(os.path.join(d, "q.npy")), 3, axis=2)
+    np.save(os.path.join(d, "q.npy"), q)
+    np.save(os.path.join(d, "k.npy"), q)
+    np.save(os.path.join(d, "v.npy"), np.repeat(v, 4, axis=2))
+    np.save(os.path.join(d, "g.npy"), np.repeat(np.load(os.path.join(d, "g.npy")), 4, axis=2))
+    np.save(os.path.join(d, "beta.npy"), np.repeat(np.load(os.path.join(d, "beta.npy")), 4, axis=2))
+    np.save(os.path.join(d, "do.npy"), np.repeat(np.load(os.path.join(d, "do.npy")), 4, axis=2))
+    expect_error(kdacp, ["kda", "--inputs", d, "--out", out], "v.npy: HV = 4 value heads",
+                 "multiple of q.npy's H = 3")
+    rc, text = run(kdacp, "run", "-H", "3", "--value-heads", "4")
+    assert rc == 2 and "--value-heads is '4'" in text and "shape." not in text, text
+    assert not os.path.exists(out)
+
+
+def case_docs_admission(kdacp, d):
+    # `kdacp run --docs N` is admitted before the packing is drawn: 16M
+    # documents over 16M tokens are refused by the memory admission (which
+    # needs no packing) under a 512 MiB address-space limit, far below what
+    # drawing them takes (a set of 16M boundaries, ~0.8 GB, and 45 s),
+    # instead of running out of memory (or time) drawing them.
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    n = str(1 << 24)
+    r = subprocess.run([kdacp, "run", "-T", n, "--docs", n, "--max-memory", "1GiB"], capture_output=True, text=True,
+                       timeout=60, preexec_fn=limit)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, (r.returncode, text)
+    assert "more than the limit of 1.0 GiB (--max-memory 1GiB)" in text, text
+
+
+def case_run_warmup(kdacp, d):
+    # `kdacp run` times the steady state: its JSON says one untimed step
+    # precedes each timed one, and the table's header says so.
+    import json
+    rc, text = run(kdacp, "run", "--json", "-T", "64", "-H", "1", "-K", "16", "-V", "16")
+    assert rc == 0, text
+    j = json.loads(text)
+    assert j["warmup_steps"] == 1 and j["within_tolerance"] is True, j
+    for p in j["protocols"][1:]:  # the first row is one device itself
+        assert p["tolerance"] >= 5e-5, p
+    rc, text = run(kdacp, "run", "-T", "64", "-H", "1", "-K", "16", "-V", "16")
+    assert rc == 0 and "timed step after 1 untimed step" in text, text
+
+
 def main():
     kdacp, case = os.path.abspath(sys.argv[1]), sys.argv[2]
     with tempfile.TemporaryDirectory() as d:

@@ -30,7 +30,10 @@ void add_backend_flags(CLI::App& cmd, LaunchOptions& opts) {
           "number of in-process ranks (context-parallel size P); under mpirun P is the number of processes",
           kRanksRange)
       ->each([&opts](const std::string&) { opts.ranks_given = true; });
-  add_real(cmd, "--timeout", opts.timeout_s, "seconds any rank waits for a peer before failing", kTimeoutRange);
+  add_real(cmd, "--timeout", opts.timeout_s,
+           "seconds any rank waits for a peer before failing; under mpirun also the bound on MPI start-up "
+           "(MPI_Init waits for every process of the job)",
+           kTimeoutRange);
 }
 
 void run_ranks(const LaunchOptions& opts, const RankFn& fn) { launch(opts, fn, launcher()); }

@@ -3,6 +3,9 @@
 // tables and plots are drawn from the same records.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "kdacp/testing/kernel_bench.hpp"
@@ -14,6 +17,8 @@ namespace kdacp::cli {
 // `progress`: one line per configuration on stderr.
 nlohmann::json run_kernel_bench(const testing::KernelBenchConfig& cfg, bool progress);
 nlohmann::json run_protocol_bench(const testing::ProtocolBenchConfig& cfg, bool show_progress);
-nlohmann::json run_layer_bench(const testing::LayerBenchConfig& cfg, bool show_progress);
+// `failures`: testing::layer_bench_failures of the run (errors NaN or above tolerance).
+nlohmann::json run_layer_bench(const testing::LayerBenchConfig& cfg, bool show_progress,
+                               std::vector<std::string>* failures);
 
 }  // namespace kdacp::cli

@@ -15,7 +15,8 @@ nlohmann::json number(double x) { return std::isnan(x) ? nlohmann::json(nullptr)
 
 }  // namespace
 
-nlohmann::json run_layer_bench(const testing::LayerBenchConfig& lc, bool show_progress) {
+nlohmann::json run_layer_bench(const testing::LayerBenchConfig& lc, bool show_progress,
+                               std::vector<std::string>* failures) {
   testing::LayerBenchProgress progress;
   if (show_progress)
     progress = [](const std::string& mode, kda::Algorithm a, double seconds, std::size_t done, std::size_t total) {
@@ -40,11 +41,12 @@ nlohmann::json run_layer_bench(const testing::LayerBenchConfig& lc, bool show_pr
                         {"target", res.peak.target}, {"fraction_of_peak", r.peak_fraction},
                         {"speedup", r.speedup}, {"repeats", lc.repeats},
                         {"warmup_steps", lc.warmup_steps}, {"keep_forward", lc.keep_forward},
-                        {"max_rel_error", number(r.max_rel_error)}};
+                        {"max_rel_error", number(r.max_rel_error)}, {"tolerance", r.tolerance}};
     for (std::size_t i = 0; i < r.rel_errors.size() && i < 6; ++i)
       j[std::string("rel_error_") + names[i]] = number(r.rel_errors[i]);
     records.push_back(std::move(j));
   }
+  if (failures) *failures = testing::layer_bench_failures(res);
   return records;
 }
 

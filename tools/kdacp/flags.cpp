@@ -70,6 +70,12 @@ CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& 
       help);
 }
 
+void check_value_heads(std::size_t heads, std::size_t value_heads) {
+  if (value_heads == 0 || (heads > 0 && value_heads % heads == 0)) return;
+  throw InvalidArgument("--value-heads is '" + std::to_string(value_heads) + "', expected a multiple of --heads " +
+                        std::to_string(heads) + " (each query/key head serves HV/H value heads; 0: the same as --heads)");
+}
+
 CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path, const std::string& help,
                       const std::string& what) {
   const std::string flag = flag_name(names);

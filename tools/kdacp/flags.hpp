@@ -74,6 +74,11 @@ enum class Quantity { bytes, seconds, rate };
 CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& text, const std::string& help,
                           Quantity kind);
 
+// --value-heads against --heads (kda::validate's rule, in the flags' names):
+// throws InvalidArgument unless value_heads is 0 (the same as --heads) or a
+// multiple of heads.
+void check_value_heads(std::size_t heads, std::size_t value_heads);
+
 // A file or directory name. An empty text ("--out ''") throws
 // InvalidArgument naming the flag: it would otherwise mean the current
 // directory, or no file, without a word. `what` says which ("a directory").

@@ -104,9 +104,8 @@ std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool to
   return sum;
 }
 
-std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
-                                  std::uint64_t seed) {
-  if (!flags.packed()) return {};
+std::size_t packed_sequences(const PackingFlags& flags, std::size_t batch, std::size_t tokens) {
+  if (!flags.packed()) return batch;
   if (!flags.seqlens.empty() && flags.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
   if (batch != 1) {
     std::ostringstream what;
@@ -114,15 +113,20 @@ std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, 
          << batch;
     throw InvalidArgument(what.str());
   }
-  if (flags.docs > 0) {
-    if (flags.docs > tokens) {
-      std::ostringstream what;
-      what << "--docs " << flags.docs << " is more documents than T = " << tokens
-           << " tokens (each document needs a token)";
-      throw InvalidArgument(what.str());
-    }
-    return kda::random_cu_seqlens(tokens, flags.docs, seed + 2);
+  if (flags.docs > tokens) {
+    std::ostringstream what;
+    what << "--docs " << flags.docs << " is more documents than T = " << tokens
+         << " tokens (each document needs a token)";
+    throw InvalidArgument(what.str());
   }
+  return flags.docs > 0 ? flags.docs : flags.seqlens.size();
+}
+
+std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
+                                  std::uint64_t seed) {
+  packed_sequences(flags, batch, tokens);
+  if (!flags.packed()) return {};
+  if (flags.docs > 0) return kda::random_cu_seqlens(tokens, flags.docs, seed + 2);
   std::vector<std::int64_t> cu{0};
   for (std::size_t len : flags.seqlens) cu.push_back(cu.back() + static_cast<std::int64_t>(len));
   return cu;

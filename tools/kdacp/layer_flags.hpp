@@ -77,4 +77,9 @@ std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool to
 std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
                                   std::uint64_t seed);
 
+// N, the sequences packing() would return (batch without packing), after
+// every check packing() makes, without drawing them: what a memory admission
+// needs before the (for --docs N, large) packing is drawn.
+std::size_t packed_sequences(const PackingFlags& flags, std::size_t batch, std::size_t tokens);
+
 }  // namespace kdacp::cli

@@ -59,6 +59,9 @@ struct LayerBenchRecord {
   // o, dq, dk, dv, dg, dbeta (relative_errors in layer_runner.hpp).
   std::vector<double> rel_errors;
   double max_rel_error = 0;  // NaN when any of them is
+  // What rel_errors may reach: layer_error_tolerance (layer_runner.hpp) of
+  // the run's method, kLayerFloat32Tolerance on one rank.
+  double tolerance = 0;
 };
 
 struct LayerBenchResult {
@@ -76,6 +79,10 @@ using LayerBenchProgress =
 // a bad shape, no algorithms, repeats = 0, neither mode, or a P larger than
 // T, before anything runs; what the layer throws otherwise.
 LayerBenchResult bench_layer(const LayerBenchConfig& config, const LayerBenchProgress& progress = {});
+
+// The records whose errors are NaN or above their tolerance, one line each:
+// "context-parallel chunk vs recurrent: dg 1.9, dq nan"; empty when none.
+std::vector<std::string> layer_bench_failures(const LayerBenchResult& result);
 
 // Bytes bench_layer allocates at most: the job, one kept output set per
 // algorithm plus the one being produced, and the larger of a one-rank run

@@ -174,6 +174,25 @@ double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::siz
 // `want`: o, dq, dk, dv, dg, dbeta, then ht and dh0 when both have them.
 std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want);
 
+// Names of relative_errors' entries, in order: o, dq, dk, dv, dg, dbeta, ht, dh0.
+inline const std::vector<std::string> kLayerErrorNames{"o", "dq", "dk", "dv", "dg", "dbeta", "ht", "dh0"};
+
+// What two float32 runs of the layer on the same inputs may differ by,
+// relative Frobenius per output (README: the algorithms and the ranks agree
+// within 5e-5 in float32).
+inline constexpr double kLayerFloat32Tolerance = 5e-5;
+
+// The tolerance of a float32 run with the state exchange `method` (as
+// LayerOutputs::method names it) on `ranks` ranks against one device:
+// kLayerFloat32Tolerance plus the method's documented bound (error_bound in
+// kdacp/protocol.hpp; 0 for exact protocols and "none").
+double layer_error_tolerance(const std::string& method, std::size_t ranks, std::size_t key_dim);
+
+// The entries of `errors` (relative_errors' order, kLayerErrorNames) that
+// are NaN or above `tolerance`, as "dg 1.9e+00" / "dq nan"; empty when all
+// are within it.
+std::vector<std::string> errors_above(const std::vector<double>& errors, double tolerance);
+
 // Whether o, every gradient, ht and dh0 are bitwise equal.
 bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b);
 

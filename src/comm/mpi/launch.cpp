@@ -1,30 +1,79 @@
 #include "kdacp/launch_mpi.hpp"
 
+#include <unistd.h>
+
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "kdacp/error.hpp"
+#include "kdacp/finite.hpp"
 #include "kdacp/mpi.hpp"
 
 namespace kdacp {
 
 namespace {
 
+// Bounds MPI's start-up by --timeout. MPI_Init waits for every process of
+// the job; one that never reaches it (stopped, or stuck before it) would keep
+// the others there forever, where no communicator timeout applies yet. When
+// start-up has not ended within the timeout, the process says so and exits
+// (status 2); the launcher then ends the whole job.
+class StartupWatchdog {
+ public:
+  explicit StartupWatchdog(double seconds)
+      : thread_([this, seconds] {
+          std::unique_lock lock(mutex_);
+          if (done_cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) return;
+          std::fprintf(stderr,
+                       "kdacp: error: MPI start-up (MPI_Init and the world communicator) did not complete within "
+                       "--timeout %s s: a process of the job never reached MPI_Init (stopped, hung or not "
+                       "started); aborting this process (pid %ld)\n",
+                       exact_string(seconds).c_str(), static_cast<long>(::getpid()));
+          std::fflush(stderr);
+          std::_Exit(2);
+        }) {}
+  ~StartupWatchdog() { stop(); }
+  StartupWatchdog(const StartupWatchdog&) = delete;
+  StartupWatchdog& operator=(const StartupWatchdog&) = delete;
+
+  // Start-up ended (either way): the watchdog exits without a word.
+  void stop() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 void run_mpi(const LaunchOptions& options, const RankFn& fn) {
+  StartupWatchdog watchdog(options.timeout_s);
   MpiSession session;
   std::shared_ptr<Communicator> world;
   try {
     MpiOptions mo;
     mo.timeout = std::chrono::milliseconds(static_cast<long long>(options.timeout_s * 1000));
     world = mpi_world(mo);
+    watchdog.stop();
     if (options.ranks_given && options.ranks != world->size())
       throw InvalidArgument("--ranks is " + std::to_string(options.ranks) + " but mpirun started " +
                             std::to_string(world->size()) + " processes");
     fn(world);
   } catch (const std::exception& e) {
+    watchdog.stop();
     std::fprintf(stderr, "kdacp: error: rank %zu: %s\n", session.world_rank(), e.what());
     std::fflush(stderr);
     MpiSession::abort(2);
