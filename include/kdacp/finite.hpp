@@ -37,11 +37,6 @@ std::string exact_string(double x);
 // "[1,0,3]": the C-order multi-index of flat index `flat` in `shape`.
 std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape);
 
-// The shortest decimal text that reads back as exactly `x` ("1.0000001",
-// "-3.4028235e+38", "nan", "inf").
-std::string exact_string(float x);
-std::string exact_string(double x);
-
 // A tensor to check: its name in messages, its C-order shape and its
 // prod(shape) elements of `dtype`, contiguous (no alignment promised).
 struct TensorRef {
