@@ -46,7 +46,7 @@ HEADER_MODULE = {
     "error.hpp": "core", "tensor.hpp": "core", "memory.hpp": "core",
     "thread_pool.hpp": "core", "npy.hpp": "core", "units.hpp": "core",
     "output.hpp": "core", "finite.hpp": "core", "summary.hpp": "core",
-    "agreement.hpp": "core",
+    "agreement.hpp": "core", "defaults.hpp": "core",
     "kernels.hpp": "kernels",
     "comm.hpp": "comm", "inprocess.hpp": "comm",
     "mesh.hpp": "mesh",
@@ -58,7 +58,7 @@ HEADER_MODULE = {
     "calibrate.hpp": "calibrate",
     "launch.hpp": "launch",
     "mpi.hpp": "mpi", "launch_mpi.hpp": "mpi",
-    "job.hpp": "job",
+    "job.hpp": "job", "job_npy.hpp": "job",
 }
 
 # Source files whose module is not their folder's.
