@@ -11,7 +11,7 @@
 // entry of dg and dh0, which then hold fewer than 24 bits in any algorithm.
 //
 // The table each test prints (KDACP_GATE_TABLE=1 prints it for every case)
-// is the one the README quotes.
+// is the one docs/limits.md quotes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
