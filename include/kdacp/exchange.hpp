@@ -16,6 +16,7 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/kernels.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/summary.hpp"
@@ -61,12 +62,13 @@ struct ExchangeOptions {
   // auto, which must choose at construction: the grouped protocols split the
   // mesh collectively there. Calls with another shape still run correctly.
   std::optional<SummaryShape> expected_shape;
-  // The layout (SPEC §10): the rank that holds each part, in chain order.
-  // Empty: one part per rank, part r on rank r. A rank may hold several parts
-  // (zigzag: parts r and 2P-1-r on rank r); every rank holds at least one.
-  // Only protocols that take layouts (ProtocolDescriptor::takes_layouts)
-  // accept a layout with several parts on one rank.
-  std::vector<std::size_t> part_owners;
+  // The layout (SPEC §10): the rank that holds each part, in chain order
+  // (Layout::owners()). None: PartOwners::one_per_rank(P), which the factory
+  // sets explicitly. A rank may hold several parts (zigzag: parts r and
+  // 2P-1-r on rank r). Only protocols that take layouts
+  // (ProtocolDescriptor::takes_layouts) accept owners other than one part
+  // per rank in rank order.
+  std::optional<PartOwners> part_owners;
 };
 
 // One of this rank's parts: its offset (S forward, G backward), M, and flags.
@@ -88,13 +90,16 @@ class StateExchange {
   // the chain-with-cuts result bit for bit (SPEC §5, §10).
   State forward(const StateView& s, const StateView& m, PartFlags part = {});
   State backward(const StateView& g, const StateView& m, PartFlags part = {});
-  // The same for a layout (ExchangeOptions::part_owners): this rank's parts
+  // The same for a layout (part_owners()): this rank's parts
   // in chain order, all of one shape; returns each part's incoming state
   // (forward) or final-state gradient (backward), in the same order.
   std::vector<State> forward(std::span<const PartSummary> parts);
   std::vector<State> backward(std::span<const PartSummary> parts);
   // Chain positions of this rank's parts, ascending.
   const std::vector<std::size_t>& own_parts() const { return own_parts_; }
+  // The rank holding each part, in chain order (explicit: one part per rank
+  // is PartOwners::one_per_rank(P)).
+  const PartOwners& part_owners() const { return part_owners_; }
 
   // The registry row of the protocol that runs (for auto: the chosen one).
   const ProtocolDescriptor& descriptor() const { return *descriptor_; }
@@ -140,7 +145,6 @@ class StateExchange {
   // The rank holding chain position j, and the number of parts.
   std::size_t owner(std::size_t j) const { return part_owners_[j]; }
   std::size_t part_count() const { return part_owners_.size(); }
-  const std::vector<std::size_t>& part_owners() const { return part_owners_; }
   virtual std::vector<const Communicator*> communicators() const = 0;
 
   const ExchangeOptions& options() const { return options_; }
@@ -155,7 +159,7 @@ class StateExchange {
   const ProtocolDescriptor* descriptor_;
   ProtocolConfig config_;
   ExchangeOptions options_;
-  std::vector<std::size_t> part_owners_;  // chain position -> rank (identity without a layout)
+  PartOwners part_owners_;  // chain position -> rank
   std::vector<std::size_t> own_parts_;
   std::optional<Prediction> prediction_;
   ExchangeStats stats_;
@@ -178,5 +182,14 @@ std::unique_ptr<StateExchange> make_state_exchange(const DeviceMesh& mesh,
                                                    const std::string& method,
                                                    long long allgather_group_size = 1,
                                                    ExchangeOptions options = {});
+
+// The configuration make_state_exchange(mesh, method, group_size, options)
+// runs at P = shape.ranks and its prediction, without building it: for auto
+// its own choice (the registry's chooser, from shape.part_owners standing for
+// options.part_owners), else predict() of the named method. Throws what the
+// factory would (unknown method, bad group size, nothing within the memory
+// budget).
+Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
+                            const ExchangeOptions& options);
 
 }  // namespace kdacp

@@ -30,34 +30,16 @@
 #include <vector>
 
 #include "kdacp/kda.hpp"
+#include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
 
-// The sequences of a stream of B rows of T tokens.
-class Sequences {
- public:
-  // Each row is one sequence: N = B. Throws unless B, T >= 1.
-  Sequences(std::size_t batch, std::size_t tokens);
-  // Packed: N = cu_seqlens.size() - 1 sequences in one row, sequence n being
-  // tokens [c_n, c_{n+1}). Throws InvalidArgument naming the entry unless
-  // B = 1, c_0 = 0, c_n < c_{n+1} and c_N = T.
-  Sequences(std::size_t batch, std::size_t tokens, std::span<const std::int64_t> cu_seqlens);
-  Sequences(std::size_t batch, std::size_t tokens, std::span<const std::int32_t> cu_seqlens);
-
-  bool packed() const { return packed_; }
-  std::size_t batch() const { return batch_; }
-  std::size_t tokens() const { return bounds_.back(); }
-  // N: the leading dimension of h0, ht, dh0 and dht.
-  std::size_t count() const { return packed_ ? bounds_.size() - 1 : batch_; }
-  // Where a row's sequences start, then T: cu_seqlens when packed, {0, T}
-  // otherwise (every row's sequence spans the whole row).
-  const std::vector<std::size_t>& boundaries() const { return bounds_; }
-
- private:
-  std::vector<std::size_t> bounds_;
-  std::size_t batch_ = 1;
-  bool packed_ = false;
-};
+// The stream's sequences and parts are the layout module's (layout.hpp).
+using kdacp::Part;
+using kdacp::part_info;
+using kdacp::PartInfo;
+using kdacp::SequenceRange;
+using kdacp::Sequences;
 
 // Per-sequence states h0, ht, dh0, dht: dense [N,HV,K,V] at `data`, or absent
 // (data == nullptr: h0 and dht are then zero, ht and dh0 not produced). The
@@ -79,40 +61,6 @@ template <class T>
 SequenceStates<T> sequence_states(T* data, const Sequences& seqs, const Shape& shape) {
   return {data, seqs.count(), shape.value_heads, shape.key_dim, shape.value_dim};
 }
-
-// Stream tokens [begin, end) (begin < end <= T), held in the rank's local
-// tensors from token local_begin on.
-struct Part {
-  std::size_t begin = 0, end = 0;
-  std::size_t local_begin = 0;
-};
-
-// Sequences n in [first, first + count).
-struct SequenceRange {
-  std::size_t first = 0, count = 0;
-};
-
-// What the exchange needs to know about a part.
-struct PartInfo {
-  // The part's first token starts a sequence n: its incoming state is h0[n],
-  // it needs nothing from the forward exchange and its G is zero.
-  bool starts_sequence = false;
-  // A sequence start at any token of the part: its outgoing state is b
-  // exactly, whatever enters it (A = 0, SPEC §10).
-  bool cut = false;
-  // The part's last token ends a sequence n: the gradient at the part's end
-  // is dht[n], and the backward exchange's out-gradient for it is zero.
-  bool ends_sequence = false;
-  // Sequences whose first token lies in the part: the dh0 rows part_backward
-  // writes (without cu_seqlens: all B rows when begin = 0).
-  SequenceRange started;
-  // Sequences whose last token lies in the part: the ht rows part_forward
-  // writes and the dht rows the part reads (all B rows when end = T).
-  SequenceRange ended;
-};
-
-// The part's structure; throws unless begin < end <= T.
-PartInfo part_info(const Sequences& seqs, const Part& part);
 
 // Common to the part_* calls: `local` is the rank's local tensors (shape.batch
 // = seqs.batch(), local_begin + end - begin <= shape.tokens); `incoming`,

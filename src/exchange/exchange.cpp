@@ -13,13 +13,9 @@ StateExchange::StateExchange(const detail::ProtocolContext& ctx,
       descriptor_(&descriptor),
       config_{std::string(descriptor.name), descriptor.takes_group_size ? ctx.group_size : 1,
               descriptor.takes_segments ? ctx.options.segments : 0},
-      options_(ctx.options) {
-  part_owners_ = options_.part_owners;
-  if (part_owners_.empty())
-    for (std::size_t r = 0; r < size_; ++r) part_owners_.push_back(r);
-  for (std::size_t j = 0; j < part_owners_.size(); ++j)
-    if (part_owners_[j] == rank_) own_parts_.push_back(j);
-}
+      options_(ctx.options),
+      part_owners_(*ctx.options.part_owners),
+      own_parts_(part_owners_.parts_of(rank_)) {}
 
 std::vector<State> StateExchange::run_parts(const PartsCall&) {
   throw InvalidArgument("rank " + std::to_string(rank_) + ": protocol '" + method() +
@@ -50,7 +46,7 @@ std::vector<State> StateExchange::call_parts(std::span<const PartSummary> parts,
     shape = s;
   }
   // One part per rank in rank order is the plain call.
-  if (options_.part_owners.empty()) {
+  if (part_owners_.is_one_per_rank()) {
     std::vector<State> out;
     out.push_back(call(parts[0].offset, parts[0].transfer, direction, parts[0].flags));
     return out;
@@ -107,23 +103,14 @@ std::unique_ptr<StateExchange> make_state_exchange(const DeviceMesh& mesh,
   if (mesh.ndim() != 1)
     throw InvalidArgument("state exchange mesh has " + std::to_string(mesh.ndim()) +
                           " dims, expected a 1-D chronological CP mesh");
-  if (!options.part_owners.empty()) {
-    std::vector<std::size_t> held(mesh.size(), 0);
-    for (std::size_t j = 0; j < options.part_owners.size(); ++j) {
-      const std::size_t r = options.part_owners[j];
-      if (r >= mesh.size())
-        throw InvalidArgument("part_owners[" + std::to_string(j) + "] is " + std::to_string(r) +
-                              ", expected a rank below the CP size " + std::to_string(mesh.size()));
-      ++held[r];
-    }
-    for (std::size_t r = 0; r < held.size(); ++r)
-      if (held[r] == 0)
-        throw InvalidArgument("part_owners gives rank " + std::to_string(r) +
-                              " no part, expected every rank to hold at least one");
-    if (!row.takes_layouts && !row.chooser())
-      throw InvalidArgument("method '" + method + "' does not take a layout (part_owners), "
-                            "expected one of: " + rows_taking(&ProtocolDescriptor::takes_layouts));
-  }
+  // Explicit from here on: none is one part per rank.
+  if (!options.part_owners) options.part_owners = PartOwners::one_per_rank(mesh.size());
+  if (options.part_owners->ranks() != mesh.size())
+    throw InvalidArgument("part_owners spans " + std::to_string(options.part_owners->ranks()) +
+                          " ranks, expected the CP size " + std::to_string(mesh.size()));
+  if (!options.part_owners->is_one_per_rank() && !row.takes_layouts && !row.chooser())
+    throw InvalidArgument("method '" + method + "' does not take a layout (part_owners), "
+                          "expected one of: " + rows_taking(&ProtocolDescriptor::takes_layouts));
   // Collective slots and p2p peers are group ranks: they must be the
   // chronological positions.
   mesh.validate_order();

@@ -133,7 +133,7 @@ class GroupedExchange final : public StateExchange {
   // runs of consecutive parts, and every rank folds its parts inside their
   // run, all in the chain's order (layouts.hpp).
   std::vector<State> run_parts(const PartsCall& c) override {
-    const LayoutIndex layout(part_owners(), size_);
+    const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, width_, rank_, intra_.get(), cp_.get(), RunRelay::chain,
                                        c.parts, c.shape, c.direction, &options().exec});
   }

@@ -94,7 +94,7 @@ class GroupedRdExchange final : public StateExchange {
   // owners scan the pairs of the block's runs of consecutive parts, and every
   // rank folds its parts inside their run in the chain's order (layouts.hpp).
   std::vector<State> run_parts(const PartsCall& c) override {
-    const LayoutIndex layout(part_owners(), size_);
+    const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, width_, rank_, intra_.get(), owners_.get(),
                                        RunRelay::doubling, c.parts, c.shape, c.direction,
                                        &options().exec});

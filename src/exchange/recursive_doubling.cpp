@@ -26,7 +26,7 @@ class RecursiveDoublingExchange final : public CommExchange {
   // and the scan runs over the chain of those runs, each rank standing for
   // all of its runs (messages between its own runs stay local).
   std::vector<State> run_parts(const PartsCall& c) override {
-    const LayoutIndex layout(part_owners(), size_);
+    const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, 1, rank_, nullptr, comm_.get(), RunRelay::doubling,
                                        c.parts, c.shape, c.direction, &options().exec});
   }
