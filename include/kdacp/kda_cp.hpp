@@ -48,8 +48,8 @@ struct Stream {
 struct Saved {
   std::vector<State> transfer;  // M [B,HV,K,K] (zero for a cut part: the exchange does not read it)
   std::vector<State> incoming;  // the incoming state [B,HV,K,V] (backward recomputes from it)
-  // The stream of a sequence forward (none for the forward without one):
-  // backward runs the same parts with the same cuts.
+  // The stream of the forward (for the forward without one, its stream of
+  // one sequence per row): backward runs the same parts with the same cuts.
   std::optional<Stream> stream;
   // What the chunk forward kept for this backward (keep_forward; null
   // otherwise): one record per sequence piece of every part, in order.
@@ -127,9 +127,12 @@ class ContextParallelLayer {
   // holds the r-th run of consecutive tokens (any lengths; the rank needs
   // only its own). in: this rank's chunk, dense [B,T_r,...]; writes o
   // [B,T_r,HV,V]. Needs an exchange of one part per rank in rank order.
+  // The same call as the stream forward below over that stream (the ranks'
+  // T_r all-gathered first): one code path, the same bits.
   Saved forward(const Inputs<T>& in, Elem<T>* o);
   // Gradients of this rank's chunk; grads.d_incoming (optional) receives the
-  // gradient w.r.t. this rank's incoming state.
+  // gradient w.r.t. this rank's incoming state. The stream backward with no
+  // h0, dht or dh0.
   void backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                 const Grads<Elem<T>>& grads);
 
@@ -199,6 +202,9 @@ class ContextParallelLayer {
 
   // The calls without a stream run the plain exchange: one part per rank.
   void require_plain(std::size_t rank, const char* op) const;
+  // The stream those calls stand for: one sequence per row over the ranks'
+  // token counts (all-gathered, collective).
+  Stream plain_stream(const Shape& local, const char* op) const;
   // Runs `checks` (this rank's argument checks), then agree() over comm_
   // with `fields` and their error, if any: every rank throws or none.
   void agree_on(const char* op, const Fingerprint& fields, const std::function<void()>& checks) const;

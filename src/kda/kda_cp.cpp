@@ -13,8 +13,11 @@
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kda/layer_finite.hpp"
 
 namespace kdacp::kda {
+
+using namespace layer_detail;  // the finite check (layer_finite.hpp)
 
 namespace {
 template <class T>
@@ -205,91 +208,6 @@ void add_stream(Fingerprint& f, const Stream& stream) {
               list_text(std::span<const std::size_t>(lengths)));
 }
 
-// A tensor of this rank for the finite check: its name, data (null: not
-// given) and shape.
-template <class T>
-struct Named {
-  const char* name;
-  const T* data;
-  std::vector<std::size_t> shape;
-};
-std::string where(std::size_t rank, const char* op) {
-  return std::string("kda::ContextParallelLayer::") + op + " on rank " + std::to_string(rank);
-}
-
-std::size_t elems_of(const std::vector<std::size_t>& shape) {
-  std::size_t n = 1;
-  for (std::size_t d : shape) n *= d;
-  return n;
-}
-// Throws NumericalError naming the first of `outputs` that holds a NaN or
-// ±Inf, its first such element, and whether this rank's `inputs` were finite.
-// find_non_finite over the pool's threads (a memory-bound scan): the first
-// non-finite index of `data`, or nullopt.
-template <class T>
-std::optional<std::size_t> first_non_finite(std::span<const T> data, ThreadPool* pool) {
-  constexpr std::size_t kBlock = 1 << 14;  // elements per work item
-  if (data.empty()) return std::nullopt;
-  const std::size_t blocks = (data.size() + kBlock - 1) / kBlock;
-  std::vector<std::size_t> first(participants(pool, blocks), data.size());
-  parallel_ranges(pool, blocks, [&](std::size_t begin, std::size_t end, std::size_t part) {
-    const std::size_t lo = begin * kBlock, hi = std::min(data.size(), end * kBlock);
-    if (const auto i = find_non_finite(data.subspan(lo, hi - lo))) first[part] = lo + *i;
-  });
-  const std::size_t i = *std::min_element(first.begin(), first.end());
-  return i < data.size() ? std::optional<std::size_t>(i) : std::nullopt;
-}
-
-template <class T>
-void require_finite_results(const std::string& where, const std::vector<Named<T>>& outputs,
-                            const std::vector<Named<T>>& inputs, ThreadPool* pool) {
-  for (const Named<T>& out : outputs) {
-    if (out.data == nullptr) continue;
-    const auto bad = first_non_finite(std::span<const T>(out.data, elems_of(out.shape)), pool);
-    if (!bad) continue;
-    std::ostringstream os;
-    os << where << ": " << out.name << index_string(*bad, out.shape) << " = " << out.data[*bad]
-       << ", a non-finite result";
-    std::string cause = " from finite inputs (" + std::string(std::is_same_v<T, float> ? "float32" : "float64") +
-                        " overflow: inputs too large for this dtype?)";
-    for (const Named<T>& in : inputs) {
-      if (in.data == nullptr) continue;
-      if (const auto i = find_non_finite(std::span<const T>(in.data, elems_of(in.shape)))) {
-        std::ostringstream c;
-        c << "; the input " << in.name << index_string(*i, in.shape) << " is already " << in.data[*i];
-        cause = c.str();
-        break;
-      }
-    }
-    throw NumericalError(os.str() + cause +
-                         " (LayerChecks::check_finite / check_finite(false) turns this check off)");
-  }
-}
-
-template <class T>
-std::vector<Named<T>> input_tensors(const Inputs<T>& in) {
-  const Shape& s = in.shape;
-  return {{"q", in.q, {s.batch, s.tokens, s.heads, s.key_dim}},
-          {"k", in.k, {s.batch, s.tokens, s.heads, s.key_dim}},
-          {"v", in.v, {s.batch, s.tokens, s.value_heads, s.value_dim}},
-          {"g", in.g, {s.batch, s.tokens, s.value_heads, s.key_dim}},
-          {"beta", in.beta, {s.batch, s.tokens, s.value_heads}}};
-}
-
-template <class T>
-std::vector<std::size_t> states_shape(const SequenceStates<T>& st) {
-  return {st.sequences, st.value_heads, st.key_dim, st.value_dim};
-}
-
-template <class T>
-std::vector<Named<T>> grad_tensors(const Grads<T>& g, const Shape& s) {
-  return {{"dq", g.dq, {s.batch, s.tokens, s.heads, s.key_dim}},
-          {"dk", g.dk, {s.batch, s.tokens, s.heads, s.key_dim}},
-          {"dv", g.dv, {s.batch, s.tokens, s.value_heads, s.value_dim}},
-          {"dg", g.dg, {s.batch, s.tokens, s.value_heads, s.key_dim}},
-          {"dbeta", g.dbeta, {s.batch, s.tokens, s.value_heads}},
-          {"d_incoming", g.d_incoming, {s.batch, s.value_heads, s.key_dim, s.value_dim}}};
-}
 }  // namespace
 
 template <class T>
@@ -346,34 +264,28 @@ void ContextParallelLayer<T>::agree_on(const char* op, const Fingerprint& fields
   agree(*comm_, fields, std::string("kda::ContextParallelLayer::") + op, local_error);
 }
 
+// The call without a stream is the stream of one sequence per row, laid out
+// contiguously by the ranks' own token counts (one all-gather of them).
+template <class T>
+Stream ContextParallelLayer<T>::plain_stream(const Shape& local, const char* op) const {
+  const std::size_t rank = exchange_->rank(), ranks = exchange_->size();
+  require_plain(rank, op);
+  std::vector<std::size_t> counts(ranks, 0);
+  counts[rank] = local.tokens;
+  comm_->all_gather(std::as_writable_bytes(std::span<std::size_t>(counts)));
+  std::size_t tokens = 0;
+  for (std::size_t c : counts) tokens += c;
+  std::optional<Stream> out;
+  on_rank(rank, op, [&] {
+    Layout layout = Layout::uneven(tokens, ranks, counts);
+    out.emplace(Stream{Sequences(std::max<std::size_t>(local.batch, 1), tokens), std::move(layout)});
+  });
+  return std::move(*out);
+}
+
 template <class T>
 Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
-  agree_on("forward", call_fields("forward", in), [&] {
-    check_inputs(in);
-    require(o, "o");
-    require_plain(exchange_->rank(), "forward");
-  });
-  const Shape& s = in.shape;
-  auto t0 = std::chrono::steady_clock::now();
-  State offset(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-  State transfer(s.batch, s.value_heads, s.key_dim, s.key_dim, dtype_of<T>());
-  chunk_summary(in, offset.data<T>(), transfer.data<T>(), exec_);
-  fwd_.local = fwd_.summary = since(t0);
-  t0 = std::chrono::steady_clock::now();
-  State incoming = exchange_->forward(offset.view(), transfer.view());
-  fwd_.exchange = since(t0);
-  t0 = std::chrono::steady_clock::now();
-  const auto cache = next_cache(in);
-  kda::forward(in, incoming.data<T>(), o, nullptr, exec_, cache.get());
-  fwd_.local += since(t0);
-  if (check_finite_)
-    require_finite_results<T>(where(comm_->rank(), "forward"), {{"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
-                              input_tensors(in), exec_.pool);
-  Saved saved;
-  saved.transfer.push_back(std::move(transfer));
-  saved.incoming.push_back(std::move(incoming));
-  saved.kept<T>() = cache;
-  return saved;
+  return forward(in, plain_stream(in.shape, "forward"), {}, o, {});
 }
 
 template <class T>
@@ -404,40 +316,7 @@ std::size_t ContextParallelLayer<T>::forward_cache_bytes() const {
 template <class T>
 void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                                        const Grads<Elem<T>>& grads) {
-  agree_on("backward", call_fields("backward", in), [&] {
-    check_inputs(in);
-    if (saved.stream)
-      throw InvalidArgument(
-          "saved comes from the forward over a stream, expected the backward that takes h0, dht "
-          "and dh0");
-    if (saved.transfer.size() != 1 || saved.incoming.size() != 1)
-      throw InvalidArgument("saved holds " + std::to_string(saved.transfer.size()) +
-                            " parts, expected the one of the forward without a stream");
-    require(d_o, "d_o");
-    require(grads.dq, "dq");
-    require(grads.dk, "dk");
-    require(grads.dv, "dv");
-    require(grads.dg, "dg");
-    require(grads.dbeta, "dbeta");
-    require_plain(exchange_->rank(), "backward");
-  });
-  const Shape& s = in.shape;
-  auto t0 = std::chrono::steady_clock::now();
-  State g(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-  incoming_grad(in, d_o, g.data<T>(), exec_);
-  bwd_.local = bwd_.summary = since(t0);
-  t0 = std::chrono::steady_clock::now();
-  State d_final = exchange_->backward(g.view(), saved.transfer.front().view());
-  bwd_.exchange = since(t0);
-  t0 = std::chrono::steady_clock::now();
-  kda::backward(in, saved.incoming.front().data<T>(), d_o, d_final.data<T>(), grads, exec_,
-                kDefaultCheckpointInterval, kept_of(saved));
-  bwd_.local += since(t0);
-  if (check_finite_) {
-    std::vector<Named<T>> inputs = input_tensors(in);
-    inputs.push_back({"d_o", d_o, {s.batch, s.tokens, s.value_heads, s.value_dim}});
-    require_finite_results<T>(where(comm_->rank(), "backward"), grad_tensors(grads, s), inputs, exec_.pool);
-  }
+  backward(in, saved, {}, d_o, {}, grads, {});
 }
 
 namespace {
@@ -558,14 +437,14 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   std::vector<PartInfo> infos;
   Fingerprint fields = call_fields("backward (stream)", in);
   if (saved.stream) add_stream(fields, *saved.stream);
-  else fields.add_text("stream", "none (saved from the forward without one)");
+  else fields.add_text("stream", "none (not a Saved of forward)");
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("dht given", dht.data != nullptr);
   fields.add_flag("dh0 requested", dh0.data != nullptr);
   agree_on("backward", fields, [&] {
     if (!saved.stream)
       throw InvalidArgument(
-          "saved comes from the forward without a stream, expected the sequence forward's");
+          "saved holds no stream, expected what this layer's forward returned");
     check_inputs(in);
     parts = checked_parts(*saved.stream, in.shape, rank, exchange_->size(), exchange_->part_owners());
     require(d_o, "d_o");
