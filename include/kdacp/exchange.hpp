@@ -116,32 +116,42 @@ class StateExchange {
   const ExchangeStats& last_stats() const { return stats_; }
 
  protected:
-  // What run() is asked: this rank's offset (S forward, G backward) and M,
-  // already validated, with their shape.
+  // What run() is asked: this rank's parts in chain order (validated, one
+  // shape), at chain positions own_parts(): their offsets (S forward, G
+  // backward), M and cut flags. One part per rank is one part.
   struct Call {
+    std::span<const PartSummary> parts;
+    SummaryShape shape;
+    Direction direction;
+    int tag;  // message tag of this direction (for messages not tagged per part)
+  };
+
+  StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
+  // A protocol whose algorithm for one part per rank differs from its
+  // algorithm over a layout reads its one part as this.
+  struct OnePart {
     const StateView& offset;
     const StateView& transfer;
     SummaryShape shape;
     Direction direction;
-    int tag;   // message tag of this direction
-    bool cut;  // this rank's part is a cut: its outgoing value is `offset` itself
+    int tag;
+    bool cut;  // the part is a cut: its outgoing value is `offset` itself
   };
+  static OnePart one_part(const Call& c) {
+    return {c.parts[0].offset, c.parts[0].transfer, c.shape, c.direction, c.tag, c.parts[0].flags.cut};
+  }
+  static std::vector<State> only(State s) {
+    std::vector<State> out;
+    out.push_back(std::move(s));
+    return out;
+  }
 
-  // What run_parts() is asked: this rank's parts in chain order (validated,
-  // one shape), at chain positions own_parts().
-  struct PartsCall {
-    std::span<const PartSummary> parts;
-    SummaryShape shape;
-    Direction direction;
-  };
-
-  StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
-  // Returns this rank's result; every message it sends goes through
-  // communicators(), whose traffic the call's stats count.
-  virtual State run(const Call& call) = 0;
-  // A layout with several parts on a rank; only rows with takes_layouts
-  // override it (the factory rejects the layout for the others).
-  virtual std::vector<State> run_parts(const PartsCall& call);
+  // Returns each of this rank's parts' result, in the order of call.parts;
+  // every message it sends goes through communicators(), whose traffic the
+  // call's stats count. The one code path of a protocol: rows without
+  // takes_layouts only ever see one part per rank (the factory rejects other
+  // owners for them).
+  virtual std::vector<State> run(const Call& call) = 0;
   // The rank holding chain position j, and the number of parts.
   std::size_t owner(std::size_t j) const { return part_owners_[j]; }
   std::size_t part_count() const { return part_owners_.size(); }
@@ -153,8 +163,7 @@ class StateExchange {
 
  private:
   friend struct detail::ExchangeAccess;  // the chooser attaches its prediction
-  State call(const StateView& offset, const StateView& m, Direction direction, PartFlags part);
-  std::vector<State> call_parts(std::span<const PartSummary> parts, Direction direction);
+  std::vector<State> call(std::span<const PartSummary> parts, Direction direction);
 
   const ProtocolDescriptor* descriptor_;
   ProtocolConfig config_;

@@ -37,7 +37,7 @@ inline double chain_folds(std::size_t p) { return p >= 3 ? dbl(p - 2) : 0; }
 // the first step is the offset itself.
 inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps - 1) : 0; }
 
-// has_layout (cost_model.hpp): a layout call runs run_parts, whose buffers
+// has_layout (cost_model.hpp): a layout call runs the layout algorithm, whose buffers
 // the memory terms count; one part per rank runs the plain call.
 
 // A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
