@@ -14,6 +14,7 @@
 #include "kdacp/finite.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "kda/layer_finite.hpp"
+#include "kda/parts.hpp"
 
 namespace kdacp::kda {
 

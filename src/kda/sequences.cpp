@@ -4,6 +4,8 @@
 // are the bits the kernels give for it.
 #include "kdacp/kda_sequences.hpp"
 
+#include "kda/parts.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <deque>
