@@ -182,7 +182,7 @@ TEST(LayerJob, LayoutSpecs) {
   EXPECT_THROW(uneven.build(9, 3), InvalidArgument);
   EXPECT_THROW((testing::LayoutSpec{true, {4, 4}}.build(8, 2)), InvalidArgument);
   EXPECT_THROW((testing::LayoutSpec{true, {}}.build(7, 4)), InvalidArgument);
-  EXPECT_EQ((testing::LayoutSpec{true, {}}.build(8, 4).owners()), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+  EXPECT_EQ((testing::LayoutSpec{true, {}}.build(8, 4).owners().list()), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
 }
 
 // The job runner of `kdacp run` / `kdacp kda` on in-process ranks (the same

@@ -20,6 +20,7 @@
 #include "kdacp/kda_sequences.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kda/parts.hpp"
 #include "kda_sequence_reference.hpp"
 
 namespace kdacp::kda {

@@ -44,7 +44,7 @@ TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
     ran.push_back(out.method);
     const kda::Layout layout = spec.build(shape.tokens, ranks);
     const ProblemShape ps = testing::layer_problem_shape(shape, sizeof(float), layout);
-    EXPECT_EQ(ps.part_owners.empty(), !spec.zigzag) << spec.name();
+    EXPECT_EQ(has_layout(ps), spec.zigzag) << spec.name();
     ExchangeOptions eo;
     eo.expected_shape = testing::layer_summary_shape(shape);
     EXPECT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, out.method) << spec.name();
@@ -70,7 +70,7 @@ TEST(LayerAdmission, ZigzagCountsItsExtraParts) {
   const kda::Layout zigzag = kda::Layout::zigzag(shape.tokens, ranks);
   const ProblemShape ps_plain = testing::layer_problem_shape(shape, 4, plain);
   const ProblemShape ps_zig = testing::layer_problem_shape(shape, 4, zigzag);
-  EXPECT_EQ(ps_zig.part_owners, zigzag_owners(ranks));
+  EXPECT_TRUE(ps_zig.part_owners == PartOwners::zigzag(ranks));
   const Prediction p2p_plain = predict(CostParams{}, ps_plain, {"p2p", 1, 0});
   const Prediction p2p_zig = predict(CostParams{}, ps_zig, {"p2p", 1, 0});
   const double state = 2.0 * 64 * 64 * 4, transfer = 2.0 * 64 * 64 * 4;  // B·HV = 2, K = V = 64
@@ -85,18 +85,21 @@ TEST(LayerAdmission, ZigzagCountsItsExtraParts) {
 // Cuts: the parts holding a sequence start, which shorten the chain.
 TEST(LayerAdmission, LayoutCutsFollowThePacking) {
   const kda::Layout contiguous = kda::Layout::contiguous(8, 4);
-  EXPECT_EQ(testing::layout_cuts(contiguous, {0, 4, 8}), (std::vector<bool>{true, false, true, false}));
-  EXPECT_EQ(testing::layout_cuts(contiguous, {0, 3, 8}), (std::vector<bool>{true, true, false, false}));
-  EXPECT_EQ(testing::layout_cuts(contiguous, {}), (std::vector<bool>{true, false, false, false}));
-  EXPECT_THROW(testing::layout_cuts(contiguous, {0, 4, 9}), InvalidArgument);
+  auto packed = [](std::vector<std::int64_t> cu) { return Sequences(1, 8, cu); };
+  EXPECT_EQ(contiguous.cuts(packed({0, 4, 8})), (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(contiguous.cuts(packed({0, 3, 8})), (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(contiguous.cuts(Sequences(3, 8)), (std::vector<bool>{true, false, false, false}));
+  EXPECT_THROW(contiguous.cuts(Sequences(1, 9, std::vector<std::int64_t>{0, 4, 9})), InvalidArgument);
+  EXPECT_THROW(packed({0, 4, 9}), InvalidArgument);
   const kda::Layout zigzag = kda::Layout::zigzag(16, 4);  // 8 parts of 2 tokens
   ProblemShape ps{4, 1, 32, 32, 4};
-  ps.part_owners = testing::exchange_part_owners(zigzag);
+  ps.part_owners = zigzag.owners();
   EXPECT_EQ(chain_profile(ps, 1).steps, 7u);
-  ps.part_cuts = testing::layout_cuts(zigzag, {0, 8, 16});
+  ps.part_cuts = zigzag.cuts(Sequences(1, 16, std::vector<std::int64_t>{0, 8, 16}));
   EXPECT_EQ(ps.part_cuts, (std::vector<bool>{true, false, false, false, true, false, false, false}));
   EXPECT_EQ(chain_profile(ps, 1).steps, 4u);
-  EXPECT_TRUE(testing::exchange_part_owners(contiguous).empty());
+  EXPECT_TRUE(contiguous.owners().is_one_per_rank());
+  EXPECT_FALSE(has_layout(testing::layer_problem_shape(kda::Shape{1, 8, 1, 1, 16, 16}, 4, contiguous)));
 }
 
 // Under a launcher each process holds one rank: its estimate is one rank's

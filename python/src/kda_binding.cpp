@@ -6,12 +6,15 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "binding.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/kda_sequences.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
 #include "torch_comm.hpp"
 
@@ -53,24 +56,18 @@ T* mut(py::array& a) {
 class KdaLayer {
  public:
   // backend None: one process, the whole stream local. Otherwise the CP layer
-  // over the group with `layout` ("contiguous" with per-rank token counts, or
-  // "zigzag") of `tokens` stream tokens.
+  // over the group with `layout` (kdacp.Layout, built by the caller once per
+  // context, spanning the group's ranks).
   KdaLayer(py::object backend, const std::string& method, long long group_size,
-           const std::string& layout, const std::vector<std::size_t>& counts,
-           std::size_t tokens, const std::string& dtype, ExchangeOptions options,
+           const std::optional<Layout>& layout, const std::string& dtype, ExchangeOptions options,
            std::size_t threads)
       : pool_(threads), f64_(dtype == "float64") {
     if (backend.is_none()) return;
+    if (!layout) throw InvalidArgument("KdaLayer over a group needs its layout, got None");
     comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
-    const std::size_t ranks = comm_->size();
     py::gil_scoped_release release;  // building the exchange may split: collective
     mesh_ = DeviceMesh::from_group(comm_, comm_->global_ranks(), "cp");
-    if (layout == "contiguous")
-      layout_ = kda::Layout::contiguous(tokens, ranks, counts);
-    else if (layout == "zigzag")
-      layout_ = kda::Layout::zigzag(tokens, ranks);
-    else
-      throw InvalidArgument("layout '" + layout + "', expected 'contiguous' or 'zigzag'");
+    layout_ = *layout;
     if (f64_)
       layer_f64_ = std::make_unique<kda::ContextParallelLayer<double>>(
           *mesh_, method, *layout_, group_size, options, pool_.exec());
@@ -237,14 +234,41 @@ class KdaLayer {
 }  // namespace
 
 void bind_kda(py::module_& m) {
+  // The C++ layout value (kdacp/layout.hpp): Python reads its parts instead
+  // of restating the zigzag or contiguous rule.
+  py::class_<Layout>(m, "Layout")
+      .def_static(
+          "contiguous",
+          [](std::size_t tokens, std::size_t ranks, const std::vector<std::size_t>& counts) {
+            return Layout::contiguous(tokens, ranks, counts);
+          },
+          py::arg("tokens"), py::arg("ranks"), py::arg("counts") = std::vector<std::size_t>{})
+      .def_static("zigzag", &Layout::zigzag, py::arg("tokens"), py::arg("ranks"))
+      .def_property_readonly("ranks", &Layout::ranks)
+      .def_property_readonly("tokens", &Layout::tokens)
+      .def_property_readonly("owners", [](const Layout& l) { return l.owners().list(); })
+      .def_property_readonly("parts",
+                             [](const Layout& l) {
+                               std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> out;
+                               for (const LayoutPart& p : l.parts()) out.emplace_back(p.rank, p.begin, p.end);
+                               return out;
+                             })
+      .def("local_tokens", &Layout::local_tokens, py::arg("rank"))
+      .def("local_parts",
+           [](const Layout& l, std::size_t rank) {
+             std::vector<std::pair<std::size_t, std::size_t>> out;
+             for (const Part& p : l.local_parts(rank)) out.emplace_back(p.begin, p.end);
+             return out;
+           },
+           py::arg("rank"))
+      .def("__str__", &Layout::str)
+      .def("__repr__", [](const Layout& l) { return "<kdacp Layout " + l.str() + ">"; });
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
-      .def(py::init<py::object, const std::string&, long long, const std::string&,
-                    const std::vector<std::size_t>&, std::size_t, const std::string&,
-                    ExchangeOptions, std::size_t>(),
+      .def(py::init<py::object, const std::string&, long long, const std::optional<Layout>&,
+                    const std::string&, ExchangeOptions, std::size_t>(),
            py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"),
-           py::arg("counts"), py::arg("tokens"), py::arg("dtype"), py::arg("options"),
-           py::arg("threads"))
+           py::arg("dtype"), py::arg("options"), py::arg("threads"))
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"), py::arg("algorithm") = "recurrent",
            py::arg("keep_forward") = false)

@@ -323,46 +323,16 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
   return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
 }
 
-std::vector<std::size_t> exchange_part_owners(const kda::Layout& layout) {
-  std::vector<std::size_t> owners = layout.owners();
-  bool plain = owners.size() == layout.ranks();
-  for (std::size_t j = 0; plain && j < owners.size(); ++j) plain = owners[j] == j;
-  return plain ? std::vector<std::size_t>{} : owners;
-}
-
-std::vector<bool> layout_cuts(const kda::Layout& layout, const std::vector<std::int64_t>& cu_seqlens) {
-  const std::vector<kda::LayoutPart>& parts = layout.parts();
-  std::vector<bool> cuts(parts.size(), false);
-  if (cu_seqlens.empty()) {
-    cuts.front() = true;  // every row's sequence starts at token 0
-    return cuts;
-  }
-  if (cu_seqlens.front() != 0 || cu_seqlens.back() != static_cast<std::int64_t>(layout.tokens())) {
-    std::ostringstream what;
-    what << "cu_seqlens run from " << cu_seqlens.front() << " to " << cu_seqlens.back() << ", expected 0 to T = "
-         << layout.tokens();
-    throw InvalidArgument(what.str());
-  }
-  // A part is a cut when a sequence start c_n (n < N) lies in [begin, end).
-  const auto starts_end = cu_seqlens.end() - 1;
-  for (std::size_t j = 0; j < parts.size(); ++j) {
-    const auto it = std::lower_bound(cu_seqlens.begin(), starts_end, static_cast<std::int64_t>(parts[j].begin));
-    cuts[j] = it != starts_end && *it < static_cast<std::int64_t>(parts[j].end);
-  }
-  return cuts;
-}
-
 ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout) {
   ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
-  ps.part_owners = exchange_part_owners(layout);
+  ps.part_owners = layout.owners();
   return ps;
 }
 
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
                         std::size_t elem_bytes, double rank_exchange_bytes) {
-  std::size_t local = 0, parts = 0;
-  std::vector<std::size_t> held(layout.ranks(), 0);
-  for (const kda::LayoutPart& part : layout.parts()) parts = std::max(parts, ++held[part.rank]);
+  std::size_t local = 0;
+  const std::size_t parts = layout.owners().max_per_rank();
   for (std::size_t r = 0; r < layout.ranks(); ++r) local = std::max(local, layout.local_tokens(r));
   const double share = double(local) / double(s.tokens);
   const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
@@ -449,10 +419,7 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
   if (!job.grads()) throw InvalidArgument("compare_protocols: the job has no d_o (it compares gradients too)");
   // A layout with several parts on a rank, or parts out of rank order, runs
   // only on protocols whose registry row takes layouts.
-  const std::vector<std::size_t> owners = base.layout.build(job.data.shape.tokens, ranks).owners();
-  std::vector<std::size_t> identity(ranks);
-  std::iota(identity.begin(), identity.end(), std::size_t{0});
-  const bool plain = owners == identity;
+  const bool plain = base.layout.build(job.data.shape.tokens, ranks).owners().is_one_per_rank();
   ProtocolComparison cmp;
   for (const ProtocolDescriptor* row : protocol_registry()) {
     if (row->chooser()) continue;
@@ -502,7 +469,7 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, s
   const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
   // compare_protocols runs only the rows that take the layout when it is not
   // the plain one.
-  const bool plain = ps.part_owners.empty();
+  const bool plain = !has_layout(ps);
   Prediction hungriest;
   std::size_t protocols = 0;
   for (const Prediction& p : predict_all(CostParams{}, ps, true)) {

@@ -122,22 +122,10 @@ template <class T>
 LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
                                      double timeout_s);
 
-// The exchange's part owners for `layout` as the layer builds it
-// (ContextParallelLayer): layout.owners(), left empty when that is one part
-// per rank in rank order (the plain exchange every method runs).
-std::vector<std::size_t> exchange_part_owners(const kda::Layout& layout);
-
-// Which parts of `layout` are cuts (kda::PartInfo::cut: a sequence starts at
-// one of its tokens), in chain order, for the packed sequences `cu_seqlens`
-// (0 = c_0 < ... < c_N = T) or, when empty, one sequence per row (only the
-// first part starts one). Throws InvalidArgument for cu_seqlens that do not
-// end at the layout's T.
-std::vector<bool> layout_cuts(const kda::Layout& layout, const std::vector<std::int64_t>& cu_seqlens);
-
 // What the cost model knows of the layer's exchange on `layout`: P, B·HV, K,
-// V, elem_bytes and part_owners = exchange_part_owners(layout). The cuts are
-// left out: auto chooses when the layer is built, before any call brings
-// them (set part_cuts with layout_cuts to price a given packing).
+// V, elem_bytes and part_owners = layout.owners(). The cuts are left out:
+// auto chooses when the layer is built, before any call brings them (set
+// part_cuts with Layout::cuts to price a given packing).
 ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout);
 
 // Bytes of o and, with grads, of the gradients (as large as the inputs
