@@ -25,8 +25,8 @@
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/layer_bench.hpp"
-#include "kdacp/testing/layer_npy.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job_npy.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/units.hpp"
 

@@ -11,8 +11,8 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_npy.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job_npy.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp {

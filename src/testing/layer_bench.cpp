@@ -7,7 +7,7 @@
 
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 

@@ -18,7 +18,7 @@
 #include "kdacp/mesh.hpp"
 #include "kdacp/mpi.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kda_helpers.hpp"
 
 namespace kdacp::kda {

@@ -16,7 +16,7 @@
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "layer_flags.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "table.hpp"

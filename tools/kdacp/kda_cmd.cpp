@@ -17,7 +17,7 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
-#include "kdacp/testing/layer_npy.hpp"
+#include "kdacp/job_npy.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "layer_flags.hpp"
 

@@ -12,7 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "kdacp/kda.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 
 namespace kdacp::cli {
 

@@ -18,7 +18,7 @@
 #include "commands.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/testing/bench.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "flags.hpp"

@@ -1,6 +1,6 @@
 // The KDA layer's inputs and outputs as .npy files in flash-linear-attention's
 // layout (SPEC §9), for comparison with other implementations (`kdacp kda`).
-// Part of kdacp_testing.
+// The job module of the core library (src/job/).
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,7 @@
 
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/npy.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 
 namespace kdacp::testing {
 

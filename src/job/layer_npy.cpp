@@ -1,4 +1,4 @@
-#include "kdacp/testing/layer_npy.hpp"
+#include "kdacp/job_npy.hpp"
 
 #include <cstring>
 #include <filesystem>

@@ -2,7 +2,8 @@
 // initial and final states, any layout (SPEC §10) — on any Communicator
 // (in-process ranks or one process per rank) and collects outputs and
 // gradients in the global layout, to compare it with one device or another
-// implementation (`kdacp run`, `kdacp kda`). Part of kdacp_testing.
+// implementation (`kdacp run`, `kdacp kda`). The job module of the core
+// library (src/job/): no MPI, no torch.
 #pragma once
 
 #include <chrono>
