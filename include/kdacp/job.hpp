@@ -17,7 +17,7 @@
 #include "kdacp/cost_model.hpp"
 #include "kdacp/kda_cp.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 // How the stream's tokens are laid out over the ranks.
 struct LayoutSpec {
@@ -254,4 +254,4 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, s
                                const LayoutSpec& layout = {}, bool one_rank_per_process = false,
                                bool keep_forward = false);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

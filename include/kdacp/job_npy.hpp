@@ -12,7 +12,7 @@
 #include "kdacp/npy.hpp"
 #include "kdacp/job.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 // q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy
 // [B,T,HV] and optional do.npy [B,T,HV,V], all float32 or all float64;
@@ -85,4 +85,4 @@ void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const L
 template <class T>
 void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

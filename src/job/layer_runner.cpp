@@ -19,7 +19,7 @@
 #include "kdacp/protocol.hpp"
 #include "kdacp/thread_pool.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 kda::Layout LayoutSpec::build(std::size_t tokens, std::size_t ranks) const {
   if (!zigzag) return kda::Layout::contiguous(tokens, ranks, counts);
@@ -555,4 +555,4 @@ template LayerOutputs<float> run_context_parallel<float>(const LayerJob<float>&,
 template LayerOutputs<double> run_context_parallel<double>(const LayerJob<double>&, std::size_t,
                                                            const LayerRunOptions&, double);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

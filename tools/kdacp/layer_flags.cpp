@@ -53,9 +53,9 @@ void check_layout_flags(const LayoutFlags& flags) {
     throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");
 }
 
-testing::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
+job::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
   check_layout_flags(flags);
-  testing::LayoutSpec spec{flags.layout == "zigzag", flags.split};
+  job::LayoutSpec spec{flags.layout == "zigzag", flags.split};
   try {
     spec.build(tokens, ranks);
   } catch (const InvalidArgument& e) {

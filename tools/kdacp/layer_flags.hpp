@@ -49,7 +49,7 @@ void check_layout_flags(const LayoutFlags& flags);
 // The layout of `tokens` tokens on `ranks` ranks; what Layout rejects (a
 // split that is not P entries, has a zero or does not sum to T; zigzag with
 // T < 2P; P > T) throws InvalidArgument naming the flag.
-testing::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
+job::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
 
 // --seqlens and --docs: packed sequences in one row (`kdacp run`, `kdacp
 // plan`).

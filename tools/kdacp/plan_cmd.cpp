@@ -79,8 +79,8 @@ ProblemShape shape_at(const PlanConfig& c, const PlanStream& st, std::size_t ran
     return shape;
   }
   const kda::Layout layout = layout_spec(c.layout, st.tokens, ranks).build(st.tokens, ranks);
-  shape.part_owners = testing::exchange_part_owners(layout);
-  shape.part_cuts = testing::layout_cuts(layout, st.cu_seqlens);
+  shape.part_owners = job::exchange_part_owners(layout);
+  shape.part_cuts = job::layout_cuts(layout, st.cu_seqlens);
   return shape;
 }
 
