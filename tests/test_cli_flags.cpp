@@ -255,6 +255,7 @@ TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
   job.h0 = kda::synthetic_tensor<float>(states, 9);
   job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 10);
   job.dht = kda::synthetic_tensor<float>(states, 11);
+  job.algorithm = kda::Algorithm::recurrent;
   const job::LayerOutputs<float> recurrent = job::run_single(job, 1);
   job.algorithm = kda::Algorithm::chunk;
   const job::LayerOutputs<float> chunk = job::run_single(job, 2);
@@ -287,6 +288,7 @@ TEST(LayerJob, KeptForwardChangesNoBit) {
   job.h0 = kda::synthetic_tensor<float>(states, 13);
   job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 14);
   job.dht = kda::synthetic_tensor<float>(states, 15);
+  job.keep_forward = false;
   const job::LayerOutputs<float> want = job::run_single(job, 2);
   job.keep_forward = true;
   EXPECT_TRUE(job::same_bits(job::run_single(job, 2), want)) << "one device";
@@ -316,9 +318,10 @@ TEST(LayerJob, LayerReusesItsForwardCache) {
   const std::vector<float> d_o = kda::synthetic_tensor<float>(shape.v_elems(), 17);
   run_in_process(1, [&](const std::shared_ptr<Communicator>& world) {
     const DeviceMesh mesh = DeviceMesh::create(world, {1}, {"cp"});
-    kda::ContextParallelLayer<float> layer(mesh, "p2p");
-    auto in = data.inputs(kda::default_scale<float>(shape.key_dim));
-    in.algorithm = kda::Algorithm::chunk;
+    kda::ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{nullptr, KernelKind::best,
+                                                                        kda::Algorithm::chunk});
+    layer.keep_forward(false);
+    const auto in = data.inputs(kda::default_scale<float>(shape.key_dim));
     std::vector<float> o(shape.v_elems()), dq(shape.qk_elems()), dk(shape.qk_elems()), dv(shape.v_elems()),
         dg(shape.g_elems()), db(shape.beta_elems());
     const kda::Grads<float> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), nullptr};

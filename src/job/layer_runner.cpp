@@ -162,9 +162,8 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
   LayerOutputs<T> r = allocate_outputs(job);
   r.method = "single";
   auto in = job.data.inputs(job.scale);
-  in.algorithm = job.algorithm;
   ThreadPool pool(threads);
-  const ExecPolicy exec{&pool};
+  const ExecPolicy exec{&pool, KernelKind::best, job.algorithm};
   kda::ForwardCache<T> cache;
   kda::ForwardCache<T>* keep = job.keep_forward && job.grads() ? &cache : nullptr;
   for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
@@ -204,7 +203,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   kda::LayerChecks checks;
   checks.agree = options.agree;
   kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
-                                     ExecPolicy{&pool, eo.exec.kernel}, checks);
+                                     ExecPolicy{&pool, eo.exec.kernel, job.algorithm}, checks);
   layer.keep_forward(job.keep_forward && job.grads());
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);
@@ -220,8 +219,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   const std::vector<T> q = local(job.data.q, qk), k = local(job.data.k, qk), v = local(job.data.v, vv),
                        g = local(job.data.g, gk), beta = local(job.data.beta, s.value_heads),
                        d_o = grads ? local(job.d_o, vv) : std::vector<T>{};
-  kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
-  in.algorithm = job.algorithm;
+  const kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
   // ht's gradient is the sum over ranks of each rank's dht: rank 0 carries
   // the job's, the others zero, so the sum is the job's dht bit for bit.
   const std::vector<T> dht = job.dht.empty() || rank == 0 ? job.dht : std::vector<T>(job.dht.size());

@@ -330,14 +330,14 @@ Fingerprint construction_fields(const std::string& method, long long group_size,
 // The arguments of a call that every rank shares: all but T_local (each
 // rank's own) and the tensors' contents.
 template <class T>
-Fingerprint call_fields(const char* call, const Inputs<T>& in) {
+Fingerprint call_fields(const char* call, const Inputs<T>& in, Algorithm algorithm) {
   const Shape& s = in.shape;
   const std::size_t dims[5] = {s.batch, s.heads, s.value_heads, s.key_dim, s.value_dim};
   Fingerprint f;
   f.add_text("call", call);
   f.add_bytes("shape B,H,HV,K,V", std::as_bytes(std::span(dims)), list_text(std::span<const std::size_t>(dims)));
   f.add_real("scale", in.scale);
-  f.add_text("algorithm", algorithm_name(in.algorithm));
+  f.add_text("algorithm", algorithm_name(algorithm));
   return f;
 }
 
@@ -501,7 +501,7 @@ void ContextParallelLayer<T>::agree_on(const char* op, const Fingerprint& fields
 
 template <class T>
 Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
-  agree_on("forward", call_fields("forward", in), [&] {
+  agree_on("forward", call_fields("forward", in, exec_.algorithm), [&] {
     check_inputs(in);
     require(o, "o");
     require_plain(exchange_->rank(), "forward");
@@ -530,8 +530,8 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
 }
 
 template <class T>
-std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const Inputs<T>& in) {
-  if (!keep_forward_ || in.algorithm != Algorithm::chunk) return nullptr;
+std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const Inputs<T>& /*in*/) {
+  if (!keep_forward_ || exec_.algorithm != Algorithm::chunk) return nullptr;
   for (const auto& c : caches_)
     if (c.use_count() == 1) {  // no Saved holds it: reuse its buffers
       c->clear();
@@ -557,7 +557,7 @@ std::size_t ContextParallelLayer<T>::forward_cache_bytes() const {
 template <class T>
 void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                                        const Grads<Elem<T>>& grads) {
-  agree_on("backward", call_fields("backward", in), [&] {
+  agree_on("backward", call_fields("backward", in, exec_.algorithm), [&] {
     check_inputs(in);
     if (saved.stream)
       throw InvalidArgument(
@@ -646,7 +646,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<PartInfo> infos;
   std::vector<State> offsets, transfers;
   std::vector<PartSummary> summaries;
-  Fingerprint fields = call_fields("forward (stream)", in);
+  Fingerprint fields = call_fields("forward (stream)", in, exec_.algorithm);
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("ht requested", ht.data != nullptr);
@@ -709,7 +709,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   const std::size_t rank = exchange_->rank();
   std::vector<Part> parts;
   std::vector<PartInfo> infos;
-  Fingerprint fields = call_fields("backward (stream)", in);
+  Fingerprint fields = call_fields("backward (stream)", in, exec_.algorithm);
   if (saved.stream) add_stream(fields, *saved.stream);
   else fields.add_text("stream", "none (saved from the forward without one)");
   fields.add_flag("h0 given", h0.data != nullptr);

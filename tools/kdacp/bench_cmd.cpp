@@ -146,7 +146,7 @@ struct LayerArgs {
   std::size_t value_heads = 0;  // 0: H
   std::vector<std::string> algorithms{"recurrent", "chunk"};
   ExchangeFlags exchange;
-  bool json = false, quick = false, quiet = false, recompute = false;
+  bool json = false, quick = false, quiet = false, recompute = !defaults::kKeepForward;
   std::string max_memory;
 };
 

@@ -29,10 +29,10 @@ struct KdaConfig {
   std::string inputs, out, max_memory;
   ExchangeFlags exchange;
   LayoutFlags layout;
-  kda::Algorithm algorithm = kDefaultAlgorithm;
+  kda::Algorithm algorithm = defaults::kAlgorithm;
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
-  bool recompute = false;
+  bool recompute = !defaults::kKeepForward;
 };
 
 // What every rank runs with on `ranks` ranks, after the memory admission
@@ -134,7 +134,6 @@ void run(const KdaConfig& cfg) {
 void add_kda_command(CLI::App& app) {
   auto cfg = std::make_shared<KdaConfig>();
   cfg->backend.ranks = 1;
-  cfg->backend.timeout_s = 120;
   CLI::App* cmd = app.add_subcommand(
       "kda",
       "run the context-parallel KDA layer on q/k/v/g/beta(.npy) [cu_seqlens, h0, dht, do] and write o, ht "

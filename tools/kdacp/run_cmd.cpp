@@ -40,10 +40,10 @@ struct RunConfig {
   bool tokens_given = false;
   PackingFlags packing;
   LayoutFlags layout;
-  kda::Algorithm algorithm = kDefaultAlgorithm;
+  kda::Algorithm algorithm = defaults::kAlgorithm;
   std::uint64_t seed = 0;
   std::size_t threads = 0;
-  bool json = false, recompute = false;
+  bool json = false, recompute = !defaults::kKeepForward;
   std::string max_memory;
 
   bool packed() const { return packing.packed(); }
@@ -268,7 +268,6 @@ void run(RunConfig& cfg) {
 
 void add_run_command(CLI::App& app) {
   auto cfg = std::make_shared<RunConfig>();
-  cfg->backend.timeout_s = 120;
   CLI::App* cmd = app.add_subcommand(
       "run", "the main job: the context-parallel KDA layer for every protocol vs one device");
   add_backend_flags(*cmd, cfg->backend);
