@@ -45,7 +45,8 @@ CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute) {
   return cmd.add_flag("--recompute", recompute,
                       "chunk algorithm: the backward recomputes the forward's per-chunk states, R, Delta, L and P "
                       "instead of the forward keeping them (about 1.25x the inputs q, k, v, g less memory at "
-                      "K = V = 128, a slower backward); the same results either way");
+                      "K = V = 128, a slower backward); the same results either way; default: " +
+                          std::string(recompute ? "on" : "off (the forward keeps them)"));
 }
 
 void check_layout_flags(const LayoutFlags& flags) {
