@@ -182,13 +182,19 @@ class ContextParallelLayer {
   // With Algorithm::chunk, forward keeps in its Saved what the backward would
   // recompute (kda::ForwardCache: about 1.25× the rank's q, k, v, g at
   // K = V = 128), so the backward skips that pass; the same bits either way.
-  // Off by default (Saved stays M and the incoming state). The layer reuses
+  // On by default (defaults::kKeepForward; off: Saved stays M and the
+  // incoming state). The layer reuses
   // a cache's buffers once every Saved holding it is gone, so a training
   // loop does not fault fresh pages in every step; forward_cache_bytes()
   // is what the layer holds.
   void keep_forward(bool on) { keep_forward_ = on; }
   bool keeps_forward() const { return keep_forward_; }
   std::size_t forward_cache_bytes() const;
+
+  // The algorithm of the following calls (ExecPolicy::algorithm; the
+  // constructor's exec sets it first). A backward runs with its forward's.
+  void algorithm(Algorithm a) { exec_.algorithm = a; }
+  Algorithm algorithm() const { return exec_.algorithm; }
 
   // LayerChecks::check_finite, for the following calls.
   void check_finite(bool on) { check_finite_ = on; }
@@ -216,7 +222,7 @@ class ContextParallelLayer {
   std::shared_ptr<Communicator> comm_;  // mesh.group(0): ht / dh0 broadcasts, dht gather
   ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;
-  bool keep_forward_ = false;
+  bool keep_forward_ = defaults::kKeepForward;
   bool check_finite_ = true;
   std::vector<std::shared_ptr<ForwardCache<Elem<T>>>> caches_;
 };

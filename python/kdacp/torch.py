@@ -45,7 +45,9 @@ class _SingleProcess:
 SINGLE_PROCESS = _SingleProcess()
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-_DEFAULT_TIMEOUT_S = 60.0
+# kdacp/defaults.hpp, the library's and the CLI's: algorithm, keep_forward, timeout.
+_DEFAULTS = _kdacp.defaults()
+_DEFAULT_TIMEOUT_S = _DEFAULTS["timeout"]
 _EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "calibration",
                      "expected_shape", "timeout", "threads", "check_ranks")
 
@@ -393,7 +395,7 @@ def build_kda_state_cp(group=None, protocol="auto", allgather_group_size=1, **op
     '64MiB'), allow_reassociation, segments (0..16), calibration (a `kdacp
     calibrate` JSON file), expected_shape (B, H, K, V) for auto (without it,
     auto chooses at the first call), timeout (seconds in (0, 86400], default
-    60: every wait on a peer, the first gather over the group included),
+    kdacp.defaults()["timeout"], 120: every wait on a peer, the first gather over the group included),
     threads (0..1024; 0 or absent: torch.get_num_threads()), check_ranks
     (default True: each call first checks that every rank passes the same
     direction and shape, so a mismatch is a ValueError on every rank).
@@ -683,7 +685,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
 
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
-        allgather_group_size=1, algorithm="chunk", keep_forward=False, **options):
+        allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
+        keep_forward=_DEFAULTS["keep_forward"], **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -706,10 +709,11 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     must call kda, and its backward, in the same order. algorithm: "chunk"
     (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
     (token by token, the reference); the same results up to rounding, the
-    same on every rank of a group. keep_forward: with "chunk", the forward
-    keeps what its backward would recompute (about 1.25x the local q, k, v,
-    g at K = V = 128) in the autograd context, for a faster backward; the
-    same results either way. options: as build_kda_state_cp.
+    same on every rank of a group. keep_forward (default True, as
+    kdacp.defaults() says): with "chunk", the forward keeps what its backward
+    would recompute (about 1.25x the local q, k, v, g at K = V = 128) in the
+    autograd context, for a faster backward; False saves that memory (a
+    forward without backward, or memory short); the same results either way. options: as build_kda_state_cp.
     """
     if group is SINGLE_PROCESS:
         shape, cu, scale, threads, tensors, h0 = _check_arguments(

@@ -125,13 +125,17 @@ class KdaLayer {
   }
 
   template <class T>
-  kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s,
-                           double scale, kda::Algorithm algorithm) const {
+  kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s, double scale) const {
     if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
-    kda::Inputs<T> in{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
-                      s, static_cast<T>(scale)};
-    in.algorithm = algorithm;
-    return in;
+    return kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
+                          s, static_cast<T>(scale)};
+  }
+
+  // The pool's policy running `algorithm`.
+  ExecPolicy exec_of(kda::Algorithm algorithm) const {
+    ExecPolicy exec = pool_.exec();
+    exec.algorithm = algorithm;
+    return exec;
   }
 
   // The stream's sequences: the whole stream is `tokens` long (the layout's
@@ -151,7 +155,7 @@ class KdaLayer {
                       double scale, const std::optional<std::vector<std::int64_t>>& cu,
                       std::uintptr_t h0p, bool want_ht, kda::Algorithm algorithm, bool keep_forward) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
     kda::validate(in, "kdacp.torch.kda");
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
@@ -172,11 +176,12 @@ class KdaLayer {
       const auto hts = kda::sequence_states(ht_data, seqs, s);
       if (auto* l = layer<T>()) {
         l->keep_forward(keep_forward);
+        l->algorithm(algorithm);
         box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o_data, hts);
       } else {
         std::shared_ptr<kda::ForwardCache<T>> cache;
         if (keep_forward && algorithm == kda::Algorithm::chunk) cache = std::make_shared<kda::ForwardCache<T>>();
-        kda::forward_sequences(in, seqs, h0, o_data, hts, pool_.exec(), cache.get());
+        kda::forward_sequences(in, seqs, h0, o_data, hts, exec_of(algorithm), cache.get());
         if (cache) box->saved.emplace().kept<T>() = cache;
       }
     }
@@ -189,7 +194,7 @@ class KdaLayer {
                        const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
                        std::uintptr_t d_o, std::uintptr_t dhtp, bool want_dh0, kda::Algorithm algorithm) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
     const DType dt = f64_ ? DType::f64 : DType::f32;
@@ -213,9 +218,10 @@ class KdaLayer {
       const auto dh0s = kda::sequence_states(dh0_data, seqs, s);
       if (auto* l = layer<T>()) {
         if (!box.saved) throw InvalidArgument("kda backward without the forward's saved state");
+        l->algorithm(algorithm);
         l->backward(in, *box.saved, h0, ptr<T>(d_o), dht, grads, dh0s);
       } else {
-        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, pool_.exec(),
+        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, exec_of(algorithm),
                                 kda::kDefaultCheckpointInterval, box.kept<T>());
       }
     }
@@ -270,11 +276,12 @@ void bind_kda(py::module_& m) {
            py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"),
            py::arg("dtype"), py::arg("options"), py::arg("threads"))
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
-           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"), py::arg("algorithm") = "recurrent",
-           py::arg("keep_forward") = false)
+           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
+           py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
+           py::arg("keep_forward") = defaults::kKeepForward)
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
            py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
-           py::arg("want_dh0"), py::arg("algorithm") = "recurrent")
+           py::arg("want_dh0"), py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm))
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
       .def("times", &KdaLayer::times, py::arg("forward"));

@@ -184,14 +184,14 @@ Fingerprint construction_fields(const std::string& method, long long group_size,
 // The arguments of a call that every rank shares: all but T_local (each
 // rank's own) and the tensors' contents.
 template <class T>
-Fingerprint call_fields(const char* call, const Inputs<T>& in) {
+Fingerprint call_fields(const char* call, const Inputs<T>& in, Algorithm algorithm) {
   const Shape& s = in.shape;
   const std::size_t dims[5] = {s.batch, s.heads, s.value_heads, s.key_dim, s.value_dim};
   Fingerprint f;
   f.add_text("call", call);
   f.add_bytes("shape B,H,HV,K,V", std::as_bytes(std::span(dims)), list_text(std::span<const std::size_t>(dims)));
   f.add_real("scale", in.scale);
-  f.add_text("algorithm", algorithm_name(in.algorithm));
+  f.add_text("algorithm", algorithm_name(algorithm));
   return f;
 }
 
@@ -290,8 +290,8 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
 }
 
 template <class T>
-std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const Inputs<T>& in) {
-  if (!keep_forward_ || in.algorithm != Algorithm::chunk) return nullptr;
+std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const Inputs<T>& /*in*/) {
+  if (!keep_forward_ || exec_.algorithm != Algorithm::chunk) return nullptr;
   for (const auto& c : caches_)
     if (c.use_count() == 1) {  // no Saved holds it: reuse its buffers
       c->clear();
@@ -373,7 +373,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<PartInfo> infos;
   std::vector<State> offsets, transfers;
   std::vector<PartSummary> summaries;
-  Fingerprint fields = call_fields("forward (stream)", in);
+  Fingerprint fields = call_fields("forward (stream)", in, exec_.algorithm);
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("ht requested", ht.data != nullptr);
@@ -436,7 +436,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   const std::size_t rank = exchange_->rank();
   std::vector<Part> parts;
   std::vector<PartInfo> infos;
-  Fingerprint fields = call_fields("backward (stream)", in);
+  Fingerprint fields = call_fields("backward (stream)", in, exec_.algorithm);
   if (saved.stream) add_stream(fields, *saved.stream);
   else fields.add_text("stream", "none (not a Saved of forward)");
   fields.add_flag("h0 given", h0.data != nullptr);

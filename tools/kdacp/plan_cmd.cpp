@@ -11,7 +11,7 @@
 #include "commands.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "flags.hpp"

@@ -2,7 +2,8 @@
 // initial and final states, any layout (SPEC §10) — on any Communicator
 // (in-process ranks or one process per rank) and collects outputs and
 // gradients in the global layout, to compare it with one device or another
-// implementation (`kdacp run`, `kdacp kda`). Part of kdacp_testing.
+// implementation (`kdacp run`, `kdacp kda`). The job module of the core
+// library (src/job/): no MPI, no torch.
 #pragma once
 
 #include <chrono>
@@ -14,9 +15,10 @@
 
 #include "kdacp/comm.hpp"
 #include "kdacp/cost_model.hpp"
+#include "kdacp/defaults.hpp"
 #include "kdacp/kda_cp.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 // How the stream's tokens are laid out over the ranks.
 struct LayoutSpec {
@@ -45,13 +47,13 @@ struct LayerJob {
   std::vector<T> dht;                    // [N,HV,K,V]; empty: zero
   // Produce ht (and, with d_o, dh0).
   bool final_states = true;
-  // How the layer computes (kda::Inputs::algorithm), on one device and on
+  // How the layer computes (ExecPolicy::algorithm), on one device and on
   // every rank alike.
-  kda::Algorithm algorithm = kda::Algorithm::recurrent;
+  kda::Algorithm algorithm = defaults::kAlgorithm;
   // With chunk: the forward keeps what the backward recomputes
   // (kda::ForwardCache; ContextParallelLayer::keep_forward), for a faster
   // backward at ≈ 1.25× the inputs' memory (layer_cache_bytes).
-  bool keep_forward = false;
+  bool keep_forward = defaults::kKeepForward;
   // Untimed forward+backward steps before the timed one, on the same layer
   // and buffers (a training loop's steady state: no fresh pages, the
   // forward cache reused); the outputs are the same bits either way.
@@ -239,6 +241,6 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
 // whose caches (layer_cache_bytes) are counted too.
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
                                const LayoutSpec& layout = {}, bool one_rank_per_process = false,
-                               bool keep_forward = false);
+                               bool keep_forward = defaults::kKeepForward);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job
