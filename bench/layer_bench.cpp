@@ -90,7 +90,6 @@ int main(int argc, char** argv) {
       db(s.beta_elems()), dinc(s.state_elems());
 
   ThreadPool pool(threads);
-  const ExecPolicy exec{&pool};
   const PeakResult peak = measure_fma_peak(threads, 0.2);
   const double ff = forward_flops(s, false), bf = backward_flops(s, false);
   std::printf("KDA layer math, float, B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu, %zu thread(s), "
@@ -114,9 +113,9 @@ int main(int argc, char** argv) {
   for (std::size_t r = 0; r < 3; ++r) {
     const Run& run = runs[r];
     if ((algos & (1u << r)) == 0) continue;
-    Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
-                     default_scale<float>(s.key_dim)};
-    in.algorithm = run.algorithm;
+    const Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
+                           default_scale<float>(s.key_dim)};
+    const ExecPolicy exec{&pool, KernelKind::best, run.algorithm};
     ForwardCache<float> cache;
     ForwardCache<float>* kept = run.keep ? &cache : nullptr;
     const auto timed = [&](std::size_t bit, const std::function<void()>& f) {

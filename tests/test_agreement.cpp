@@ -222,8 +222,8 @@ std::vector<Outcome> run_layer(std::size_t ranks, const std::function<RankArgs(s
           auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
           LayerChecks checks;
           checks.agree = a.extra;
-          ContextParallelLayer<double> layer(mesh, a.method, layout_of(a, ranks, true), a.width, a.options, {},
-                                             checks);
+          ContextParallelLayer<double> layer(mesh, a.method, layout_of(a, ranks, true), a.width, a.options,
+                                             ExecPolicy{nullptr, KernelKind::best, a.algorithm}, checks);
           mine.stage = "forward";
           const Stream stream{Sequences(1, kTokens, std::span(a.cu)), layout_of(a, ranks, false)};
           Shape ls = kShape;
@@ -233,8 +233,7 @@ std::vector<Outcome> run_layer(std::size_t ranks, const std::function<RankArgs(s
                                     v = filled<double>(ls.v_elems(), -1, 1, 3),
                                     g = filled<double>(ls.g_elems(), -0.2, -0.01, 4),
                                     beta = filled<double>(ls.beta_elems(), 0.1, 0.9, 5);
-          Inputs<double> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, a.scale};
-          in.algorithm = a.algorithm;
+          const Inputs<double> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, a.scale};
           const std::size_t n = stream.sequences.count() * kShape.value_heads * kShape.key_dim * kShape.value_dim;
           const std::vector<double> h0 = filled<double>(n, -1, 1, 6), dht = filled<double>(n, -1, 1, 7);
           std::vector<double> o_(ls.v_elems()), ht(n), dh0(n);
@@ -304,7 +303,7 @@ TEST(RankAgreement, CuSeqlensOfEqualLengthSumAndWeightedSum) {
 
 TEST(RankAgreement, LayoutAtConstruction) {
   expect_every_rank(one_rank_differs([](RankArgs& a) { a.zigzag = true; }, 0), "construction",
-                    "options.part_owners: rank 0 has [0,1,2,2,1,0], ranks 1,2 have []");
+                    "options.part_owners: rank 0 has [0,1,2,2,1,0], ranks 1,2 have [0,1,2]");
 }
 
 TEST(RankAgreement, PerRankCountsAtConstruction) {
@@ -472,7 +471,8 @@ std::vector<FloatRun> run_float(std::size_t ranks, float v_value, float do_value
         auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
         LayerChecks checks;
         checks.check_finite = check;
-        ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, {}, checks);
+        ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{nullptr, KernelKind::best, Algorithm::chunk},
+                                          checks);
         const Stream st = layer.contiguous_stream(1, kTokens);
         Shape ls = kShape;
         ls.tokens = st.layout.local_tokens(r);
@@ -480,8 +480,7 @@ std::vector<FloatRun> run_float(std::size_t ranks, float v_value, float do_value
                                  g = filled<float>(ls.g_elems(), -0.01, 0, 4),
                                  beta = filled<float>(ls.beta_elems(), 0.1, 0.2, 5);
         const std::vector<float> v(ls.v_elems(), v_value), d_o(ls.v_elems(), do_value);
-        Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, 1.0f};
-        in.algorithm = Algorithm::chunk;
+        const Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, 1.0f};
         FloatRun& mine = out[r];
         mine.o.resize(ls.v_elems());
         mine.dq.resize(ls.qk_elems());
@@ -569,8 +568,7 @@ TEST(FiniteResults, ThePoolsScanNamesTheFirstElement) {
                            g = filled<float>(s.g_elems(), -0.01, 0, 4), beta = filled<float>(s.beta_elems(), 0.1, 0.2, 5);
   std::vector<float> v(s.v_elems(), 1.0f);
   std::fill(v.begin() + static_cast<std::ptrdiff_t>(first_big * s.value_heads * s.value_dim), v.end(), 3e38f);
-  Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s, 1.0f};
-  in.algorithm = Algorithm::chunk;
+  const Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s, 1.0f};
   auto run = [&](bool check, std::vector<float>& o) {
     std::string error;
     run_in_process(1, [&](const std::shared_ptr<Communicator>& comm) {
@@ -578,7 +576,8 @@ TEST(FiniteResults, ThePoolsScanNamesTheFirstElement) {
       auto mesh = DeviceMesh::create(comm, {1}, {"cp"});
       LayerChecks checks;
       checks.check_finite = check;
-      ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{&pool}, checks);
+      ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{&pool, KernelKind::best, Algorithm::chunk},
+                                        checks);
       try {
         layer.forward(in, layer.contiguous_stream(1, tokens), {}, o.data(), {});
       } catch (const NumericalError& e) {

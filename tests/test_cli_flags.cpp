@@ -25,8 +25,8 @@
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/layer_bench.hpp"
-#include "kdacp/testing/layer_npy.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job_npy.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/units.hpp"
 
@@ -176,13 +176,13 @@ TEST(LayerJob, RandomPackingsAreValidAndSeeded) {
 }
 
 TEST(LayerJob, LayoutSpecs) {
-  const testing::LayoutSpec uneven{false, {3, 1, 4}};
+  const job::LayoutSpec uneven{false, {3, 1, 4}};
   EXPECT_EQ(uneven.name(), "contiguous 3,1,4");
   EXPECT_EQ(uneven.build(8, 3).local_tokens(2), 4u);
   EXPECT_THROW(uneven.build(9, 3), InvalidArgument);
-  EXPECT_THROW((testing::LayoutSpec{true, {4, 4}}.build(8, 2)), InvalidArgument);
-  EXPECT_THROW((testing::LayoutSpec{true, {}}.build(7, 4)), InvalidArgument);
-  EXPECT_EQ((testing::LayoutSpec{true, {}}.build(8, 4).owners()), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+  EXPECT_THROW((job::LayoutSpec{true, {4, 4}}.build(8, 2)), InvalidArgument);
+  EXPECT_THROW((job::LayoutSpec{true, {}}.build(7, 4)), InvalidArgument);
+  EXPECT_EQ((job::LayoutSpec{true, {}}.build(8, 4).owners().list()), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
 }
 
 // The job runner of `kdacp run` / `kdacp kda` on in-process ranks (the same
@@ -190,7 +190,7 @@ TEST(LayerJob, LayoutSpecs) {
 // the zigzag and an uneven contiguous layout give one device's outputs, and
 // exact protocols the same bits.
 TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
-  testing::LayerJob<double> job;
+  job::LayerJob<double> job;
   const kda::Shape shape{1, 29, 1, 2, 16, 16};
   job.data = kda::synthetic_layer<double>(shape, 3);
   job.scale = kda::default_scale<double>(shape.key_dim);
@@ -199,7 +199,7 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
   job.h0 = kda::synthetic_tensor<double>(states, 4);
   job.d_o = kda::synthetic_tensor<double>(shape.v_elems(), 5);
   job.dht = kda::synthetic_tensor<double>(states, 6);
-  const testing::LayerOutputs<double> single = testing::run_single(job, 1);
+  const job::LayerOutputs<double> single = job::run_single(job, 1);
   ASSERT_EQ(single.ht.size(), states);
   ASSERT_EQ(single.dh0.size(), states);
   auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
@@ -210,13 +210,13 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
     }
     return std::sqrt(num / den);
   };
-  for (const testing::LayoutSpec& layout : {testing::LayoutSpec{false, {2, 3, 24}}, testing::LayoutSpec{true, {}}}) {
-    std::optional<testing::LayerOutputs<double>> first;
+  for (const job::LayoutSpec& layout : {job::LayoutSpec{false, {2, 3, 24}}, job::LayoutSpec{true, {}}}) {
+    std::optional<job::LayerOutputs<double>> first;
     for (const char* method : {"p2p", "allgather"}) {
-      testing::LayerRunOptions opts;
+      job::LayerRunOptions opts;
       opts.method = method;
       opts.layout = layout;
-      const testing::LayerOutputs<double> got = testing::run_context_parallel(job, 3, opts, 30);
+      const job::LayerOutputs<double> got = job::run_context_parallel(job, 3, opts, 30);
       EXPECT_EQ(got.ranks, 3u);
       EXPECT_EQ(got.backend, "inprocess");
       const std::vector<const std::vector<double>*> g{&got.o, &got.dq, &got.dk, &got.dv, &got.dg, &got.dbeta,
@@ -246,7 +246,7 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
 // (`kdacp run/kda --algorithm`): chunk differs from recurrent in the last bits
 // only, and the CP layer with chunk matches one device with chunk.
 TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
-  testing::LayerJob<float> job;
+  job::LayerJob<float> job;
   const kda::Shape shape{1, 150, 1, 2, 16, 32};  // chunks of 64: two whole, one partial
   job.data = kda::synthetic_layer<float>(shape, 8);
   job.scale = kda::default_scale<float>(shape.key_dim);
@@ -255,20 +255,21 @@ TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
   job.h0 = kda::synthetic_tensor<float>(states, 9);
   job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 10);
   job.dht = kda::synthetic_tensor<float>(states, 11);
-  const testing::LayerOutputs<float> recurrent = testing::run_single(job, 1);
-  job.algorithm = kda::Algorithm::chunk;
-  const testing::LayerOutputs<float> chunk = testing::run_single(job, 2);
-  EXPECT_FALSE(testing::same_bits(chunk, recurrent));
-  for (double e : testing::relative_errors(chunk, recurrent)) EXPECT_LT(e, 5e-5);
-  testing::LayerRunOptions opts;
-  opts.method = "p2p";
-  opts.layout = testing::LayoutSpec{false, {40, 90, 20}};
-  const testing::LayerOutputs<float> cp = testing::run_context_parallel(job, 3, opts, 30);
-  for (double e : testing::relative_errors(cp, chunk)) EXPECT_LT(e, 2e-5);
   job.algorithm = kda::Algorithm::recurrent;
-  const testing::LayerOutputs<float> cp_recurrent = testing::run_context_parallel(job, 3, opts, 30);
-  EXPECT_FALSE(testing::same_bits(cp, cp_recurrent));
-  for (double e : testing::relative_errors(cp_recurrent, recurrent)) EXPECT_LT(e, 2e-5);
+  const job::LayerOutputs<float> recurrent = job::run_single(job, 1);
+  job.algorithm = kda::Algorithm::chunk;
+  const job::LayerOutputs<float> chunk = job::run_single(job, 2);
+  EXPECT_FALSE(job::same_bits(chunk, recurrent));
+  for (double e : job::relative_errors(chunk, recurrent)) EXPECT_LT(e, 5e-5);
+  job::LayerRunOptions opts;
+  opts.method = "p2p";
+  opts.layout = job::LayoutSpec{false, {40, 90, 20}};
+  const job::LayerOutputs<float> cp = job::run_context_parallel(job, 3, opts, 30);
+  for (double e : job::relative_errors(cp, chunk)) EXPECT_LT(e, 2e-5);
+  job.algorithm = kda::Algorithm::recurrent;
+  const job::LayerOutputs<float> cp_recurrent = job::run_context_parallel(job, 3, opts, 30);
+  EXPECT_FALSE(job::same_bits(cp, cp_recurrent));
+  for (double e : job::relative_errors(cp_recurrent, recurrent)) EXPECT_LT(e, 2e-5);
 }
 
 // The chunk forward's kept states (LayerJob::keep_forward: kda::ForwardCache
@@ -277,7 +278,7 @@ TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
 // several pieces per part, zigzag (two parts per rank) and a warm-up step
 // (the layer reuses the cache once the first step's Saved is gone).
 TEST(LayerJob, KeptForwardChangesNoBit) {
-  testing::LayerJob<float> job;
+  job::LayerJob<float> job;
   const kda::Shape shape{1, 203, 1, 2, 16, 32};
   job.data = kda::synthetic_layer<float>(shape, 12);
   job.scale = kda::default_scale<float>(shape.key_dim);
@@ -287,22 +288,23 @@ TEST(LayerJob, KeptForwardChangesNoBit) {
   job.h0 = kda::synthetic_tensor<float>(states, 13);
   job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 14);
   job.dht = kda::synthetic_tensor<float>(states, 15);
-  const testing::LayerOutputs<float> want = testing::run_single(job, 2);
+  job.keep_forward = false;
+  const job::LayerOutputs<float> want = job::run_single(job, 2);
   job.keep_forward = true;
-  EXPECT_TRUE(testing::same_bits(testing::run_single(job, 2), want)) << "one device";
+  EXPECT_TRUE(job::same_bits(job::run_single(job, 2), want)) << "one device";
   job.warmup_steps = 1;
-  EXPECT_TRUE(testing::same_bits(testing::run_single(job, 1), want)) << "one device, after a warm-up step";
-  for (const testing::LayoutSpec& layout : {testing::LayoutSpec{false, {50, 120, 33}}, testing::LayoutSpec{true, {}}}) {
-    testing::LayerRunOptions opts;
+  EXPECT_TRUE(job::same_bits(job::run_single(job, 1), want)) << "one device, after a warm-up step";
+  for (const job::LayoutSpec& layout : {job::LayoutSpec{false, {50, 120, 33}}, job::LayoutSpec{true, {}}}) {
+    job::LayerRunOptions opts;
     opts.method = "p2p";
     opts.layout = layout;
     job.keep_forward = false;
     job.warmup_steps = 0;
-    const testing::LayerOutputs<float> cp = testing::run_context_parallel(job, 3, opts, 30);
+    const job::LayerOutputs<float> cp = job::run_context_parallel(job, 3, opts, 30);
     job.keep_forward = true;
-    EXPECT_TRUE(testing::same_bits(testing::run_context_parallel(job, 3, opts, 30), cp)) << layout.name();
+    EXPECT_TRUE(job::same_bits(job::run_context_parallel(job, 3, opts, 30), cp)) << layout.name();
     job.warmup_steps = 2;
-    EXPECT_TRUE(testing::same_bits(testing::run_context_parallel(job, 3, opts, 30), cp))
+    EXPECT_TRUE(job::same_bits(job::run_context_parallel(job, 3, opts, 30), cp))
         << layout.name() << " after two warm-up steps";
   }
 }
@@ -316,9 +318,10 @@ TEST(LayerJob, LayerReusesItsForwardCache) {
   const std::vector<float> d_o = kda::synthetic_tensor<float>(shape.v_elems(), 17);
   run_in_process(1, [&](const std::shared_ptr<Communicator>& world) {
     const DeviceMesh mesh = DeviceMesh::create(world, {1}, {"cp"});
-    kda::ContextParallelLayer<float> layer(mesh, "p2p");
-    auto in = data.inputs(kda::default_scale<float>(shape.key_dim));
-    in.algorithm = kda::Algorithm::chunk;
+    kda::ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{nullptr, KernelKind::best,
+                                                                        kda::Algorithm::chunk});
+    layer.keep_forward(false);
+    const auto in = data.inputs(kda::default_scale<float>(shape.key_dim));
     std::vector<float> o(shape.v_elems()), dq(shape.qk_elems()), dk(shape.qk_elems()), dv(shape.v_elems()),
         dg(shape.g_elems()), db(shape.beta_elems());
     const kda::Grads<float> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), nullptr};
@@ -424,38 +427,38 @@ TEST(CliFlags, ValuesPrintedExactly) {
 // Every output file kdacp kda would write is checked before any is: the
 // first non-finite value is named by file, element and value.
 TEST(LayerNpy, NonFiniteOutputsNamedBeforeWriting) {
-  testing::LayerNpy in;
+  job::LayerNpy in;
   const std::size_t t = 3, k = 16;
   for (NpyArray* a : {&in.q, &in.k, &in.v, &in.g}) a->shape = {1, t, 1, k};
   in.beta.shape = {1, t, 1};
   in.d_o = in.v;
   in.sequences = 1;
-  testing::LayerOutputs<double> out;
+  job::LayerOutputs<double> out;
   for (std::vector<double>* f : {&out.o, &out.dq, &out.dk, &out.dv, &out.dg}) f->assign(t * k, 0.25);
   out.dbeta.assign(t, 0.5);
   out.ht.assign(k * k, 1);
   out.dh0.assign(k * k, 1);
-  EXPECT_NO_THROW(testing::require_finite_outputs(in, out));
+  EXPECT_NO_THROW(job::require_finite_outputs(in, out));
   out.dg[k + 3] = -std::numeric_limits<double>::infinity();
   out.dq[2 * k + 5] = std::nan("");
   try {
-    testing::require_finite_outputs(in, out);
+    job::require_finite_outputs(in, out);
     FAIL() << "a NaN in dq passed";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("dq.npy element [0,2,0,5] is nan (float64)"), std::string::npos) << e.what();
   }
   out.dq[2 * k + 5] = 0;
-  EXPECT_THROW(testing::require_finite_outputs(in, out), Error);
+  EXPECT_THROW(job::require_finite_outputs(in, out), Error);
   try {
-    testing::require_finite_outputs(in, out);
+    job::require_finite_outputs(in, out);
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("dg.npy element [0,1,0,3] is -inf"), std::string::npos) << e.what();
   }
   // Without do.npy only o and ht are written, and only they are checked.
   in.d_o.reset();
-  EXPECT_NO_THROW(testing::require_finite_outputs(in, out));
+  EXPECT_NO_THROW(job::require_finite_outputs(in, out));
   out.ht[17] = std::numeric_limits<double>::infinity();
-  EXPECT_THROW(testing::require_finite_outputs(in, out), Error);
+  EXPECT_THROW(job::require_finite_outputs(in, out), Error);
 }
 
 // Inputs are regular files: a FIFO or a directory is refused by stat, before
@@ -472,7 +475,7 @@ TEST(CliFlags, InputsMustBeRegularFiles) {
     EXPECT_NE(std::string(e.what()).find("q.npy: is a FIFO (named pipe), expected a regular file"), std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(testing::read_cu_seqlens_npy(fifo.string()), IoError);
+  EXPECT_THROW(job::read_cu_seqlens_npy(fifo.string()), IoError);
   EXPECT_THROW(load_cost_params(fifo.string()), IoError);
   EXPECT_THROW(read_npy(dir.string()), IoError);
   fs::remove_all(dir);
@@ -482,13 +485,13 @@ TEST(CliFlags, InputsMustBeRegularFiles) {
 // tolerance: 5e-5 in float32, plus a reassociating protocol's bound.
 TEST(LayerErrors, NaNOrAboveToleranceIsNamed) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  EXPECT_EQ(testing::errors_above({1e-7, nan, 1.88, 5e-5, 5.1e-5, 0, 0, 2e-4}, 5e-5),
+  EXPECT_EQ(job::errors_above({1e-7, nan, 1.88, 5e-5, 5.1e-5, 0, 0, 2e-4}, 5e-5),
             (std::vector<std::string>{"dq nan", "dk 1.88", "dg 5.1e-05", "dh0 0.0002"}));
-  EXPECT_TRUE(testing::errors_above({1e-7, 0, 5e-5}, 5e-5).empty());
-  EXPECT_EQ(testing::layer_error_tolerance("p2p", 4, 128), testing::kLayerFloat32Tolerance);
-  EXPECT_EQ(testing::layer_error_tolerance("none", 1, 128), testing::kLayerFloat32Tolerance);
-  EXPECT_EQ(testing::layer_error_tolerance("recursive_doubling", 8, 128),
-            testing::kLayerFloat32Tolerance + error_bound(find_protocol("recursive_doubling"), 8, 128));
+  EXPECT_TRUE(job::errors_above({1e-7, 0, 5e-5}, 5e-5).empty());
+  EXPECT_EQ(job::layer_error_tolerance("p2p", 4, 128), job::kLayerFloat32Tolerance);
+  EXPECT_EQ(job::layer_error_tolerance("none", 1, 128), job::kLayerFloat32Tolerance);
+  EXPECT_EQ(job::layer_error_tolerance("recursive_doubling", 8, 128),
+            job::kLayerFloat32Tolerance + error_bound(find_protocol("recursive_doubling"), 8, 128));
   EXPECT_GT(error_bound(find_protocol("recursive_doubling"), 8, 128), 0);
   testing::LayerBenchResult res;
   testing::LayerBenchRecord base, ok, bad;
@@ -499,7 +502,7 @@ TEST(LayerErrors, NaNOrAboveToleranceIsNamed) {
   base.rel_errors.assign(6, 0);
   ok.rel_errors.assign(6, 1e-6);
   bad.rel_errors = {1e-6, 1e-6, 1e-6, 1e-6, nan, 3e-4};
-  for (testing::LayerBenchRecord* r : {&base, &ok, &bad}) r->tolerance = testing::kLayerFloat32Tolerance;
+  for (testing::LayerBenchRecord* r : {&base, &ok, &bad}) r->tolerance = job::kLayerFloat32Tolerance;
   res.records = {base, ok};
   EXPECT_TRUE(testing::layer_bench_failures(res).empty());
   res.records.push_back(bad);

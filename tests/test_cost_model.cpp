@@ -133,9 +133,9 @@ TEST(CostModel, ChainProfileReadsTheLayoutAndCuts) {
   EXPECT_EQ(plain.steps, 7u);
   EXPECT_EQ(plain.relays, 7u);
   EXPECT_EQ(plain.runs, 8u);
-  s.part_owners = zigzag_owners(8);
-  EXPECT_EQ(s.part_owners.size(), 16u);
-  EXPECT_EQ(s.part_owners[8], 7u);
+  s.part_owners = PartOwners::zigzag(8);
+  EXPECT_EQ(s.part_owners->size(), 16u);
+  EXPECT_EQ((*s.part_owners)[8], 7u);
   const ChainProfile zig = chain_profile(s, 1);
   EXPECT_EQ(zig.parts, 16u);
   EXPECT_EQ(zig.per_rank, 2u);
@@ -157,9 +157,9 @@ TEST(CostModel, ChainProfileReadsTheLayoutAndCuts) {
   s.part_cuts.assign(3, false);
   EXPECT_THROW(chain_profile(s, 1), InvalidArgument);
   s.part_cuts.clear();
-  s.part_owners = {0, 1, 2};
-  EXPECT_THROW(chain_profile(s, 1), InvalidArgument);  // ranks 3..7 hold nothing
-  s.part_owners = {0, 1, 2, 3, 4, 5, 6, 9};
+  EXPECT_THROW(PartOwners(8, {0, 1, 2}), InvalidArgument);  // ranks 3..7 hold nothing
+  EXPECT_THROW(PartOwners(8, {0, 1, 2, 3, 4, 5, 6, 9}), InvalidArgument);
+  s.part_owners = PartOwners::one_per_rank(3);  // owners over another P
   EXPECT_THROW(chain_profile(s, 1), InvalidArgument);
 }
 
@@ -202,10 +202,9 @@ TEST(CostModel, ZigzagIsPriced) {
   const CostParams c;
   const std::size_t p = 64;
   ProblemShape contiguous{p, 32, 128, 128, 4};
-  contiguous.part_owners = {};
-  for (std::size_t r = 0; r < p; ++r) contiguous.part_owners.push_back(r);
+  contiguous.part_owners = PartOwners::one_per_rank(p);
   ProblemShape zig = contiguous;
-  zig.part_owners = zigzag_owners(p);
+  zig.part_owners = PartOwners::zigzag(p);
   for (const ProtocolDescriptor* row : protocol_registry()) {
     for (const ProtocolConfig& config : valid_configs(*row, p, 128)) {
       if (config.segments > 1 && config.segments != 8) continue;

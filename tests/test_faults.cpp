@@ -92,9 +92,9 @@ struct FaultRun {
 };
 
 // A layout (SPEC §10) for the runs that take one: the owner of each part and
-// its cut flag; empty owners: one part per rank.
+// its cut flag; no owners: one part per rank, run with the plain calls.
 struct LayoutArgs {
-  std::vector<std::size_t> owners;
+  std::optional<PartOwners> owners;
   std::vector<char> cuts;
 };
 
@@ -103,7 +103,7 @@ struct LayoutArgs {
 FaultRun run_with_faults(const World& w, const ProtocolConfig& config, std::vector<Fault> plan,
                          std::chrono::milliseconds timeout, const LayoutArgs& layout = {}) {
   std::size_t p = w.size();
-  if (!layout.owners.empty()) p = *std::max_element(layout.owners.begin(), layout.owners.end()) + 1;
+  if (layout.owners) p = layout.owners->ranks();
   FaultRun run{protocol_label(config), std::vector<RankEnd>(p), {}, nullptr};
   testing::FaultInjector injector(p, std::move(plan));
   try {
@@ -126,7 +126,7 @@ FaultRun run_with_faults(const World& w, const ProtocolConfig& config, std::vect
             end.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
           };
           try {
-            if (layout.owners.empty()) {
+            if (!layout.owners) {
               end.fwd = ex->forward(w.s[r].view(), w.m[r].view());
               end.bwd = ex->backward(w.g[r].view(), w.m[r].view());
             } else {
@@ -271,7 +271,7 @@ TEST_P(Faults, LateMessagesChangeNoBit) {
 TEST_P(Faults, LateMessagesChangeNoBitOnZigzagWithCuts) {
   const Watchdog watchdog(60s);
   const std::size_t p = GetParam();
-  LayoutArgs layout{zigzag_owners(p), std::vector<char>(2 * p, 0)};
+  LayoutArgs layout{PartOwners::zigzag(p), std::vector<char>(2 * p, 0)};
   for (std::size_t j = 0; j < 2 * p; ++j) layout.cuts[j] = j % 3 == 2;
   const World w(2 * p, kShape, 7300 + p);
   const std::size_t mid = p / 2;
@@ -317,7 +317,7 @@ TEST_P(Faults, LateMessagesChangeNoBitOnZigzagWithCuts) {
 TEST(FaultsOnLayouts, SilentRankOnZigzagFailsEveryRowWithinTheTimeout) {
   const std::size_t p = 4;
   const Watchdog watchdog(60s);
-  LayoutArgs layout{zigzag_owners(p), std::vector<char>(2 * p, 0)};
+  LayoutArgs layout{PartOwners::zigzag(p), std::vector<char>(2 * p, 0)};
   for (std::size_t j = 0; j < 2 * p; ++j) layout.cuts[j] = j == p + 1;
   const World w(2 * p, kShape, 7400 + p);
   const std::size_t silent = 1;

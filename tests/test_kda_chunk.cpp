@@ -58,13 +58,13 @@ struct Data {
     d_final = cast(test::uniform(s.state_elems(), -1, 1, rng));
   }
 
-  Inputs<T> inputs(Algorithm a) const {
-    Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), shape,
-                 default_scale<T>(shape.key_dim)};
-    in.algorithm = a;
-    return in;
+  Inputs<T> inputs() const {
+    return Inputs<T>{q.data(), k.data(), v.data(), g.data(), beta.data(), shape, default_scale<T>(shape.key_dim)};
   }
 };
+
+// The policy that runs `a` on `pool`.
+ExecPolicy on(Algorithm a, ThreadPool* pool = nullptr) { return ExecPolicy{pool, KernelKind::best, a}; }
 
 template <class T>
 struct Outputs {
@@ -74,7 +74,7 @@ struct Outputs {
 template <class T>
 Outputs<T> run_all(const Data<T>& d, Algorithm a, ThreadPool* pool = nullptr) {
   const Shape& s = d.shape;
-  const ExecPolicy exec{pool};
+  const ExecPolicy exec = on(a, pool);
   Outputs<T> out;
   out.o.resize(s.v_elems());
   out.o0.resize(s.v_elems());
@@ -82,7 +82,7 @@ Outputs<T> run_all(const Data<T>& d, Algorithm a, ThreadPool* pool = nullptr) {
   out.s.resize(s.state_elems());
   out.m.resize(s.transfer_elems());
   out.g_state.resize(s.state_elems());
-  const Inputs<T> in = d.inputs(a);
+  const Inputs<T> in = d.inputs();
   forward(in, d.h0.data(), out.o.data(), out.final_state.data(), exec);
   forward(in, nullptr, out.o0.data(), nullptr, exec);
   chunk_summary(in, out.s.data(), out.m.data(), exec);
@@ -185,11 +185,11 @@ GradOut<T> run_backward(const Data<T>& d, Algorithm a, bool with_state,
   GradOut<T> r{std::vector<T>(s.qk_elems()), std::vector<T>(s.qk_elems()),
                std::vector<T>(s.v_elems()),  std::vector<T>(s.g_elems()),
                std::vector<T>(s.beta_elems()), std::vector<T>(s.state_elems())};
-  backward(d.inputs(a), with_state ? d.h0.data() : nullptr, d.d_o.data(),
+  backward(d.inputs(), with_state ? d.h0.data() : nullptr, d.d_o.data(),
            with_state ? d.d_final.data() : nullptr,
            Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
                     r.dinc.data()},
-           ExecPolicy{pool}, kDefaultCheckpointInterval, kept);
+           on(a, pool), kDefaultCheckpointInterval, kept);
   return r;
 }
 
@@ -202,11 +202,11 @@ void check_forward_cache(const Data<T>& d, ThreadPool* pool) {
   const Shape& s = d.shape;
   const std::string what = "T=" + std::to_string(s.tokens) + " threads=" +
                            std::to_string(pool ? pool->threads() : 1) + (sizeof(T) == 4 ? " float" : " double");
-  const Inputs<T> in = d.inputs(Algorithm::chunk);
+  const Inputs<T> in = d.inputs();
   std::vector<T> o1(s.v_elems()), o2(s.v_elems()), f1(s.state_elems()), f2(s.state_elems());
-  forward(in, d.h0.data(), o1.data(), f1.data(), ExecPolicy{pool});
+  forward(in, d.h0.data(), o1.data(), f1.data(), on(Algorithm::chunk, pool));
   ForwardCache<T> cache;
-  forward(in, d.h0.data(), o2.data(), f2.data(), ExecPolicy{pool}, &cache);
+  forward(in, d.h0.data(), o2.data(), f2.data(), on(Algorithm::chunk, pool), &cache);
   EXPECT_TRUE(same_bits(o1, o2)) << what << " o";
   EXPECT_TRUE(same_bits(f1, f2)) << what << " final state";
   ASSERT_EQ(cache.records(), 1u) << what;
@@ -218,7 +218,7 @@ void check_forward_cache(const Data<T>& d, ThreadPool* pool) {
   EXPECT_TRUE(run_backward(d, Algorithm::chunk, true, pool, &cache) == want) << what << " after rewind";
   cache.clear();
   EXPECT_EQ(cache.records(), 0u);
-  forward(in, d.h0.data(), o2.data(), nullptr, ExecPolicy{pool}, &cache);
+  forward(in, d.h0.data(), o2.data(), nullptr, on(Algorithm::chunk, pool), &cache);
   EXPECT_TRUE(run_backward(d, Algorithm::chunk, true, pool, &cache) == want) << what << " reused buffer";
   // Nothing left to take: a clear error, not a stale record.
   EXPECT_THROW(run_backward(d, Algorithm::chunk, true, pool, &cache), InvalidArgument) << what;
@@ -239,14 +239,14 @@ TEST(KdaChunk, ForwardCacheMismatchAndRecurrent) {
   std::vector<double> o(s.v_elems());
   ForwardCache<double> cache;
   // The recurrent algorithm keeps nothing and takes nothing.
-  forward(a.inputs(Algorithm::recurrent), a.h0.data(), o.data(), nullptr, ExecPolicy{}, &cache);
+  forward(a.inputs(), a.h0.data(), o.data(), nullptr, on(Algorithm::recurrent), &cache);
   EXPECT_EQ(cache.records(), 0u);
   EXPECT_EQ(ForwardCache<double>::record_elems(s, Algorithm::recurrent), 0u);
   EXPECT_TRUE(run_backward(a, Algorithm::recurrent, true, nullptr, &cache) ==
               run_backward(a, Algorithm::recurrent, true));
   // A record of another shape is refused by name.
   std::vector<double> ob(b.shape.v_elems());
-  forward(b.inputs(Algorithm::chunk), b.h0.data(), ob.data(), nullptr, ExecPolicy{}, &cache);
+  forward(b.inputs(), b.h0.data(), ob.data(), nullptr, on(Algorithm::chunk), &cache);
   try {
     run_backward(a, Algorithm::chunk, true, nullptr, &cache);
     ADD_FAILURE() << "a record of another shape was accepted";
@@ -255,8 +255,8 @@ TEST(KdaChunk, ForwardCacheMismatchAndRecurrent) {
   }
   // Two calls (the pieces of a sequence forward): taken in order.
   cache.clear();
-  forward(a.inputs(Algorithm::chunk), a.h0.data(), o.data(), nullptr, ExecPolicy{}, &cache);
-  forward(b.inputs(Algorithm::chunk), b.h0.data(), ob.data(), nullptr, ExecPolicy{}, &cache);
+  forward(a.inputs(), a.h0.data(), o.data(), nullptr, on(Algorithm::chunk), &cache);
+  forward(b.inputs(), b.h0.data(), ob.data(), nullptr, on(Algorithm::chunk), &cache);
   EXPECT_EQ(cache.records(), 2u);
   EXPECT_TRUE(run_backward(a, Algorithm::chunk, true, nullptr, &cache) == run_backward(a, Algorithm::chunk, true));
   EXPECT_TRUE(run_backward(b, Algorithm::chunk, true, nullptr, &cache) == run_backward(b, Algorithm::chunk, true));
@@ -307,7 +307,7 @@ TEST(KdaChunk, BackwardFiniteDifferences) {
   const GradOut<double> g = run_backward(d, Algorithm::chunk, true);
   std::vector<double> o(s.v_elems()), fin(s.state_elems());
   auto loss = [&] {
-    forward(d.inputs(Algorithm::chunk), d.h0.data(), o.data(), fin.data());
+    forward(d.inputs(), d.h0.data(), o.data(), fin.data(), on(Algorithm::chunk));
     double l = 0;
     for (std::size_t i = 0; i < o.size(); ++i) l += d.d_o[i] * o[i];
     for (std::size_t i = 0; i < fin.size(); ++i) l += d.d_final[i] * fin[i];
@@ -350,7 +350,7 @@ TEST(KdaChunk, ThreadCountInvariant) {
 template <class T>
 std::vector<std::vector<T>> run_kernels(const detail::ChunkKernels<T>& kern, const Data<T>& d) {
   const Shape& s = d.shape;
-  const Inputs<T> in = d.inputs(Algorithm::chunk);
+  const Inputs<T> in = d.inputs();
   std::vector<std::vector<T>> r{std::vector<T>(s.v_elems()),       std::vector<T>(s.state_elems()),
                                 std::vector<T>(s.state_elems()),   std::vector<T>(s.transfer_elems()),
                                 std::vector<T>(s.state_elems()),   std::vector<T>(s.qk_elems()),
@@ -421,14 +421,14 @@ TEST(KdaChunk, PackedSequencesMatchRecurrent) {
           std::vector<double>(s.qk_elems()), std::vector<double>(s.qk_elems()),
           std::vector<double>(s.v_elems()),  std::vector<double>(s.g_elems()),
           std::vector<double>(s.beta_elems()), std::vector<double>(n_state)};
-    const Inputs<double> in = d.inputs(a);
+    const Inputs<double> in = d.inputs();
     forward_sequences(in, seqs, sequence_states(h0.data(), seqs, s), r.o.data(),
-                      sequence_states(r.ht.data(), seqs, s));
+                      sequence_states(r.ht.data(), seqs, s), on(a));
     backward_sequences(in, seqs, sequence_states(h0.data(), seqs, s), d.d_o.data(),
                        sequence_states(dht.data(), seqs, s),
                        Grads<double>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(),
                                      r.dbeta.data(), nullptr},
-                       sequence_states(r.dh0.data(), seqs, s));
+                       sequence_states(r.dh0.data(), seqs, s), on(a));
     return r;
   };
   const Run want = run(Algorithm::recurrent), got = run(Algorithm::chunk);
@@ -466,10 +466,9 @@ TEST(KdaChunk, AlgorithmNames) {
   EXPECT_EQ(parse_algorithm("recurrent"), Algorithm::recurrent);
   EXPECT_THROW(parse_algorithm("wy"), InvalidArgument);
   const Data<float> d(Shape{1, 4, 1, 1, 16, 16}, 14, 0);
-  Inputs<float> in = d.inputs(Algorithm::chunk);
-  in.algorithm = static_cast<Algorithm>(7);
+  const Inputs<float> in = d.inputs();
   std::vector<float> o(d.shape.v_elems());
-  EXPECT_THROW(forward(in, nullptr, o.data(), nullptr), InvalidArgument);
+  EXPECT_THROW(forward(in, nullptr, o.data(), nullptr, on(static_cast<Algorithm>(7))), InvalidArgument);
 }
 
 

@@ -357,7 +357,7 @@ TEST(CpSequences, ZigzagLayout) {
     EXPECT_EQ(z.parts()[j].begin, want[j][1]) << j;
     EXPECT_EQ(z.parts()[j].end, want[j][2]) << j;
   }
-  EXPECT_EQ(z.owners(), (std::vector<std::size_t>{0, 1, 1, 0}));
+  EXPECT_EQ(z.owners().list(), (std::vector<std::size_t>{0, 1, 1, 0}));
   const std::vector<Part> local = z.local_parts(1);
   ASSERT_EQ(local.size(), 2u);
   EXPECT_EQ(local[1].local_begin, 3u);

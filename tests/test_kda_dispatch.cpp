@@ -69,7 +69,8 @@ struct Case {
         m(s.transfer_elems()), gs(s.state_elems()), dq(s.qk_elems()), dk(s.qk_elems()),
         dv(s.v_elems()), dg(s.g_elems()), db(s.beta_elems()), di(s.state_elems());
     ThreadPool pool(2);
-    const ExecPolicy exec{&pool};
+    // The kernels below are the recurrent algorithm's (the chunk one has its own dispatch test).
+    const ExecPolicy exec{&pool, KernelKind::best, Algorithm::recurrent};
     const Grads<T> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), di.data()};
     if (kernels != nullptr) {
       forward_on(*kernels, in, incoming.data(), o.data(), fin.data(), exec);

@@ -101,11 +101,11 @@ Problem<double> gate_problem(const Case& c, const Gates& gates, std::uint64_t se
 template <class T>
 Result<T> run_api(const Problem<T>& p, Algorithm algorithm) {
   Result<T> r(p.c);
-  Inputs<T> in = p.inputs();
-  in.algorithm = algorithm;
-  forward(in, p.h0.data(), r.o.data(), r.ht.data());
+  const Inputs<T> in = p.inputs();
+  const ExecPolicy exec{nullptr, KernelKind::best, algorithm};
+  forward(in, p.h0.data(), r.o.data(), r.ht.data(), exec);
   backward(in, p.h0.data(), p.d_o.data(), p.dht.data(),
-           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), r.dh0.data()});
+           Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), r.dh0.data()}, exec);
   return r;
 }
 
@@ -212,11 +212,11 @@ TEST(KdaGates, SummaryAndGPassOnTheSweep) {
     const Shape& s = p.c.shape;
     auto run = [&](const auto& prob, Algorithm algo) {
       using T = typename std::decay_t<decltype(prob.q)>::value_type;
-      Inputs<T> in = prob.inputs();
-      in.algorithm = algo;
+      const Inputs<T> in = prob.inputs();
+      const ExecPolicy exec{nullptr, KernelKind::best, algo};
       std::vector<T> st(s.state_elems()), m(s.transfer_elems()), gs(s.state_elems());
-      chunk_summary(in, st.data(), m.data());
-      incoming_grad(in, prob.d_o.data(), gs.data());
+      chunk_summary(in, st.data(), m.data(), exec);
+      incoming_grad(in, prob.d_o.data(), gs.data(), exec);
       return std::vector<std::vector<double>>{{st.begin(), st.end()}, {m.begin(), m.end()},
                                               {gs.begin(), gs.end()}};
     };

@@ -19,6 +19,11 @@
 namespace kdacp::kda {
 namespace {
 
+// This file tests the recurrent algorithm (the reference); test_kda_chunk.cpp the chunk one.
+const ExecPolicy kRecurrent{nullptr, KernelKind::best, Algorithm::recurrent};
+ExecPolicy recurrent_on(ThreadPool& pool) { return ExecPolicy{&pool, KernelKind::best, Algorithm::recurrent}; }
+
+
 // Random but well-conditioned inputs: k L2-normalised per token and head,
 // g = log U(0.9, 1), β ∈ (0.1, 0.9), so every transfer is a contraction.
 template <class T>
@@ -64,7 +69,7 @@ template <class T>
 Outputs<T> run_forward(const Problem<T>& p, const T* incoming, std::size_t threads = 1) {
   Outputs<T> out{std::vector<T>(p.shape.v_elems()), std::vector<T>(p.shape.state_elems())};
   ThreadPool pool(threads);
-  forward(p.inputs(), incoming, out.o.data(), out.final_state.data(), ExecPolicy{&pool});
+  forward(p.inputs(), incoming, out.o.data(), out.final_state.data(), recurrent_on(pool));
   return out;
 }
 
@@ -86,7 +91,7 @@ Gradients<T> run_backward(const Problem<T>& p, const T* incoming, const std::vec
                           std::size_t interval = kDefaultCheckpointInterval) {
   Gradients<T> grads(p.shape);
   ThreadPool pool(threads);
-  backward(p.inputs(), incoming, d_o.data(), d_final, grads.view(), ExecPolicy{&pool}, interval);
+  backward(p.inputs(), incoming, d_o.data(), d_final, grads.view(), recurrent_on(pool), interval);
   return grads;
 }
 
@@ -157,7 +162,7 @@ void check_summary(const Shape& s, double tolerance) {
   std::vector<T> h0(h0d.begin(), h0d.end());
   std::vector<T> state(s.state_elems()), transfer(s.transfer_elems());
   ThreadPool pool(2);
-  chunk_summary(p.inputs(), state.data(), transfer.data(), ExecPolicy{&pool});
+  chunk_summary(p.inputs(), state.data(), transfer.data(), recurrent_on(pool));
   auto fwd = run_forward(p, h0.data());
 
   const std::size_t kd = s.key_dim, vd = s.value_dim;
@@ -257,7 +262,7 @@ void check_incoming_grad(const Shape& s, double tolerance) {
   auto grads = run_backward(p, h0.data(), d_o, static_cast<const T*>(nullptr), 3, 7);
   std::vector<T> g(s.state_elems());
   ThreadPool pool(3);
-  incoming_grad(p.inputs(), d_o.data(), g.data(), ExecPolicy{&pool});
+  incoming_grad(p.inputs(), d_o.data(), g.data(), recurrent_on(pool));
   EXPECT_LE(rel_error(g, grads.d_incoming), tolerance);
 }
 
@@ -293,8 +298,8 @@ TEST(KdaMath, FloatAgreesWithDouble) {
 
   std::vector<float> sf(s.state_elems()), mf(s.transfer_elems());
   std::vector<double> sd(s.state_elems()), md(s.transfer_elems());
-  chunk_summary(pf.inputs(), sf.data(), mf.data());
-  chunk_summary(pd.inputs(), sd.data(), md.data());
+  chunk_summary(pf.inputs(), sf.data(), mf.data(), kRecurrent);
+  chunk_summary(pd.inputs(), sd.data(), md.data(), kRecurrent);
   EXPECT_LE(rel_error(sf, sd), 2e-5);
   EXPECT_LE(rel_error(mf, md), 2e-5);
 }
@@ -325,7 +330,7 @@ TEST(KdaMath, SingleTokenHasClosedForm) {
   const Shape s = shape_of(1, 1, 1, 1, 4, 3);
   auto p = make_problem(s, 13);
   std::vector<double> state(s.state_elems()), transfer(s.transfer_elems());
-  chunk_summary(p.inputs(), state.data(), transfer.data());
+  chunk_summary(p.inputs(), state.data(), transfer.data(), kRecurrent);
   auto out = run_forward(p, static_cast<const double*>(nullptr));
   double qk = 0;
   for (std::size_t i = 0; i < 4; ++i) qk += p.q[i] * p.k[i];

@@ -20,10 +20,15 @@
 #include "kdacp/kda_sequences.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kda/parts.hpp"
 #include "kda_sequence_reference.hpp"
 
 namespace kdacp::kda {
 namespace {
+
+// The recurrent algorithm: a part chain that cuts a sequence reproduces one
+// device's bits only there (chunk's chunk boundaries move with the cut).
+const ExecPolicy kRecurrent{nullptr, KernelKind::best, Algorithm::recurrent};
 
 using test::Case;
 using test::Problem;
@@ -57,7 +62,7 @@ Result<T> single_rank(const Problem<T>& p, std::size_t threads) {
   Result<T> r(c);
   const Sequences seqs = c.sequences();
   ThreadPool pool(threads);
-  const ExecPolicy exec{&pool};
+  const ExecPolicy exec{&pool, KernelKind::best, Algorithm::recurrent};
   forward_sequences(p.inputs(), seqs, p.states(p.h0), r.o.data(),
                     sequence_states(r.ht.data(), seqs, c.shape), exec);
   backward_sequences(p.inputs(), seqs, p.states(p.h0), p.d_o.data(), p.states(p.dht),
@@ -115,10 +120,11 @@ TEST(KdaSequences, OneSequencePerRowIsTheChunkKernel) {
     const Problem<float> p = make_problem(*c, 2).cast<float>();
     const Result<float> r = single_rank(p, 2);
     Result<float> want(*c);
-    forward(p.inputs(), p.h0.data(), want.o.data(), want.ht.data());
+    forward(p.inputs(), p.h0.data(), want.o.data(), want.ht.data(), kRecurrent);
     backward(p.inputs(), p.h0.data(), p.d_o.data(), p.dht.data(),
              Grads<float>{want.dq.data(), want.dk.data(), want.dv.data(), want.dg.data(),
-                          want.dbeta.data(), want.dh0.data()});
+                          want.dbeta.data(), want.dh0.data()},
+             kRecurrent);
     EXPECT_TRUE(r.o == want.o && r.ht == want.ht && r.dq == want.dq && r.dk == want.dk &&
                 r.dv == want.dv && r.dg == want.dg && r.dbeta == want.dbeta &&
                 r.dh0 == want.dh0)
@@ -274,7 +280,7 @@ void check_chain(const Problem<T>& p, const Result<T>& single, const Result<doub
             [](const Entry& a, const Entry& b) { return a.part.begin < b.part.begin; });
 
   ThreadPool pool(3);
-  const ExecPolicy exec{&pool};
+  const ExecPolicy exec{&pool, KernelKind::best, Algorithm::recurrent};
   const std::size_t n = chain.size();
   std::vector<PartInfo> info(n);
   std::vector<std::vector<T>> offset(n, std::vector<T>(s.state_elems())),

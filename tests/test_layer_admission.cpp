@@ -11,15 +11,15 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_npy.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job_npy.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp {
 namespace {
 
-testing::LayerJob<float> small_job(const kda::Shape& shape) {
-  testing::LayerJob<float> job;
+job::LayerJob<float> small_job(const kda::Shape& shape) {
+  job::LayerJob<float> job;
   job.data = kda::synthetic_layer<float>(shape, 21);
   job.scale = kda::default_scale<float>(shape.key_dim);
   job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), 22);
@@ -33,24 +33,24 @@ testing::LayerJob<float> small_job(const kda::Shape& shape) {
 // allgather.
 TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
   const kda::Shape shape{1, 16, 1, 1, 32, 32};
-  const testing::LayerJob<float> job = small_job(shape);
+  const job::LayerJob<float> job = small_job(shape);
   const std::size_t ranks = 2;
   std::vector<std::string> ran;
-  for (const testing::LayoutSpec& spec : {testing::LayoutSpec{false, {}}, testing::LayoutSpec{true, {}}}) {
-    testing::LayerRunOptions opts;
+  for (const job::LayoutSpec& spec : {job::LayoutSpec{false, {}}, job::LayoutSpec{true, {}}}) {
+    job::LayerRunOptions opts;
     opts.method = "auto";
     opts.layout = spec;
-    const testing::LayerOutputs<float> out = testing::run_context_parallel(job, ranks, opts, 30);
+    const job::LayerOutputs<float> out = job::run_context_parallel(job, ranks, opts, 30);
     ran.push_back(out.method);
     const kda::Layout layout = spec.build(shape.tokens, ranks);
-    const ProblemShape ps = testing::layer_problem_shape(shape, sizeof(float), layout);
-    EXPECT_EQ(ps.part_owners.empty(), !spec.zigzag) << spec.name();
+    const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout);
+    EXPECT_EQ(has_layout(ps), spec.zigzag) << spec.name();
     ExchangeOptions eo;
-    eo.expected_shape = testing::layer_summary_shape(shape);
+    eo.expected_shape = job::layer_summary_shape(shape);
     EXPECT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, out.method) << spec.name();
     // The admission's message names the protocol auto will run.
     try {
-      testing::admit_layer_run(shape, 1, *eo.expected_shape, layout, true, 0, "auto", 1, eo, "1B");
+      job::admit_layer_run(shape, 1, *eo.expected_shape, layout, true, 0, "auto", 1, eo, "1B");
       ADD_FAILURE() << "1 byte admitted the run";
     } catch (const OutOfMemory& e) {
       EXPECT_NE(std::string(e.what()).find("with " + out.method), std::string::npos) << e.what();
@@ -68,9 +68,9 @@ TEST(LayerAdmission, ZigzagCountsItsExtraParts) {
   const std::size_t ranks = 4;
   const kda::Layout plain = kda::Layout::contiguous(shape.tokens, ranks);
   const kda::Layout zigzag = kda::Layout::zigzag(shape.tokens, ranks);
-  const ProblemShape ps_plain = testing::layer_problem_shape(shape, 4, plain);
-  const ProblemShape ps_zig = testing::layer_problem_shape(shape, 4, zigzag);
-  EXPECT_EQ(ps_zig.part_owners, zigzag_owners(ranks));
+  const ProblemShape ps_plain = job::layer_problem_shape(shape, 4, plain);
+  const ProblemShape ps_zig = job::layer_problem_shape(shape, 4, zigzag);
+  EXPECT_TRUE(ps_zig.part_owners == PartOwners::zigzag(ranks));
   const Prediction p2p_plain = predict(CostParams{}, ps_plain, {"p2p", 1, 0});
   const Prediction p2p_zig = predict(CostParams{}, ps_zig, {"p2p", 1, 0});
   const double state = 2.0 * 64 * 64 * 4, transfer = 2.0 * 64 * 64 * 4;  // B·HV = 2, K = V = 64
@@ -78,25 +78,28 @@ TEST(LayerAdmission, ZigzagCountsItsExtraParts) {
                    2 * (exchange_rank_bytes(ps_plain, p2p_plain) - double(p2p_plain.peak_extra_bytes)));
   EXPECT_DOUBLE_EQ(exchange_rank_bytes(ps_plain, p2p_plain) - double(p2p_plain.peak_extra_bytes),
                    2 * state + transfer);
-  EXPECT_GT(testing::layer_run_bytes(shape, 1, ranks, true, 4, 0, zigzag.parts().size()),
-            testing::layer_run_bytes(shape, 1, ranks, true, 4, 0));
+  EXPECT_GT(job::layer_run_bytes(shape, 1, ranks, true, 4, 0, zigzag.parts().size()),
+            job::layer_run_bytes(shape, 1, ranks, true, 4, 0));
 }
 
 // Cuts: the parts holding a sequence start, which shorten the chain.
 TEST(LayerAdmission, LayoutCutsFollowThePacking) {
   const kda::Layout contiguous = kda::Layout::contiguous(8, 4);
-  EXPECT_EQ(testing::layout_cuts(contiguous, {0, 4, 8}), (std::vector<bool>{true, false, true, false}));
-  EXPECT_EQ(testing::layout_cuts(contiguous, {0, 3, 8}), (std::vector<bool>{true, true, false, false}));
-  EXPECT_EQ(testing::layout_cuts(contiguous, {}), (std::vector<bool>{true, false, false, false}));
-  EXPECT_THROW(testing::layout_cuts(contiguous, {0, 4, 9}), InvalidArgument);
+  auto packed = [](std::vector<std::int64_t> cu) { return Sequences(1, 8, cu); };
+  EXPECT_EQ(contiguous.cuts(packed({0, 4, 8})), (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(contiguous.cuts(packed({0, 3, 8})), (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(contiguous.cuts(Sequences(3, 8)), (std::vector<bool>{true, false, false, false}));
+  EXPECT_THROW(contiguous.cuts(Sequences(1, 9, std::vector<std::int64_t>{0, 4, 9})), InvalidArgument);
+  EXPECT_THROW(packed({0, 4, 9}), InvalidArgument);
   const kda::Layout zigzag = kda::Layout::zigzag(16, 4);  // 8 parts of 2 tokens
   ProblemShape ps{4, 1, 32, 32, 4};
-  ps.part_owners = testing::exchange_part_owners(zigzag);
+  ps.part_owners = zigzag.owners();
   EXPECT_EQ(chain_profile(ps, 1).steps, 7u);
-  ps.part_cuts = testing::layout_cuts(zigzag, {0, 8, 16});
+  ps.part_cuts = zigzag.cuts(Sequences(1, 16, std::vector<std::int64_t>{0, 8, 16}));
   EXPECT_EQ(ps.part_cuts, (std::vector<bool>{true, false, false, false, true, false, false, false}));
   EXPECT_EQ(chain_profile(ps, 1).steps, 4u);
-  EXPECT_TRUE(testing::exchange_part_owners(contiguous).empty());
+  EXPECT_TRUE(contiguous.owners().is_one_per_rank());
+  EXPECT_FALSE(has_layout(job::layer_problem_shape(kda::Shape{1, 8, 1, 1, 16, 16}, 4, contiguous)));
 }
 
 // Under a launcher each process holds one rank: its estimate is one rank's
@@ -105,18 +108,18 @@ TEST(LayerAdmission, OneRankPerProcessCountsItsShare) {
   const kda::Shape shape{1, 1 << 16, 4, 4, 128, 128};
   // On one rank the share is the whole run.
   const kda::Layout one = kda::Layout::contiguous(shape.tokens, 1);
-  EXPECT_DOUBLE_EQ(testing::layer_rank_bytes(shape, 1, one, true, 4, 1e6),
-                   testing::layer_run_bytes(shape, 1, 1, true, 4, 1e6));
+  EXPECT_DOUBLE_EQ(job::layer_rank_bytes(shape, 1, one, true, 4, 1e6),
+                   job::layer_run_bytes(shape, 1, 1, true, 4, 1e6));
   for (bool zig : {false, true}) {
-    const testing::LayoutSpec spec{zig, {}};
-    const double whole = testing::compare_protocols_bytes(shape, 1, 16, spec, false);
-    const double share = testing::compare_protocols_bytes(shape, 1, 16, spec, true);
+    const job::LayoutSpec spec{zig, {}};
+    const double whole = job::compare_protocols_bytes(shape, 1, 16, spec, false);
+    const double share = job::compare_protocols_bytes(shape, 1, 16, spec, true);
     EXPECT_LT(share, whole) << spec.name();
     // Still at least the job and rank 0's gathered outputs.
-    EXPECT_GT(share, 2 * testing::layer_output_bytes(shape, true, 4)) << spec.name();
+    EXPECT_GT(share, 2 * job::layer_output_bytes(shape, true, 4)) << spec.name();
     const kda::Layout layout = spec.build(shape.tokens, 16);
-    EXPECT_LT(testing::layer_rank_bytes(shape, 1, layout, true, 4, 0),
-              testing::layer_run_bytes(shape, 1, 16, true, 4, 0, layout.parts().size()) / 2)
+    EXPECT_LT(job::layer_rank_bytes(shape, 1, layout, true, 4, 0),
+              job::layer_run_bytes(shape, 1, 16, true, 4, 0, layout.parts().size()) / 2)
         << spec.name();
   }
 }

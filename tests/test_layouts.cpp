@@ -42,12 +42,12 @@ std::vector<std::size_t> irregular(std::size_t p) {
 
 struct Layout {
   std::string name;
-  std::vector<std::size_t> owners;
+  PartOwners owners;
 };
 
 std::vector<Layout> layouts(std::size_t p) {
-  return {{"contiguous", contiguous(p)}, {"pairs", pairs(p)}, {"zigzag", zigzag_owners(p)},
-          {"irregular", irregular(p)}};
+  return {{"contiguous", PartOwners(p, contiguous(p))}, {"pairs", PartOwners(p, pairs(p))},
+          {"zigzag", PartOwners::zigzag(p)}, {"irregular", PartOwners(p, irregular(p))}};
 }
 
 // Cut patterns over n parts: none, every third, the middle one, and a fixed
@@ -71,7 +71,7 @@ struct PartsRun {
 };
 
 PartsRun run_layout(const World& w, const ProtocolConfig& config,
-                    const std::vector<std::size_t>& owners, const std::vector<char>& cuts,
+                    const PartOwners& owners, const std::vector<char>& cuts,
                     std::size_t p) {
   const std::size_t n = owners.size();
   PartsRun res{std::vector<State>(n), std::vector<State>(n), 0, {}, {}};
@@ -177,7 +177,7 @@ TEST(Layouts, RowsWithoutLayoutsAndBadLayoutsAreRefusedBeforeAnyMessage) {
   run_in_process(3, [](const std::shared_ptr<Communicator>& comm) {
     auto mesh = DeviceMesh::create(comm, {3}, {"cp"});
     ExchangeOptions o;
-    o.part_owners = zigzag_owners(3);
+    o.part_owners = PartOwners::zigzag(3);
     for (const ProtocolDescriptor* row : protocol_registry()) {
       if (row->takes_layouts || row->chooser()) continue;
       try {
@@ -187,12 +187,11 @@ TEST(Layouts, RowsWithoutLayoutsAndBadLayoutsAreRefusedBeforeAnyMessage) {
         EXPECT_NE(std::string(e.what()).find("does not take a layout"), std::string::npos) << e.what();
       }
     }
-    ExchangeOptions missing;
-    missing.part_owners = {0, 2, 0};  // rank 1 holds nothing
-    EXPECT_THROW(make_state_exchange(mesh, "p2p", 1, missing), InvalidArgument);
-    ExchangeOptions outside;
-    outside.part_owners = {0, 1, 2, 3};
-    EXPECT_THROW(make_state_exchange(mesh, "allgather", 1, outside), InvalidArgument);
+    EXPECT_THROW(PartOwners(3, {0, 2, 0}), InvalidArgument);     // rank 1 holds nothing
+    EXPECT_THROW(PartOwners(3, {0, 1, 2, 3}), InvalidArgument);  // rank 3 of P = 3
+    ExchangeOptions other_p;
+    other_p.part_owners = PartOwners::zigzag(2);
+    EXPECT_THROW(make_state_exchange(mesh, "allgather", 1, other_p), InvalidArgument);
     // The wrong number of parts for this rank.
     auto ex = make_state_exchange(mesh, "p2p", 1, o);
     State s(1, 1, 16, 16), m(1, 1, 16, 16);

@@ -8,7 +8,6 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/exchange.hpp"
 
 namespace kdacp {
 
@@ -49,20 +48,10 @@ void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank);
 void require_memory(double need_bytes, std::size_t limit_bytes, const std::string& what,
                     const std::string& limit_name);
 
-// The configuration make_state_exchange(mesh, method, group_size, options)
-// runs at P = shape.ranks and its prediction: auto's choice (choose_protocol,
-// among the rows that take layouts when shape.part_owners is set, as auto
-// does with options.part_owners; with an explicit segment count in force) or
-// predict() of the named method. shape.part_owners stands for
-// options.part_owners (the layer fills that from its layout).
-// Throws what the factory would (unknown method, bad group size, nothing
-// within the memory budget).
-Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
-                            const ExchangeOptions& options);
-
-// Bytes one rank holds during a call of that exchange: its offset,
+// Bytes one rank holds during a call of an exchange (predict_exchange,
+// exchange.hpp): its offset,
 // transfer and returned state for each of its parts (the most parts a rank
-// holds in shape.part_owners) and the protocol's peak extra bytes.
+// holds in owners_of(shape)) and the protocol's peak extra bytes.
 double exchange_rank_bytes(const ProblemShape& shape, const Prediction& prediction);
 
 }  // namespace kdacp

@@ -11,8 +11,11 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "kdacp/layout.hpp"
 
 namespace kdacp {
 
@@ -55,17 +58,23 @@ struct ProblemShape {
   std::size_t value_dim = 128;   // V
   std::size_t elem_bytes = 4;    // FP32
   // The layout (SPEC §10, ExchangeOptions::part_owners): the rank holding
-  // each part in chain order; empty: one part per rank, part r on rank r.
-  std::vector<std::size_t> part_owners{};
+  // each part in chain order; none: PartOwners::one_per_rank(ranks)
+  // (owners_of).
+  std::optional<PartOwners> part_owners{};
   // Which parts are cuts (contain a sequence start), in chain order; empty:
   // none. A chain does not wait across a cut and a gather folds only from the
   // last cut before a part, so cuts shorten the predicted critical path.
   std::vector<bool> part_cuts{};
 };
 
-// The zigzag layout over P ranks (flash-linear-attention's): 2P parts, rank r
-// holding parts r and 2P-1-r.
-std::vector<std::size_t> zigzag_owners(std::size_t ranks);
+// The shape's part owners, explicit. Throws InvalidArgument when they span
+// another P than shape.ranks.
+PartOwners owners_of(const ProblemShape& shape);
+// Several parts on a rank, or parts out of rank order: only the rows that
+// take layouts run it.
+inline bool has_layout(const ProblemShape& shape) {
+  return shape.part_owners && !shape.part_owners->is_one_per_rank();
+}
 
 // What the cost terms read from a shape's layout and cuts.
 struct ChainProfile {
@@ -83,7 +92,7 @@ struct ChainProfile {
   std::size_t longest_run = 1;    // parts in the longest run
 };
 // The profile of `shape` for blocks of `width` ranks. Throws InvalidArgument
-// for owners outside [0, P), a rank without a part, or cuts of another length.
+// for owners over another P, or cuts of another length.
 ChainProfile chain_profile(const ProblemShape& shape, std::size_t width);
 
 // One configuration of one protocol. group_size: w for the grouped

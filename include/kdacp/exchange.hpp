@@ -16,6 +16,7 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/kernels.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/summary.hpp"
@@ -61,12 +62,13 @@ struct ExchangeOptions {
   // auto, which must choose at construction: the grouped protocols split the
   // mesh collectively there. Calls with another shape still run correctly.
   std::optional<SummaryShape> expected_shape;
-  // The layout (SPEC §10): the rank that holds each part, in chain order.
-  // Empty: one part per rank, part r on rank r. A rank may hold several parts
-  // (zigzag: parts r and 2P-1-r on rank r); every rank holds at least one.
-  // Only protocols that take layouts (ProtocolDescriptor::takes_layouts)
-  // accept a layout with several parts on one rank.
-  std::vector<std::size_t> part_owners;
+  // The layout (SPEC §10): the rank that holds each part, in chain order
+  // (Layout::owners()). None: PartOwners::one_per_rank(P), which the factory
+  // sets explicitly. A rank may hold several parts (zigzag: parts r and
+  // 2P-1-r on rank r). Only protocols that take layouts
+  // (ProtocolDescriptor::takes_layouts) accept owners other than one part
+  // per rank in rank order.
+  std::optional<PartOwners> part_owners;
 };
 
 // One of this rank's parts: its offset (S forward, G backward), M, and flags.
@@ -88,13 +90,16 @@ class StateExchange {
   // the chain-with-cuts result bit for bit (SPEC §5, §10).
   State forward(const StateView& s, const StateView& m, PartFlags part = {});
   State backward(const StateView& g, const StateView& m, PartFlags part = {});
-  // The same for a layout (ExchangeOptions::part_owners): this rank's parts
+  // The same for a layout (part_owners()): this rank's parts
   // in chain order, all of one shape; returns each part's incoming state
   // (forward) or final-state gradient (backward), in the same order.
   std::vector<State> forward(std::span<const PartSummary> parts);
   std::vector<State> backward(std::span<const PartSummary> parts);
   // Chain positions of this rank's parts, ascending.
   const std::vector<std::size_t>& own_parts() const { return own_parts_; }
+  // The rank holding each part, in chain order (explicit: one part per rank
+  // is PartOwners::one_per_rank(P)).
+  const PartOwners& part_owners() const { return part_owners_; }
 
   // The registry row of the protocol that runs (for auto: the chosen one).
   const ProtocolDescriptor& descriptor() const { return *descriptor_; }
@@ -111,36 +116,45 @@ class StateExchange {
   const ExchangeStats& last_stats() const { return stats_; }
 
  protected:
-  // What run() is asked: this rank's offset (S forward, G backward) and M,
-  // already validated, with their shape.
+  // What run() is asked: this rank's parts in chain order (validated, one
+  // shape), at chain positions own_parts(): their offsets (S forward, G
+  // backward), M and cut flags. One part per rank is one part.
   struct Call {
+    std::span<const PartSummary> parts;
+    SummaryShape shape;
+    Direction direction;
+    int tag;  // message tag of this direction (for messages not tagged per part)
+  };
+
+  StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
+  // A protocol whose algorithm for one part per rank differs from its
+  // algorithm over a layout reads its one part as this.
+  struct OnePart {
     const StateView& offset;
     const StateView& transfer;
     SummaryShape shape;
     Direction direction;
-    int tag;   // message tag of this direction
-    bool cut;  // this rank's part is a cut: its outgoing value is `offset` itself
+    int tag;
+    bool cut;  // the part is a cut: its outgoing value is `offset` itself
   };
+  static OnePart one_part(const Call& c) {
+    return {c.parts[0].offset, c.parts[0].transfer, c.shape, c.direction, c.tag, c.parts[0].flags.cut};
+  }
+  static std::vector<State> only(State s) {
+    std::vector<State> out;
+    out.push_back(std::move(s));
+    return out;
+  }
 
-  // What run_parts() is asked: this rank's parts in chain order (validated,
-  // one shape), at chain positions own_parts().
-  struct PartsCall {
-    std::span<const PartSummary> parts;
-    SummaryShape shape;
-    Direction direction;
-  };
-
-  StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
-  // Returns this rank's result; every message it sends goes through
-  // communicators(), whose traffic the call's stats count.
-  virtual State run(const Call& call) = 0;
-  // A layout with several parts on a rank; only rows with takes_layouts
-  // override it (the factory rejects the layout for the others).
-  virtual std::vector<State> run_parts(const PartsCall& call);
+  // Returns each of this rank's parts' result, in the order of call.parts;
+  // every message it sends goes through communicators(), whose traffic the
+  // call's stats count. The one code path of a protocol: rows without
+  // takes_layouts only ever see one part per rank (the factory rejects other
+  // owners for them).
+  virtual std::vector<State> run(const Call& call) = 0;
   // The rank holding chain position j, and the number of parts.
   std::size_t owner(std::size_t j) const { return part_owners_[j]; }
   std::size_t part_count() const { return part_owners_.size(); }
-  const std::vector<std::size_t>& part_owners() const { return part_owners_; }
   virtual std::vector<const Communicator*> communicators() const = 0;
 
   const ExchangeOptions& options() const { return options_; }
@@ -149,13 +163,12 @@ class StateExchange {
 
  private:
   friend struct detail::ExchangeAccess;  // the chooser attaches its prediction
-  State call(const StateView& offset, const StateView& m, Direction direction, PartFlags part);
-  std::vector<State> call_parts(std::span<const PartSummary> parts, Direction direction);
+  std::vector<State> call(std::span<const PartSummary> parts, Direction direction);
 
   const ProtocolDescriptor* descriptor_;
   ProtocolConfig config_;
   ExchangeOptions options_;
-  std::vector<std::size_t> part_owners_;  // chain position -> rank (identity without a layout)
+  PartOwners part_owners_;  // chain position -> rank
   std::vector<std::size_t> own_parts_;
   std::optional<Prediction> prediction_;
   ExchangeStats stats_;
@@ -178,5 +191,14 @@ std::unique_ptr<StateExchange> make_state_exchange(const DeviceMesh& mesh,
                                                    const std::string& method,
                                                    long long allgather_group_size = 1,
                                                    ExchangeOptions options = {});
+
+// The configuration make_state_exchange(mesh, method, group_size, options)
+// runs at P = shape.ranks and its prediction, without building it: for auto
+// its own choice (the registry's chooser, from shape.part_owners standing for
+// options.part_owners), else predict() of the named method. Throws what the
+// factory would (unknown method, bad group size, nothing within the memory
+// budget).
+Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
+                            const ExchangeOptions& options);
 
 }  // namespace kdacp

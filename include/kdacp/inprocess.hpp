@@ -9,12 +9,13 @@
 #include <memory>
 
 #include "kdacp/comm.hpp"
+#include "kdacp/defaults.hpp"
 
 namespace kdacp {
 
 struct InProcessOptions {
   // Bound on every blocking wait of every rank of the world.
-  std::chrono::milliseconds timeout{60000};
+  std::chrono::milliseconds timeout = defaults::kTimeout;
 };
 
 class InProcessWorld {

@@ -59,15 +59,8 @@ using Elem = std::type_identity_t<T>;
 template <class T>
 T default_scale(std::size_t key_dim);
 
-// How the functions below compute (SPEC §9). Both give the same results up to
-// rounding (tests: ≤ 1e-10 relative in double, 5e-5 in float); each is
-// bitwise independent of the thread count and the SIMD target.
-//  - recurrent: token by token, rank-1 updates of the K×V state (the reference).
-//  - chunk: chunkwise WY/UT form (flash-linear-attention's `chunk_kda`): per
-//    chunk of kChunkSize tokens a triangular solve and dense C×K, C×C, K×V products;
-//    only one state per chunk crosses chunk boundaries. Every function below
-//    has both (see docs/performance.md for their speed).
-enum class Algorithm { recurrent, chunk };
+// How the functions below compute: Algorithm (kdacp/defaults.hpp), chosen by
+// ExecPolicy::algorithm, default defaults::kAlgorithm.
 
 // Tokens per chunk of Algorithm::chunk (the last chunk of a call may be
 // shorter). Part of the results' definition: it fixes the rounding.
@@ -89,9 +82,6 @@ struct Inputs {
   Shape shape{};
 
   T scale = 0;  // must be finite and positive; see default_scale
-
-  // Carried along by the CP layer and the sequences path (they copy Inputs).
-  Algorithm algorithm = Algorithm::recurrent;
 };
 
 // Throws InvalidArgument (naming `op`, the calling function) unless

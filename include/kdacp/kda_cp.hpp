@@ -22,64 +22,18 @@
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/kda_sequences.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/tensor.hpp"
 
 namespace kdacp::kda {
 
-// Tokens [begin, begin + count) of rank `rank`: the first T mod P ranks take
-// one more. P > T is an InvalidArgument (a rank would hold no token).
-struct TokenSplit {
-  std::size_t begin = 0, count = 0;
-};
-TokenSplit split_tokens(std::size_t tokens, std::size_t ranks, std::size_t rank);
-
-// Copies tokens [begin, begin+count) of a [B,T,inner] tensor into a dense
-// [B,count,inner] one (and back, for outputs).
-template <class T>
-void slice_tokens(const T* full, std::size_t batch, std::size_t tokens, std::size_t inner,
-                  TokenSplit range, T* local);
-template <class T>
-void unslice_tokens(const T* local, std::size_t batch, std::size_t tokens, std::size_t inner,
-                    TokenSplit range, T* full);
-
-// One part of a layout: stream tokens [begin, end) held by `rank`.
-struct LayoutPart {
-  std::size_t rank = 0, begin = 0, end = 0;
-};
-
-// Where the stream's tokens live (SPEC §10): parts in chain order (token
-// order), each a non-empty token range on one rank. A rank holds its parts
-// concatenated in token order in its local tensors.
-class Layout {
- public:
-  // Throws InvalidArgument unless the parts tile [0, T) in order, each is
-  // non-empty, each rank is < ranks and every rank holds a part.
-  Layout(std::size_t ranks, std::vector<LayoutPart> parts);
-  // Part r on rank r with counts[r] tokens; counts empty: the first T mod P
-  // ranks take ⌈T/P⌉ tokens, the others ⌊T/P⌋ (split_tokens; P > T throws).
-  // Given counts must be P entries, each >= 1, summing to T.
-  static Layout contiguous(std::size_t tokens, std::size_t ranks,
-                           std::span<const std::size_t> counts = {});
-  // 2P parts, the first T mod 2P of ⌈T/2P⌉ tokens and the others of ⌊T/2P⌋;
-  // rank r holds parts r and 2P-1-r (the load-balanced layout of causal
-  // softmax-attention CP). T < 2P is an InvalidArgument.
-  static Layout zigzag(std::size_t tokens, std::size_t ranks);
-
-  std::size_t ranks() const { return ranks_; }
-  std::size_t tokens() const { return parts_.back().end; }
-  const std::vector<LayoutPart>& parts() const { return parts_; }
-  // The rank of each part in chain order: ExchangeOptions::part_owners.
-  std::vector<std::size_t> owners() const;
-  // Rank `rank`'s parts in token order, with where each starts in its local
-  // tensors.
-  std::vector<Part> local_parts(std::size_t rank) const;
-  // T_local of rank `rank`: the sum of its parts' lengths.
-  std::size_t local_tokens(std::size_t rank) const;
-
- private:
-  std::size_t ranks_ = 0;
-  std::vector<LayoutPart> parts_;
-};
+// The layout value is the layout module's (layout.hpp).
+using kdacp::Layout;
+using kdacp::LayoutPart;
+using kdacp::slice_tokens;
+using kdacp::split_tokens;
+using kdacp::TokenSplit;
+using kdacp::unslice_tokens;
 
 // A layer call's global token stream, identical on every rank: its sequences
 // (kda::Sequences: packed with cu_seqlens, or one per batch row) and their
@@ -94,8 +48,8 @@ struct Stream {
 struct Saved {
   std::vector<State> transfer;  // M [B,HV,K,K] (zero for a cut part: the exchange does not read it)
   std::vector<State> incoming;  // the incoming state [B,HV,K,V] (backward recomputes from it)
-  // The stream of a sequence forward (none for the forward without one):
-  // backward runs the same parts with the same cuts.
+  // The stream of the forward (for the forward without one, its stream of
+  // one sequence per row): backward runs the same parts with the same cuts.
   std::optional<Stream> stream;
   // What the chunk forward kept for this backward (keep_forward; null
   // otherwise): one record per sequence piece of every part, in order.
@@ -160,11 +114,11 @@ class ContextParallelLayer {
                        long long allgather_group_size = 1, ExchangeOptions options = {},
                        const ExecPolicy& exec = {}, LayerChecks checks = {});
   // The layer for streams laid out by `layout` (P = the mesh's ranks): the
-  // exchange is built with options.part_owners = layout.owners() unless the
-  // layout is one part per rank in rank order (then part_owners stays empty,
-  // so every method runs it). Several parts per rank, or parts out of rank
-  // order, need a method whose registry row takes layouts (p2p, allgather,
-  // auto); make_state_exchange throws InvalidArgument for the others.
+  // exchange is built with options.part_owners = layout.owners(). One part
+  // per rank in rank order runs on every method; several parts per rank, or
+  // parts out of rank order, need a method whose registry row takes layouts
+  // (p2p, allgather, auto); make_state_exchange throws InvalidArgument for
+  // the others.
   ContextParallelLayer(const DeviceMesh& mesh, const std::string& method, const Layout& layout,
                        long long allgather_group_size = 1, ExchangeOptions options = {},
                        const ExecPolicy& exec = {}, LayerChecks checks = {});
@@ -173,9 +127,12 @@ class ContextParallelLayer {
   // holds the r-th run of consecutive tokens (any lengths; the rank needs
   // only its own). in: this rank's chunk, dense [B,T_r,...]; writes o
   // [B,T_r,HV,V]. Needs an exchange of one part per rank in rank order.
+  // The same call as the stream forward below over that stream (the ranks'
+  // T_r all-gathered first): one code path, the same bits.
   Saved forward(const Inputs<T>& in, Elem<T>* o);
   // Gradients of this rank's chunk; grads.d_incoming (optional) receives the
-  // gradient w.r.t. this rank's incoming state.
+  // gradient w.r.t. this rank's incoming state. The stream backward with no
+  // h0, dht or dh0.
   void backward(const Inputs<T>& in, const Saved& saved, const Elem<T>* d_o,
                 const Grads<Elem<T>>& grads);
 
@@ -225,13 +182,19 @@ class ContextParallelLayer {
   // With Algorithm::chunk, forward keeps in its Saved what the backward would
   // recompute (kda::ForwardCache: about 1.25× the rank's q, k, v, g at
   // K = V = 128), so the backward skips that pass; the same bits either way.
-  // Off by default (Saved stays M and the incoming state). The layer reuses
+  // On by default (defaults::kKeepForward; off: Saved stays M and the
+  // incoming state). The layer reuses
   // a cache's buffers once every Saved holding it is gone, so a training
   // loop does not fault fresh pages in every step; forward_cache_bytes()
   // is what the layer holds.
   void keep_forward(bool on) { keep_forward_ = on; }
   bool keeps_forward() const { return keep_forward_; }
   std::size_t forward_cache_bytes() const;
+
+  // The algorithm of the following calls (ExecPolicy::algorithm; the
+  // constructor's exec sets it first). A backward runs with its forward's.
+  void algorithm(Algorithm a) { exec_.algorithm = a; }
+  Algorithm algorithm() const { return exec_.algorithm; }
 
   // LayerChecks::check_finite, for the following calls.
   void check_finite(bool on) { check_finite_ = on; }
@@ -245,6 +208,9 @@ class ContextParallelLayer {
 
   // The calls without a stream run the plain exchange: one part per rank.
   void require_plain(std::size_t rank, const char* op) const;
+  // The stream those calls stand for: one sequence per row over the ranks'
+  // token counts (all-gathered, collective).
+  Stream plain_stream(const Shape& local, const char* op) const;
   // Runs `checks` (this rank's argument checks), then agree() over comm_
   // with `fields` and their error, if any: every rank throws or none.
   void agree_on(const char* op, const Fingerprint& fields, const std::function<void()>& checks) const;
@@ -253,11 +219,10 @@ class ContextParallelLayer {
              ExchangeOptions options, const Layout* layout, const Fingerprint& caller);
 
   std::unique_ptr<StateExchange> exchange_;
-  std::vector<std::size_t> part_owners_;  // the exchange's: chain position -> rank
   std::shared_ptr<Communicator> comm_;  // mesh.group(0): ht / dh0 broadcasts, dht gather
   ExecPolicy exec_;
   PhaseTimes fwd_, bwd_;
-  bool keep_forward_ = false;
+  bool keep_forward_ = defaults::kKeepForward;
   bool check_finite_ = true;
   std::vector<std::shared_ptr<ForwardCache<Elem<T>>>> caches_;
 };

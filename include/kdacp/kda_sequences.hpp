@@ -1,6 +1,7 @@
 // KDA over packed sequences with initial and final states (SPEC §10): the
-// local math each context-parallel rank runs on its parts, and the
-// single-rank path over a whole stream. Definitions: docs/sequences.md.
+// single-rank path over a whole stream. The per-part math each
+// context-parallel rank runs is private to the layer (src/kda/parts.hpp).
+// Definitions: docs/sequences.md.
 //
 // Every call slices the tokens of each piece (below) out of the caller's
 // tensors and runs kda::chunk_summary / forward / backward / incoming_grad on
@@ -30,34 +31,16 @@
 #include <vector>
 
 #include "kdacp/kda.hpp"
+#include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
 
-// The sequences of a stream of B rows of T tokens.
-class Sequences {
- public:
-  // Each row is one sequence: N = B. Throws unless B, T >= 1.
-  Sequences(std::size_t batch, std::size_t tokens);
-  // Packed: N = cu_seqlens.size() - 1 sequences in one row, sequence n being
-  // tokens [c_n, c_{n+1}). Throws InvalidArgument naming the entry unless
-  // B = 1, c_0 = 0, c_n < c_{n+1} and c_N = T.
-  Sequences(std::size_t batch, std::size_t tokens, std::span<const std::int64_t> cu_seqlens);
-  Sequences(std::size_t batch, std::size_t tokens, std::span<const std::int32_t> cu_seqlens);
-
-  bool packed() const { return packed_; }
-  std::size_t batch() const { return batch_; }
-  std::size_t tokens() const { return bounds_.back(); }
-  // N: the leading dimension of h0, ht, dh0 and dht.
-  std::size_t count() const { return packed_ ? bounds_.size() - 1 : batch_; }
-  // Where a row's sequences start, then T: cu_seqlens when packed, {0, T}
-  // otherwise (every row's sequence spans the whole row).
-  const std::vector<std::size_t>& boundaries() const { return bounds_; }
-
- private:
-  std::vector<std::size_t> bounds_;
-  std::size_t batch_ = 1;
-  bool packed_ = false;
-};
+// The stream's sequences and parts are the layout module's (layout.hpp).
+using kdacp::Part;
+using kdacp::part_info;
+using kdacp::PartInfo;
+using kdacp::SequenceRange;
+using kdacp::Sequences;
 
 // Per-sequence states h0, ht, dh0, dht: dense [N,HV,K,V] at `data`, or absent
 // (data == nullptr: h0 and dht are then zero, ht and dh0 not produced). The
@@ -79,99 +62,6 @@ template <class T>
 SequenceStates<T> sequence_states(T* data, const Sequences& seqs, const Shape& shape) {
   return {data, seqs.count(), shape.value_heads, shape.key_dim, shape.value_dim};
 }
-
-// Stream tokens [begin, end) (begin < end <= T), held in the rank's local
-// tensors from token local_begin on.
-struct Part {
-  std::size_t begin = 0, end = 0;
-  std::size_t local_begin = 0;
-};
-
-// Sequences n in [first, first + count).
-struct SequenceRange {
-  std::size_t first = 0, count = 0;
-};
-
-// What the exchange needs to know about a part.
-struct PartInfo {
-  // The part's first token starts a sequence n: its incoming state is h0[n],
-  // it needs nothing from the forward exchange and its G is zero.
-  bool starts_sequence = false;
-  // A sequence start at any token of the part: its outgoing state is b
-  // exactly, whatever enters it (A = 0, SPEC §10).
-  bool cut = false;
-  // The part's last token ends a sequence n: the gradient at the part's end
-  // is dht[n], and the backward exchange's out-gradient for it is zero.
-  bool ends_sequence = false;
-  // Sequences whose first token lies in the part: the dh0 rows part_backward
-  // writes (without cu_seqlens: all B rows when begin = 0).
-  SequenceRange started;
-  // Sequences whose last token lies in the part: the ht rows part_forward
-  // writes and the dht rows the part reads (all B rows when end = T).
-  SequenceRange ended;
-};
-
-// The part's structure; throws unless begin < end <= T.
-PartInfo part_info(const Sequences& seqs, const Part& part);
-
-// Common to the part_* calls: `local` is the rank's local tensors (shape.batch
-// = seqs.batch(), local_begin + end - begin <= shape.tokens); `incoming`,
-// `d_end`, `state`, `transfer` and `g_state` are [B,HV,K,V] (transfer
-// [B,HV,K,K]) like the exchange's summaries; outputs of token fields are
-// written for the part's tokens only, in place in the local tensors.
-// `keep` / `kept` (optional): the ForwardCache of kda::forward / backward,
-// one record per piece of the part, so a backward reads the records its
-// forward wrote when it runs the same parts in the same order.
-
-// The part's affine map for the forward exchange, outgoing = A·incoming + b.
-// Not a cut: `state` = S and `transfer` = M of kda::chunk_summary over the
-// part. A cut: `state` = b, the state after the part's last token when its
-// last piece runs from that piece's h0 row, the very bits part_forward
-// produces there; `transfer` is not written and may be null.
-template <class T>
-PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
-                      SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
-                      const ExecPolicy& exec = {});
-
-// Writes o [B,T_local,HV,V] for the part's tokens and ht rows of the
-// sequences ending in the part (ht.data null: none), each exactly the state
-// after the sequence's last token. `incoming` (the state entering the part's
-// first token) is required unless the part starts a sequence, then unused.
-template <class T>
-PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
-                      const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {},
-                      ForwardCache<Elem<T>>* keep = nullptr);
-
-// G for the backward exchange: the gradient w.r.t. the part's incoming state
-// of the loss on the part's own outputs (o of its tokens, given by d_o, and ht
-// of a sequence ending in its first piece, given by dht), written to g_state.
-// Zero when the part starts a sequence. Does not depend on the incoming state.
-// Cost: kda::incoming_grad over the first piece, or kda::backward over it when
-// that piece ends a sequence and dht is given.
-template <class T>
-PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const Part& part,
-                            const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
-                            Elem<T>* g_state, const ExecPolicy& exec = {});
-
-// Gradients of the loss given d_o [B,T_local,HV,V] for the part's tokens, dht,
-// and d_end = the backward exchange's out-gradient for the part's end (the
-// gradient w.r.t. the state after its last token through later parts; null:
-// zero). At the end of each piece the state gradient entering the reverse
-// sweep is dht[n] when the piece ends sequence n, else d_end; so d_end is
-// unused when the part ends a sequence. Writes dq, dk, dv, dg, dbeta for the
-// part's tokens, dh0 rows of the sequences starting in the part (dh0.data
-// null: none) and, when grads.d_incoming is set, the gradient w.r.t. the
-// part's incoming state (= G + Aᵀ·d_end; when the part starts a sequence n
-// that is dh0[n], the same bits). `incoming` as in part_forward.
-template <class T>
-PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
-                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0,
-                       const Elem<T>* d_o, const Elem<T>* d_end,
-                       SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
-                       SequenceStates<Elem<T>> dh0, const ExecPolicy& exec = {},
-                       std::size_t checkpoint_interval = kDefaultCheckpointInterval,
-                       ForwardCache<Elem<T>>* kept = nullptr);
 
 // The single-rank path: one part covering the whole stream
 // (in.shape.tokens = seqs.tokens()). Writes o and, when requested, ht.

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "kdacp/defaults.hpp"
 #include "kdacp/tensor.hpp"
 
 namespace kdacp {
@@ -32,6 +33,8 @@ std::string simd_target_name();
 struct ExecPolicy {
   ThreadPool* pool = nullptr;  // nullptr: the calling thread only
   KernelKind kernel = KernelKind::best;
+  // How the KDA math computes (kda.hpp); the exchange ignores it.
+  kda::Algorithm algorithm = defaults::kAlgorithm;
 };
 
 // One slab step: C[K×V] = op(M)[K×K]·X[K×V] + S[K×V]; leading dimensions in

@@ -20,7 +20,7 @@ struct LaunchOptions {
   std::string backend = "auto";
   std::size_t ranks = 4;     // in-process ranks (P)
   bool ranks_given = false;  // under a launcher, `ranks` must then equal its world size
-  double timeout_s = 60;     // seconds any rank waits for a peer before failing
+  double timeout_s = defaults::kTimeoutSeconds;  // seconds any rank waits for a peer before failing
 };
 
 // A backend that runs one rank per process.

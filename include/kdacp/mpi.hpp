@@ -26,6 +26,7 @@
 #include <optional>
 
 #include "kdacp/comm.hpp"
+#include "kdacp/defaults.hpp"
 
 namespace kdacp {
 
@@ -64,7 +65,7 @@ class MpiSession {
 
 struct MpiOptions {
   // Bound on every blocking wait (collectives, send/receive completion).
-  std::chrono::milliseconds timeout{60000};
+  std::chrono::milliseconds timeout = defaults::kTimeout;
   // Largest byte count handed to MPI as one count of MPI_BYTE. Larger
   // buffers are described by a derived datatype of chunks of this size (MPI
   // counts are int). Test knob: a small value reaches the > 2 GiB path with

@@ -8,7 +8,7 @@ runs them on torch tensors over a torch.distributed process group:
 docs/python.md describes the API, its errors and how split is done.
 """
 
-from kdacp._kdacp import Error, InvalidArgument, IoError, RemoteError, Timeout, exchange_methods
+from kdacp._kdacp import Error, InvalidArgument, IoError, RemoteError, Timeout, defaults, exchange_methods
 
-__all__ = ["Error", "InvalidArgument", "IoError", "RemoteError", "Timeout", "exchange_methods"]
+__all__ = ["Error", "InvalidArgument", "IoError", "RemoteError", "Timeout", "defaults", "exchange_methods"]
 __version__ = "0.1.0"

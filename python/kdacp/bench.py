@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import kdacp
 import kdacp.torch as kt
 
 
@@ -52,7 +53,8 @@ def _plain_torch(s, m, g, rank, world):
 def _worker(rank, world, init_file, args, out_file):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=kdacp.defaults()["timeout"]))
     gen = torch.Generator().manual_seed(rank)
     b, h, k, v = 1, args.bh, args.key_dim, args.value_dim
     s = torch.randn(b, h, k, v, generator=gen)

@@ -45,7 +45,9 @@ class _SingleProcess:
 SINGLE_PROCESS = _SingleProcess()
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-_DEFAULT_TIMEOUT_S = 60.0
+# kdacp/defaults.hpp, the library's and the CLI's: algorithm, keep_forward, timeout.
+_DEFAULTS = _kdacp.defaults()
+_DEFAULT_TIMEOUT_S = _DEFAULTS["timeout"]
 _EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "calibration",
                      "expected_shape", "timeout", "threads", "check_ranks")
 
@@ -105,7 +107,7 @@ def _parse_bytes(value):
                               name)
 
 
-def _options(options, part_owners=(), expected=None, expected_dtype=None):
+def _options(options, expected=None, expected_dtype=None):
     unknown = sorted(set(options) - set(_EXCHANGE_OPTIONS))
     if unknown:
         raise TypeError(f"unknown exchange option(s) {unknown}, expected some of "
@@ -130,8 +132,7 @@ def _options(options, part_owners=(), expected=None, expected_dtype=None):
         allow_reassociation=bool(options.get("allow_reassociation", False)),
         calibration=calibration,
         expected_shape=shape,
-        expected_dtype=expected_dtype,
-        part_owners=list(part_owners))
+        expected_dtype=expected_dtype)
 
 
 def _segments(options):
@@ -394,7 +395,7 @@ def build_kda_state_cp(group=None, protocol="auto", allgather_group_size=1, **op
     '64MiB'), allow_reassociation, segments (0..16), calibration (a `kdacp
     calibrate` JSON file), expected_shape (B, H, K, V) for auto (without it,
     auto chooses at the first call), timeout (seconds in (0, 86400], default
-    60: every wait on a peer, the first gather over the group included),
+    kdacp.defaults()["timeout"], 120: every wait on a peer, the first gather over the group included),
     threads (0..1024; 0 or absent: torch.get_num_threads()), check_ranks
     (default True: each call first checks that every rank passes the same
     direction and shape, so a mismatch is a ValueError on every rank).
@@ -447,21 +448,28 @@ _LAYERS = {}
 _LAYER_CACHE_SIZE = 16
 
 
-def _zigzag_counts(tokens, ranks):
-    parts = 2 * ranks
-    base, extra = divmod(tokens, parts)
-    sizes = [base + (1 if j < extra else 0) for j in range(parts)]
-    return [sizes[r] + sizes[parts - 1 - r] for r in range(ranks)]
+def _layout(layout, counts):
+    """The C++ layout (kdacp/layout.hpp) of ranks holding `counts` tokens:
+    "contiguous" with those counts, or "zigzag", whose rule lives in C++
+    alone; zigzag's per-rank token counts must then be its own."""
+    ranks, tokens = len(counts), sum(counts)
+    if layout == "contiguous":
+        return _kdacp.Layout.contiguous(tokens, ranks, counts)
+    built = _kdacp.Layout.zigzag(tokens, ranks)
+    want = [built.local_tokens(r) for r in range(ranks)]
+    if counts != want:
+        raise ValueError(f"rank {dist.get_rank()}: zigzag over {ranks} ranks of "
+                         f"{tokens} tokens holds {want} tokens per rank, got {counts}")
+    return built
 
 
-def _layer(backend, key, protocol, group_size, layout, counts, tokens, dtype, options,
-           summary_shape=None):
+def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_shape=None):
     cached = _LAYERS.get(key)
     if cached is not None:
         return cached
     opts = _options(options, expected=summary_shape, expected_dtype=dtype)
-    layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, list(counts),
-                            int(tokens), dtype, opts, _threads(options))
+    layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, dtype, opts,
+                            _threads(options))
     if len(_LAYERS) >= _LAYER_CACHE_SIZE:
         _LAYERS.pop(next(iter(_LAYERS)))
     _LAYERS[key] = layer
@@ -677,7 +685,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
 
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
-        allgather_group_size=1, algorithm="chunk", keep_forward=False, **options):
+        allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
+        keep_forward=_DEFAULTS["keep_forward"], **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -700,10 +709,11 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     must call kda, and its backward, in the same order. algorithm: "chunk"
     (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
     (token by token, the reference); the same results up to rounding, the
-    same on every rank of a group. keep_forward: with "chunk", the forward
-    keeps what its backward would recompute (about 1.25x the local q, k, v,
-    g at K = V = 128) in the autograd context, for a faster backward; the
-    same results either way. options: as build_kda_state_cp.
+    same on every rank of a group. keep_forward (default True, as
+    kdacp.defaults() says): with "chunk", the forward keeps what its backward
+    would recompute (about 1.25x the local q, k, v, g at K = V = 128) in the
+    autograd context, for a faster backward; False saves that memory (a
+    forward without backward, or memory short); the same results either way. options: as build_kda_state_cp.
     """
     if group is SINGLE_PROCESS:
         shape, cu, scale, threads, tensors, h0 = _check_arguments(
@@ -713,7 +723,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
         dtype = _DTYPES[q.dtype]
         key = ("single", dtype, threads)
-        layer = _layer(None, key, "none", 1, layout, [], shape[1], dtype, options)
+        layer = _layer(None, key, "none", 1, None, dtype, options)
     else:
         # The group and timeout first (a rank that cannot reach its peers
         # cannot tell them why); every other check runs locally and its
@@ -759,17 +769,13 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         what = "kda"
         extra = fp.check(backend, what, ok=error is None, error=error, extra=[t_local])
         counts = [int(x) for x in extra[:, 0]]
-        tokens = sum(counts)
-        if layout == "zigzag":
-            want = _zigzag_counts(tokens, backend.size)
-            if counts != want:
-                raise ValueError(f"rank {dist.get_rank()}: zigzag over {backend.size} ranks of "
-                                 f"{tokens} tokens holds {want} tokens per rank, got {counts}")
         key = (id(backend), protocol, width, layout, tuple(counts), dtype,
                tuple(sorted((k_, repr(v_)) for k_, v_ in options.items())))
         key = key + ((b, hv, kd, vd),)
-        layer = _layer(backend, key, protocol, width, layout, counts, tokens,
-                       dtype, options, summary_shape=(b, hv, kd, vd))
+        layer = _LAYERS.get(key)
+        if layer is None:  # the layout is built once per context, with its layer
+            layer = _layer(backend, key, protocol, width, _layout(layout, counts), dtype,
+                           options, summary_shape=(b, hv, kd, vd))
     o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                keep_forward, *tensors, h0)
     return o, (ht if output_final_state else None)

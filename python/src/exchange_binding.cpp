@@ -26,8 +26,7 @@ Direction to_direction(bool forward) { return forward ? Direction::forward : Dir
 ExchangeOptions make_options(std::size_t segments, std::size_t memory_budget_bytes,
                              bool allow_reassociation, const std::string& calibration,
                              const std::optional<std::vector<std::size_t>>& expected_shape,
-                             const std::optional<std::string>& expected_dtype,
-                             const std::vector<std::size_t>& part_owners) {
+                             const std::optional<std::string>& expected_dtype) {
   ExchangeOptions o;
   o.segments = segments;
   o.memory_budget_bytes = memory_budget_bytes;
@@ -45,7 +44,6 @@ ExchangeOptions make_options(std::size_t segments, std::size_t memory_budget_byt
     s.dtype = expected_dtype && *expected_dtype == "float64" ? DType::f64 : DType::f32;
     o.expected_shape = s;
   }
-  o.part_owners = part_owners;
   return o;
 }
 
@@ -135,7 +133,7 @@ py::array inprocess_exchange(const std::string& method, long long group_size,
 void bind_exchange(py::module_& m) {
   m.def("make_options", &make_options, py::arg("segments"), py::arg("memory_budget_bytes"),
         py::arg("allow_reassociation"), py::arg("calibration"), py::arg("expected_shape"),
-        py::arg("expected_dtype"), py::arg("part_owners"));
+        py::arg("expected_dtype"));
   py::class_<ExchangeOptions>(m, "ExchangeOptions");
   py::class_<Exchange>(m, "Exchange")
       .def(py::init<py::object, const std::string&, long long, ExchangeOptions, std::size_t>(),

@@ -6,12 +6,15 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "binding.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/kda_sequences.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
 #include "torch_comm.hpp"
 
@@ -53,24 +56,18 @@ T* mut(py::array& a) {
 class KdaLayer {
  public:
   // backend None: one process, the whole stream local. Otherwise the CP layer
-  // over the group with `layout` ("contiguous" with per-rank token counts, or
-  // "zigzag") of `tokens` stream tokens.
+  // over the group with `layout` (kdacp.Layout, built by the caller once per
+  // context, spanning the group's ranks).
   KdaLayer(py::object backend, const std::string& method, long long group_size,
-           const std::string& layout, const std::vector<std::size_t>& counts,
-           std::size_t tokens, const std::string& dtype, ExchangeOptions options,
+           const std::optional<Layout>& layout, const std::string& dtype, ExchangeOptions options,
            std::size_t threads)
       : pool_(threads), f64_(dtype == "float64") {
     if (backend.is_none()) return;
+    if (!layout) throw InvalidArgument("KdaLayer over a group needs its layout, got None");
     comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
-    const std::size_t ranks = comm_->size();
     py::gil_scoped_release release;  // building the exchange may split: collective
     mesh_ = DeviceMesh::from_group(comm_, comm_->global_ranks(), "cp");
-    if (layout == "contiguous")
-      layout_ = kda::Layout::contiguous(tokens, ranks, counts);
-    else if (layout == "zigzag")
-      layout_ = kda::Layout::zigzag(tokens, ranks);
-    else
-      throw InvalidArgument("layout '" + layout + "', expected 'contiguous' or 'zigzag'");
+    layout_ = *layout;
     if (f64_)
       layer_f64_ = std::make_unique<kda::ContextParallelLayer<double>>(
           *mesh_, method, *layout_, group_size, options, pool_.exec());
@@ -128,13 +125,17 @@ class KdaLayer {
   }
 
   template <class T>
-  kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s,
-                           double scale, kda::Algorithm algorithm) const {
+  kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s, double scale) const {
     if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
-    kda::Inputs<T> in{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
-                      s, static_cast<T>(scale)};
-    in.algorithm = algorithm;
-    return in;
+    return kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
+                          s, static_cast<T>(scale)};
+  }
+
+  // The pool's policy running `algorithm`.
+  ExecPolicy exec_of(kda::Algorithm algorithm) const {
+    ExecPolicy exec = pool_.exec();
+    exec.algorithm = algorithm;
+    return exec;
   }
 
   // The stream's sequences: the whole stream is `tokens` long (the layout's
@@ -154,7 +155,7 @@ class KdaLayer {
                       double scale, const std::optional<std::vector<std::int64_t>>& cu,
                       std::uintptr_t h0p, bool want_ht, kda::Algorithm algorithm, bool keep_forward) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
     kda::validate(in, "kdacp.torch.kda");
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
@@ -175,11 +176,12 @@ class KdaLayer {
       const auto hts = kda::sequence_states(ht_data, seqs, s);
       if (auto* l = layer<T>()) {
         l->keep_forward(keep_forward);
+        l->algorithm(algorithm);
         box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o_data, hts);
       } else {
         std::shared_ptr<kda::ForwardCache<T>> cache;
         if (keep_forward && algorithm == kda::Algorithm::chunk) cache = std::make_shared<kda::ForwardCache<T>>();
-        kda::forward_sequences(in, seqs, h0, o_data, hts, pool_.exec(), cache.get());
+        kda::forward_sequences(in, seqs, h0, o_data, hts, exec_of(algorithm), cache.get());
         if (cache) box->saved.emplace().kept<T>() = cache;
       }
     }
@@ -192,7 +194,7 @@ class KdaLayer {
                        const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
                        std::uintptr_t d_o, std::uintptr_t dhtp, bool want_dh0, kda::Algorithm algorithm) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale, algorithm);
+    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
     const DType dt = f64_ ? DType::f64 : DType::f32;
@@ -216,9 +218,10 @@ class KdaLayer {
       const auto dh0s = kda::sequence_states(dh0_data, seqs, s);
       if (auto* l = layer<T>()) {
         if (!box.saved) throw InvalidArgument("kda backward without the forward's saved state");
+        l->algorithm(algorithm);
         l->backward(in, *box.saved, h0, ptr<T>(d_o), dht, grads, dh0s);
       } else {
-        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, pool_.exec(),
+        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, exec_of(algorithm),
                                 kda::kDefaultCheckpointInterval, box.kept<T>());
       }
     }
@@ -237,20 +240,48 @@ class KdaLayer {
 }  // namespace
 
 void bind_kda(py::module_& m) {
+  // The C++ layout value (kdacp/layout.hpp): Python reads its parts instead
+  // of restating the zigzag or contiguous rule.
+  py::class_<Layout>(m, "Layout")
+      .def_static(
+          "contiguous",
+          [](std::size_t tokens, std::size_t ranks, const std::vector<std::size_t>& counts) {
+            return Layout::contiguous(tokens, ranks, counts);
+          },
+          py::arg("tokens"), py::arg("ranks"), py::arg("counts") = std::vector<std::size_t>{})
+      .def_static("zigzag", &Layout::zigzag, py::arg("tokens"), py::arg("ranks"))
+      .def_property_readonly("ranks", &Layout::ranks)
+      .def_property_readonly("tokens", &Layout::tokens)
+      .def_property_readonly("owners", [](const Layout& l) { return l.owners().list(); })
+      .def_property_readonly("parts",
+                             [](const Layout& l) {
+                               std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> out;
+                               for (const LayoutPart& p : l.parts()) out.emplace_back(p.rank, p.begin, p.end);
+                               return out;
+                             })
+      .def("local_tokens", &Layout::local_tokens, py::arg("rank"))
+      .def("local_parts",
+           [](const Layout& l, std::size_t rank) {
+             std::vector<std::pair<std::size_t, std::size_t>> out;
+             for (const Part& p : l.local_parts(rank)) out.emplace_back(p.begin, p.end);
+             return out;
+           },
+           py::arg("rank"))
+      .def("__str__", &Layout::str)
+      .def("__repr__", [](const Layout& l) { return "<kdacp Layout " + l.str() + ">"; });
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
-      .def(py::init<py::object, const std::string&, long long, const std::string&,
-                    const std::vector<std::size_t>&, std::size_t, const std::string&,
-                    ExchangeOptions, std::size_t>(),
+      .def(py::init<py::object, const std::string&, long long, const std::optional<Layout>&,
+                    const std::string&, ExchangeOptions, std::size_t>(),
            py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"),
-           py::arg("counts"), py::arg("tokens"), py::arg("dtype"), py::arg("options"),
-           py::arg("threads"))
+           py::arg("dtype"), py::arg("options"), py::arg("threads"))
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
-           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"), py::arg("algorithm") = "recurrent",
-           py::arg("keep_forward") = false)
+           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
+           py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
+           py::arg("keep_forward") = defaults::kKeepForward)
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
            py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
-           py::arg("want_dh0"), py::arg("algorithm") = "recurrent")
+           py::arg("want_dh0"), py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm))
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
       .def("times", &KdaLayer::times, py::arg("forward"));

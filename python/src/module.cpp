@@ -7,7 +7,9 @@
 #include <pybind11/stl.h>
 
 #include "binding.hpp"
+#include "kdacp/defaults.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/kda.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/units.hpp"
@@ -127,6 +129,14 @@ void bind_checks(py::module_& m) {
   m.attr("threads_range") = py::make_tuple(kThreadsRange.min, kThreadsRange.max);
   // pipelined_p2p's column segments: at most V / 16 (the CLI's --segments).
   m.attr("segments_range") = py::make_tuple(0, kMaxDim / kDimMultiple);
+  // kdacp/defaults.hpp: the defaults kdacp.torch uses, the library's and the CLI's.
+  m.def("defaults", [] {
+    py::dict d;
+    d["algorithm"] = kda::algorithm_name(defaults::kAlgorithm);
+    d["keep_forward"] = defaults::kKeepForward;
+    d["timeout"] = defaults::kTimeoutSeconds;
+    return d;
+  });
 }
 
 }  // namespace kdacp::python

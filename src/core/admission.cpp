@@ -9,7 +9,6 @@
 #include <optional>
 #include <sstream>
 
-#include "kdacp/protocol.hpp"
 #include "kdacp/units.hpp"
 
 namespace kdacp {
@@ -81,25 +80,6 @@ void require_memory(double need_bytes, std::size_t limit_bytes, const std::strin
   if (need_bytes <= double(limit_bytes)) return;
   throw OutOfMemory(what + " needs " + format_bytes(need_bytes) + ", more than the limit of " +
                     format_bytes(double(limit_bytes)) + " (" + limit_name + ")");
-}
-
-Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
-                            const ExchangeOptions& options) {
-  const ProtocolDescriptor& row = find_protocol(method);
-  if (!row.chooser()) {
-    if (group_size < 1)
-      throw InvalidArgument("group size is " + std::to_string(group_size) + ", expected a positive divisor of P");
-    return predict(options.cost, shape,
-                   ProtocolConfig{method, static_cast<std::size_t>(group_size), options.segments});
-  }
-  // As auto does: with a layout, only the rows that take layouts.
-  Prediction choice = choose_protocol(options.cost, shape, options.memory_budget_bytes, options.allow_reassociation,
-                                      !shape.part_owners.empty());
-  if (find_protocol(choice.config.method).takes_segments && options.segments != 0) {
-    choice.config.segments = options.segments;
-    choice = predict(options.cost, shape, choice.config);
-  }
-  return choice;
 }
 
 double exchange_rank_bytes(const ProblemShape& shape, const Prediction& prediction) {

@@ -16,7 +16,15 @@ class AllGatherExchange final : public CommExchange {
   explicit AllGatherExchange(const ProtocolContext& ctx) : CommExchange(ctx, allgather_protocol) {}
 
  private:
-  State run(const Call& c) override {
+  // The one run: one part per rank takes the chain-of-ranks algorithm
+  // (run_one), several parts per rank or parts out of rank order the
+  // layout's (run_layout); both give the chain-with-cuts bits.
+  std::vector<State> run(const Call& c) override {
+    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
+    return run_layout(c);
+  }
+
+  State run_one(const OnePart& c) {
     PackedSlots gathered(c.shape, size_);
     gathered.pack(rank_, c.offset, c.transfer, c.cut);
     comm_->all_gather(gathered.bytes());
@@ -43,7 +51,7 @@ class AllGatherExchange final : public CommExchange {
   // holds), one collective for all; every part then folds the chain over
   // parts from the nearest cut (or the rank's previous part), one step at a
   // time in chain order.
-  std::vector<State> run_parts(const PartsCall& c) override {
+  std::vector<State> run_layout(const Call& c) {
     const Direction dir = c.direction;
     const std::size_t n = part_count();
     std::vector<std::size_t> held(size_, 0), local(n), slot_of(n);

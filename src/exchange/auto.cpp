@@ -8,8 +8,24 @@
 #include "exchange/common.hpp"
 #include "kdacp/error.hpp"
 
-namespace kdacp::detail {
+namespace kdacp {
+namespace detail {
 namespace {
+
+// auto's rule: the fastest configuration within the budget (choose_protocol),
+// among the rows that take layouts when the layout has several parts on a
+// rank; an explicit segment count overrides the model's (the prediction
+// follows it).
+Prediction auto_choice(const ProblemShape& shape, const ExchangeOptions& o) {
+  Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation,
+                                      has_layout(shape));
+  if (find_protocol(choice.config.method).takes_segments && o.segments != 0) {
+    ProtocolConfig forced = choice.config;
+    forced.segments = o.segments;
+    choice = predict(o.cost, shape, forced);
+  }
+  return choice;
+}
 
 std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
   const ExchangeOptions& o = ctx.options;
@@ -28,15 +44,8 @@ std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
   ProblemShape shape{ctx.size, s.slabs(), s.key_dim, s.value_dim, dtype_size(s.dtype)};
   // The layout is known here; the cuts come with each call.
   shape.part_owners = o.part_owners;
-  Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation,
-                                      !o.part_owners.empty());
+  Prediction choice = auto_choice(shape, o);
   const ProtocolDescriptor& row = find_protocol(choice.config.method);
-  // An explicit segment count overrides the model's (the prediction follows it).
-  if (row.takes_segments && o.segments != 0) {
-    ProtocolConfig forced = choice.config;
-    forced.segments = o.segments;
-    choice = predict(o.cost, shape, forced);
-  }
   ProtocolContext inner = ctx;
   inner.group_size = choice.config.group_size;
   inner.options.segments = choice.config.segments;
@@ -57,4 +66,15 @@ const ProtocolDescriptor auto_protocol{
     .build = build_auto,
 };
 
-}  // namespace kdacp::detail
+}  // namespace detail
+
+Prediction predict_exchange(const ProblemShape& shape, const std::string& method, long long group_size,
+                            const ExchangeOptions& options) {
+  const ProtocolDescriptor& row = find_protocol(method);
+  if (row.chooser()) return detail::auto_choice(shape, options);
+  if (group_size < 1)
+    throw InvalidArgument("group size is " + std::to_string(group_size) + ", expected a positive divisor of P");
+  return predict(options.cost, shape, ProtocolConfig{method, static_cast<std::size_t>(group_size), options.segments});
+}
+
+}  // namespace kdacp

@@ -113,34 +113,20 @@ void save_cost_params(const CostParams& params, const std::string& path) {
   if (!out) throw IoError("cannot write cost parameters to '" + path + "'");
 }
 
-std::vector<std::size_t> zigzag_owners(std::size_t ranks) {
-  std::vector<std::size_t> owners;
-  for (std::size_t r = 0; r < ranks; ++r) owners.push_back(r);
-  for (std::size_t r = ranks; r-- > 0;) owners.push_back(r);
-  return owners;
+PartOwners owners_of(const ProblemShape& s) {
+  if (!s.part_owners) return PartOwners::one_per_rank(s.ranks);
+  if (s.part_owners->ranks() != s.ranks) {
+    std::ostringstream os;
+    os << "cost model: part_owners spans " << s.part_owners->ranks() << " ranks, expected P = " << s.ranks;
+    throw InvalidArgument(os.str());
+  }
+  return *s.part_owners;
 }
 
 ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   const std::size_t p = s.ranks;
-  std::vector<std::size_t> owners = s.part_owners;
-  if (owners.empty())
-    for (std::size_t r = 0; r < p; ++r) owners.push_back(r);
+  const PartOwners owners = owners_of(s);
   const std::size_t n = owners.size();
-  std::vector<std::size_t> held(p, 0);
-  for (std::size_t j = 0; j < n; ++j) {
-    if (owners[j] >= p) {
-      std::ostringstream os;
-      os << "cost model: part_owners[" << j << "] is " << owners[j] << ", expected a rank below P = " << p;
-      throw InvalidArgument(os.str());
-    }
-    ++held[owners[j]];
-  }
-  for (std::size_t r = 0; r < p; ++r)
-    if (held[r] == 0) {
-      std::ostringstream os;
-      os << "cost model: part_owners gives rank " << r << " no part, expected every rank to hold one";
-      throw InvalidArgument(os.str());
-    }
   if (!s.part_cuts.empty() && s.part_cuts.size() != n) {
     std::ostringstream os;
     os << "cost model: part_cuts has " << s.part_cuts.size() << " entries, expected one per part (" << n << ")";
@@ -149,7 +135,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   const std::size_t w = std::max<std::size_t>(1, width);
   ChainProfile out;
   out.parts = n;
-  out.per_rank = *std::max_element(held.begin(), held.end());
+  out.per_rank = owners.max_per_rank();
   std::vector<std::size_t> run_of(n, 0), block_runs(p / w + 1, 0);
   std::size_t run_len = 0;
   out.runs = 0;

@@ -37,9 +37,8 @@ inline double chain_folds(std::size_t p) { return p >= 3 ? dbl(p - 2) : 0; }
 // the first step is the offset itself.
 inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps - 1) : 0; }
 
-// A layout call (ExchangeOptions::part_owners given) runs run_parts, whose
-// buffers the memory terms count; without one the plain call runs.
-inline bool has_layout(const ProblemShape& s) { return !s.part_owners.empty(); }
+// has_layout (cost_model.hpp): a layout call runs the layout algorithm, whose buffers
+// the memory terms count; one part per rank runs the plain call.
 
 // A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
 // a group (Bruck / recursive doubling, what MPI picks for these sizes).

@@ -13,72 +13,51 @@ StateExchange::StateExchange(const detail::ProtocolContext& ctx,
       descriptor_(&descriptor),
       config_{std::string(descriptor.name), descriptor.takes_group_size ? ctx.group_size : 1,
               descriptor.takes_segments ? ctx.options.segments : 0},
-      options_(ctx.options) {
-  part_owners_ = options_.part_owners;
-  if (part_owners_.empty())
-    for (std::size_t r = 0; r < size_; ++r) part_owners_.push_back(r);
-  for (std::size_t j = 0; j < part_owners_.size(); ++j)
-    if (part_owners_[j] == rank_) own_parts_.push_back(j);
-}
-
-std::vector<State> StateExchange::run_parts(const PartsCall&) {
-  throw InvalidArgument("rank " + std::to_string(rank_) + ": protocol '" + method() +
-                        "' does not take layouts with several parts per rank");
-}
+      options_(ctx.options),
+      part_owners_(*ctx.options.part_owners),
+      own_parts_(part_owners_.parts_of(rank_)) {}
 
 std::vector<State> StateExchange::forward(std::span<const PartSummary> parts) {
-  return call_parts(parts, Direction::forward);
+  return call(parts, Direction::forward);
 }
 
 std::vector<State> StateExchange::backward(std::span<const PartSummary> parts) {
-  return call_parts(parts, Direction::backward);
+  return call(parts, Direction::backward);
 }
 
-std::vector<State> StateExchange::call_parts(std::span<const PartSummary> parts,
-                                             Direction direction) {
+State StateExchange::forward(const StateView& s, const StateView& m, PartFlags part) {
+  const PartSummary one{s, m, part};
+  return std::move(call(std::span(&one, 1), Direction::forward).front());
+}
+
+State StateExchange::backward(const StateView& g, const StateView& m, PartFlags part) {
+  const PartSummary one{g, m, part};
+  return std::move(call(std::span(&one, 1), Direction::backward).front());
+}
+
+std::vector<State> StateExchange::call(std::span<const PartSummary> parts, Direction direction) {
   const bool fwd = direction == Direction::forward;
   if (parts.size() != own_parts_.size())
     throw InvalidArgument("rank " + std::to_string(rank_) + ": " + std::to_string(parts.size()) +
                           " parts given, expected the layout's " + std::to_string(own_parts_.size()));
+  // One part per rank: the summary is named as the call's own (S or G).
+  const bool one = part_owners_.is_one_per_rank();
   SummaryShape shape{};
   for (std::size_t i = 0; i < parts.size(); ++i) {
-    const std::string name = std::string(fwd ? "S" : "G") + " of part " + std::to_string(own_parts_[i]);
+    const std::string name =
+        std::string(fwd ? "S" : "G") + (one ? "" : " of part " + std::to_string(own_parts_[i]));
     const SummaryShape s = validate_summary(parts[i].offset, parts[i].transfer, name, rank_);
     if (i > 0 && !(s == shape))
       throw InvalidArgument("rank " + std::to_string(rank_) + ": " + name + " has shape " +
                             to_string(s) + ", expected the shape of the first part, " + to_string(shape));
     shape = s;
   }
-  // One part per rank in rank order is the plain call.
-  if (options_.part_owners.empty()) {
-    std::vector<State> out;
-    out.push_back(call(parts[0].offset, parts[0].transfer, direction, parts[0].flags));
-    return out;
-  }
   detail::CallMeter meter(communicators());
-  std::vector<State> result = run_parts(PartsCall{parts, shape, direction});
+  std::vector<State> result =
+      run(Call{parts, shape, direction, fwd ? detail::kTagForward : detail::kTagBackward});
   std::size_t returned = 0;
   for (const State& s : result) returned += s.bytes();
   stats_ = meter.finish(returned);
-  return result;
-}
-
-State StateExchange::forward(const StateView& s, const StateView& m, PartFlags part) {
-  return call(s, m, Direction::forward, part);
-}
-
-State StateExchange::backward(const StateView& g, const StateView& m, PartFlags part) {
-  return call(g, m, Direction::backward, part);
-}
-
-State StateExchange::call(const StateView& offset, const StateView& m, Direction direction,
-                          PartFlags part) {
-  const bool fwd = direction == Direction::forward;
-  const SummaryShape shape = validate_summary(offset, m, fwd ? "S" : "G", rank_);
-  detail::CallMeter meter(communicators());
-  State result = run(Call{offset, m, shape, direction,
-                          fwd ? detail::kTagForward : detail::kTagBackward, part.cut});
-  stats_ = meter.finish(result);
   return result;
 }
 
@@ -107,23 +86,14 @@ std::unique_ptr<StateExchange> make_state_exchange(const DeviceMesh& mesh,
   if (mesh.ndim() != 1)
     throw InvalidArgument("state exchange mesh has " + std::to_string(mesh.ndim()) +
                           " dims, expected a 1-D chronological CP mesh");
-  if (!options.part_owners.empty()) {
-    std::vector<std::size_t> held(mesh.size(), 0);
-    for (std::size_t j = 0; j < options.part_owners.size(); ++j) {
-      const std::size_t r = options.part_owners[j];
-      if (r >= mesh.size())
-        throw InvalidArgument("part_owners[" + std::to_string(j) + "] is " + std::to_string(r) +
-                              ", expected a rank below the CP size " + std::to_string(mesh.size()));
-      ++held[r];
-    }
-    for (std::size_t r = 0; r < held.size(); ++r)
-      if (held[r] == 0)
-        throw InvalidArgument("part_owners gives rank " + std::to_string(r) +
-                              " no part, expected every rank to hold at least one");
-    if (!row.takes_layouts && !row.chooser())
-      throw InvalidArgument("method '" + method + "' does not take a layout (part_owners), "
-                            "expected one of: " + rows_taking(&ProtocolDescriptor::takes_layouts));
-  }
+  // Explicit from here on: none is one part per rank.
+  if (!options.part_owners) options.part_owners = PartOwners::one_per_rank(mesh.size());
+  if (options.part_owners->ranks() != mesh.size())
+    throw InvalidArgument("part_owners spans " + std::to_string(options.part_owners->ranks()) +
+                          " ranks, expected the CP size " + std::to_string(mesh.size()));
+  if (!options.part_owners->is_one_per_rank() && !row.takes_layouts && !row.chooser())
+    throw InvalidArgument("method '" + method + "' does not take a layout (part_owners), "
+                          "expected one of: " + rows_taking(&ProtocolDescriptor::takes_layouts));
   // Collective slots and p2p peers are group ranks: they must be the
   // chronological positions.
   mesh.validate_order();

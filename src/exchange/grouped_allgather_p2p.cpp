@@ -30,13 +30,21 @@ class GroupedExchange final : public StateExchange {
     return {cp_.get(), intra_.get()};
   }
 
-  State run(const Call& c) override {
+  // The one run: one part per rank takes the chain-of-ranks algorithm
+  // (run_one), several parts per rank or parts out of rank order the
+  // layout's (run_layout); both give the chain-with-cuts bits.
+  std::vector<State> run(const Call& c) override {
+    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
+    return run_layout(c);
+  }
+
+  State run_one(const OnePart& c) {
     return c.direction == Direction::forward ? forward_step(c) : backward_step(c);
   }
 
   // A scan that starts at a cut's slot from no incoming state takes that
   // slot's offset itself as its first state, exactly (SPEC §10).
-  State forward_step(const Call& c) {
+  State forward_step(const OnePart& c) {
     const bool is_owner = rank_ == owner_;
     const bool has_incoming = block_ > 0;
     const bool has_successor = block_ + 1 < blocks_;
@@ -85,7 +93,7 @@ class GroupedExchange final : public StateExchange {
     return result;
   }
 
-  State backward_step(const Call& c) {
+  State backward_step(const OnePart& c) {
     const bool is_owner = rank_ == owner_;
     const bool has_incoming = block_ + 1 < blocks_;  // gradient arriving from the next block
     const bool has_predecessor = block_ > 0;
@@ -132,8 +140,8 @@ class GroupedExchange final : public StateExchange {
   // slots per rank), the owners relay the state entering each of the block's
   // runs of consecutive parts, and every rank folds its parts inside their
   // run, all in the chain's order (layouts.hpp).
-  std::vector<State> run_parts(const PartsCall& c) override {
-    const LayoutIndex layout(part_owners(), size_);
+  std::vector<State> run_layout(const Call& c) {
+    const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, width_, rank_, intra_.get(), cp_.get(), RunRelay::chain,
                                        c.parts, c.shape, c.direction, &options().exec});
   }

@@ -34,7 +34,15 @@ class GroupedRdExchange final : public StateExchange {
     return {intra_.get(), local_ + 1 == width_ ? owners_.get() : nullptr};
   }
 
-  State run(const Call& call) override {
+  // The one run: one part per rank takes the chain-of-ranks algorithm
+  // (run_one), several parts per rank or parts out of rank order the
+  // layout's (run_layout); both within the reassociation bound.
+  std::vector<State> run(const Call& c) override {
+    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
+    return run_layout(c);
+  }
+
+  State run_one(const OnePart& call) {
     const StateView& offset = call.offset;
     const StateView& m = call.transfer;
     const SummaryShape& shape = call.shape;
@@ -93,8 +101,8 @@ class GroupedRdExchange final : public StateExchange {
   // A layout: the block gathers all its ranks' parts in one collective, the
   // owners scan the pairs of the block's runs of consecutive parts, and every
   // rank folds its parts inside their run in the chain's order (layouts.hpp).
-  std::vector<State> run_parts(const PartsCall& c) override {
-    const LayoutIndex layout(part_owners(), size_);
+  std::vector<State> run_layout(const Call& c) {
+    const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, width_, rank_, intra_.get(), owners_.get(),
                                        RunRelay::doubling, c.parts, c.shape, c.direction,
                                        &options().exec});

@@ -15,48 +15,11 @@ class P2PExchange final : public CommExchange {
   explicit P2PExchange(const ProtocolContext& ctx) : CommExchange(ctx, p2p_protocol) {}
 
  private:
-  State run(const Call& c) override {
-    const bool fwd = c.direction == Direction::forward;
-    // Chronological neighbours: forward receives from r-1, sends to r+1.
-    const bool has_prev = fwd ? rank_ > 0 : rank_ + 1 < size_;
-    const bool has_next = fwd ? rank_ + 1 < size_ : rank_ > 0;
-    const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
-    const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
-
-    // Received whole, or the zero state of the chain's first rank.
-    State result = make_state(c.shape, has_prev ? Buffer::Init::uninitialized : Buffer::Init::zero);
-    std::unique_ptr<Request> recv;
-    if (has_prev) recv = comm_->irecv(bytes_of(result), prev, c.tag);
-    if (has_next) {
-      State send;
-      std::span<const std::byte> payload;
-      if (!has_prev || c.cut) {
-        // The first rank of the chain, and a cut, send their offset itself:
-        // never a product with the zero state, and a cut sends before its
-        // own state arrives, so the chain does not wait across it.
-        if (c.offset.is_dense()) {
-          payload = bytes_of(c.offset);
-        } else {
-          send = dense_copy(c.offset);
-          payload = bytes_of(send);
-        }
-      } else {
-        recv->wait();
-        send = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
-        const StateView in = result.view();
-        scan(single_slot(c.offset, c.transfer), 0, 1, c.direction, &in, send.view(), std::nullopt,
-             nullptr, options().exec);
-        payload = bytes_of(send);
-      }
-      comm_->isend(payload, next, c.tag)->wait();
-    }
-    if (recv) recv->wait();
-    return result;
-  }
-
   // The chain over parts: each part receives from the rank holding the part
-  // before it (or takes it locally) and hands its outgoing state on.
-  std::vector<State> run_parts(const PartsCall& c) override {
+  // before it (or takes it locally) and hands its outgoing state on. One
+  // part per rank is the chain over ranks: rank r receives from r-1 and
+  // sends to r+1.
+  std::vector<State> run(const Call& c) override {
     const Direction dir = c.direction;
     const std::size_t n = part_count();
     const std::vector<std::size_t>& own = own_parts();
@@ -82,11 +45,17 @@ class P2PExchange final : public CommExchange {
         sent_states.push_back(std::move(out));
       }
     };
-    // The chain's first part and every cut hand on their offset itself, the
-    // cuts before their own state arrives.
+    // The chain's first part and every cut hand on their offset itself (never
+    // a product with the zero state), the cuts before their own state
+    // arrives, so the chain does not wait across them. A dense offset goes to
+    // another rank as it is, without a copy.
     for (std::size_t i : order) {
       const PartSummary& part = c.parts[i];
-      if ((!chain_prev(own[i], n, dir) || part.flags.cut) && chain_next(own[i], n, dir))
+      const auto next = chain_next(own[i], n, dir);
+      if ((chain_prev(own[i], n, dir) && !part.flags.cut) || !next) continue;
+      if (owner(*next) != rank_ && part.offset.is_dense())
+        sends.push_back(comm_->isend(bytes_of(part.offset), owner(*next), part_tag(*next, dir)));
+      else
         hand_on(i, dense_copy(part.offset));
     }
     for (std::size_t i : order) {

@@ -72,7 +72,15 @@ class PipelinedExchange final : public CommExchange {
     return {static_cast<std::byte*>(b.data), b.slabs() * b.rows * b.cols * dtype_size(b.dtype)};
   }
 
-  State run(const Call& call) override {
+  // The one run: one part per rank takes the chain-of-ranks algorithm
+  // (run_one), several parts per rank or parts out of rank order the
+  // layout's (run_layout); both give the chain-with-cuts bits.
+  std::vector<State> run(const Call& c) override {
+    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
+    return run_layout(c);
+  }
+
+  State run_one(const OnePart& call) {
     const StateView& offset = call.offset;
     const SummaryShape& shape = call.shape;
     const Direction dir = call.direction;
@@ -133,7 +141,7 @@ class PipelinedExchange final : public CommExchange {
   // segments from the rank holding the part before it (or finds them handed
   // on locally), folds and hands each on at once. A rank works through its
   // parts in chain order, so zigzag's second half pipelines like the first.
-  std::vector<State> run_parts(const PartsCall& c) override {
+  std::vector<State> run_layout(const Call& c) {
     const SummaryShape& shape = c.shape;
     const Direction dir = c.direction;
     const auto segs = segments(shape);  // may throw: still before any message

@@ -17,7 +17,15 @@ class RecursiveDoublingExchange final : public CommExchange {
       : CommExchange(ctx, recursive_doubling_protocol) {}
 
  private:
-  State run(const Call& c) override {
+  // The one run: one part per rank takes the chain-of-ranks algorithm
+  // (run_one), several parts per rank or parts out of rank order the
+  // layout's (run_layout); both within the reassociation bound.
+  std::vector<State> run(const Call& c) override {
+    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
+    return run_layout(c);
+  }
+
+  State run_one(const OnePart& c) {
     return rd_exclusive_scan(*comm_, PairView{c.offset, c.transfer, c.cut}, c.shape, c.direction,
                              options().exec, c.tag);
   }
@@ -25,8 +33,8 @@ class RecursiveDoublingExchange final : public CommExchange {
   // A layout: a rank's runs of consecutive parts fold into one pair each,
   // and the scan runs over the chain of those runs, each rank standing for
   // all of its runs (messages between its own runs stay local).
-  std::vector<State> run_parts(const PartsCall& c) override {
-    const LayoutIndex layout(part_owners(), size_);
+  std::vector<State> run_layout(const Call& c) {
+    const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, 1, rank_, nullptr, comm_.get(), RunRelay::doubling,
                                        c.parts, c.shape, c.direction, &options().exec});
   }

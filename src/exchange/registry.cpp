@@ -49,7 +49,7 @@ double error_bound(const ProtocolDescriptor& protocol, const ProblemShape& shape
   if (!protocol.error_bound) return 0.0;
   const ChainProfile chain = chain_profile(shape, 1);
   const std::size_t positions =
-      shape.part_owners.empty() ? shape.ranks
+      !has_layout(shape) ? shape.ranks
                                  : chain.runs << std::min<std::size_t>(chain.longest_run - 1, 40);
   return protocol.error_bound(positions, shape.key_dim);
 }

@@ -1,7 +1,7 @@
 // Internal to the KDA module: the chunkwise (WY/UT) algorithm,
 // Algorithm::chunk (chunk-inl.h has the math). The per-target kernels share
 // these types with the dispatch and threading in chunk.cpp; kda_math.cpp
-// calls the entry points below when Inputs::algorithm is chunk.
+// calls the entry points below when ExecPolicy::algorithm is chunk.
 #pragma once
 
 #include <algorithm>

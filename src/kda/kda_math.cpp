@@ -110,6 +110,13 @@ void require(const void* ptr, const char* op, const char* field) {
                           " is null, expected a pointer to its tensor");
 }
 
+void require_algorithm(Algorithm algorithm, const char* op) {
+  if (algorithm != Algorithm::recurrent && algorithm != Algorithm::chunk)
+    throw InvalidArgument(std::string("kda::") + op + ": algorithm = " +
+                          std::to_string(static_cast<int>(algorithm)) +
+                          ", expected Algorithm::recurrent or Algorithm::chunk");
+}
+
 }  // namespace
 
 // Each participant of the pool takes a contiguous range of (batch, value
@@ -119,9 +126,10 @@ template <class T>
 void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* transfer,
                       const ExecPolicy& exec) {
   validate(in, "chunk_summary");
+  require_algorithm(exec.algorithm, "chunk_summary");
   require(state, "chunk_summary", "state");
   require(transfer, "chunk_summary", "transfer");
-  if (in.algorithm == Algorithm::chunk)
+  if (exec.algorithm == Algorithm::chunk)
     return chunk_summary_chunked(chosen_chunk_kernels<T>(), in, state, transfer, exec);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim, kk = s.key_dim * s.key_dim;
@@ -140,10 +148,11 @@ template <class T>
 void forward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
                 T* final_state, const ExecPolicy& exec, ForwardCache<T>* keep) {
   validate(in, "forward");
+  require_algorithm(exec.algorithm, "forward");
   require(o, "forward", "o");
-  if (in.algorithm == Algorithm::chunk)
+  if (exec.algorithm == Algorithm::chunk)
     return forward_chunked(chosen_chunk_kernels<T>(), in, incoming, o, final_state, exec,
-                           keep ? keep->append(ForwardCache<T>::record_elems(in.shape, in.algorithm))
+                           keep ? keep->append(ForwardCache<T>::record_elems(in.shape, exec.algorithm))
                                 : nullptr);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
@@ -168,6 +177,7 @@ void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
                  const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
                  std::size_t checkpoint_interval, ForwardCache<T>* kept) {
   validate(in, "backward");
+  require_algorithm(exec.algorithm, "backward");
   require(d_o, "backward", "d_o");
   require(grads.dq, "backward", "dq");
   require(grads.dk, "backward", "dk");
@@ -176,10 +186,10 @@ void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
   require(grads.dbeta, "backward", "dbeta");
   if (checkpoint_interval == 0)
     throw InvalidArgument("kda::backward: checkpoint_interval = 0, expected >= 1");
-  if (in.algorithm == Algorithm::chunk)
+  if (exec.algorithm == Algorithm::chunk)
     return backward_chunked(
         chosen_chunk_kernels<T>(), in, incoming, d_o, d_final, grads, exec,
-        kept ? kept->take(ForwardCache<T>::record_elems(in.shape, in.algorithm), "backward") : nullptr);
+        kept ? kept->take(ForwardCache<T>::record_elems(in.shape, exec.algorithm), "backward") : nullptr);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   backward_over_heads<BackwardScratch<T>>(
@@ -196,9 +206,10 @@ template <class T>
 void incoming_grad_on(const Kernels<T>& kern, const Inputs<T>& in, const T* d_o, T* g_state,
                       const ExecPolicy& exec) {
   validate(in, "incoming_grad");
+  require_algorithm(exec.algorithm, "incoming_grad");
   require(d_o, "incoming_grad", "d_o");
   require(g_state, "incoming_grad", "g_state");
-  if (in.algorithm == Algorithm::chunk)
+  if (exec.algorithm == Algorithm::chunk)
     return incoming_grad_chunked(chosen_chunk_kernels<T>(), in, d_o, g_state, exec);
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
@@ -243,10 +254,6 @@ void validate(const Inputs<T>& in, const char* op) {
   if (!std::isfinite(in.scale) || !(in.scale > 0))
     throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
                           ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
-  if (in.algorithm != Algorithm::recurrent && in.algorithm != Algorithm::chunk)
-    throw InvalidArgument(std::string("kda::") + op + ": algorithm = " +
-                          std::to_string(static_cast<int>(in.algorithm)) +
-                          ", expected Algorithm::recurrent or Algorithm::chunk");
 }
 
 const char* algorithm_name(Algorithm algorithm) {

@@ -4,6 +4,8 @@
 // are the bits the kernels give for it.
 #include "kdacp/kda_sequences.hpp"
 
+#include "kda/parts.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <deque>
@@ -13,35 +15,12 @@
 #include <vector>
 
 #include "kdacp/error.hpp"
-#include "kdacp/kda_cp.hpp"
+#include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
 namespace {
 
 std::string str(std::size_t x) { return std::to_string(x); }
-
-template <class Int>
-std::vector<std::size_t> checked_bounds(std::span<const Int> cu, std::size_t batch,
-                                        std::size_t tokens) {
-  const std::string what = "kda::Sequences: ";
-  if (batch != 1)
-    throw InvalidArgument(what + "cu_seqlens given with batch (B) = " + str(batch) +
-                          ", expected B = 1 (packed sequences share one row)");
-  if (cu.size() < 2)
-    throw InvalidArgument(what + "cu_seqlens has " + str(cu.size()) +
-                          " entries, expected N + 1 >= 2");
-  if (cu[0] != 0)
-    throw InvalidArgument(what + "cu_seqlens[0] is " + std::to_string(cu[0]) + ", expected 0");
-  for (std::size_t i = 1; i < cu.size(); ++i)
-    if (cu[i] <= cu[i - 1])
-      throw InvalidArgument(what + "cu_seqlens[" + str(i) + "] is " + std::to_string(cu[i]) +
-                            ", expected > cu_seqlens[" + str(i - 1) +
-                            "] = " + std::to_string(cu[i - 1]));
-  if (static_cast<std::int64_t>(cu.back()) != static_cast<std::int64_t>(tokens))
-    throw InvalidArgument(what + "cu_seqlens[" + str(cu.size() - 1) + "] (the last entry) is " +
-                          std::to_string(cu.back()) + ", expected T = " + str(tokens));
-  return std::vector<std::size_t>(cu.begin(), cu.end());
-}
 
 void require(const void* ptr, const char* op, const char* field) {
   if (ptr == nullptr)
@@ -87,53 +66,6 @@ void check_states(const SequenceStates<T>& st, const Sequences& seqs, const Shap
     throw InvalidArgument(std::string("kda::") + op + ": " + field + " has shape " + dims(got) +
                           ", expected [N,HV,K,V] = " + dims(want));
   }
-}
-
-// Tokens [begin, end) of the stream inside one part, and the boundary
-// segments (sequences; without cu_seqlens the one segment [0, T) stands for
-// every row) whose first or last token they hold.
-struct Piece {
-  std::size_t begin = 0, end = 0;
-  std::optional<std::size_t> starts, ends;
-};
-
-std::vector<Piece> pieces_of(const Sequences& seqs, const Part& part) {
-  const std::vector<std::size_t>& c = seqs.boundaries();
-  std::size_t n = static_cast<std::size_t>(std::upper_bound(c.begin(), c.end(), part.begin) -
-                                           c.begin()) - 1;
-  std::vector<Piece> pieces;
-  for (std::size_t lo = part.begin; lo < part.end; ++n) {
-    Piece p{lo, std::min(part.end, c[n + 1]), std::nullopt, std::nullopt};
-    if (p.begin == c[n]) p.starts = n;
-    if (p.end == c[n + 1]) p.ends = n;
-    pieces.push_back(p);
-    lo = p.end;
-  }
-  return pieces;
-}
-
-// Segments [first, first + count) as sequences.
-SequenceRange as_sequences(const Sequences& seqs, std::size_t first, std::size_t count) {
-  if (seqs.packed()) return {first, count};
-  return count > 0 ? SequenceRange{0, seqs.batch()} : SequenceRange{};
-}
-
-PartInfo info_of(const Sequences& seqs, const std::vector<Piece>& pieces) {
-  PartInfo info;
-  info.starts_sequence = pieces.front().starts.has_value();
-  info.ends_sequence = pieces.back().ends.has_value();
-  // Pieces after the first start consecutive segments, so the segments a
-  // part starts (ends) are a run beginning at the first one it starts (ends).
-  std::optional<std::size_t> first_start, first_end;
-  std::size_t started = 0, ended = 0;
-  for (const Piece& p : pieces) {
-    if (p.starts && started++ == 0) first_start = p.starts;
-    if (p.ends && ended++ == 0) first_end = p.ends;
-  }
-  info.cut = started > 0;
-  info.started = as_sequences(seqs, first_start.value_or(0), started);
-  info.ended = as_sequences(seqs, first_end.value_or(0), ended);
-  return info;
 }
 
 // Segment n's row block of [N,HV,K,V] states: [1,HV,K,V] of sequence n when
@@ -217,8 +149,8 @@ PartInfo forward_impl(const char* op, const Inputs<T>& local, const Sequences& s
   require(o, op, "o");
   check_states(h0, seqs, local.shape, op, "h0");
   check_states(ht, seqs, local.shape, op, "ht");
-  const std::vector<Piece> pieces = pieces_of(seqs, part);
-  const PartInfo info = info_of(seqs, pieces);
+  const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
+  const PartInfo info = part_info(seqs, part);
   if (!info.starts_sequence) require(incoming, op, "incoming (the part continues a sequence)");
   const Shape& s = local.shape;
   for (const Piece& piece : pieces) {
@@ -249,8 +181,8 @@ PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& 
   check_states(h0, seqs, local.shape, op, "h0");
   check_states(dht, seqs, local.shape, op, "dht");
   check_states(dh0, seqs, local.shape, op, "dh0");
-  const std::vector<Piece> pieces = pieces_of(seqs, part);
-  const PartInfo info = info_of(seqs, pieces);
+  const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
+  const PartInfo info = part_info(seqs, part);
   if (!info.starts_sequence) require(incoming, op, "incoming (the part continues a sequence)");
   const Shape& s = local.shape;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
@@ -277,25 +209,6 @@ PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& 
 
 }  // namespace
 
-Sequences::Sequences(std::size_t batch, std::size_t tokens) : batch_(batch) {
-  if (batch == 0) throw InvalidArgument("kda::Sequences: batch (B) = 0, expected >= 1");
-  if (tokens == 0) throw InvalidArgument("kda::Sequences: tokens (T) = 0, expected >= 1");
-  bounds_ = {0, tokens};
-}
-
-Sequences::Sequences(std::size_t batch, std::size_t tokens,
-                     std::span<const std::int64_t> cu_seqlens)
-    : bounds_(checked_bounds(cu_seqlens, batch, tokens)), batch_(batch), packed_(true) {}
-
-Sequences::Sequences(std::size_t batch, std::size_t tokens,
-                     std::span<const std::int32_t> cu_seqlens)
-    : bounds_(checked_bounds(cu_seqlens, batch, tokens)), batch_(batch), packed_(true) {}
-
-PartInfo part_info(const Sequences& seqs, const Part& part) {
-  check_part(seqs, part, "part_info");
-  return info_of(seqs, pieces_of(seqs, part));
-}
-
 template <class T>
 PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
@@ -304,8 +217,8 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
   check_local(local, seqs, part, op);
   require(state, op, "state");
   check_states(h0, seqs, local.shape, op, "h0");
-  const std::vector<Piece> pieces = pieces_of(seqs, part);
-  const PartInfo info = info_of(seqs, pieces);
+  const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
+  const PartInfo info = part_info(seqs, part);
   if (!info.cut) {
     require(transfer, op, "transfer (the part is not a cut)");
     Window<T> w = window_of(local, part, pieces.front());
@@ -338,8 +251,8 @@ PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const
   require(d_o, op, "d_o");
   require(g_state, op, "g_state");
   check_states(dht, seqs, local.shape, op, "dht");
-  const std::vector<Piece> pieces = pieces_of(seqs, part);
-  const PartInfo info = info_of(seqs, pieces);
+  const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
+  const PartInfo info = part_info(seqs, part);
   const Shape& s = local.shape;
   if (info.starts_sequence) {
     std::fill_n(g_state, s.state_elems(), T(0));

@@ -2,9 +2,11 @@
 // columns j of X; each accumulator lane computes acc = S[i][j] then
 // MulAdd(op(M)[i][k], X[k][j], acc) for k = 0..K-1 in order, so the register
 // blocking (kRows rows × 2 vectors) never changes a result. On targets with
-// FMA (HWY_NATIVE_FMA) that is step_scalar's std::fma bit for bit; without
-// it, MulAdd rounds the product first. Included once per Highway target by step_hwy.cpp (and by
-// the tests), hence the toggle guard instead of #pragma once.
+// FMA (HWY_NATIVE_FMA) that is step_scalar's std::fma bit for bit, the same
+// instruction as simd-inl.h's fused_mul_add; without it, MulAdd rounds the
+// product first (simd-inl.h's FMA policy says why it stays so). Included
+// once per Highway target by step_hwy.cpp (and by the tests), hence the
+// toggle guard instead of #pragma once.
 #if defined(KDACP_KERNELS_STEP_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDACP_KERNELS_STEP_INL_H_
 #undef KDACP_KERNELS_STEP_INL_H_

@@ -7,11 +7,16 @@
 
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::testing {
+
+using job::LayerJob;
+using job::LayerOutputs;
+using job::LayerRunOptions;
+
 namespace {
 
 struct Timing {
@@ -84,7 +89,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       for (std::size_t a = 0; a < c.algorithms.size(); ++a) {
         job.algorithm = c.algorithms[a];
         LayerOutputs<float> out =
-            cp ? run_context_parallel(job, c.ranks, opts, c.timeout_s) : run_single(job, single_threads);
+            cp ? job::run_context_parallel(job, c.ranks, opts, c.timeout_s) : job::run_single(job, single_threads);
         const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds, out.summary_seconds};
         times[a].push_back(t);
         if (cp) methods[a] = out.method;
@@ -109,8 +114,8 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       r.gflops = flops / t.total() / 1e9;
       r.peak_fraction = r.gflops / result.peak.gflops;
       r.speedup = base.total() / t.total();
-      r.rel_errors = relative_errors(outputs[a], outputs[0]);
-      r.tolerance = layer_error_tolerance(r.method, r.ranks, s.key_dim);
+      r.rel_errors = job::relative_errors(outputs[a], outputs[0]);
+      r.tolerance = job::layer_error_tolerance(r.method, r.ranks, s.key_dim);
       for (double e : r.rel_errors)
         r.max_rel_error = std::isnan(e) || std::isnan(r.max_rel_error) ? std::numeric_limits<double>::quiet_NaN()
                                                                         : std::max(r.max_rel_error, e);
@@ -126,7 +131,7 @@ std::vector<std::string> layer_bench_failures(const LayerBenchResult& result) {
       result.records.empty() ? "" : kda::algorithm_name(result.records.front().algorithm);
   for (const LayerBenchRecord& r : result.records) {
     std::string what;
-    for (const std::string& e : errors_above(r.rel_errors, r.tolerance)) what += (what.empty() ? "" : ", ") + e;
+    for (const std::string& e : job::errors_above(r.rel_errors, r.tolerance)) what += (what.empty() ? "" : ", ") + e;
     if (!what.empty())
       out.push_back(std::string(r.mode == "cp" ? "context-parallel " : "one rank ") + kda::algorithm_name(r.algorithm) +
                     " vs " + baseline + ": " + what);
@@ -136,22 +141,22 @@ std::vector<std::string> layer_bench_failures(const LayerBenchResult& result) {
 
 double layer_bench_bytes(const LayerBenchConfig& c) {
   const kda::Shape& s = c.shape;
-  const double out = layer_output_bytes(s, true, sizeof(float));
+  const double out = job::layer_output_bytes(s, true, sizeof(float));
   // The job: q, k, v, g, beta (as large as their gradients) and d_o.
   const double job = out + double(s.batch) * double(s.tokens) * double(s.value_heads) * double(s.value_dim) * 4;
   const double kept = double(c.algorithms.size() + 1) * out;
-  double run = c.single ? layer_run_bytes(s, s.batch, 1, true, sizeof(float), 0) : 0.0;
+  double run = c.single ? job::layer_run_bytes(s, s.batch, 1, true, sizeof(float), 0) : 0.0;
   if (c.ranks > 0) {
     ExchangeOptions eo = c.exchange;
-    if (!eo.expected_shape) eo.expected_shape = layer_summary_shape(s);
+    if (!eo.expected_shape) eo.expected_shape = job::layer_summary_shape(s);
     const ProblemShape ps{c.ranks, s.batch * s.value_heads, s.key_dim, s.value_dim, sizeof(float)};
     const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
-    run = std::max(run, layer_run_bytes(s, s.batch, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
+    run = std::max(run, job::layer_run_bytes(s, s.batch, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
   }
   // One forward cache at a time (the largest: the one-rank run's whole stream).
   const bool chunk = std::find(c.algorithms.begin(), c.algorithms.end(), kda::Algorithm::chunk) != c.algorithms.end();
   const double cache = c.keep_forward && chunk
-                           ? layer_cache_bytes(s, kda::Algorithm::chunk, s.tokens, s.batch + c.ranks, sizeof(float))
+                           ? job::layer_cache_bytes(s, kda::Algorithm::chunk, s.tokens, s.batch + c.ranks, sizeof(float))
                            : 0.0;
   return job + kept + run + cache;
 }

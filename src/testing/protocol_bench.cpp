@@ -99,7 +99,7 @@ std::vector<bool> document_cuts(std::size_t parts, std::size_t part_tokens, std:
 }
 
 ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const SummaryShape& shape, double min_time,
-                             const std::vector<std::size_t>& part_owners, const std::vector<bool>& cuts) {
+                             const PartOwners& part_owners, const std::vector<bool>& cuts) {
   std::vector<std::vector<double>> fwd(p), bwd(p);
   std::vector<std::size_t> peak_f(p), peak_b(p), recv_f(p), recv_b(p);
   const std::size_t threads = ThreadPool::default_threads(p);
@@ -125,12 +125,6 @@ ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const Sum
       bparts.push_back({gm[i].offset.view(), sm[i].transfer.view(), flags});
     }
     auto call = [&](Direction dir) {
-      if (part_owners.empty()) {
-        const PartSummary& one = dir == Direction::forward ? fparts[0] : bparts[0];
-        State out = dir == Direction::forward ? ex->forward(one.offset, one.transfer, one.flags)
-                                              : ex->backward(one.offset, one.transfer, one.flags);
-        return out.size();
-      }
       std::vector<State> out = dir == Direction::forward ? ex->forward(fparts) : ex->backward(bparts);
       return out.size();
     };
@@ -190,22 +184,22 @@ std::vector<ProtocolRecord> bench_protocols(const ProtocolBenchConfig& cfg, cons
                                 step_seconds(k, bh, threads, Direction::backward, cfg.min_time / 4)};
       struct Layout {
         std::string name;
-        std::vector<std::size_t> owners;
+        PartOwners owners;
         std::vector<bool> cuts;
       };
-      std::vector<Layout> layouts{{"contiguous", {}, {}}};
+      std::vector<Layout> layouts{{"contiguous", PartOwners::one_per_rank(p), {}}};
       if (cfg.layouts) {
         // T = P·4096 tokens, documents of mean T/(2P) = 2048 tokens.
         constexpr std::size_t kPart = 4096;
-        layouts.push_back({"cuts", {}, document_cuts(p, kPart, kPart / 2, cfg.cut_seed + p)});
-        layouts.push_back({"zigzag", zigzag_owners(p), {}});
-        layouts.push_back({"zigzag+cuts", zigzag_owners(p),
+        layouts.push_back({"cuts", PartOwners::one_per_rank(p), document_cuts(p, kPart, kPart / 2, cfg.cut_seed + p)});
+        layouts.push_back({"zigzag", PartOwners::zigzag(p), {}});
+        layouts.push_back({"zigzag+cuts", PartOwners::zigzag(p),
                            document_cuts(2 * p, kPart / 2, kPart / 2, cfg.cut_seed + p)});
       }
       for (const ProtocolConfig& var : variants(p, k)) {
         double contiguous[2] = {0, 0};
         for (const Layout& layout : layouts) {
-          if (!layout.owners.empty() && !find_protocol(var.method).takes_layouts) continue;
+          if (!layout.owners.is_one_per_rank() && !find_protocol(var.method).takes_layouts) continue;
           const ProtocolTiming got = time_protocol(var, p, shape, cfg.min_time, layout.owners, layout.cuts);
           ProblemShape ps{p, bh, k, k, sizeof(float)};
           ps.part_owners = layout.owners;

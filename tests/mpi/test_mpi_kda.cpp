@@ -18,7 +18,7 @@
 #include "kdacp/mesh.hpp"
 #include "kdacp/mpi.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kda_helpers.hpp"
 
 namespace kdacp::kda {
@@ -112,7 +112,7 @@ TEST(MpiKda, FloatLayerEqualsOneDeviceAndExactProtocolsAgreeBitwise) { check<flo
 // ------------------------------------------------- packed sequences and layouts
 
 template <class T>
-std::vector<std::pair<const char*, const std::vector<T>*>> all_fields(const testing::LayerOutputs<T>& r) {
+std::vector<std::pair<const char*, const std::vector<T>*>> all_fields(const job::LayerOutputs<T>& r) {
   return {{"o", &r.o},   {"dq", &r.dq},       {"dk", &r.dk}, {"dv", &r.dv},
           {"dg", &r.dg}, {"dbeta", &r.dbeta}, {"ht", &r.ht}, {"dh0", &r.dh0}};
 }
@@ -120,9 +120,9 @@ std::vector<std::pair<const char*, const std::vector<T>*>> all_fields(const test
 // T = 37 in packed sequences [0,5) [5,6) [6,17) [17,30) [30,37) (one of a
 // single token), random h0, dht and d_o; grouped value heads, K != V.
 template <class T>
-testing::LayerJob<T> packed_job() {
+job::LayerJob<T> packed_job() {
   const Shape shape{1, 37, 1, 2, 16, 32};
-  testing::LayerJob<T> job;
+  job::LayerJob<T> job;
   job.data = synthetic_layer<T>(shape, 31);
   job.scale = default_scale<T>(shape.key_dim);
   job.cu_seqlens = {0, 5, 6, 17, 30, 37};
@@ -136,12 +136,12 @@ testing::LayerJob<T> packed_job() {
 // Layouts of the matrix on P ranks: contiguous with uneven counts (ranks
 // r < P-1 hold r + 2 tokens, the last the rest, so sequences span several
 // ranks and start or end at rank boundaries) and zigzag.
-std::vector<testing::LayoutSpec> layouts_for(std::size_t p, std::size_t tokens) {
+std::vector<job::LayoutSpec> layouts_for(std::size_t p, std::size_t tokens) {
   std::vector<std::size_t> counts;
   std::size_t used = 0;
   for (std::size_t r = 0; r + 1 < p; ++r) used += counts.emplace_back(r + 2);
   counts.push_back(tokens - used);
-  return {testing::LayoutSpec{false, counts}, testing::LayoutSpec{true, {}}};
+  return {job::LayoutSpec{false, counts}, job::LayoutSpec{true, {}}};
 }
 
 // Every exact protocol and width, over MPI, on every layout its registry row
@@ -152,10 +152,10 @@ template <class T>
 void check_sequences(double tol) {
   auto comm = mpi_world();
   const std::size_t p = comm->size();
-  const testing::LayerJob<T> job = packed_job<T>();
-  const testing::LayerOutputs<T> single = testing::run_single(job, 1);
-  for (const testing::LayoutSpec& layout : layouts_for(p, job.data.shape.tokens)) {
-    std::optional<testing::LayerOutputs<T>> chain;
+  const job::LayerJob<T> job = packed_job<T>();
+  const job::LayerOutputs<T> single = job::run_single(job, 1);
+  for (const job::LayoutSpec& layout : layouts_for(p, job.data.shape.tokens)) {
+    std::optional<job::LayerOutputs<T>> chain;
     for (const ProtocolDescriptor* row : protocol_registry()) {
       if (row->chooser() || !row->exact()) continue;
       if (layout.zigzag && !row->takes_layouts) continue;
@@ -167,12 +167,12 @@ void check_sequences(double tol) {
         const std::string what = std::string(row->name) + " w=" + std::to_string(w) + ", " + layout.name() +
                                  ", P=" + std::to_string(p);
         SCOPED_TRACE(what);
-        testing::LayerRunOptions opts;
+        job::LayerRunOptions opts;
         opts.method = std::string(row->name);
         opts.group_size = w;
         opts.layout = layout;
-        const testing::LayerOutputs<T> local = testing::run_context_parallel(job, p, opts, 60);
-        const auto got = testing::run_context_parallel(comm, job, opts);
+        const job::LayerOutputs<T> local = job::run_context_parallel(job, p, opts, 60);
+        const auto got = job::run_context_parallel(comm, job, opts);
         if (comm->rank() != 0) {
           EXPECT_FALSE(got.has_value());
           continue;

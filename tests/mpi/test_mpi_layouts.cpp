@@ -33,7 +33,7 @@ struct PartResults {
 
 // Runs `config` over `comm` with the layout; fills the positions this rank holds.
 void run_parts(const std::shared_ptr<Communicator>& comm, const Inputs& in, const ProtocolConfig& config,
-               const std::vector<std::size_t>& owners, const std::vector<char>& cuts,
+               const PartOwners& owners, const std::vector<char>& cuts,
                PartResults& out, std::mutex* mu) {
   const std::size_t p = comm->size();
   ExchangeOptions o;
@@ -57,7 +57,7 @@ void run_parts(const std::shared_ptr<Communicator>& comm, const Inputs& in, cons
 }
 
 PartResults in_process_parts(const Inputs& in, std::size_t p, const ProtocolConfig& config,
-                             const std::vector<std::size_t>& owners, const std::vector<char>& cuts) {
+                             const PartOwners& owners, const std::vector<char>& cuts) {
   PartResults out{std::vector<State>(owners.size()), std::vector<State>(owners.size())};
   std::mutex mu;
   run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
@@ -79,12 +79,12 @@ TEST(MpiLayouts, EveryRowWithZigzagAndCutsIsBitwiseInProcess) {
   const SummaryShape shape{1, 2, 16, 32};
   struct Case {
     std::string name;
-    std::vector<std::size_t> owners;
+    PartOwners owners;
     bool cuts;
   };
-  const Case cases[] = {{"zigzag", zigzag_owners(p), false},
-                        {"zigzag", zigzag_owners(p), true},
-                        {"irregular", irregular(p), true}};
+  const Case cases[] = {{"zigzag", PartOwners::zigzag(p), false},
+                        {"zigzag", PartOwners::zigzag(p), true},
+                        {"irregular", PartOwners(p, irregular(p)), true}};
   std::uint64_t seed = 300;
   for (const Case& c : cases) {
     const std::size_t n = c.owners.size();

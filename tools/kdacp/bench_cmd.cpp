@@ -16,7 +16,7 @@
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "layer_flags.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "table.hpp"
@@ -146,7 +146,7 @@ struct LayerArgs {
   std::size_t value_heads = 0;  // 0: H
   std::vector<std::string> algorithms{"recurrent", "chunk"};
   ExchangeFlags exchange;
-  bool json = false, quick = false, quiet = false, recompute = false;
+  bool json = false, quick = false, quiet = false, recompute = !defaults::kKeepForward;
   std::string max_memory;
 };
 
@@ -196,7 +196,7 @@ void print_layer(const nlohmann::json& recs) {
               "reassociating protocol's documented bound), or NaN, fails the command\n",
               r0["flops"].get<double>() / 1e9, r0["peak_gflops"].get<double>(), r0["peak_threads"].get<std::size_t>(),
               r0["target"].get<std::string>().c_str(), r0["baseline"].get<std::string>().c_str(),
-              r0["baseline"].get<std::string>().c_str(), testing::kLayerFloat32Tolerance);
+              r0["baseline"].get<std::string>().c_str(), job::kLayerFloat32Tolerance);
 }
 
 void run_layer(LayerArgs& a) {
@@ -224,7 +224,7 @@ void run_layer(LayerArgs& a) {
   check_threads(std::max<std::size_t>(c.ranks, 1), c.threads_per_rank);
   c.method = a.exchange.protocol;
   c.group_size = a.exchange.group_size;
-  c.exchange = exchange_options(a.exchange, testing::layer_summary_shape(c.shape));
+  c.exchange = exchange_options(a.exchange, job::layer_summary_shape(c.shape));
   std::ostringstream what;
   what << "kdacp bench layer on " << c.ranks << " ranks";
   require_memory(testing::layer_bench_bytes(c), max_memory_bytes(a.max_memory), what.str(),
@@ -237,7 +237,7 @@ void run_layer(LayerArgs& a) {
     std::string what;
     for (const std::string& f : failures) what += "; " + f;
     throw Error("kdacp bench layer: errors are NaN or above their tolerance (" +
-                fmt("%.0e", testing::kLayerFloat32Tolerance) + " plus a reassociating protocol's bound)" + what);
+                fmt("%.0e", job::kLayerFloat32Tolerance) + " plus a reassociating protocol's bound)" + what);
   }
 }
 

@@ -17,7 +17,7 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
-#include "kdacp/testing/layer_npy.hpp"
+#include "kdacp/job_npy.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "layer_flags.hpp"
 
@@ -29,10 +29,10 @@ struct KdaConfig {
   std::string inputs, out, max_memory;
   ExchangeFlags exchange;
   LayoutFlags layout;
-  kda::Algorithm algorithm = kDefaultAlgorithm;
+  kda::Algorithm algorithm = defaults::kAlgorithm;
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
-  bool recompute = false;
+  bool recompute = !defaults::kKeepForward;
 };
 
 // What every rank runs with on `ranks` ranks, after the memory admission
@@ -40,12 +40,12 @@ struct KdaConfig {
 // a launcher, with the layout's part owners. Throws, naming the flag, for a layout that
 // does not fit.
 template <class T>
-testing::LayerRunOptions run_options(const KdaConfig& cfg, const testing::LayerNpy& in,
-                                     const testing::LayerJob<T>& job, std::size_t ranks, double input_bytes) {
+job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in,
+                                     const job::LayerJob<T>& job, std::size_t ranks, double input_bytes) {
   const kda::Shape& s = job.data.shape;
-  SummaryShape summary = testing::layer_summary_shape(s);
+  SummaryShape summary = job::layer_summary_shape(s);
   summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  testing::LayerRunOptions opts;
+  job::LayerRunOptions opts;
   opts.layout = layout_spec(cfg.layout, s.tokens, ranks);
   opts.method = cfg.exchange.protocol;
   opts.group_size = cfg.exchange.group_size;
@@ -59,32 +59,32 @@ testing::LayerRunOptions run_options(const KdaConfig& cfg, const testing::LayerN
     cache_tokens = 0;
     for (std::size_t r = 0; r < ranks; ++r) cache_tokens = std::max(cache_tokens, layout.local_tokens(r));
   }
-  const double cache = job.keep_forward ? testing::layer_cache_bytes(s, job.algorithm, cache_tokens,
+  const double cache = job.keep_forward ? job::layer_cache_bytes(s, job.algorithm, cache_tokens,
                                                                      in.sequences + layout.parts().size(),
                                                                      sizeof(T))
                                         : 0.0;
-  testing::admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, cfg.exchange.protocol,
+  job::admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, cfg.exchange.protocol,
                            cfg.exchange.group_size, opts.exchange, cfg.max_memory, one_rank, cache);
   return opts;
 }
 
 template <class T>
-void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, const testing::LayerNpy& in,
-              const testing::LayerJob<T>& job, const testing::LayerRunOptions& opts) {
+void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, const job::LayerNpy& in,
+              const job::LayerJob<T>& job, const job::LayerRunOptions& opts) {
   const kda::Shape& s = job.data.shape;
   const std::size_t ranks = world->size();
-  const testing::LayoutSpec& layout = opts.layout;
-  const auto out = testing::run_context_parallel(world, job, opts);
+  const job::LayoutSpec& layout = opts.layout;
+  const auto out = job::run_context_parallel(world, job, opts);
   if (!out) return;  // rank 0 writes and reports
   // A NaN or Inf from finite inputs is a failure, not a result: nothing
   // reaches --out (not even the finite files of the same run).
   try {
-    testing::require_finite_outputs(in, *out);
+    job::require_finite_outputs(in, *out);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "; nothing was written to " + cfg.out);
   }
-  StagedOutput staged(cfg.out, testing::kLayerOutputFiles);
-  testing::write_layer_outputs_npy(staged.staging_dir(), in, *out);
+  StagedOutput staged(cfg.out, job::kLayerOutputFiles);
+  job::write_layer_outputs_npy(staged.staging_dir(), in, *out);
   staged.commit();
   std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s, %s algorithm, on P=%zu %s ranks (%s, %s "
               "layout): wrote %s to %s\n",
@@ -96,21 +96,21 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
 }
 
 template <class T>
-void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_bytes) {
+void run_typed(const KdaConfig& cfg, const job::LayerNpy& in, double input_bytes) {
   const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
-  testing::LayerJob<T> job = testing::layer_job<T>(in, scale);
+  job::LayerJob<T> job = job::layer_job<T>(in, scale);
   job.algorithm = cfg.algorithm;
   job.keep_forward = !cfg.recompute && job.grads();
   job.sequences();  // every check of the job before any rank starts
   // In-process, P is known here: check once before the ranks start. Under a
   // launcher every process checks with its world's P before any message.
-  std::optional<testing::LayerRunOptions> opts;
+  std::optional<job::LayerRunOptions> opts;
   if (resolved_backend(cfg.backend) == "inprocess") opts = run_options(cfg, in, job, cfg.backend.ranks, input_bytes);
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
     if (opts) return run_rank<T>(cfg, world, in, job, *opts);
-    testing::LayerRunOptions mine = run_options(cfg, in, job, world->size(), input_bytes);
+    job::LayerRunOptions mine = run_options(cfg, in, job, world->size(), input_bytes);
     // Each process read the whole job itself: the layer's construction compares what they read.
-    mine.agree = testing::layer_npy_fingerprint(in);
+    mine.agree = job::layer_npy_fingerprint(in);
     run_rank<T>(cfg, world, in, job, mine);
   });
 }
@@ -118,10 +118,10 @@ void run_typed(const KdaConfig& cfg, const testing::LayerNpy& in, double input_b
 void run(const KdaConfig& cfg) {
   check_layout_flags(cfg.layout);
   check_threads(ranks_per_process(cfg.backend), cfg.threads);
-  const double input_bytes = testing::layer_npy_bytes(cfg.inputs);
+  const double input_bytes = job::layer_npy_bytes(cfg.inputs);
   require_memory(input_bytes, max_memory_bytes(cfg.max_memory), "reading the inputs of " + cfg.inputs,
                  max_memory_name(cfg.max_memory));
-  const testing::LayerNpy in = testing::read_layer_npy(cfg.inputs);
+  const job::LayerNpy in = job::read_layer_npy(cfg.inputs);
   if (in.q.dtype == DType::f64) {
     run_typed<double>(cfg, in, input_bytes);
   } else {
@@ -134,7 +134,6 @@ void run(const KdaConfig& cfg) {
 void add_kda_command(CLI::App& app) {
   auto cfg = std::make_shared<KdaConfig>();
   cfg->backend.ranks = 1;
-  cfg->backend.timeout_s = 120;
   CLI::App* cmd = app.add_subcommand(
       "kda",
       "run the context-parallel KDA layer on q/k/v/g/beta(.npy) [cu_seqlens, h0, dht, do] and write o, ht "

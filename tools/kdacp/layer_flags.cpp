@@ -45,7 +45,8 @@ CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute) {
   return cmd.add_flag("--recompute", recompute,
                       "chunk algorithm: the backward recomputes the forward's per-chunk states, R, Delta, L and P "
                       "instead of the forward keeping them (about 1.25x the inputs q, k, v, g less memory at "
-                      "K = V = 128, a slower backward); the same results either way");
+                      "K = V = 128, a slower backward); the same results either way; default: " +
+                          std::string(recompute ? "on" : "off (the forward keeps them)"));
 }
 
 void check_layout_flags(const LayoutFlags& flags) {
@@ -53,9 +54,9 @@ void check_layout_flags(const LayoutFlags& flags) {
     throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");
 }
 
-testing::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
+job::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
   check_layout_flags(flags);
-  testing::LayoutSpec spec{flags.layout == "zigzag", flags.split};
+  job::LayoutSpec spec{flags.layout == "zigzag", flags.split};
   try {
     spec.build(tokens, ranks);
   } catch (const InvalidArgument& e) {

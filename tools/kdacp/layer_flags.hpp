@@ -12,23 +12,19 @@
 #include <CLI/CLI.hpp>
 
 #include "kdacp/kda.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 
 namespace kdacp::cli {
-
-// The algorithm `kdacp run` and `kdacp kda` (and so `make run`) use without
-// --algorithm: the one place to change the CLI's default.
-inline constexpr kda::Algorithm kDefaultAlgorithm = kda::Algorithm::chunk;
 
 // Adds --algorithm recurrent|chunk (kda::Algorithm, default `algorithm`'s
 // value); another name throws InvalidArgument naming the flag, the text and
 // the choices (exit status 2).
 CLI::Option* add_algorithm_flag(CLI::App& cmd, kda::Algorithm& algorithm);
 
-// Adds --recompute: with the chunk algorithm the forward normally keeps what
-// its backward would recompute (kda::ForwardCache, LayerJob::keep_forward);
-// --recompute keeps only the incoming states (less memory, a slower
-// backward). The results are the same bits either way.
+// Adds --recompute: with the chunk algorithm the forward keeps what its
+// backward would recompute (kda::ForwardCache, LayerJob::keep_forward,
+// defaults::kKeepForward); --recompute keeps only the incoming states (less
+// memory, a slower backward). The results are the same bits either way.
 CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute);
 
 // Parses an --algorithm value as add_algorithm_flag does (for commands that
@@ -49,7 +45,7 @@ void check_layout_flags(const LayoutFlags& flags);
 // The layout of `tokens` tokens on `ranks` ranks; what Layout rejects (a
 // split that is not P entries, has a zero or does not sum to T; zigzag with
 // T < 2P; P > T) throws InvalidArgument naming the flag.
-testing::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
+job::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
 
 // --seqlens and --docs: packed sequences in one row (`kdacp run`, `kdacp
 // plan`).

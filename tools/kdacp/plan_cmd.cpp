@@ -11,7 +11,7 @@
 #include "commands.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "flags.hpp"
@@ -75,12 +75,13 @@ PlanStream plan_stream(const PlanConfig& c, bool tokens_given) {
 ProblemShape shape_at(const PlanConfig& c, const PlanStream& st, std::size_t ranks) {
   ProblemShape shape{ranks, c.batch * c.heads, c.key_dim, c.value_dim, 4};
   if (st.tokens == 0) {
-    if (c.layout.layout == "zigzag") shape.part_owners = zigzag_owners(ranks);
+    if (c.layout.layout == "zigzag") shape.part_owners = PartOwners::zigzag(ranks);
     return shape;
   }
   const kda::Layout layout = layout_spec(c.layout, st.tokens, ranks).build(st.tokens, ranks);
-  shape.part_owners = testing::exchange_part_owners(layout);
-  shape.part_cuts = testing::layout_cuts(layout, st.cu_seqlens);
+  shape.part_owners = layout.owners();
+  shape.part_cuts = layout.cuts(st.cu_seqlens.empty() ? Sequences(c.batch, st.tokens)
+                                                      : Sequences(1, st.tokens, st.cu_seqlens));
   return shape;
 }
 
@@ -143,7 +144,7 @@ void run_plan(const PlanConfig& cfg, bool tokens_given) {
   const PlanStream st = plan_stream(cfg, tokens_given);
   const ProblemShape shape = shape_at(cfg, st, cfg.ranks);
   // With a layout only the rows that take one run it (auto chooses among them).
-  const bool layouts_only = !shape.part_owners.empty();
+  const bool layouts_only = has_layout(shape);
   const std::size_t budget = cfg.memory_budget.empty() ? 0 : parse_bytes(cfg.memory_budget, "--memory-budget");
   std::printf("cluster: P=%zu, B*H=%zu, K=%zu, V=%zu; alpha %s, bandwidth %.3g GB/s, %.6g GFLOP/s (%s)\n",
               shape.ranks, shape.slabs, shape.key_dim, shape.value_dim,

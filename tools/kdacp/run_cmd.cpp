@@ -18,7 +18,7 @@
 #include "commands.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/testing/bench.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "flags.hpp"
@@ -29,7 +29,7 @@
 namespace kdacp::cli {
 namespace {
 
-using testing::LayerOutputs;
+using job::LayerOutputs;
 
 // Untimed forward+backward steps before each timed one (LayerJob::warmup_steps).
 constexpr std::size_t kWarmupSteps = 1;
@@ -40,10 +40,10 @@ struct RunConfig {
   bool tokens_given = false;
   PackingFlags packing;
   LayoutFlags layout;
-  kda::Algorithm algorithm = kDefaultAlgorithm;
+  kda::Algorithm algorithm = defaults::kAlgorithm;
   std::uint64_t seed = 0;
   std::size_t threads = 0;
-  bool json = false, recompute = false;
+  bool json = false, recompute = !defaults::kKeepForward;
   std::string max_memory;
 
   bool packed() const { return packing.packed(); }
@@ -82,11 +82,11 @@ struct Report {
   void add(const std::string& name, const LayerOutputs<float>& o, bool is_single, const std::string& bitwise) {
     const double gflops = (is_single ? one_flops : cp_flops) / (o.forward_seconds + o.backward_seconds) / 1e9;
     const double share = is_single ? 0.0 : o.exchange_seconds / (o.forward_seconds + o.backward_seconds);
-    const std::vector<double> errs = testing::relative_errors(o, single);
-    const double tolerance = is_single ? 0.0 : testing::layer_error_tolerance(o.method, o.ranks, key_dim);
+    const std::vector<double> errs = job::relative_errors(o, single);
+    const double tolerance = is_single ? 0.0 : job::layer_error_tolerance(o.method, o.ranks, key_dim);
     if (!is_single) {
       for (double e : errs) worst = std::isnan(e) || std::isnan(worst) ? e + worst : std::max(worst, e);
-      const std::vector<std::string> above = testing::errors_above(errs, tolerance);
+      const std::vector<std::string> above = job::errors_above(errs, tolerance);
       std::string what;
       for (const std::string& a : above) what += (what.empty() ? "" : ", ") + a;
       if (!what.empty()) failures.push_back(name + ": " + what);
@@ -166,7 +166,7 @@ void print(const RunConfig& cfg, const kda::Shape& shape, const RunSetup& setup,
               rep.one_flops / 1e9, rep.cp_flops / 1e9, peak.gflops, peak.threads, peak.target.c_str());
   std::printf("tolerance: %.0e relative (float32) plus a reassociating protocol's documented bound; an error "
               "above it, or NaN, fails the run\n",
-              testing::kLayerFloat32Tolerance);
+              job::kLayerFloat32Tolerance);
   std::printf("max rel error %.3e; outputs and gradients bitwise equal across exact protocols: %s\n", rep.worst,
               all_bitwise ? "yes" : "NO");
 }
@@ -178,7 +178,7 @@ void run(RunConfig& cfg) {
   const kda::Shape shape{cfg.batch, cfg.tokens, cfg.heads,
                          cfg.value_heads ? cfg.value_heads : cfg.heads, cfg.key_dim, cfg.value_dim};
   kda::validate(shape);
-  testing::LayerJob<float> job;
+  job::LayerJob<float> job;
   // N is known from the flags: the memory admission comes before the
   // packing is drawn (16M --docs take seconds and a GiB to draw).
   const std::size_t sequences = packed_sequences(cfg.packing, shape.batch, shape.tokens);
@@ -190,11 +190,11 @@ void run(RunConfig& cfg) {
   // In-process, all P ranks' runs are this process's. Under a launcher P is
   // known only in the world, where each process counts its own rank's share
   // (below, before any message).
-  auto admit = [&](const testing::LayoutSpec& layout, std::size_t ranks, bool one_rank_per_process) {
+  auto admit = [&](const job::LayoutSpec& layout, std::size_t ranks, bool one_rank_per_process) {
     std::ostringstream what;
     what << "kdacp run on " << ranks << " ranks";
     if (one_rank_per_process) what << " (one per process, this process's share)";
-    require_memory(testing::compare_protocols_bytes(shape, sequences, ranks, layout, one_rank_per_process,
+    require_memory(job::compare_protocols_bytes(shape, sequences, ranks, layout, one_rank_per_process,
                                                     !cfg.recompute && cfg.algorithm == kda::Algorithm::chunk),
                    max_memory_bytes(cfg.max_memory), what.str(), max_memory_name(cfg.max_memory));
   };
@@ -225,8 +225,8 @@ void run(RunConfig& cfg) {
   if (in_process) generate();
 
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
-    const testing::Progress progress("kdacp run");
-    testing::LayerRunOptions base;
+    const job::Progress progress("kdacp run");
+    job::LayerRunOptions base;
     base.threads_per_rank = per_rank;
     base.layout = layout_spec(cfg.layout, shape.tokens, world->size());
     // Under a launcher each process generates the whole job from its seed:
@@ -237,9 +237,9 @@ void run(RunConfig& cfg) {
       admit(base.layout, world->size(), true);
       generate();
     }
-    const auto cmp = testing::compare_protocols(world, job, base, progress);
+    const auto cmp = job::compare_protocols(world, job, base, progress);
     if (!cmp) return;  // rank 0 reports
-    const auto single = testing::run_single(job, hw);
+    const auto single = job::run_single(job, hw);
     progress.note("single-rank layer done");
     // The machine's FP32 FMA peak with every hardware thread, measured in
     // this run, so the layer's speed reads as a share of what the cores can do.
@@ -258,7 +258,7 @@ void run(RunConfig& cfg) {
       std::string what;
       for (const std::string& f : rep.failures) what += "; " + f;
       throw Error("errors against one device are NaN or above their tolerance (" +
-                  fmt("%.0e", testing::kLayerFloat32Tolerance) + " plus a reassociating protocol's bound)" + what);
+                  fmt("%.0e", job::kLayerFloat32Tolerance) + " plus a reassociating protocol's bound)" + what);
     }
     if (!cmp->all_bitwise) throw Error("exact protocols disagree bitwise");
   });
@@ -268,7 +268,6 @@ void run(RunConfig& cfg) {
 
 void add_run_command(CLI::App& app) {
   auto cfg = std::make_shared<RunConfig>();
-  cfg->backend.timeout_s = 120;
   CLI::App* cmd = app.add_subcommand(
       "run", "the main job: the context-parallel KDA layer for every protocol vs one device");
   add_backend_flags(*cmd, cfg->backend);

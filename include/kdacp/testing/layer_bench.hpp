@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kdacp/defaults.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/testing/bench.hpp"
@@ -34,8 +35,8 @@ struct LayerBenchConfig {
   std::size_t repeats = 3;
   std::uint64_t seed = 0;            // synthetic inputs and d_o (kdacp/testing/synthetic.hpp)
   double peak_seconds = 0.2;         // measure_fma_peak on the hardware threads
-  double timeout_s = 600;            // of a context-parallel rank waiting for a peer
-  bool keep_forward = true;          // LayerJob::keep_forward (chunk: the forward keeps its states)
+  double timeout_s = defaults::kTimeoutSeconds;  // of a context-parallel rank waiting for a peer
+  bool keep_forward = defaults::kKeepForward;  // LayerJob::keep_forward (chunk: the forward keeps its states)
   std::size_t warmup_steps = 1;      // LayerJob::warmup_steps: each timed step follows one untimed
 };
 

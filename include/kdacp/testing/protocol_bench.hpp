@@ -101,10 +101,9 @@ struct ProtocolTiming {
   std::size_t forward_peak = 0, backward_peak = 0;
   std::size_t forward_received_all = 0, backward_received_all = 0;
 };
-// With a layout (`part_owners` not empty) every rank passes its parts; `cuts`
-// (empty: none) are per part in chain order.
+// Every rank passes its parts of `part_owners`; `cuts` (empty: none) are per
+// part in chain order.
 ProtocolTiming time_protocol(const ProtocolConfig& config, std::size_t ranks, const SummaryShape& shape,
-                             double min_time, const std::vector<std::size_t>& part_owners = {},
-                             const std::vector<bool>& cuts = {});
+                             double min_time, const PartOwners& part_owners, const std::vector<bool>& cuts = {});
 
 }  // namespace kdacp::testing

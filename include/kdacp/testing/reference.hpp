@@ -25,7 +25,4 @@ struct ErrorStats {
 // x has ref.size() elements.
 ErrorStats compare(const float* x, const std::vector<double>& ref);
 
-// ||a - b||_F / ||b||_F (||a - b||_F when b is zero); a and b have one size.
-double relative_error(const std::vector<float>& a, const std::vector<float>& b);
-
 }  // namespace kdacp::reference

@@ -1,4 +1,4 @@
-#include "kdacp/testing/layer_npy.hpp"
+#include "kdacp/job_npy.hpp"
 
 #include <cstring>
 #include <filesystem>
@@ -16,7 +16,7 @@
 #include "kdacp/finite.hpp"
 #include "kdacp/protocol.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 namespace {
 
@@ -299,4 +299,4 @@ template void write_layer_outputs_npy<double>(const std::string&, const LayerNpy
 template void require_finite_outputs<float>(const LayerNpy&, const LayerOutputs<float>&);
 template void require_finite_outputs<double>(const LayerNpy&, const LayerOutputs<double>&);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

@@ -2,7 +2,8 @@
 // initial and final states, any layout (SPEC §10) — on any Communicator
 // (in-process ranks or one process per rank) and collects outputs and
 // gradients in the global layout, to compare it with one device or another
-// implementation (`kdacp run`, `kdacp kda`). Part of kdacp_testing.
+// implementation (`kdacp run`, `kdacp kda`). The job module of the core
+// library (src/job/): no MPI, no torch.
 #pragma once
 
 #include <chrono>
@@ -14,9 +15,10 @@
 
 #include "kdacp/comm.hpp"
 #include "kdacp/cost_model.hpp"
+#include "kdacp/defaults.hpp"
 #include "kdacp/kda_cp.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 // How the stream's tokens are laid out over the ranks.
 struct LayoutSpec {
@@ -45,13 +47,13 @@ struct LayerJob {
   std::vector<T> dht;                    // [N,HV,K,V]; empty: zero
   // Produce ht (and, with d_o, dh0).
   bool final_states = true;
-  // How the layer computes (kda::Inputs::algorithm), on one device and on
+  // How the layer computes (ExecPolicy::algorithm), on one device and on
   // every rank alike.
-  kda::Algorithm algorithm = kda::Algorithm::recurrent;
+  kda::Algorithm algorithm = defaults::kAlgorithm;
   // With chunk: the forward keeps what the backward recomputes
   // (kda::ForwardCache; ContextParallelLayer::keep_forward), for a faster
   // backward at ≈ 1.25× the inputs' memory (layer_cache_bytes).
-  bool keep_forward = false;
+  bool keep_forward = defaults::kKeepForward;
   // Untimed forward+backward steps before the timed one, on the same layer
   // and buffers (a training loop's steady state: no fresh pages, the
   // forward cache reused); the outputs are the same bits either way.
@@ -122,22 +124,10 @@ template <class T>
 LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
                                      double timeout_s);
 
-// The exchange's part owners for `layout` as the layer builds it
-// (ContextParallelLayer): layout.owners(), left empty when that is one part
-// per rank in rank order (the plain exchange every method runs).
-std::vector<std::size_t> exchange_part_owners(const kda::Layout& layout);
-
-// Which parts of `layout` are cuts (kda::PartInfo::cut: a sequence starts at
-// one of its tokens), in chain order, for the packed sequences `cu_seqlens`
-// (0 = c_0 < ... < c_N = T) or, when empty, one sequence per row (only the
-// first part starts one). Throws InvalidArgument for cu_seqlens that do not
-// end at the layout's T.
-std::vector<bool> layout_cuts(const kda::Layout& layout, const std::vector<std::int64_t>& cu_seqlens);
-
 // What the cost model knows of the layer's exchange on `layout`: P, B·HV, K,
-// V, elem_bytes and part_owners = exchange_part_owners(layout). The cuts are
-// left out: auto chooses when the layer is built, before any call brings
-// them (set part_cuts with layout_cuts to price a given packing).
+// V, elem_bytes and part_owners = layout.owners(). The cuts are left out:
+// auto chooses when the layer is built, before any call brings them (set
+// part_cuts with Layout::cuts to price a given packing).
 ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout);
 
 // Bytes of o and, with grads, of the gradients (as large as the inputs
@@ -251,6 +241,6 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
 // whose caches (layer_cache_bytes) are counted too.
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
                                const LayoutSpec& layout = {}, bool one_rank_per_process = false,
-                               bool keep_forward = false);
+                               bool keep_forward = defaults::kKeepForward);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

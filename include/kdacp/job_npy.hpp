@@ -1,6 +1,6 @@
 // The KDA layer's inputs and outputs as .npy files in flash-linear-attention's
 // layout (SPEC §9), for comparison with other implementations (`kdacp kda`).
-// Part of kdacp_testing.
+// The job module of the core library (src/job/).
 #pragma once
 
 #include <cstdint>
@@ -10,9 +10,9 @@
 
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/npy.hpp"
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 // q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy
 // [B,T,HV] and optional do.npy [B,T,HV,V], all float32 or all float64;
@@ -85,4 +85,4 @@ void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const L
 template <class T>
 void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

@@ -1,4 +1,4 @@
-#include "kdacp/testing/layer_runner.hpp"
+#include "kdacp/job.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -17,10 +17,9 @@
 #include "kdacp/inprocess.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/reference.hpp"
 #include "kdacp/thread_pool.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::job {
 
 kda::Layout LayoutSpec::build(std::size_t tokens, std::size_t ranks) const {
   if (!zigzag) return kda::Layout::contiguous(tokens, ranks, counts);
@@ -163,9 +162,8 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
   LayerOutputs<T> r = allocate_outputs(job);
   r.method = "single";
   auto in = job.data.inputs(job.scale);
-  in.algorithm = job.algorithm;
   ThreadPool pool(threads);
-  const ExecPolicy exec{&pool};
+  const ExecPolicy exec{&pool, KernelKind::best, job.algorithm};
   kda::ForwardCache<T> cache;
   kda::ForwardCache<T>* keep = job.keep_forward && job.grads() ? &cache : nullptr;
   for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
@@ -205,7 +203,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   kda::LayerChecks checks;
   checks.agree = options.agree;
   kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
-                                     ExecPolicy{&pool, eo.exec.kernel}, checks);
+                                     ExecPolicy{&pool, eo.exec.kernel, job.algorithm}, checks);
   layer.keep_forward(job.keep_forward && job.grads());
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);
@@ -221,8 +219,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   const std::vector<T> q = local(job.data.q, qk), k = local(job.data.k, qk), v = local(job.data.v, vv),
                        g = local(job.data.g, gk), beta = local(job.data.beta, s.value_heads),
                        d_o = grads ? local(job.d_o, vv) : std::vector<T>{};
-  kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
-  in.algorithm = job.algorithm;
+  const kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
   // ht's gradient is the sum over ranks of each rank's dht: rank 0 carries
   // the job's, the others zero, so the sum is the job's dht bit for bit.
   const std::vector<T> dht = job.dht.empty() || rank == 0 ? job.dht : std::vector<T>(job.dht.size());
@@ -323,46 +320,16 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
   return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
 }
 
-std::vector<std::size_t> exchange_part_owners(const kda::Layout& layout) {
-  std::vector<std::size_t> owners = layout.owners();
-  bool plain = owners.size() == layout.ranks();
-  for (std::size_t j = 0; plain && j < owners.size(); ++j) plain = owners[j] == j;
-  return plain ? std::vector<std::size_t>{} : owners;
-}
-
-std::vector<bool> layout_cuts(const kda::Layout& layout, const std::vector<std::int64_t>& cu_seqlens) {
-  const std::vector<kda::LayoutPart>& parts = layout.parts();
-  std::vector<bool> cuts(parts.size(), false);
-  if (cu_seqlens.empty()) {
-    cuts.front() = true;  // every row's sequence starts at token 0
-    return cuts;
-  }
-  if (cu_seqlens.front() != 0 || cu_seqlens.back() != static_cast<std::int64_t>(layout.tokens())) {
-    std::ostringstream what;
-    what << "cu_seqlens run from " << cu_seqlens.front() << " to " << cu_seqlens.back() << ", expected 0 to T = "
-         << layout.tokens();
-    throw InvalidArgument(what.str());
-  }
-  // A part is a cut when a sequence start c_n (n < N) lies in [begin, end).
-  const auto starts_end = cu_seqlens.end() - 1;
-  for (std::size_t j = 0; j < parts.size(); ++j) {
-    const auto it = std::lower_bound(cu_seqlens.begin(), starts_end, static_cast<std::int64_t>(parts[j].begin));
-    cuts[j] = it != starts_end && *it < static_cast<std::int64_t>(parts[j].end);
-  }
-  return cuts;
-}
-
 ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout) {
   ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
-  ps.part_owners = exchange_part_owners(layout);
+  ps.part_owners = layout.owners();
   return ps;
 }
 
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
                         std::size_t elem_bytes, double rank_exchange_bytes) {
-  std::size_t local = 0, parts = 0;
-  std::vector<std::size_t> held(layout.ranks(), 0);
-  for (const kda::LayoutPart& part : layout.parts()) parts = std::max(parts, ++held[part.rank]);
+  std::size_t local = 0;
+  const std::size_t parts = layout.owners().max_per_rank();
   for (std::size_t r = 0; r < layout.ranks(); ++r) local = std::max(local, layout.local_tokens(r));
   const double share = double(local) / double(s.tokens);
   const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
@@ -390,13 +357,28 @@ double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t r
   return tensors + states + sequence_states + double(ranks) * rank_exchange_bytes;
 }
 
+namespace {
+
+// ||a - b||_F / ||b||_F (||a - b||_F when b is zero); a and b have one size.
+double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace
+
 std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want) {
   std::vector<double> errs;
   for (auto [a, b] : {std::pair{&got.o, &want.o}, {&got.dq, &want.dq}, {&got.dk, &want.dk},
                       {&got.dv, &want.dv}, {&got.dg, &want.dg}, {&got.dbeta, &want.dbeta}})
-    errs.push_back(reference::relative_error(*a, *b));
-  if (!got.ht.empty() && !want.ht.empty()) errs.push_back(reference::relative_error(got.ht, want.ht));
-  if (!got.dh0.empty() && !want.dh0.empty()) errs.push_back(reference::relative_error(got.dh0, want.dh0));
+    errs.push_back(relative_error(*a, *b));
+  if (!got.ht.empty() && !want.ht.empty()) errs.push_back(relative_error(got.ht, want.ht));
+  if (!got.dh0.empty() && !want.dh0.empty()) errs.push_back(relative_error(got.dh0, want.dh0));
   return errs;
 }
 
@@ -449,10 +431,7 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
   if (!job.grads()) throw InvalidArgument("compare_protocols: the job has no d_o (it compares gradients too)");
   // A layout with several parts on a rank, or parts out of rank order, runs
   // only on protocols whose registry row takes layouts.
-  const std::vector<std::size_t> owners = base.layout.build(job.data.shape.tokens, ranks).owners();
-  std::vector<std::size_t> identity(ranks);
-  std::iota(identity.begin(), identity.end(), std::size_t{0});
-  const bool plain = owners == identity;
+  const bool plain = base.layout.build(job.data.shape.tokens, ranks).owners().is_one_per_rank();
   ProtocolComparison cmp;
   for (const ProtocolDescriptor* row : protocol_registry()) {
     if (row->chooser()) continue;
@@ -502,7 +481,7 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, s
   const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
   // compare_protocols runs only the rows that take the layout when it is not
   // the plain one.
-  const bool plain = ps.part_owners.empty();
+  const bool plain = !has_layout(ps);
   Prediction hungriest;
   std::size_t protocols = 0;
   for (const Prediction& p : predict_all(CostParams{}, ps, true)) {
@@ -541,4 +520,4 @@ template LayerOutputs<float> run_context_parallel<float>(const LayerJob<float>&,
 template LayerOutputs<double> run_context_parallel<double>(const LayerJob<double>&, std::size_t,
                                                            const LayerRunOptions&, double);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::job

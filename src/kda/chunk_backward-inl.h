@@ -1,0 +1,401 @@
+// Per-target backward kernel of the chunkwise algorithm (chunk-inl.h has
+// the math): the adjoint of chunk_forward-inl.h, one head at a time.
+// Included once per Highway target, hence the toggle guard instead of
+// #pragma once.
+#if defined(KDACP_KDA_CHUNK_BACKWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KDA_CHUNK_BACKWARD_INL_H_
+#undef KDACP_KDA_CHUNK_BACKWARD_INL_H_
+#else
+#define KDACP_KDA_CHUNK_BACKWARD_INL_H_
+#endif
+
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <type_traits>
+
+#include "kda/chunk.hpp"
+#include "kda/chunk_exact-inl.h"
+#include "kda/chunk_forward-inl.h"
+#include "kda/chunk_solve-inl.h"
+#include "kda/kda_kernels.hpp"
+#include "kernels/gemm-inl.h"
+#include "kernels/simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+namespace kdacp::kda::detail::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gemm-inl.h
+
+// backward of one head. Pass 1 runs the chunks forward from `incoming` and
+// keeps the record of chunk_saved_layout (the state entering each chunk, R,
+// Δ, L and P), unless the forward kept it (`kept`: the same bits); pass 2
+// walks the chunks backwards with the state gradient dS, recomputing each
+// chunk's element-wise factors (decays, Kg, Qg, Kr), and applies the adjoint of every line of the forward (chunk-inl.h's header):
+//   dΔ = scale Pᵀ dO + Kr dS,   dP = scale dO Δᵀ,   dQg = scale dO S_0ᵀ,
+//   dKr = Δ dSᵀ,   da_c = rowsum(dS ⊙ S_0),
+//   Z = (I + Diag(β) L)⁻ᵀ dΔ,   dR = dV = Diag(β) Z,   dKg = -dR S_0ᵀ,
+//   dβ_t = Z_t·R_t - Σ_{s<t} (Z_t·Δ_s) L_ts,   dL_ts = -β_t Z_t·Δ_s,
+//   dS ← scale Qgᵀ dO + Diag(a_c) dS - Kgᵀ dR   (Kgᵀ dR = Wᵀ dΔ),
+// then the decay factors: every factor is exp of a difference of cumulative
+// log-decays γ, so each product x = k ⊙ e^{γ_a - γ_b} gives dk = dx ⊙ e^{..},
+// dγ_a += dx ⊙ x, dγ_b -= dx ⊙ x; the sub-chunk reference γ_b of L and P
+// cancels exactly (its two contributions are the same sum) and is skipped.
+// Finally dg_t = Σ_{r ≥ t in the chunk} dγ_r.
+template <class T>
+void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
+                         std::size_t vd, T scale, const T* incoming, const T* d_o,
+                         std::size_t do_stride, const T* d_final, const HeadGrads<T>& out,
+                         ChunkWork<T>& w, ChunkBackWork<T>& bw, const T* kept) {
+  const std::size_t kv = kd * vd;
+  const std::size_t n_chunks = (tokens + kChunk - 1) / kChunk;
+  w.resize(kd, vd);
+  bw.resize(kd, vd);
+  // Pass 1 (unless the forward kept it): the head's record of
+  // chunk_saved_layout, by the forward itself without outputs.
+  const ChunkSavedLayout lay = chunk_saved_layout(tokens, kd, vd);
+  if (kept == nullptr) {
+    if (bw.record.size() < lay.total) bw.record.resize(lay.total);
+    chunk_forward_head(h, tokens, kd, vd, scale, incoming, static_cast<T*>(nullptr), 0,
+                       static_cast<T*>(nullptr), w, bw.record.data());
+    kept = bw.record.data();
+  }
+  const T* states = kept + lay.states;
+  const T* rs = kept + lay.r;
+  const T* deltas = kept + lay.delta;
+
+  T* ds = bw.ds.data();  // dS at the end of the current chunk
+  for (std::size_t i = 0; i < kv; ++i) ds[i] = d_final ? d_final[i] : T(0);
+  for (std::size_t ci = n_chunks; ci-- > 0;) {
+    const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
+    chunk_prepare(h, t0, c, kd, vd, 0, 0, w, static_cast<const T*>(nullptr), Factors::none);
+    const T* lp = kept + lay.factors + ci * 2 * kChunk * kChunk;
+    std::copy_n(lp, c * kChunk, w.L.data());
+    std::copy_n(lp + kChunk * kChunk, c * kChunk, w.P.data());
+    const T* s0 = states + ci * kv;
+    const T* k = w.k.data();
+    const T* q = w.q.data();
+    const T* al = w.alpha.data();
+    const T* HWY_RESTRICT rr = rs + t0 * vd;      // R, c×V
+    const T* HWY_RESTRICT dl = deltas + t0 * vd;  // Δ, c×V
+    T* HWY_RESTRICT dob = bw.dob.data();
+    for (std::size_t t = 0; t < c; ++t)
+      for (std::size_t j = 0; j < vd; ++j) dob[t * vd + j] = d_o[(t0 + t) * do_stride + j];
+    // Transposes: S_0ᵀ, dSᵀ (V×K), Δᵀ (V×c).
+    T* HWY_RESTRICT s0t = bw.s0t.data();
+    T* HWY_RESTRICT dst = bw.dst.data();
+    transpose(s0, kd, vd, vd, s0t, kd);
+    transpose(ds, kd, vd, vd, dst, kd);
+    T* HWY_RESTRICT dlt = bw.dlt.data();
+    transpose(dl, c, vd, vd, dlt, c);
+
+    // dΔ = scale Pᵀ dO + Kr dS.
+    T* dd = bw.dd.data();
+    gemm<GemmOp::set, Tri::upper_a>(c, vd, c, w.P.data(), std::size_t{1}, kChunk, dob, vd, dd,
+                                     vd);
+    for (std::size_t i = 0; i < c * vd; ++i) dd[i] = scale * dd[i];
+    gemm<GemmOp::add>(c, vd, kd, w.kr.data(), kd, std::size_t{1}, ds, vd, dd, vd);
+    // dP = scale dO Δᵀ (lower, incl. the diagonal), dQg = scale dO S_0ᵀ, dKr = Δ dSᵀ.
+    T* dP = bw.dP.data();  // c×c
+    gemm<GemmOp::set, Tri::lower_c>(c, c, vd, dob, vd, std::size_t{1}, dlt, c, dP, c);
+    for (std::size_t i = 0; i < c * c; ++i) dP[i] = scale * dP[i];
+    T* HWY_RESTRICT dqg = bw.dqg.data();
+    gemm<GemmOp::set>(c, kd, vd, dob, vd, std::size_t{1}, s0t, kd, dqg, kd);
+    for (std::size_t i = 0; i < c * kd; ++i) dqg[i] = scale * dqg[i];
+    T* HWY_RESTRICT dkr = bw.dkr.data();
+    gemm<GemmOp::set>(c, kd, vd, dl, vd, std::size_t{1}, dst, kd, dkr, kd);
+    // da_c.
+    T* dac = bw.dac.data();
+    for (std::size_t i = 0; i < kd; ++i) dac[i] = lane_dot(ds + i * vd, s0 + i * vd, vd);
+    // Z = (I + Diag(β) L)⁻ᵀ dΔ (chunk_solve_adjoint); then dR = Diag(β) Z.
+    T* Z = bw.z.data();  // c×V
+    for (std::size_t i = 0; i < c * vd; ++i) Z[i] = dd[i];
+    chunk_solve_adjoint(c, Z, vd, vd, bw.lb.data(), w);
+    // M1 = Z Δᵀ (c×c, the strictly lower part is used).
+    T* m1 = bw.m1.data();
+    gemm<GemmOp::set, Tri::lower_c>(c, c, vd, Z, vd, std::size_t{1}, dlt, c, m1, c);
+    // dβ, dv (= dR), dL; dKg = -dR S_0ᵀ.
+    T* HWY_RESTRICT dkg = bw.dkg.data();
+    T* HWY_RESTRICT dL = bw.dL.data();  // c×c
+    T* dR = bw.xt.data();  // c×V: dR
+    for (std::size_t t = 0; t < c; ++t) {
+      const T bt = w.beta[t];
+      const T* zt = Z + t * vd;
+      const T* rt = rr + t * vd;
+      out.dbeta[(t0 + t) * out.beta_stride] =
+          lane_dot(zt, rt, vd) - lane_dot(m1 + t * c, w.L.data() + t * kChunk, t);
+      T* dvt = out.dv + (t0 + t) * out.v_stride;
+      for (std::size_t j = 0; j < vd; ++j) dvt[j] = dR[t * vd + j] = bt * zt[j];
+      for (std::size_t s2 = 0; s2 < c; ++s2) dL[t * c + s2] = s2 < t ? -bt * m1[t * c + s2] : T(0);
+    }
+    gemm<GemmOp::set>(c, kd, vd, dR, vd, std::size_t{1}, s0t, kd, dkg, kd);
+    for (std::size_t i = 0; i < c * kd; ++i) dkg[i] = -dkg[i];
+
+    // Gradients of the decay factors: dk, dq, dγ (c×K each).
+    T* HWY_RESTRICT gk = bw.gk.data();
+    T* HWY_RESTRICT gq = bw.gq.data();
+    T* HWY_RESTRICT gg = bw.gg.data();
+    T* HWY_RESTRICT run = w.run.data();
+    // Kg, Qg: factor Π(-1,t] = e^{γ_t}; Kr: Π(s,c-1] = e^{γ_{c-1} - γ_s}.
+    for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
+    const T* wkg = w.kg.data();
+    const T* wqg = w.qg.data();
+    const T* wkr = w.kr.data();
+    for (std::size_t t = 0; t < c; ++t) {
+      const std::size_t o = t * kd;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const std::size_t x = o + i;
+            const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, al + x));
+            hn::StoreU(r, d, run + i);
+            const auto a = hn::LoadU(d, dkg + x), bq = hn::LoadU(d, dqg + x);
+            hn::StoreU(hn::Mul(a, r), d, gk + x);
+            hn::StoreU(hn::Mul(bq, r), d, gq + x);
+            hn::StoreU(hn::Add(hn::Mul(a, hn::LoadU(d, wkg + x)), hn::Mul(bq, hn::LoadU(d, wqg + x))),
+                       d, gg + x);
+          },
+          [&](std::size_t i) {
+            const std::size_t x = o + i;
+            run[i] = run[i] * al[x];
+            gk[x] = dkg[x] * run[i];
+            gq[x] = dqg[x] * run[i];
+            gg[x] = dkg[x] * wkg[x] + dqg[x] * wqg[x];
+          });
+    }
+    T* HWY_RESTRICT last = bw.last.data();  // dγ_{c-1} from Kr and a_c
+    for (std::size_t i = 0; i < kd; ++i) {
+      run[i] = 1;
+      last[i] = dac[i] * w.ac[i];
+    }
+    // Kr_{c-1} = k_{c-1} has no decay factor: its dγ_{c-1} terms (+ and -)
+    // would cancel exactly, so they are skipped rather than added and
+    // subtracted (that would leave an O(|dkr·k|) rounding error in dg, which
+    // under strong decay is far larger than dg itself).
+    for (std::size_t s2 = c; s2-- > 0;) {
+      const std::size_t o = s2 * kd;
+      const bool more = s2 > 0, decayed = s2 + 1 < c;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const std::size_t x = o + i;
+            const auto r = hn::LoadU(d, run + i), a = hn::LoadU(d, dkr + x);
+            hn::StoreU(hn::Add(hn::LoadU(d, gk + x), hn::Mul(a, r)), d, gk + x);
+            if (decayed) {
+              const auto dx = hn::Mul(a, hn::LoadU(d, wkr + x));
+              hn::StoreU(hn::Sub(hn::LoadU(d, gg + x), dx), d, gg + x);
+              hn::StoreU(hn::Add(hn::LoadU(d, last + i), dx), d, last + i);
+            }
+            if (more) hn::StoreU(hn::Mul(r, hn::LoadU(d, al + x)), d, run + i);
+          },
+          [&](std::size_t i) {
+            const std::size_t x = o + i;
+            gk[x] = gk[x] + dkr[x] * run[i];
+            if (decayed) {
+              const T dx = dkr[x] * wkr[x];
+              gg[x] = gg[x] - dx;
+              last[i] = last[i] + dx;
+            }
+            if (more) run[i] = run[i] * al[x];
+          });
+    }
+    for (std::size_t i = 0; i < kd; ++i) gg[(c - 1) * kd + i] = gg[(c - 1) * kd + i] + last[i];
+
+    // The diagonal of P, P_tt = q_t·k_t (no decay factor, so no dγ): exact.
+    for (std::size_t t = 0; t < c; ++t) {
+      const T dpt = dP[t * c + t];
+      const std::size_t o = t * kd;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            const auto cp = hn::Set(d, dpt);
+            hn::StoreU(hn::Add(hn::LoadU(d, gq + o + i), hn::Mul(cp, hn::LoadU(d, k + o + i))), d, gq + o + i);
+            hn::StoreU(hn::Add(hn::LoadU(d, gk + o + i), hn::Mul(cp, hn::LoadU(d, q + o + i))), d, gk + o + i);
+          },
+          [&](std::size_t i) {
+            gq[o + i] = gq[o + i] + dpt * k[o + i];
+            gk[o + i] = gk[o + i] + dpt * q[o + i];
+          });
+    }
+    // The rest of L and P per sub-chunk σ: R = [Kf; Qf] Bmᵀ, dR = [dL; dP]
+    // rows of σ, strictly below the diagonal; the exact channels' pairs of
+    // the diagonal block after the products.
+    for (std::size_t b = 0; b < c; b += kSub) {
+      const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
+      T* HWY_RESTRICT am = w.amat.data();   // (2·nr)×K
+      T* HWY_RESTRICT bmr = bw.bmr.data();  // ncol×K: Kb_s (s < b), Kinv_s (s ∈ σ)
+      T* HWY_RESTRICT fac = bw.fac.data();  // ncol×K: the factor of each bmr row (F_t for t ∈ σ in am)
+      T* HWY_RESTRICT ff = bw.ff.data();    // nr×K: F_t
+      for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
+      for (std::size_t t = b; t < e; ++t) {
+        const bool step = t > b;
+        const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
+        for_vecs<T>(
+            kd,
+            [&](auto d, std::size_t i) {
+              auto f = hn::LoadU(d, run + i);
+              if (step) {
+                f = hn::Mul(f, hn::LoadU(d, al + x0 + i));
+                hn::StoreU(f, d, run + i);
+              }
+              hn::StoreU(f, d, ff + y0 + i);
+              const auto kv = hn::LoadU(d, k + x0 + i);
+              hn::StoreU(hn::Mul(kv, f), d, am + y0 + i);
+              hn::StoreU(hn::Mul(hn::LoadU(d, q + x0 + i), f), d, am + yq0 + i);
+              hn::StoreU(hn::Div(kv, f), d, bmr + x0 + i);
+            },
+            [&](std::size_t i) {
+              if (step) run[i] = run[i] * al[x0 + i];
+              const T f = run[i];
+              ff[y0 + i] = f;
+              am[y0 + i] = k[x0 + i] * f;
+              am[yq0 + i] = q[x0 + i] * f;
+              bmr[x0 + i] = k[x0 + i] / f;
+            });
+      }
+      // The forward's split of the channels (the same products, the same bits).
+      classify_channels(ff, bmr + b * kd, nr, kd, w);
+      const T* HWY_RESTRICT okc = w.ok.data();
+      for (std::size_t i : w.bad)
+        for (std::size_t s2 = b; s2 < e; ++s2) bmr[s2 * kd + i] = 0;
+      for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
+      for (std::size_t s2 = b; s2-- > 0;) {
+        const std::size_t x0 = s2 * kd, a0 = (s2 + 1) * kd;
+        for_vecs<T>(
+            kd,
+            [&](auto d, std::size_t i) {
+              const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, al + a0 + i));
+              hn::StoreU(r, d, run + i);
+              hn::StoreU(r, d, fac + x0 + i);
+              hn::StoreU(hn::Mul(hn::LoadU(d, k + x0 + i), r), d, bmr + x0 + i);
+            },
+            [&](std::size_t i) {
+              run[i] = run[i] * al[a0 + i];
+              fac[x0 + i] = run[i];
+              bmr[x0 + i] = k[x0 + i] * run[i];
+            });
+      }
+      T* HWY_RESTRICT dr = bw.dr.data();  // (2·nr)×ncol
+      for (std::size_t t = b; t < e; ++t) {
+        T* rl = dr + (t - b) * ncol;
+        T* rp = dr + (nr + t - b) * ncol;
+        for (std::size_t s2 = 0; s2 < ncol; ++s2) {
+          rl[s2] = s2 < t ? dL[t * c + s2] : T(0);
+          rp[s2] = s2 < t ? dP[t * c + s2] : T(0);
+        }
+      }
+      T* HWY_RESTRICT dam = bw.dam.data();  // (2·nr)×K
+      gemm<GemmOp::set>(2 * nr, kd, ncol, dr, ncol, std::size_t{1}, bmr, kd, dam, kd);
+      T* HWY_RESTRICT dbm = bw.dbm.data();  // ncol×K
+      gemm<GemmOp::set>(ncol, kd, 2 * nr, dr, std::size_t{1}, ncol, am, kd, dbm, kd);
+      // Kinv_s = k_s / F_s on the factorised channels (ok = 1); the exact
+      // ones (ok = 0) get 0 / 1: their Kinv entries were constants (zeros).
+      // Without exact channels the mask is left out (ok = 1 changes no bit).
+      const auto sub_rows = [&](auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
+        for (std::size_t t = b; t < e; ++t) {
+          const std::size_t x0 = t * kd, y0 = (t - b) * kd, yq0 = (nr + t - b) * kd;
+          for_vecs<T>(
+              kd,
+              [&](auto d, std::size_t i) {
+                const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
+                const auto f = hn::LoadU(d, ff + y);
+                const auto dy = hn::LoadU(d, dam + y), dyq = hn::LoadU(d, dam + yq);
+                auto db = hn::LoadU(d, dbm + x);
+                auto fd = f;
+                if constexpr (kMasked) {
+                  const auto okv = hn::LoadU(d, okc + i);
+                  db = hn::Mul(db, okv);
+                  fd = hn::Add(hn::Mul(f, okv), hn::Sub(hn::Set(d, T(1)), okv));
+                }
+                const auto gkx = hn::Add(hn::Add(hn::LoadU(d, gk + x), hn::Mul(dy, f)), hn::Div(db, fd));
+                hn::StoreU(hn::Add(hn::LoadU(d, gq + x), hn::Mul(dyq, f)), d, gq + x);
+                const auto ggx = hn::Sub(hn::Add(hn::Add(hn::LoadU(d, gg + x), hn::Mul(dy, hn::LoadU(d, am + y))),
+                                                 hn::Mul(dyq, hn::LoadU(d, am + yq))),
+                                         hn::Mul(db, hn::LoadU(d, bmr + x)));
+                hn::StoreU(gkx, d, gk + x);
+                hn::StoreU(ggx, d, gg + x);
+              },
+              [&](std::size_t i) {
+                const std::size_t x = x0 + i, y = y0 + i, yq = yq0 + i;
+                const T f = ff[y];
+                T db = dbm[x], fd = f;
+                if constexpr (kMasked) {
+                  db = db * okc[i];
+                  fd = f * okc[i] + (T(1) - okc[i]);
+                }
+                gk[x] = gk[x] + dam[y] * f + db / fd;
+                gq[x] = gq[x] + dam[yq] * f;
+                gg[x] = gg[x] + dam[y] * am[y] + dam[yq] * am[yq] - db * bmr[x];
+              });
+        }
+      };
+      if (w.bad.empty())
+        sub_rows(std::false_type{});
+      else
+        sub_rows(std::true_type{});
+      for_vecs<T>(
+          b * kd,
+          [&](auto d, std::size_t x) {
+            const auto db = hn::LoadU(d, dbm + x);
+            hn::StoreU(hn::Add(hn::LoadU(d, gk + x), hn::Mul(db, hn::LoadU(d, fac + x))), d, gk + x);
+            hn::StoreU(hn::Sub(hn::LoadU(d, gg + x), hn::Mul(db, hn::LoadU(d, bmr + x))), d, gg + x);
+          },
+          [&](std::size_t x) {
+            gk[x] = gk[x] + dbm[x] * fac[x];
+            gg[x] = gg[x] - dbm[x] * bmr[x];
+          });
+      // The exact channels' pairs s < t of the diagonal block.
+      if (!w.bad.empty()) exact_block_backward(k, q, al, b, e, kd, c, dL, dP, gk, gq, gg, w);
+    }
+
+    // Outputs of the chunk: dq, dk, dg (reverse cumulative sum of dγ).
+    for (std::size_t i = 0; i < kd; ++i) run[i] = 0;
+    for (std::size_t t = c; t-- > 0;) {
+      T* HWY_RESTRICT dqt = out.dq + (t0 + t) * out.qk_stride;
+      T* HWY_RESTRICT dkt = out.dk + (t0 + t) * out.qk_stride;
+      T* HWY_RESTRICT dgt = out.dg + (t0 + t) * out.g_stride;
+      const std::size_t o = t * kd;
+      for_vecs<T>(
+          kd,
+          [&](auto d, std::size_t i) {
+            hn::StoreU(hn::LoadU(d, gq + o + i), d, dqt + i);
+            hn::StoreU(hn::LoadU(d, gk + o + i), d, dkt + i);
+            const auto r = hn::Add(hn::LoadU(d, run + i), hn::LoadU(d, gg + o + i));
+            hn::StoreU(r, d, run + i);
+            hn::StoreU(r, d, dgt + i);
+          },
+          [&](std::size_t i) {
+            dqt[i] = gq[o + i];
+            dkt[i] = gk[o + i];
+            run[i] = run[i] + gg[o + i];
+            dgt[i] = run[i];
+          });
+    }
+
+    // dS ← scale Qgᵀ dO + Diag(a_c) dS - Wᵀ dΔ.
+    T* t2 = w.kv.data();
+    gemm<GemmOp::set>(kd, vd, c, w.qg.data(), std::size_t{1}, kd, dob, vd, t2, vd);
+    for (std::size_t i = 0; i < kd; ++i) {
+      const T a = w.ac[i];
+      for (std::size_t j = 0; j < vd; ++j)
+        ds[i * vd + j] = scale * t2[i * vd + j] + a * ds[i * vd + j];
+    }
+    gemm<GemmOp::sub>(kd, vd, c, w.kg.data(), std::size_t{1}, kd, dR, vd, ds, vd);
+  }
+  if (out.d_incoming)
+    for (std::size_t i = 0; i < kv; ++i) out.d_incoming[i] = ds[i];
+}
+
+}  // namespace kdacp::kda::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // KDACP_KDA_CHUNK_BACKWARD_INL_H_
