@@ -696,8 +696,8 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     initial_state h0 [N,HV,K,V]; cu_seqlens: N packed sequences (B = 1),
     integers, global, identical on every rank. group omitted
     (SINGLE_PROCESS): one process, the whole stream local. Otherwise a live
-    torch.distributed group (None: the default group, which must be
-    initialised); the group's ranks in group order are the CP order and the
+    torch.distributed group (None is an error: pass
+    torch.distributed.group.WORLD or a new_group); the group's ranks in group order are the CP order and the
     local tensors are this rank's tokens: with layout "contiguous" rank r
     holds the r-th run of tokens (any lengths), with "zigzag" parts r and
     2P-1-r concatenated. Before any other message the ranks compare every
