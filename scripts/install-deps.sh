@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build g++ clang-14 libclang-rt-14-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev
+  libcli11-dev nlohmann-json3-dev libfmt-dev
   libhwy-dev libopenblas-dev
   libopenmpi-dev openmpi-bin
   gnuplot-nox python3 python3-numpy
