@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/comm.hpp"
 #include "kdacp/error.hpp"
@@ -26,13 +28,8 @@ std::uint64_t fnv1a64(std::string_view text, std::uint64_t hash) {
 
 namespace {
 
-std::string hex(std::uint64_t h, int digits) {
-  char buf[20];
-  std::snprintf(buf, sizeof buf, "%0*llx", digits,
-                static_cast<unsigned long long>(h >> (64 - 4 * digits)));
-  std::string out = "#";
-  return out.append(buf);
-}
+// The top `digits` hex digits of h: "#1f0c...".
+std::string hex(std::uint64_t h, int digits) { return fmt::format("#{:0{}x}", h >> (64 - 4 * digits), digits); }
 
 template <class V>
 std::uint64_t hash_of(const V& value) {
@@ -54,13 +51,9 @@ std::string shortest(Real value) {
 
 template <class Int>
 std::string list_of(std::span<const Int> values) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < values.size(); ++i)
-    out.append(i ? "," : "").append(std::to_string(values[i]));
-  out += "]";
+  std::string out = fmt::format("[{}]", fmt::join(values, ","));
   if (out.size() <= kAgreementTextChars) return out;
-  const std::uint64_t h = fnv1a64(std::as_bytes(values));
-  return std::to_string(values.size()) + " entries " + hex(h, 8);
+  return fmt::format("{} entries {}", values.size(), hex(fnv1a64(std::as_bytes(values)), 8));
 }
 
 constexpr std::uint64_t kMagic = 0x314545524741444bull;  // "KDAGREE1"
@@ -120,17 +113,16 @@ Slot slot_of(std::span<const std::byte> rec, std::size_t i) {
 
 // "rank 1", "ranks 0,2", "ranks 0-3,5".
 std::string ranks_text(const std::vector<std::size_t>& ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  std::vector<std::string> runs;  // "0-3" for three or more in a row, "5,6" for two, "9" alone
   for (std::size_t i = 0; i < ranks.size();) {
     std::size_t j = i;
     while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    out += i ? "," : "";
-    out += std::to_string(ranks[i]);
-    if (j >= i + 2) out.append("-").append(std::to_string(ranks[j]));
-    else if (j == i + 1) out.append(",").append(std::to_string(ranks[j]));
+    runs.push_back(j >= i + 2   ? fmt::format("{}-{}", ranks[i], ranks[j])
+                   : j == i + 1 ? fmt::format("{},{}", ranks[i], ranks[j])
+                                : fmt::to_string(ranks[i]));
     i = j + 1;
   }
-  return out;
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(runs, ","));
 }
 
 }  // namespace
@@ -148,7 +140,7 @@ Fingerprint& Fingerprint::add_real(std::string name, float value) {
 
 Fingerprint& Fingerprint::add_int(std::string name, long long value) {
   const std::int64_t v = value;
-  fields_.push_back({std::move(name), hash_of(v), std::to_string(value)});
+  fields_.push_back({std::move(name), hash_of(v), fmt::to_string(value)});
   return *this;
 }
 
@@ -187,9 +179,8 @@ std::string list_text(std::span<const std::size_t> values) { return list_of(valu
 std::string agreement_error(std::span<const std::byte> records, std::size_t ranks,
                             const Fingerprint& local) {
   if (records.size() != ranks * kAgreementRecordBytes)
-    throw InvalidArgument("agreement_error: " + std::to_string(records.size()) +
-                          " bytes of records for " + std::to_string(ranks) + " ranks, expected " +
-                          std::to_string(ranks * kAgreementRecordBytes));
+    throw InvalidArgument(fmt::format("agreement_error: {} bytes of records for {} ranks, expected {}",
+                                      records.size(), ranks, ranks * kAgreementRecordBytes));
   auto rec = [&](std::size_t r) { return records.subspan(r * kAgreementRecordBytes, kAgreementRecordBytes); };
   std::vector<std::string> parts;
   std::vector<std::size_t> failed, foreign;
@@ -204,8 +195,8 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
     slots = std::max<std::size_t>(slots, h.count);
   }
   if (!failed.empty())
-    parts.push_back(ranks_text(failed) + (failed.size() == 1 ? " rejected its" : " rejected their") +
-                    " own arguments (see " + (failed.size() == 1 ? "its" : "their") + " error)");
+    parts.push_back(fmt::format("{} rejected {} own arguments (see {} error)", ranks_text(failed),
+                                failed.size() == 1 ? "its" : "their", failed.size() == 1 ? "its" : "their"));
   if (!foreign.empty())
     parts.push_back(ranks_text(foreign) + " sent no agreement record (another collective or "
                                           "another kdacp build at the same point)");
@@ -237,16 +228,15 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
                                  : std::string("(none)");
     if (by_name.size() > 1) {
       // Different checks from here on: another call, or another build.
-      std::string text = "the ranks check different arguments from field " + std::to_string(i + 1) + ": ";
-      bool first = true;
+      std::vector<std::string> checks;
       for (const auto& [h, rs] : by_name) {
-        text += first ? "" : ", ";
-        first = false;
         const bool mine = i < local.fields().size() && h == fnv1a64(local.fields()[i].name);
-        text += ranks_text(rs) + (rs.size() == 1 ? " checks " : " check ") +
-                (h == 0 ? std::string("nothing more") : mine ? "'" + name + "'" : std::string("another"));
+        checks.push_back(fmt::format("{} {} {}", ranks_text(rs), rs.size() == 1 ? "checks" : "check",
+                                     h == 0 ? std::string("nothing more") : mine ? "'" + name + "'" : "another"));
       }
-      parts.push_back(text + " (a different call, or another kdacp build)");
+      parts.push_back(fmt::format("the ranks check different arguments from field {}: {} (a different call, or "
+                                  "another kdacp build)",
+                                  i + 1, fmt::join(checks, ", ")));
       break;
     }
     if (by_value.size() <= 1) continue;
@@ -255,18 +245,15 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
     std::sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.second[0] < b.second[0]; });
     std::map<std::string, int> seen;
     for (const auto& g : groups) ++seen[shown[g.first]];
-    std::string text = name + ": ";
-    for (std::size_t k = 0; k < groups.size(); ++k) {
-      const auto& [h, rs] = groups[k];
+    std::vector<std::string> values;
+    for (const auto& [h, rs] : groups) {
       std::string value = shown[h];
-      if (seen[value] > 1) value.append(" (").append(hex(h, 16)).append(")");
-      text.append(k ? ", " : "").append(ranks_text(rs)).append(rs.size() == 1 ? " has " : " have ").append(value);
+      if (seen[value] > 1) value += fmt::format(" ({})", hex(h, 16));
+      values.push_back(fmt::format("{} {} {}", ranks_text(rs), rs.size() == 1 ? "has" : "have", value));
     }
-    parts.push_back(text);
+    parts.push_back(fmt::format("{}: {}", name, fmt::join(values, ", ")));
   }
-  std::string out;
-  for (std::size_t k = 0; k < parts.size(); ++k) out.append(k ? "; " : "").append(parts[k]);
-  return out;
+  return fmt::format("{}", fmt::join(parts, "; "));
 }
 
 void agree(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
@@ -286,8 +273,9 @@ void agree(Communicator& comm, const Fingerprint& fingerprint, const std::string
                               ? local_error
                               : local_error + " [also, across ranks: " + diff + "]");
   if (!diff.empty())
-    throw InvalidArgument(what + " on rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
-                          ": the ranks disagree (checked before any message): " + diff);
+    throw InvalidArgument(
+        fmt::format("{} on rank {} of {}: the ranks disagree (checked before any message): {}", what, rank, ranks,
+                    diff));
 }
 
 }  // namespace kdacp

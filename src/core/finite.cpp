@@ -8,6 +8,9 @@
 #include <limits>
 #include <utility>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -69,7 +72,7 @@ void check(const TensorRef& t, bool bounded, double lo, double hi, const std::st
 
 void dispatch(const TensorRef& t, bool bounded, double lo, double hi, const std::string& rule) {
   if (t.elements() != 0 && t.data == nullptr)
-    throw InvalidArgument(t.name + ": no data for " + std::to_string(t.elements()) + " elements");
+    throw InvalidArgument(fmt::format("{}: no data for {} elements", t.name, t.elements()));
   if (t.dtype == DType::f64)
     check<double>(t, bounded, lo, hi, rule);
   else
@@ -80,8 +83,8 @@ template <class T>
 TensorRef make_ref(std::string name, std::vector<std::size_t> shape, std::span<const T> data) {
   TensorRef t{std::move(name), std::move(shape), data.data(), std::is_same_v<T, double> ? DType::f64 : DType::f32};
   if (t.elements() != data.size())
-    throw InvalidArgument(t.name + ": " + std::to_string(data.size()) + " elements for a shape of " +
-                          std::to_string(t.elements()));
+    throw InvalidArgument(
+        fmt::format("{}: {} elements for a shape of {}", t.name, data.size(), t.elements()));
   return t;
 }
 
@@ -106,12 +109,7 @@ std::string index_string(std::size_t flat, const std::vector<std::size_t>& shape
     idx[d] = flat % n;
     flat /= n;
   }
-  std::string s = "[";
-  for (std::size_t d = 0; d < idx.size(); ++d) {
-    if (d) s += ',';
-    s += std::to_string(idx[d]);
-  }
-  return s + "]";
+  return fmt::format("[{}]", fmt::join(idx, ","));
 }
 
 std::size_t TensorRef::elements() const {

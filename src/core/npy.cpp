@@ -9,6 +9,9 @@
 #include <limits>
 #include <sstream>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -90,10 +93,9 @@ NpyArray read_header(const std::string& path, std::istream& in, std::size_t& dat
     header_len = b[0] | (std::size_t{b[1]} << 8) | (std::size_t{b[2]} << 16) |
                  (std::size_t{b[3]} << 24);
   } else {
-    bad(path, "format version " + std::to_string(ver[0]) + "." + std::to_string(ver[1]) +
-                  ", expected 1.0, 2.0 or 3.0");
+    bad(path, fmt::format("format version {}.{}, expected 1.0, 2.0 or 3.0", ver[0], ver[1]));
   }
-  if (header_len > (1u << 20)) bad(path, "header of " + std::to_string(header_len) + " bytes is implausible");
+  if (header_len > (1u << 20)) bad(path, fmt::format("header of {} bytes is implausible", header_len));
   std::string header(header_len, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) bad(path, "truncated header");
 
@@ -130,21 +132,17 @@ NpyArray read_header(const std::string& path, std::istream& in, std::size_t& dat
 void read_data(const std::string& path, std::istream& in, std::size_t bytes,
                std::size_t available, const std::string& shape_text, NpyArray& arr) {
   if (available < bytes)
-    bad(path, "data truncated: the header's shape " + shape_text + " needs " + std::to_string(bytes) +
-                  " bytes, the file holds " + std::to_string(available));
+    bad(path, fmt::format("data truncated: the header's shape {} needs {} bytes, the file holds {}", shape_text,
+                          bytes, available));
   if (available > bytes)
-    bad(path, std::to_string(available - bytes) + " bytes after the data of shape " + shape_text +
-                  ", expected none");
+    bad(path, fmt::format("{} bytes after the data of shape {}, expected none", available - bytes, shape_text));
   arr.data.resize(bytes);
   if (bytes > 0 && !in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
-    bad(path, "read failed after " + std::to_string(in.gcount()) + " of " + std::to_string(bytes) +
-                  " data bytes");
+    bad(path, fmt::format("read failed after {} of {} data bytes", in.gcount(), bytes));
 }
 
 std::string shape_text(const std::vector<std::size_t>& shape) {
-  std::string out = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + (shape.size() == 1 ? ",)" : ")");
+  return fmt::format("({}{})", fmt::join(shape, ", "), shape.size() == 1 ? "," : "");
 }
 
 }  // namespace
@@ -195,15 +193,11 @@ namespace {
 
 void write_impl(const std::string& path, const void* data, std::size_t elem_size,
                 const char* descr, const std::vector<std::size_t>& shape) {
-  std::string dims;
   std::size_t n = 1;
-  for (std::size_t d : shape) {
-    dims += std::to_string(d) + ",";
-    n *= d;
-  }
-  if (shape.size() > 1) dims.pop_back();
-  std::string header = "{'descr': '" + std::string(descr) + "', 'fortran_order': False, 'shape': (" +
-                       dims + "), }";
+  for (std::size_t d : shape) n *= d;
+  // A 1-tuple keeps its trailing comma: (5,).
+  std::string header = fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': ({}{}), }}", descr,
+                                   fmt::join(shape, ","), shape.size() == 1 ? "," : "");
   // Pad so that the data starts on a 64-byte boundary, ending with '\n'.
   const std::size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <system_error>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -29,7 +31,7 @@ StagedOutput::StagedOutput(std::string dir, std::vector<std::string> outputs)
     throw IoError("cannot write into " + dir_ + ": not a directory");
   }
   // The process id keeps two commands writing into one folder apart.
-  staging_ = (fs::path(dir_) / (".kdacp-staging-" + std::to_string(::getpid()))).string();
+  staging_ = (fs::path(dir_) / fmt::format(".kdacp-staging-{}", ::getpid())).string();
   fs::remove_all(staging_, ec);
   fs::create_directory(staging_, ec);
   if (ec) fail("create directory", staging_, ec);

@@ -1,39 +1,31 @@
 #include "kdacp/summary.hpp"
 
-#include <sstream>
+#include <fmt/format.h>
 
 #include "kdacp/error.hpp"
 
 namespace kdacp {
 
 std::string to_string(const SummaryShape& s) {
-  std::ostringstream os;
-  os << "[B=" << s.batch << ",H=" << s.heads << ",K=" << s.key_dim << ",V=" << s.value_dim << "]";
-  return os.str();
+  return fmt::format("[B={},H={},K={},V={}]", s.batch, s.heads, s.key_dim, s.value_dim);
 }
 
 namespace {
 
 [[noreturn]] void fail(std::size_t rank, const std::string& field, const std::string& what,
                        const std::string& value, const std::string& expected) {
-  std::ostringstream os;
-  os << "rank " << rank << ": " << field << " " << what << " is " << value << ", expected "
-     << expected;
-  throw InvalidArgument(os.str());
+  throw InvalidArgument(fmt::format("rank {}: {} {} is {}, expected {}", rank, field, what, value, expected));
 }
 
 std::string shape_str(const StateView& v) {
-  std::ostringstream os;
-  os << "[" << v.batch << "," << v.heads << "," << v.rows << "," << v.cols << "]";
-  return os.str();
+  return fmt::format("[{},{},{},{}]", v.batch, v.heads, v.rows, v.cols);
 }
 
 void check_dim(std::size_t value, const std::string& field, const std::string& what,
                std::size_t rank) {
   if (value < kMinDim || value > kMaxDim || value % kDimMultiple != 0) {
-    fail(rank, field, what, std::to_string(value),
-         "a multiple of " + std::to_string(kDimMultiple) + " in [" + std::to_string(kMinDim) +
-             ", " + std::to_string(kMaxDim) + "]");
+    fail(rank, field, what, fmt::to_string(value),
+         fmt::format("a multiple of {} in [{}, {}]", kDimMultiple, kMinDim, kMaxDim));
   }
 }
 
@@ -48,16 +40,15 @@ void validate_view(const StateView& v, const std::string& field, std::size_t ran
   if (v.batch == 0) fail(rank, field, "batch size B", "0", "B >= 1");
   if (v.heads == 0) fail(rank, field, "head count H", "0", "H >= 1");
   if (v.col_stride != 1)
-    fail(rank, field, "column stride", std::to_string(v.col_stride), "1 (contiguous columns)");
+    fail(rank, field, "column stride", fmt::to_string(v.col_stride), "1 (contiguous columns)");
   if (v.row_stride < v.cols)
-    fail(rank, field, "row stride", std::to_string(v.row_stride),
-         ">= cols = " + std::to_string(v.cols));
+    fail(rank, field, "row stride", fmt::to_string(v.row_stride), fmt::format(">= cols = {}", v.cols));
   if (v.head_stride < v.rows * v.row_stride && v.heads > 1)
-    fail(rank, field, "head stride", std::to_string(v.head_stride),
-         ">= rows * row stride = " + std::to_string(v.rows * v.row_stride));
+    fail(rank, field, "head stride", fmt::to_string(v.head_stride),
+         fmt::format(">= rows * row stride = {}", v.rows * v.row_stride));
   if (v.batch_stride != v.heads * v.head_stride && v.batch > 1)
-    fail(rank, field, "batch stride", std::to_string(v.batch_stride),
-         "heads * head stride = " + std::to_string(v.heads * v.head_stride));
+    fail(rank, field, "batch stride", fmt::to_string(v.batch_stride),
+         fmt::format("heads * head stride = {}", v.heads * v.head_stride));
 }
 
 SummaryShape validate_summary(const StateView& offset, const StateView& transfer,
@@ -66,18 +57,17 @@ SummaryShape validate_summary(const StateView& offset, const StateView& transfer
   validate_view(transfer, "M", rank);
   if (offset.dtype != transfer.dtype)
     fail(rank, "M", "dtype", to_string(transfer.dtype),
-         "the dtype of " + offset_name + " (" + to_string(offset.dtype) + ")");
+         fmt::format("the dtype of {} ({})", offset_name, to_string(offset.dtype)));
   if (!(offset.device == transfer.device))
     fail(rank, "M", "device", to_string(transfer.device),
-         "the device of " + offset_name + " (" + to_string(offset.device) + ")");
+         fmt::format("the device of {} ({})", offset_name, to_string(offset.device)));
   check_dim(offset.rows, offset_name, "key dim K (rows)", rank);
   check_dim(offset.cols, offset_name, "value dim V (cols)", rank);
   if (transfer.batch != offset.batch || transfer.heads != offset.heads ||
       transfer.rows != offset.rows || transfer.cols != offset.rows) {
     fail(rank, "M", "shape", shape_str(transfer),
-         "[" + std::to_string(offset.batch) + "," + std::to_string(offset.heads) + "," +
-             std::to_string(offset.rows) + "," + std::to_string(offset.rows) + "] to match " +
-             offset_name + " " + shape_str(offset));
+         fmt::format("[{},{},{},{}] to match {} {}", offset.batch, offset.heads, offset.rows,
+                     offset.rows, offset_name, shape_str(offset)));
   }
   return {offset.batch, offset.heads, offset.rows, offset.cols, offset.dtype};
 }
@@ -86,14 +76,14 @@ SummaryShape validate_stack(const StackView& offsets, const StackView& transfers
                             std::size_t rank) {
   if (offsets.ranks == 0) fail(rank, "stacked offsets", "rank count P", "0", "P >= 1");
   if (transfers.ranks != offsets.ranks)
-    fail(rank, "stacked M", "rank count P", std::to_string(transfers.ranks),
-         std::to_string(offsets.ranks) + " to match the offsets");
+    fail(rank, "stacked M", "rank count P", fmt::to_string(transfers.ranks),
+         fmt::format("{} to match the offsets", offsets.ranks));
   SummaryShape shape = validate_summary(offsets.base, transfers.base, "S", rank);
   std::size_t slot_span = (offsets.base.batch - 1) * offsets.base.batch_stride +
                           (offsets.base.heads - 1) * offsets.base.head_stride;
   if (offsets.ranks > 1 && offsets.rank_stride <= slot_span)
-    fail(rank, "stacked offsets", "rank stride", std::to_string(offsets.rank_stride),
-         "> " + std::to_string(slot_span) + " (slots must not overlap)");
+    fail(rank, "stacked offsets", "rank stride", fmt::to_string(offsets.rank_stride),
+         fmt::format("> {} (slots must not overlap)", slot_span));
   return shape;
 }
 

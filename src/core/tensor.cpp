@@ -5,6 +5,8 @@
 #include <new>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "core/buffer_allocator.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/memory.hpp"
@@ -24,15 +26,14 @@ std::size_t dtype_size(DType dtype) {
     case DType::f32: return 4;
     case DType::f64: return 8;
   }
-  throw InvalidArgument("dtype " + std::to_string(static_cast<int>(dtype)) +
-                        ", expected float32 or float64");
+  throw InvalidArgument(fmt::format("dtype {}, expected float32 or float64", static_cast<int>(dtype)));
 }
 
 std::string to_string(Device device) {
   const char* kind = device.kind == DeviceKind::cpu    ? "cpu"
                      : device.kind == DeviceKind::cuda ? "cuda"
                                                        : "npu";
-  return std::string(kind) + ":" + std::to_string(device.index);
+  return fmt::format("{}:{}", kind, device.index);
 }
 
 StateView StateView::dense(void* data, std::size_t batch, std::size_t heads, std::size_t rows,

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -80,9 +82,10 @@ ThreadPool::ThreadPool(std::size_t threads, const ThreadStarter& start) : impl_(
     } catch (const std::system_error& e) {
       const std::size_t asked = p->threads;
       impl_.reset();  // joins the workers started so far
-      throw Error("ThreadPool: asked for " + std::to_string(asked) + " threads, could start only " +
-                  std::to_string(part) + " (the caller and " + std::to_string(part - 1) +
-                  " workers); starting the next failed: " + e.what());
+      throw Error(fmt::format(
+          "ThreadPool: asked for {} threads, could start only {} (the caller and {} workers); starting the "
+          "next failed: {}",
+          asked, part, part - 1, e.what()));
     }
   }
 }

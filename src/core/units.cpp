@@ -6,6 +6,9 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -14,7 +17,7 @@ namespace {
 using Units = std::vector<std::pair<std::string_view, double>>;
 
 [[noreturn]] void reject(std::string_view what, std::string_view text, const std::string& expected) {
-  throw InvalidArgument(std::string(what) + " is '" + std::string(text) + "', expected " + expected);
+  throw InvalidArgument(fmt::format("{} is '{}', expected {}", what, text, expected));
 }
 
 std::string number(double x) {
@@ -39,9 +42,10 @@ bool split_real(std::string_view text, double& value, std::string_view& rest) {
 }
 
 double parse_with_unit(std::string_view text, const Units& units, std::string_view what, double max) {
-  std::string expected = "a positive number up to " + number(max) + " with a unit among: ";
-  for (std::size_t i = 0; i < units.size(); ++i)
-    expected += std::string(i ? ", " : "") + (units[i].first.empty() ? "none" : std::string(units[i].first));
+  std::vector<std::string_view> names;
+  for (const auto& unit : units) names.push_back(unit.first.empty() ? "none" : unit.first);
+  const std::string expected =
+      fmt::format("a positive number up to {} with a unit among: {}", number(max), fmt::join(names, ", "));
   double value = 0;
   std::string_view unit;
   if (!split_real(text, value, unit)) reject(what, text, expected);
@@ -57,8 +61,8 @@ double parse_with_unit(std::string_view text, const Units& units, std::string_vi
 }  // namespace
 
 std::string describe(const IntRange& r) {
-  std::string s = "an integer in [" + std::to_string(r.min) + ", " + std::to_string(r.max) + "]";
-  if (r.multiple > 1) s += " that is a multiple of " + std::to_string(r.multiple);
+  std::string s = fmt::format("an integer in [{}, {}]", r.min, r.max);
+  if (r.multiple > 1) s += fmt::format(" that is a multiple of {}", r.multiple);
   return s;
 }
 
