@@ -8,6 +8,8 @@
 #include <exception>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "comm/inprocess/internal.hpp"
 #include "kdacp/error.hpp"
 
@@ -18,18 +20,17 @@ InProcessComm::InProcessComm(std::shared_ptr<WorldState> world, std::shared_ptr<
     : world_(std::move(world)), group_(std::move(group)), me_(me) {}
 
 std::string InProcessComm::who() const {
-  return "rank " + std::to_string(group_->members[me_]) + " (group " + group_->id + "): ";
+  return fmt::format("rank {} (group {}): ", group_->members[me_], group_->id);
 }
 
 void InProcessComm::check_peer(std::size_t peer, const char* op) const {
   if (peer >= size())
-    throw InvalidArgument(who() + op + " peer " + std::to_string(peer) +
-                          " outside the group of size " + std::to_string(size()));
+    throw InvalidArgument(fmt::format("{}{} peer {} outside the group of size {}", who(), op, peer, size()));
 }
 
 void InProcessComm::check_tag(int tag, const char* op) {
   if (tag < 0)
-    throw InvalidArgument(std::string(op) + " tag " + std::to_string(tag) + ", expected >= 0");
+    throw InvalidArgument(fmt::format("{} tag {}, expected >= 0", op, tag));
 }
 
 void InProcessComm::wake_group() {
@@ -55,10 +56,8 @@ void InProcessComm::rendezvous(const char* op, const void* ptr, std::size_t byte
   if (c->op != op || c->bytes != bytes) {
     // The first caller's op stays in the slot for the others to compare
     // against; this member fails here.
-    throw InvalidArgument(who() + op + " of " + std::to_string(bytes) +
-                          " bytes, but a peer called " + c->op + " of " +
-                          std::to_string(c->bytes) + " bytes as collective #" +
-                          std::to_string(seq));
+    throw InvalidArgument(fmt::format("{}{} of {} bytes, but a peer called {} of {} bytes as collective #{}", who(),
+                                      op, bytes, c->op, c->bytes, seq));
   }
   c->ptrs[me_] = ptr;
   c->here[me_] = 1;
@@ -78,8 +77,7 @@ void InProcessComm::rendezvous(const char* op, const void* ptr, std::size_t byte
   } catch (const std::exception& e) {
     // Withdraw our buffer before the caller frees it.
     if (c->abandoned.empty())
-      c->abandoned = "abandoned by rank " + std::to_string(group_->members[me_]) + " (" +
-                     e.what() + ")";
+      c->abandoned = fmt::format("abandoned by rank {} ({})", group_->members[me_], e.what());
     c->here[me_] = 0;
     c->ptrs[me_] = nullptr;
     --c->arrived;
@@ -106,8 +104,8 @@ void InProcessComm::rendezvous(const char* op, const void* ptr, std::size_t byte
 void InProcessComm::all_gather(std::span<std::byte> buffer) {
   const std::size_t n = size();
   if (buffer.size() % n != 0)
-    throw InvalidArgument(who() + "all_gather buffer of " + std::to_string(buffer.size()) +
-                          " bytes, expected a multiple of the group size " + std::to_string(n));
+    throw InvalidArgument(fmt::format("{}all_gather buffer of {} bytes, expected a multiple of the group size {}",
+                                      who(), buffer.size(), n));
   const std::size_t slot = buffer.size() / n;
   rendezvous("all_gather", buffer.data(), buffer.size(), true, [&](const Collective& c) {
     for (std::size_t r = 0; r < n; ++r) {
@@ -162,7 +160,7 @@ std::shared_ptr<Communicator> InProcessComm::split(int color, int key) {
     if (order[i] == me_) my_pos = i;
     members.push_back(group_->members[order[i]]);
   }
-  const std::string id = group_->id + "." + std::to_string(split_id) + ":" + std::to_string(color);
+  const std::string id = fmt::format("{}.{}:{}", group_->id, split_id, color);
   std::lock_guard lock(world_->mu);
   auto& g = world_->groups[id];
   // The first member to get here creates the group; the others join it.

@@ -19,9 +19,11 @@
 #include <memory>
 #include <mutex>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/comm.hpp"
 #include "kdacp/error.hpp"
@@ -156,17 +158,16 @@ class InProcessComm final : public Communicator,
       for (std::size_t p : pending()) {
         const std::string why = world_->gone(group_->members[p]);
         if (!why.empty())
-          throw RemoteError(who() + op + ": peer rank " + std::to_string(group_->members[p]) +
-                            " " + why);
+          throw RemoteError(fmt::format("{}{}: peer rank {} {}", who(), op, group_->members[p], why));
       }
       if (world_->cvs[group_->members[me_]].wait_until(lock, deadline) ==
               std::cv_status::timeout &&
           !pred()) {
-        std::ostringstream os;
-        os << who() << op << ": timed out after " << world_->options.timeout.count()
-           << " ms waiting for peer rank(s)";
-        for (std::size_t p : pending()) os << " " << group_->members[p];
-        throw Timeout(os.str());
+        std::vector<std::size_t> peers;
+        for (std::size_t p : pending()) peers.push_back(group_->members[p]);
+        throw Timeout(fmt::format("{}{}: timed out after {} ms waiting for peer rank(s){}{}", who(), op,
+                                  world_->options.timeout.count(), peers.empty() ? "" : " ",
+                                  fmt::join(peers, " ")));
       }
     }
   }

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "comm/inprocess/internal.hpp"
 #include "core/buffer_allocator.hpp"
 #include "kdacp/error.hpp"
@@ -84,8 +86,7 @@ class RecvRequest final : public Request {
     if (!registered_) return;
     const auto deadline = Clock::now() + comm_->timeout();
     std::unique_lock lock(comm_->world().mu);
-    const std::string op = "irecv from rank " + std::to_string(comm_->global_ranks()[peer_]) +
-                           " (tag " + std::to_string(posted_.tag) + ")";
+    const std::string op = fmt::format("irecv from rank {} (tag {})", comm_->global_ranks()[peer_], posted_.tag);
     // A claimed receive is being filled and will complete even if the sender
     // fails afterwards, so only an unclaimed one waits on the peer's status.
     auto pending = [&] {
@@ -116,8 +117,8 @@ void InProcessComm::deliver(std::unique_lock<std::mutex>& lock, PostedRecv& r,
                             std::span<const std::byte> data) {
   r.claimed = true;
   if (data.size() != r.buf.size()) {
-    r.error = "message of " + std::to_string(data.size()) + " bytes from rank " +
-              std::to_string(group_->members[me_]) + ", expected " + std::to_string(r.buf.size());
+    r.error = fmt::format("message of {} bytes from rank {}, expected {}", data.size(), group_->members[me_],
+                          r.buf.size());
   } else {
     lock.unlock();
     std::memcpy(r.buf.data(), data.data(), data.size());
@@ -163,9 +164,8 @@ std::unique_ptr<Request> InProcessComm::irecv(std::span<std::byte> data, std::si
       q.erase(it);
       lock.unlock();
       if (msg.data.size() != data.size()) {
-        throw RemoteError(who() + "irecv from rank " + std::to_string(group_->members[peer]) +
-                          ": message of " + std::to_string(msg.data.size()) +
-                          " bytes, expected " + std::to_string(data.size()));
+        throw RemoteError(fmt::format("{}irecv from rank {}: message of {} bytes, expected {}", who(),
+                                      group_->members[peer], msg.data.size(), data.size()));
       }
       std::memcpy(data.data(), msg.data.data(), data.size());
       stats_.bytes_received += data.size();

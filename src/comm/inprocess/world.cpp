@@ -5,6 +5,8 @@
 #include <thread>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "comm/inprocess/internal.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/inprocess.hpp"
@@ -65,8 +67,7 @@ std::size_t InProcessWorld::size() const { return impl_->state->size; }
 std::shared_ptr<Communicator> InProcessWorld::communicator(std::size_t rank) {
   const auto& state = impl_->state;
   if (rank >= state->size)
-    throw InvalidArgument("rank " + std::to_string(rank) + " outside the world of size " +
-                          std::to_string(state->size));
+    throw InvalidArgument(fmt::format("rank {} outside the world of size {}", rank, state->size));
   return std::make_shared<inprocess::InProcessComm>(state, state->world_group, rank);
 }
 

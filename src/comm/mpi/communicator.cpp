@@ -31,8 +31,10 @@
 #include <cstdint>
 #include <list>
 #include <map>
-#include <sstream>
 #include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/error.hpp"
 #include "kdacp/mpi.hpp"
@@ -46,7 +48,7 @@ using Clock = std::chrono::steady_clock;
 std::string error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
   return std::string(text, static_cast<std::size_t>(len));
 }
 
@@ -102,9 +104,8 @@ class ByteType {
     }
     const std::size_t chunks = bytes / max_chunk, rest = bytes % max_chunk;
     if (chunks > static_cast<std::size_t>(INT_MAX))
-      throw InvalidArgument("MPI message of " + std::to_string(bytes) +
-                            " bytes, expected at most INT_MAX chunks of " +
-                            std::to_string(max_chunk) + " bytes");
+      throw InvalidArgument(
+          fmt::format("MPI message of {} bytes, expected at most INT_MAX chunks of {} bytes", bytes, max_chunk));
     MPI_Datatype chunk = MPI_DATATYPE_NULL, body = MPI_DATATYPE_NULL;
     MPI_Type_contiguous(static_cast<int>(max_chunk), MPI_BYTE, &chunk);
     const int lengths[2] = {static_cast<int>(chunks), static_cast<int>(rest)};
@@ -132,14 +133,6 @@ class ByteType {
   MPI_Datatype type_ = MPI_BYTE;
   int count_ = 0;
 };
-
-std::string list_str(const std::vector<std::size_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
-  os << "]";
-  return os.str();
-}
 
 // The collective header every member contributes before the data moves.
 enum class Op : std::uint64_t { all_gather = 1, broadcast, barrier, split };
@@ -217,8 +210,8 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   void all_gather(std::span<std::byte> buffer) override {
     const std::size_t n = size_;
     if (buffer.size() % n != 0)
-      throw InvalidArgument(who() + "all_gather buffer of " + std::to_string(buffer.size()) +
-                            " bytes, expected a multiple of the group size " + std::to_string(n));
+      throw InvalidArgument(fmt::format("{}all_gather buffer of {} bytes, expected a multiple of the group size {}",
+                                        who(), buffer.size(), n));
     const std::size_t slot = buffer.size() / n;
     agree(Op::all_gather, slot, 0);
     const ByteType type(slot, options_.max_message_bytes);
@@ -226,7 +219,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(),
                          type.type(), comm_, &req),
           "all_gather");
-    wait_collective(req, "all_gather of " + std::to_string(slot) + " bytes per slot");
+    wait_collective(req, fmt::format("all_gather of {} bytes per slot", slot));
     stats_.bytes_received += slot * (n - 1);
     stats_.bytes_sent += slot * (n - 1);
     ++stats_.messages_sent;
@@ -239,9 +232,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Ibcast(buffer.data(), type.count(), type.type(), static_cast<int>(root), comm_, &req),
           "broadcast");
-    wait_collective(req,
-                    "broadcast of " + std::to_string(buffer.size()) + " bytes from rank " +
-                        std::to_string(global_[root]));
+    wait_collective(req, fmt::format("broadcast of {} bytes from rank {}", buffer.size(), global_[root]));
     if (root == rank_) stats_.bytes_sent += buffer.size() * (size_ - 1);
     else stats_.bytes_received += buffer.size();
     ++stats_.messages_sent;
@@ -265,10 +256,9 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   }
 
   std::string who() const {
-    std::string group = size_ <= 16 ? list_str(global_)
-                                    : std::to_string(size_) + " ranks from " +
-                                          std::to_string(global_.front());
-    return "rank " + std::to_string(global_[rank_]) + " (mpi group " + group + "): ";
+    const std::string group = size_ <= 16 ? fmt::format("[{}]", fmt::join(global_, ","))
+                                          : fmt::format("{} ranks from {}", size_, global_.front());
+    return fmt::format("rank {} (mpi group {}): ", global_[rank_], group);
   }
 
   // Throws Error naming the operation for a failed MPI call.
@@ -278,13 +268,11 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
 
   void check_peer(std::size_t peer, const char* op) const {
     if (peer >= size_)
-      throw InvalidArgument(who() + op + " peer " + std::to_string(peer) +
-                            " outside the group of size " + std::to_string(size_));
+      throw InvalidArgument(fmt::format("{}{} peer {} outside the group of size {}", who(), op, peer, size_));
   }
   void check_tag(int tag, const char* op) const {
     if (tag < 0 || tag >= header_tag_)
-      throw InvalidArgument(who() + op + " tag " + std::to_string(tag) + ", expected 0.." +
-                            std::to_string(header_tag_ - 1));
+      throw InvalidArgument(fmt::format("{}{} tag {}, expected 0..{}", who(), op, tag, header_tag_ - 1));
   }
 
   const MpiOptions& options() const { return options_; }
@@ -299,10 +287,9 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   // what, by global rank. A member whose header does not arrive in time is a
   // Timeout naming it.
   void agree(Op op, std::size_t bytes, std::size_t root) {
-    const std::string what = std::string(op_name(static_cast<std::uint64_t>(op))) +
-                             (op == Op::barrier || op == Op::split
-                                  ? ""
-                                  : " of " + std::to_string(bytes) + " bytes");
+    const char* name = op_name(static_cast<std::uint64_t>(op));
+    const std::string what =
+        op == Op::barrier || op == Op::split ? std::string(name) : fmt::format("{} of {} bytes", name, bytes);
     auto pending = std::make_unique<Abandoned>();
     pending->send = {static_cast<std::uint64_t>(op), bytes, root};
     pending->recv.assign(kHeaderWords * size_, 0);
@@ -337,17 +324,12 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
         if (!arrived) missing.push_back(global_[q]);
       }
       abandoned_.push_back(std::move(pending));
-      std::ostringstream os;
-      os << who() << what << ": timed out after " << options_.timeout.count() << " ms ";
-      if (missing.empty()) {
-        os << "waiting for the group's members (global ranks " << list_str(global_)
-           << ") to take this rank's header";
-      } else {
-        os << "waiting for peer rank(s)";
-        for (std::size_t g : missing) os << " " << g;
-        os << " to join";
-      }
-      throw Timeout(os.str());
+      throw Timeout(fmt::format(
+          "{}{}: timed out after {} ms {}", who(), what, options_.timeout.count(),
+          missing.empty()
+              ? fmt::format("waiting for the group's members (global ranks [{}]) to take this rank's header",
+                            fmt::join(global_, ","))
+              : fmt::format("waiting for peer rank(s) {} to join", fmt::join(missing, " "))));
     }
     if (rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(rc));
 
@@ -367,25 +349,24 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
            it->second.front() < expected->second.front()))
         expected = it;
     }
-    std::ostringstream os;
-    os << who() << what << ": the group's members disagree:";
+    std::string text = fmt::format("{}{}: the group's members disagree:", who(), what);
     for (const auto& [h, members] : by_header) {
       std::vector<std::size_t> globals;
       for (std::size_t r : members) globals.push_back(global_[r]);
-      os << " global rank(s) " << list_str(globals) << " called " << op_name(h[0]);
+      text += fmt::format(" global rank(s) [{}] called {}", fmt::join(globals, ","), op_name(h[0]));
       if (h[0] == static_cast<std::uint64_t>(Op::all_gather) ||
           h[0] == static_cast<std::uint64_t>(Op::broadcast))
-        os << " of " << h[1] << " bytes";
-      if (h[0] == static_cast<std::uint64_t>(Op::broadcast)) os << " from group rank " << h[2];
-      os << ";";
+        text += fmt::format(" of {} bytes", h[1]);
+      if (h[0] == static_cast<std::uint64_t>(Op::broadcast)) text += fmt::format(" from group rank {}", h[2]);
+      text += ";";
     }
     const auto& mine = expected->second;
     const bool odd_one = std::find(mine.begin(), mine.end(), rank_) == mine.end();
-    os << (odd_one ? " this rank differs from the majority, expected the same buffer size, "
-                     "operation and root on every member"
-                   : " expected the same buffer size, operation and root on every member");
-    if (odd_one) throw InvalidArgument(os.str());
-    throw RemoteError(os.str());
+    text += odd_one ? " this rank differs from the majority, expected the same buffer size, "
+                      "operation and root on every member"
+                    : " expected the same buffer size, operation and root on every member";
+    if (odd_one) throw InvalidArgument(text);
+    throw RemoteError(text);
   }
 
   // Completes a collective's data transfer within the deadline. Every member
@@ -396,11 +377,9 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     MPI_Status status;
     int rc = MPI_SUCCESS;
     if (!poll(&req, &status, Clock::now() + options_.timeout, &rc)) {
-      std::ostringstream os;
-      os << who() << what << ": timed out after " << options_.timeout.count()
-         << " ms in the data transfer with the group's members (global ranks "
-         << list_str(global_) << "), which all joined it";
-      throw Timeout(os.str());
+      throw Timeout(fmt::format("{}{}: timed out after {} ms in the data transfer with the group's members (global "
+                                "ranks [{}]), which all joined it",
+                                who(), what, options_.timeout.count(), fmt::join(global_, ",")));
     }
     if (rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(rc));
   }
@@ -460,33 +439,29 @@ class MpiRequest final : public Request {
     MPI_Status status;
     int rc = MPI_SUCCESS;
     if (!poll(&req_, &status, Clock::now() + comm_->timeout(), &rc))
-      throw Timeout(comm_->who() + describe() + ": timed out after " +
-                    std::to_string(comm_->timeout().count()) + " ms waiting for peer rank " +
-                    std::to_string(comm_->globals()[peer_]));
+      throw Timeout(fmt::format("{}{}: timed out after {} ms waiting for peer rank {}", comm_->who(), describe(),
+                                comm_->timeout().count(), comm_->globals()[peer_]));
     if (rc != MPI_SUCCESS) {
       int cls = 0;
       MPI_Error_class(rc, &cls);
       if (cls == MPI_ERR_TRUNCATE)
-        throw RemoteError(comm_->who() + describe() + ": the message from rank " +
-                          std::to_string(comm_->globals()[peer_]) + " is longer than the " +
-                          std::to_string(bytes_) + " bytes expected (" + error_text(rc) + ")");
+        throw RemoteError(fmt::format("{}{}: the message from rank {} is longer than the {} bytes expected ({})",
+                                      comm_->who(), describe(), comm_->globals()[peer_], bytes_, error_text(rc)));
       throw RemoteError(comm_->who() + describe() + ": " + error_text(rc));
     }
     if (is_recv_) {
       MPI_Count elements = 0;
       MPI_Get_elements_x(&status, type_.type(), &elements);
       if (elements != static_cast<MPI_Count>(bytes_))
-        throw RemoteError(comm_->who() + describe() + ": message of " + std::to_string(elements) +
-                          " bytes from rank " + std::to_string(comm_->globals()[peer_]) +
-                          ", expected " + std::to_string(bytes_));
+        throw RemoteError(fmt::format("{}{}: message of {} bytes from rank {}, expected {}", comm_->who(), describe(),
+                                      elements, comm_->globals()[peer_], bytes_));
     }
   }
 
  private:
   std::string describe() const {
-    return std::string(is_recv_ ? "irecv from" : "isend to") + " rank " +
-           std::to_string(comm_->globals()[peer_]) + " (tag " + std::to_string(tag_) + ", " +
-           std::to_string(bytes_) + " bytes)";
+    return fmt::format("{} rank {} (tag {}, {} bytes)", is_recv_ ? "irecv from" : "isend to",
+                       comm_->globals()[peer_], tag_, bytes_);
   }
 
   std::shared_ptr<MpiComm> comm_;
@@ -525,12 +500,10 @@ std::shared_ptr<Communicator> mpi_world(MpiOptions options) {
     throw Error("mpi_world: MPI is not running, expected an initialised MPI (create an "
                 "MpiSession first, and keep it alive while communicators exist)");
   if (options.max_message_bytes < 1 || options.max_message_bytes > static_cast<std::size_t>(INT_MAX))
-    throw InvalidArgument("mpi_world: max_message_bytes is " +
-                          std::to_string(options.max_message_bytes) + ", expected 1.." +
-                          std::to_string(INT_MAX));
+    throw InvalidArgument(
+        fmt::format("mpi_world: max_message_bytes is {}, expected 1..{}", options.max_message_bytes, INT_MAX));
   if (options.timeout.count() <= 0)
-    throw InvalidArgument("mpi_world: timeout is " + std::to_string(options.timeout.count()) +
-                          " ms, expected > 0");
+    throw InvalidArgument(fmt::format("mpi_world: timeout is {} ms, expected > 0", options.timeout.count()));
   int world_rank = 0, world_size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
@@ -540,13 +513,12 @@ std::shared_ptr<Communicator> mpi_world(MpiOptions options) {
   int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
   if (rc == MPI_SUCCESS) {
     if (!poll(&req, MPI_STATUS_IGNORE, Clock::now() + options.timeout, &rc))
-      throw Timeout("rank " + std::to_string(world_rank) + ": mpi_world: duplicating MPI_COMM_WORLD "
-                    "timed out after " + std::to_string(options.timeout.count()) +
-                    " ms waiting for the other " + std::to_string(world_size - 1) + " processes");
+      throw Timeout(fmt::format("rank {}: mpi_world: duplicating MPI_COMM_WORLD timed out after {} ms waiting for the "
+                                "other {} processes",
+                                world_rank, options.timeout.count(), world_size - 1));
   }
   if (rc != MPI_SUCCESS)
-    throw Error("rank " + std::to_string(world_rank) + ": mpi_world: MPI_Comm_idup failed: " +
-                error_text(rc));
+    throw Error(fmt::format("rank {}: mpi_world: MPI_Comm_idup failed: {}", world_rank, error_text(rc)));
   return std::make_shared<MpiComm>(dup, options, static_cast<std::size_t>(world_size));
 }
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/mpi.hpp"
@@ -69,8 +71,8 @@ void run_mpi(const LaunchOptions& options, const RankFn& fn) {
     world = mpi_world(mo);
     watchdog.stop();
     if (options.ranks_given && options.ranks != world->size())
-      throw InvalidArgument("--ranks is " + std::to_string(options.ranks) + " but mpirun started " +
-                            std::to_string(world->size()) + " processes");
+      throw InvalidArgument(
+          fmt::format("--ranks is {} but mpirun started {} processes", options.ranks, world->size()));
     fn(world);
   } catch (const std::exception& e) {
     watchdog.stop();

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 #include "kdacp/mpi.hpp"
 
@@ -16,7 +18,7 @@ namespace {
 std::string error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
   return std::string(text, static_cast<std::size_t>(len));
 }
 
