@@ -2,8 +2,9 @@
 #include <chrono>
 #include <optional>
 #include <span>
-#include <sstream>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "kdacp/calibrate.hpp"
 #include "kdacp/error.hpp"
@@ -99,8 +100,7 @@ double measure_fold_gflops(const SummaryShape& shape, std::size_t threads, doubl
 
 CostParams measure_cost_params(Communicator& comm, const CalibrationOptions& options) {
   if (comm.size() < 2)
-    throw InvalidArgument("kdacp calibrate needs at least 2 ranks for the ping-pong, got " +
-                          std::to_string(comm.size()));
+    throw InvalidArgument(fmt::format("kdacp calibrate needs at least 2 ranks for the ping-pong, got {}", comm.size()));
   const double alpha = one_way(comm, 64, options.repeat);
   const std::size_t large = options.large_bytes;
   const double t_large = one_way(comm, large, 8);
@@ -115,10 +115,8 @@ CostParams measure_cost_params(Communicator& comm, const CalibrationOptions& opt
   comm.barrier();
   comm.broadcast(std::as_writable_bytes(std::span(v)), 0);
   CostParams p;
-  std::ostringstream src;
-  src << "kdacp calibrate (" << comm.backend() << " backend, " << comm.size() << " ranks, "
-      << options.threads << " thread(s) per rank)";
-  p.source = src.str();
+  p.source = fmt::format("kdacp calibrate ({} backend, {} ranks, {} thread(s) per rank)", comm.backend(),
+                         comm.size(), options.threads);
   p.alpha_s = v[0];
   p.beta_s_per_byte = v[1];
   p.gflops = v[2];

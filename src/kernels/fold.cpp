@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/summary.hpp"
@@ -44,14 +46,12 @@ void zero_slab(T* dst, std::size_t ldd, std::size_t rows, std::size_t cols) {
 void check_out(const StateView& out, const SummaryShape& shape, const std::string& field) {
   validate_view(out, field, 0);
   if (out.dtype != shape.dtype)
-    throw InvalidArgument(field + " dtype " + to_string(out.dtype) + " does not match the summaries' " +
-                          to_string(shape.dtype));
+    throw InvalidArgument(fmt::format("{} dtype {} does not match the summaries' {}", field, to_string(out.dtype),
+                                      to_string(shape.dtype)));
   if (out.batch != shape.batch || out.heads != shape.heads || out.rows != shape.key_dim ||
       out.cols != shape.value_dim) {
-    throw InvalidArgument(field + " shape [" + std::to_string(out.batch) + "," +
-                          std::to_string(out.heads) + "," + std::to_string(out.rows) + "," +
-                          std::to_string(out.cols) + "] does not match the summaries " +
-                          to_string(shape));
+    throw InvalidArgument(fmt::format("{} shape [{},{},{},{}] does not match the summaries {}", field, out.batch,
+                                      out.heads, out.rows, out.cols, to_string(shape)));
   }
 }
 
@@ -144,18 +144,16 @@ void scan(const Slots& slots, std::size_t first, std::size_t count, Direction di
   if (count > 0) {
     const bool in_range = first < p && (fwd ? first + count <= p : count <= first + 1);
     if (!in_range) {
-      throw InvalidArgument("scan of " + std::to_string(count) + " slots from slot " +
-                            std::to_string(first) + " " + to_string(direction) +
-                            " leaves the " + std::to_string(p) + " slots");
+      throw InvalidArgument(fmt::format("scan of {} slots from slot {} {} leaves the {} slots", count, first,
+                                        to_string(direction), p));
     }
   }
   check_out(out, shape, "scan output");
   if (incoming != nullptr) check_out(*incoming, shape, "scan incoming state");
   if (prefix_steps) {
     if (*prefix_steps > count)
-      throw InvalidArgument("scan prefix after " + std::to_string(*prefix_steps) +
-                            " steps, expected at most the " + std::to_string(count) +
-                            " steps scanned");
+      throw InvalidArgument(
+          fmt::format("scan prefix after {} steps, expected at most the {} steps scanned", *prefix_steps, count));
     if (prefix_out == nullptr) throw InvalidArgument("scan prefix requested without an output");
     check_out(*prefix_out, shape, "scan prefix output");
   }
@@ -170,8 +168,7 @@ void merge(const Slots& slots, std::size_t rank, Direction direction, const Stat
            const ExecPolicy& policy, FoldFlags flags) {
   const std::size_t p = slots.offsets.ranks;
   if (rank >= p) {
-    throw InvalidArgument("merge rank is " + std::to_string(rank) + ", expected a position in [0, " +
-                          std::to_string(p) + ")");
+    throw InvalidArgument(fmt::format("merge rank is {}, expected a position in [0, {})", rank, p));
   }
   if (direction == Direction::forward) {
     scan(slots, 0, rank, direction, nullptr, out, std::nullopt, nullptr, policy, flags);

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -16,8 +18,8 @@ void launch(const LaunchOptions& options, const RankFn& fn, const ProcessLaunche
   const std::string backend = resolve_backend(options, launcher);
   if (backend != "inprocess") {
     if (!launcher || launcher->name != backend)
-      throw InvalidArgument("--backend " + backend + ": this kdacp was built without the " +
-                            (backend == "mpi" ? std::string("MPI") : backend) + " backend");
+      throw InvalidArgument(fmt::format("--backend {}: this kdacp was built without the {} backend", backend,
+                                        backend == "mpi" ? std::string("MPI") : backend));
     launcher->run(options, fn);
     return;
   }

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <numeric>
 #include <set>
-#include <sstream>
+#include <string>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/error.hpp"
 
@@ -19,14 +22,6 @@ struct DeviceMesh::Root {
 };
 
 namespace {
-
-std::string list_str(const std::vector<std::size_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
-  os << "]";
-  return os.str();
-}
 
 std::size_t product(const std::vector<std::size_t>& v) {
   return std::accumulate(v.begin(), v.end(), std::size_t{1}, std::multiplies<>());
@@ -51,13 +46,12 @@ std::size_t index_of(const std::vector<std::size_t>& shape, const std::vector<st
 
 void check_names(const std::vector<std::string>& names, std::size_t want) {
   if (names.size() != want)
-    throw InvalidArgument("mesh dim names: " + std::to_string(names.size()) + " given, expected " +
-                          std::to_string(want));
+    throw InvalidArgument(fmt::format("mesh dim names: {} given, expected {}", names.size(), want));
   std::set<std::string> seen;
   for (const auto& n : names) {
     if (n.empty()) throw InvalidArgument("mesh dim name is empty, expected a non-empty name");
     if (!seen.insert(n).second)
-      throw InvalidArgument("mesh dim name '" + n + "' is duplicated, expected unique names");
+      throw InvalidArgument(fmt::format("mesh dim name '{}' is duplicated, expected unique names", n));
   }
 }
 
@@ -66,8 +60,7 @@ std::vector<std::size_t> my_coords(const std::vector<std::size_t>& shape,
                                    const std::vector<std::size_t>& ranks, std::size_t global) {
   auto it = std::find(ranks.begin(), ranks.end(), global);
   if (it == ranks.end())
-    throw InvalidArgument("rank " + std::to_string(global) + " is outside the mesh " +
-                          list_str(ranks));
+    throw InvalidArgument(fmt::format("rank {} is outside the mesh [{}]", global, fmt::join(ranks, ",")));
   return coords_of(shape, static_cast<std::size_t>(it - ranks.begin()));
 }
 
@@ -93,9 +86,8 @@ DeviceMesh DeviceMesh::create(std::shared_ptr<Communicator> world, std::vector<s
   if (!world) throw InvalidArgument("mesh communicator is null");
   check_names(names, shape.size());
   if (shape.empty() || product(shape) != world->size())
-    throw InvalidArgument("mesh shape " + list_str(shape) + " has " +
-                          std::to_string(product(shape)) + " ranks, expected the " +
-                          std::to_string(world->size()) + " ranks of the communicator");
+    throw InvalidArgument(fmt::format("mesh shape [{}] has {} ranks, expected the {} ranks of the communicator",
+                                      fmt::join(shape, ","), product(shape), world->size()));
   auto root = std::make_shared<Root>();
   root->comm = world;
   root->shape = shape;
@@ -119,14 +111,13 @@ DeviceMesh DeviceMesh::from_group(std::shared_ptr<Communicator> comm,
   if (!comm) throw InvalidArgument("mesh communicator is null");
   check_names({name}, 1);
   if (rank_list.size() != comm->size())
-    throw InvalidArgument("mesh rank list " + list_str(rank_list) + " has " +
-                          std::to_string(rank_list.size()) + " ranks, expected the " +
-                          std::to_string(comm->size()) + " ranks of its communicator");
+    throw InvalidArgument(fmt::format("mesh rank list [{}] has {} ranks, expected the {} ranks of its communicator",
+                                      fmt::join(rank_list, ","), rank_list.size(), comm->size()));
   std::set<std::size_t> seen;
   for (std::size_t r : rank_list)
     if (!seen.insert(r).second)
-      throw InvalidArgument("mesh rank list " + list_str(rank_list) + " repeats rank " +
-                            std::to_string(r) + ", expected unique global ranks");
+      throw InvalidArgument(fmt::format("mesh rank list [{}] repeats rank {}, expected unique global ranks",
+                                        fmt::join(rank_list, ","), r));
   auto root = std::make_shared<Root>();
   root->comm = comm;
   root->shape = {rank_list.size()};
@@ -157,9 +148,8 @@ std::shared_ptr<Communicator> DeviceMesh::group(std::size_t dim) const { return 
 std::size_t DeviceMesh::dim_index(const std::string& name) const {
   auto it = std::find(names_.begin(), names_.end(), name);
   if (it == names_.end()) {
-    std::string known;
-    for (const auto& n : names_) known += (known.empty() ? "" : ", ") + n;
-    throw InvalidArgument("mesh has no dim named '" + name + "', expected one of: " + known);
+    throw InvalidArgument(
+        fmt::format("mesh has no dim named '{}', expected one of: {}", name, fmt::join(names_, ", ")));
   }
   return static_cast<std::size_t>(it - names_.begin());
 }
@@ -184,12 +174,10 @@ DeviceMesh DeviceMesh::operator[](const std::string& name) const {
 DeviceMesh DeviceMesh::unflatten(std::size_t dim, const std::vector<std::size_t>& sizes,
                                  const std::vector<std::string>& names) const {
   if (dim >= ndim())
-    throw InvalidArgument("unflatten dim " + std::to_string(dim) + ", expected < " +
-                          std::to_string(ndim()));
+    throw InvalidArgument(fmt::format("unflatten dim {}, expected < {}", dim, ndim()));
   if (sizes.empty() || product(sizes) != shape_[dim])
-    throw InvalidArgument("unflatten sizes " + list_str(sizes) + " multiply to " +
-                          std::to_string(product(sizes)) + ", expected the size " +
-                          std::to_string(shape_[dim]) + " of dim '" + names_[dim] + "'");
+    throw InvalidArgument(fmt::format("unflatten sizes [{}] multiply to {}, expected the size {} of dim '{}'",
+                                      fmt::join(sizes, ","), product(sizes), shape_[dim], names_[dim]));
   check_names(names, sizes.size());
   const std::size_t rd = root_dims_[dim];
   auto root = std::make_shared<Root>();
@@ -243,32 +231,26 @@ std::size_t DeviceMesh::world_size() const { return root_->comm->world_size(); }
 
 void DeviceMesh::validate_order() const {
   if (ndim() != 1)
-    throw InvalidArgument("mesh order check needs a 1-D mesh, got " + std::to_string(ndim()) +
-                          " dims");
+    throw InvalidArgument(fmt::format("mesh order check needs a 1-D mesh, got {} dims", ndim()));
   const auto& comm_ranks = groups_[0]->global_ranks();
   if (comm_ranks != ranks_)
-    throw InvalidArgument("rank " + std::to_string(global_rank()) + ": mesh rank list " +
-                          list_str(ranks_) + " differs from its communicator's order " +
-                          list_str(comm_ranks) +
-                          ", expected the same ranks in the same (chronological) order");
+    throw InvalidArgument(fmt::format("rank {}: mesh rank list [{}] differs from its communicator's order [{}], "
+                                      "expected the same ranks in the same (chronological) order",
+                                      global_rank(), fmt::join(ranks_, ","), fmt::join(comm_ranks, ",")));
 }
 
 DeviceMesh split_mesh(const DeviceMesh& mesh, std::size_t degree, const std::string& outer,
                       const std::string& inner) {
   if (mesh.ndim() != 1)
-    throw InvalidArgument("mesh split needs a 1-D mesh, got " + std::to_string(mesh.ndim()) +
-                          " dims");
+    throw InvalidArgument(fmt::format("mesh split needs a 1-D mesh, got {} dims", mesh.ndim()));
   if (degree < 1 || mesh.size() % degree != 0)
-    throw InvalidArgument("mesh split degree " + std::to_string(degree) +
-                          ", expected a positive divisor of the mesh size " +
-                          std::to_string(mesh.size()));
+    throw InvalidArgument(
+        fmt::format("mesh split degree {}, expected a positive divisor of the mesh size {}", degree, mesh.size()));
   mesh.validate_order();
   if (mesh.root_size() != mesh.world_size())
-    throw InvalidArgument("rank " + std::to_string(mesh.global_rank()) +
-                          ": mesh is detached: its root spans " +
-                          std::to_string(mesh.root_size()) + " ranks, expected the whole world of " +
-                          std::to_string(mesh.world_size()) +
-                          " (sibling groups must be created over the world)");
+    throw InvalidArgument(fmt::format("rank {}: mesh is detached: its root spans {} ranks, expected the whole world "
+                                      "of {} (sibling groups must be created over the world)",
+                                      mesh.global_rank(), mesh.root_size(), mesh.world_size()));
   return mesh.unflatten(0, {mesh.size() / degree, degree}, {outer, inner});
 }
 
