@@ -195,8 +195,8 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
     slots = std::max<std::size_t>(slots, h.count);
   }
   if (!failed.empty())
-    parts.push_back(fmt::format("{} rejected {} own arguments (see {} error)", ranks_text(failed),
-                                failed.size() == 1 ? "its" : "their", failed.size() == 1 ? "its" : "their"));
+    parts.push_back(fmt::format("{0} rejected {1} own arguments (see {1} error)", ranks_text(failed),
+                                failed.size() == 1 ? "its" : "their"));
   if (!foreign.empty())
     parts.push_back(ranks_text(foreign) + " sent no agreement record (another collective or "
                                           "another kdacp build at the same point)");
