@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kdacp/kda.hpp"
-#include "kdacp/kda_sequences.hpp"
+#include "kda/sequences.hpp"
 #include "kda_test_inputs.hpp"
 
 namespace kdacp::kda::test {

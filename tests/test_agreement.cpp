@@ -27,7 +27,7 @@
 #include "kdacp/finite.hpp"
 #include "kdacp/inprocess.hpp"
 #include "kdacp/kda_cp.hpp"
-#include "kdacp/kda_sequences.hpp"
+#include "kda/sequences.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/thread_pool.hpp"
 

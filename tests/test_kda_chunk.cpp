@@ -26,7 +26,7 @@
 #include "kdacp/inprocess.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/kda_cp.hpp"
-#include "kdacp/kda_sequences.hpp"
+#include "kda/sequences.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -402,7 +402,7 @@ TEST(KdaChunk, BitwiseEqualAcrossTargets) {
   }
 }
 
-// Packed sequences with initial and final states (kda_sequences.hpp): the
+// Packed sequences with initial and final states (kda/sequences.hpp): the
 // Inputs' algorithm reaches every piece; chunk equals recurrent.
 TEST(KdaChunk, PackedSequencesMatchRecurrent) {
   const Shape s{1, 3 * kC + 5, 1, 2, 16, 32};

@@ -24,7 +24,6 @@
 #include "kdacp/error.hpp"
 #include "kdacp/inprocess.hpp"
 #include "kdacp/kda_cp.hpp"
-#include "kdacp/kda_sequences.hpp"
 #include "kdacp/protocol.hpp"
 #include "kda_sequence_reference.hpp"
 

@@ -17,7 +17,7 @@
 
 #include "kdacp/error.hpp"
 #include "kdacp/kda_cp.hpp"
-#include "kdacp/kda_sequences.hpp"
+#include "kda/sequences.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "kda/parts.hpp"
@@ -560,31 +560,24 @@ TEST(KdaSequences, BadArgumentsThrowBeforeWriting) {
   expect_invalid([&] { forward_sequences(p.inputs(), shorter, {}, r.o.data(), {}); },
                  "shape.tokens (T) = 48, expected the sequences' T = 40");
 
-  const auto in = p.inputs();
-  expect_invalid([&] { part_forward(in, seqs, Part{13, 29, 0}, nullptr, p.states(p.h0), r.o.data(), states(r.ht)); },
-                 "incoming (the part continues a sequence) is null");
-  expect_invalid([&] { part_summary(in, seqs, Part{13, 29, 0}, p.states(p.h0), state.data(), nullptr); },
-                 "transfer (the part is not a cut) is null");
-  expect_invalid([&] { part_summary(in, seqs, Part{12, 12, 0}, p.states(p.h0), state.data(), transfer.data()); },
-                 "part [begin, end) = [12, 12), expected begin < end <= T = 48");
-  expect_invalid([&] { part_summary(in, seqs, Part{40, 49, 0}, p.states(p.h0), state.data(), transfer.data()); },
-                 "expected begin < end <= T = 48");
-  auto short_local = in;
-  short_local.shape.tokens = 12;
-  expect_invalid([&] { part_summary(short_local, seqs, Part{24, 36, 1}, p.states(p.h0), state.data(), transfer.data()); },
-                 "part of 12 tokens at local_begin = 1, expected local_begin + end - begin <= shape.tokens = 12");
-  expect_invalid([&] { part_incoming_grad(in, seqs, Part{13, 29, 0}, nullptr, p.states(p.dht), state.data()); },
-                 "d_o is null");
+  // The part_* calls trust the layer's validation (kda/validate.hpp); the
+  // public calls check the rest of their arguments.
   expect_invalid(
       [&] {
-        part_backward(in, seqs, Part{13, 29, 0}, state.data(), p.states(p.h0), p.d_o.data(),
-                      state.data(), p.states(p.dht), grads, states(r.dh0), {}, 0);
+        backward_sequences(p.inputs(), seqs, p.states(p.h0), nullptr, p.states(p.dht), grads,
+                           states(r.dh0));
       },
-      "checkpoint_interval = 0");
-  auto no_scale = in;
+      "kda::backward_sequences: d_o is null");
+  expect_invalid(
+      [&] {
+        backward_sequences(p.inputs(), seqs, p.states(p.h0), p.d_o.data(), p.states(p.dht), grads,
+                           states(r.dh0), {}, 0);
+      },
+      "kda::backward_sequences: checkpoint_interval = 0");
+  auto no_scale = p.inputs();
   no_scale.scale = 0;
-  expect_invalid([&] { part_forward(no_scale, seqs, Part{0, 48, 0}, nullptr, {}, r.o.data(), {}); },
-                 "scale");
+  expect_invalid([&] { forward_sequences(no_scale, seqs, {}, r.o.data(), {}); },
+                 "kda::forward_sequences: scale = 0, expected a finite value > 0");
   EXPECT_TRUE(untouched());
 }
 

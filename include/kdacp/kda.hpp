@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kdacp/kernels.hpp"
+#include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
 
@@ -46,6 +47,36 @@ struct Shape {
   std::size_t g_elems() const { return batch * tokens * value_heads * key_dim; }
   std::size_t beta_elems() const { return batch * tokens * value_heads; }
 };
+
+// The stream's sequences and parts are the layout module's (layout.hpp);
+// terms (stream, part, piece, cut): docs/sequences.md.
+using kdacp::Part;
+using kdacp::part_info;
+using kdacp::PartInfo;
+using kdacp::SequenceRange;
+using kdacp::Sequences;
+
+// Per-sequence states h0, ht, dh0, dht of a stream (ContextParallelLayer's
+// stream calls): dense [N,HV,K,V] at `data`, or absent (data == nullptr: h0
+// and dht are then zero, ht and dh0 not produced). The dims are checked
+// against the sequences and the inputs' shape.
+template <class T>
+struct SequenceStates {
+  T* data = nullptr;
+  std::size_t sequences = 0, value_heads = 0, key_dim = 0, value_dim = 0;
+
+  operator SequenceStates<const T>() const
+    requires(!std::is_const_v<T>)
+  {
+    return {data, sequences, value_heads, key_dim, value_dim};
+  }
+};
+
+// `data` viewed as the [N,HV,K,V] states of `seqs` for inputs of `shape`.
+template <class T>
+SequenceStates<T> sequence_states(T* data, const Sequences& seqs, const Shape& shape) {
+  return {data, seqs.count(), shape.value_heads, shape.key_dim, shape.value_dim};
+}
 
 // Throws InvalidArgument unless B, T, H, HV, K, V are all ≥ 1 and H divides HV.
 void validate(const Shape& shape);

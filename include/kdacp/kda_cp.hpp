@@ -21,7 +21,6 @@
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/kda.hpp"
-#include "kdacp/kda_sequences.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/tensor.hpp"
 

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 import kdacp
 import kdacp.torch as kt
+from kdacp import _kdacp
 
 
 def _median_max(seconds):
@@ -128,6 +129,15 @@ def _worker(rank, world, init_file, args, out_file):
     dist.destroy_process_group()
 
 
+def _threads(text):
+    """--threads: a count in [1, the CLI's --threads maximum], read by the
+    C++ parser (kdacp/units.hpp) so that its text and limits are the CLI's."""
+    try:
+        return _kdacp.parse_integer(text, "--threads", 1, _kdacp.threads_range[1])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m kdacp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,7 +148,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank for the kda test")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="threads per rank (torch and kdacp)")
+    p.add_argument("--threads", type=_threads, default=1, help="threads per rank (torch and kdacp)")
     args = p.parse_args(argv)
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:

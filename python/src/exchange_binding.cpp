@@ -6,6 +6,8 @@
 #include <cstring>
 #include <optional>
 
+#include <fmt/format.h>
+
 #include "binding.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
@@ -34,8 +36,8 @@ ExchangeOptions make_options(std::size_t segments, std::size_t memory_budget_byt
   if (!calibration.empty()) o.cost = load_cost_params(calibration);
   if (expected_shape) {
     if (expected_shape->size() != 4)
-      throw InvalidArgument("expected_shape has " + std::to_string(expected_shape->size()) +
-                            " entries, expected 4 (B, H, K, V)");
+      throw InvalidArgument(fmt::format("expected_shape has {} entries, expected 4 (B, H, K, V)",
+                                        expected_shape->size()));
     SummaryShape s;
     s.batch = (*expected_shape)[0];
     s.heads = (*expected_shape)[1];
@@ -88,8 +90,7 @@ py::array merge_stacked(const py::tuple& offsets, const py::tuple& transfers, st
   const StackView m = stack_view(to_desc(transfers), "matrices");
   const SummaryShape shape = validate_stack(s, m, rank);
   if (rank >= s.ranks)
-    throw InvalidArgument("rank " + std::to_string(rank) + ", expected < P = " +
-                          std::to_string(s.ranks));
+    throw InvalidArgument(fmt::format("rank {}, expected < P = {}", rank, s.ranks));
   State out(shape.batch, shape.heads, shape.key_dim, shape.value_dim, shape.dtype);
   {
     py::gil_scoped_release release;

@@ -10,10 +10,12 @@
 #include <type_traits>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "binding.hpp"
+#include "kda/sequences.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/kda_cp.hpp"
-#include "kdacp/kda_sequences.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
 #include "torch_comm.hpp"
@@ -268,7 +270,7 @@ void bind_kda(py::module_& m) {
            },
            py::arg("rank"))
       .def("__str__", &Layout::str)
-      .def("__repr__", [](const Layout& l) { return "<kdacp Layout " + l.str() + ">"; });
+      .def("__repr__", [](const Layout& l) { return fmt::format("<kdacp Layout {}>", l.str()); });
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
       .def(py::init<py::object, const std::string&, long long, const std::optional<Layout>&,

@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <fmt/format.h>
+
 #include "binding.hpp"
 #include "kdacp/defaults.hpp"
 #include "kdacp/error.hpp"
@@ -30,14 +32,14 @@ TensorDesc to_desc(const py::tuple& t) {
   else if (name == "float64")
     d.dtype = DType::f64;
   else
-    throw InvalidArgument("tensor dtype " + name + ", expected float32 or float64");
+    throw InvalidArgument(fmt::format("tensor dtype {}, expected float32 or float64", name));
   return d;
 }
 
 StateView state_view(const TensorDesc& d, const char* field) {
   if (d.shape.size() != 4 || d.strides.size() != 4)
-    throw InvalidArgument(std::string(field) + " has " + std::to_string(d.shape.size()) +
-                          " dims, expected 4 ([B,H,rows,cols])");
+    throw InvalidArgument(
+        fmt::format("{} has {} dims, expected 4 ([B,H,rows,cols])", field, d.shape.size()));
   StateView v;
   v.data = reinterpret_cast<void*>(d.data);
   v.dtype = d.dtype;
@@ -54,8 +56,8 @@ StateView state_view(const TensorDesc& d, const char* field) {
 
 StackView stack_view(const TensorDesc& d, const char* field) {
   if (d.shape.size() != 5 || d.strides.size() != 5)
-    throw InvalidArgument(std::string(field) + " has " + std::to_string(d.shape.size()) +
-                          " dims, expected 5 ([P,B,H,rows,cols])");
+    throw InvalidArgument(
+        fmt::format("{} has {} dims, expected 5 ([P,B,H,rows,cols])", field, d.shape.size()));
   TensorDesc slot = d;
   slot.shape.erase(slot.shape.begin());
   slot.strides.erase(slot.strides.begin());
@@ -93,7 +95,8 @@ void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, co
   if (dtype == "float64")
     t.dtype = DType::f64;
   else if (dtype != "float32")
-    throw InvalidArgument(name + " has dtype " + dtype + ", expected float32 or float64");
+    throw InvalidArgument(
+        fmt::format("{} has dtype {}, expected float32 or float64", name, dtype));
   void (*check)(const TensorRef&) = nullptr;
   if (rule == "finite")
     check = [](const TensorRef& x) { require_finite(x); };
@@ -102,7 +105,8 @@ void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, co
   else if (rule == "beta")
     check = &require_kda_beta;
   else
-    throw InvalidArgument("check_tensor: rule '" + rule + "', expected 'finite', 'gate' or 'beta'");
+    throw InvalidArgument(
+        fmt::format("check_tensor: rule '{}', expected 'finite', 'gate' or 'beta'", rule));
   py::gil_scoped_release release;
   check(t);
 }

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 
 namespace py = pybind11;
@@ -123,13 +125,7 @@ class TorchRequest final : public Request {
 };
 
 std::string op_text(const char* op, std::size_t rank, std::size_t peer_global) {
-  std::string s = "rank ";
-  s += std::to_string(rank);
-  s += ' ';
-  s += op;
-  s += " peer (global rank) ";
-  s += std::to_string(peer_global);
-  return s;
+  return fmt::format("rank {} {} peer (global rank) {}", rank, op, peer_global);
 }
 
 }  // namespace
@@ -141,8 +137,8 @@ TorchCommunicator::TorchCommunicator(py::object backend) : backend_(std::move(ba
   name_ = backend_.attr("name").cast<std::string>();
   timeout_ = std::chrono::milliseconds(backend_.attr("timeout_ms").cast<long long>());
   if (rank_ >= global_ranks_.size())
-    throw InvalidArgument("torch communicator rank " + std::to_string(rank_) +
-                          " is outside its group of " + std::to_string(global_ranks_.size()));
+    throw InvalidArgument(fmt::format("torch communicator rank {} is outside its group of {}",
+                                      rank_, global_ranks_.size()));
 }
 
 TorchCommunicator::~TorchCommunicator() {
@@ -156,18 +152,16 @@ TorchCommunicator::~TorchCommunicator() {
 
 void TorchCommunicator::check_peer(std::size_t peer, const char* op) const {
   if (peer >= size())
-    throw InvalidArgument(std::string(op) + " peer " + std::to_string(peer) +
-                          " is outside the group of " + std::to_string(size()) + " ranks");
+    throw InvalidArgument(
+        fmt::format("{} peer {} is outside the group of {} ranks", op, peer, size()));
 }
 
 void TorchCommunicator::all_gather(std::span<std::byte> buffer) {
   if (buffer.size() % size() != 0)
-    throw InvalidArgument("all_gather buffer of " + std::to_string(buffer.size()) +
-                          " bytes, expected a multiple of the group size " +
-                          std::to_string(size()));
-  std::string what = "rank ";
-  what += std::to_string(global_ranks_[rank_]);
-  what += " all_gather";
+    throw InvalidArgument(fmt::format(
+        "all_gather buffer of {} bytes, expected a multiple of the group size {}", buffer.size(),
+        size()));
+  const std::string what = fmt::format("rank {} all_gather", global_ranks_[rank_]);
   with_gil(what, [&] { backend_.attr("all_gather")(byte_tensor(buffer.data(), buffer.size())); });
   const std::size_t slot = buffer.size() / size();
   stats_.bytes_sent += slot * (size() - 1);
@@ -177,10 +171,8 @@ void TorchCommunicator::all_gather(std::span<std::byte> buffer) {
 
 void TorchCommunicator::broadcast(std::span<std::byte> buffer, std::size_t root) {
   check_peer(root, "broadcast");
-  std::string what = "rank ";
-  what += std::to_string(global_ranks_[rank_]);
-  what += " broadcast from global rank ";
-  what += std::to_string(global_ranks_[root]);
+  const std::string what =
+      fmt::format("rank {} broadcast from global rank {}", global_ranks_[rank_], global_ranks_[root]);
   with_gil(what, [&] {
     backend_.attr("broadcast")(byte_tensor(buffer.data(), buffer.size()), root);
   });
@@ -192,9 +184,7 @@ void TorchCommunicator::broadcast(std::span<std::byte> buffer, std::size_t root)
 }
 
 void TorchCommunicator::barrier() {
-  std::string what = "rank ";
-  what += std::to_string(global_ranks_[rank_]);
-  what += " barrier";
+  const std::string what = fmt::format("rank {} barrier", global_ranks_[rank_]);
   with_gil(what, [&] { backend_.attr("barrier")(); });
   stats_.messages_sent += 1;
 }
@@ -225,9 +215,7 @@ std::unique_ptr<Request> TorchCommunicator::irecv(std::span<std::byte> data, std
 }
 
 std::shared_ptr<Communicator> TorchCommunicator::split(int color, int key) {
-  std::string what = "rank ";
-  what += std::to_string(global_ranks_[rank_]);
-  what += " split";
+  const std::string what = fmt::format("rank {} split", global_ranks_[rank_]);
   return with_gil(what, [&]() -> std::shared_ptr<Communicator> {
     py::object sub = backend_.attr("split")(color, key);
     if (sub.is_none()) return nullptr;

@@ -18,6 +18,7 @@
 #include "kdacp/mesh.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kda/sequences.hpp"
 
 namespace kdacp::job {
 

@@ -6,15 +6,17 @@
 #include <cstring>
 #include <functional>
 #include <span>
-#include <sstream>
 #include <type_traits>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "kda/layer_finite.hpp"
 #include "kda/parts.hpp"
+#include "kda/validate.hpp"
 
 namespace kdacp::kda {
 
@@ -35,43 +37,9 @@ void on_rank(std::size_t rank, const char* op, const std::function<void()>& fn) 
   try {
     fn();
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(std::string("kda::ContextParallelLayer::") + op + " on rank " +
-                          std::to_string(rank) + ": " + e.what());
+    throw InvalidArgument(
+        fmt::format("kda::ContextParallelLayer::{} on rank {}: {}", op, rank, e.what()));
   }
-}
-
-void require(const void* ptr, const char* field) {
-  if (ptr == nullptr)
-    throw InvalidArgument(std::string(field) + " is null, expected a pointer to its tensor");
-}
-
-template <class T>
-void check_inputs(const Inputs<T>& in) {
-  validate(in.shape);
-  require(in.q, "q");
-  require(in.k, "k");
-  require(in.v, "v");
-  require(in.g, "g");
-  require(in.beta, "beta");
-  if (!std::isfinite(in.scale) || !(in.scale > 0))
-    throw InvalidArgument("scale = " + std::to_string(in.scale) +
-                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
-}
-
-template <class T>
-void check_states(const SequenceStates<T>& st, const Sequences& seqs, const Shape& s,
-                  const char* field) {
-  if (st.data == nullptr) return;
-  const std::size_t want[4] = {seqs.count(), s.value_heads, s.key_dim, s.value_dim};
-  const std::size_t got[4] = {st.sequences, st.value_heads, st.key_dim, st.value_dim};
-  if (std::equal(got, got + 4, want)) return;
-  auto dims = [](const std::size_t* d) {
-    std::string out(1, '[');
-    for (std::size_t i = 0; i < 4; ++i) out.append(i ? "," : "").append(std::to_string(d[i]));
-    return out.append("]");
-  };
-  throw InvalidArgument(std::string(field) + " has shape " + dims(got) +
-                        ", expected [N,HV,K,V] = " + dims(want));
 }
 
 // This rank's parts of the stream in chain order, once the stream is checked
@@ -81,23 +49,22 @@ std::vector<Part> checked_parts(const Stream& stream, const Shape& local, std::s
   const Layout& layout = stream.layout;
   const Sequences& seqs = stream.sequences;
   if (layout.ranks() != ranks)
-    throw InvalidArgument("stream.layout spans " + std::to_string(layout.ranks()) +
-                          " ranks, expected the mesh's P = " + std::to_string(ranks));
+    throw InvalidArgument(fmt::format("stream.layout spans {} ranks, expected the mesh's P = {}",
+                                      layout.ranks(), ranks));
   // The exchange was built for one assignment of chain positions to ranks.
   if (const PartOwners owners = layout.owners(); !(owners == part_owners))
-    throw InvalidArgument("stream.layout has part owners " + owners.str() +
-                          ", expected the exchange's " + part_owners.str() +
-                          " (the layout the layer was built with)");
+    throw InvalidArgument(fmt::format(
+        "stream.layout has part owners {}, expected the exchange's {} (the layout the layer was "
+        "built with)",
+        owners.str(), part_owners.str()));
   if (layout.tokens() != seqs.tokens())
-    throw InvalidArgument("stream.layout covers " + std::to_string(layout.tokens()) +
-                          " tokens, expected the sequences' T = " + std::to_string(seqs.tokens()));
-  if (local.batch != seqs.batch())
-    throw InvalidArgument("shape.batch (B) = " + std::to_string(local.batch) +
-                          ", expected the sequences' B = " + std::to_string(seqs.batch()));
+    throw InvalidArgument(fmt::format("stream.layout covers {} tokens, expected the sequences' T = {}",
+                                      layout.tokens(), seqs.tokens()));
+  check::batch(local, seqs, "");
   if (local.tokens != layout.local_tokens(rank))
-    throw InvalidArgument("shape.tokens (T_local) = " + std::to_string(local.tokens) +
-                          ", expected the layout's " + std::to_string(layout.local_tokens(rank)) +
-                          " tokens of rank " + std::to_string(rank));
+    throw InvalidArgument(fmt::format(
+        "shape.tokens (T_local) = {}, expected the layout's {} tokens of rank {}", local.tokens,
+        layout.local_tokens(rank), rank));
   return layout.local_parts(rank);
 }
 
@@ -149,9 +116,9 @@ namespace {
 ExchangeOptions with_layout(const DeviceMesh& mesh, const Layout& layout,
                             ExchangeOptions options) {
   if (layout.ranks() != mesh.size())
-    throw InvalidArgument("kda::ContextParallelLayer: layout spans " +
-                          std::to_string(layout.ranks()) + " ranks, expected the mesh's P = " +
-                          std::to_string(mesh.size()));
+    throw InvalidArgument(fmt::format(
+        "kda::ContextParallelLayer: layout spans {} ranks, expected the mesh's P = {}",
+        layout.ranks(), mesh.size()));
   options.part_owners = layout.owners();
   return options;
 }
@@ -262,7 +229,7 @@ void ContextParallelLayer<T>::agree_on(const char* op, const Fingerprint& fields
   } catch (const InvalidArgument& e) {
     local_error = e.what();
   }
-  agree(*comm_, fields, std::string("kda::ContextParallelLayer::") + op, local_error);
+  agree(*comm_, fields, fmt::format("kda::ContextParallelLayer::{}", op), local_error);
 }
 
 // The call without a stream is the stream of one sequence per row, laid out
@@ -355,11 +322,10 @@ Stream ContextParallelLayer<T>::contiguous_stream(std::size_t batch, std::size_t
 template <class T>
 void ContextParallelLayer<T>::require_plain(std::size_t rank, const char* op) const {
   if (!exchange_->part_owners().is_one_per_rank())
-    throw InvalidArgument(std::string("kda::ContextParallelLayer::") + op + " on rank " +
-                          std::to_string(rank) + ": the layer's layout has part owners " +
-                          exchange_->part_owners().str() +
-                          ", expected one part per rank in rank order for the call without a "
-                          "stream");
+    throw InvalidArgument(fmt::format(
+        "kda::ContextParallelLayer::{} on rank {}: the layer's layout has part owners {}, "
+        "expected one part per rank in rank order for the call without a stream",
+        op, rank, exchange_->part_owners().str()));
 }
 
 template <class T>
@@ -377,12 +343,14 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("ht requested", ht.data != nullptr);
+  // The call's one validation (kda/validate.hpp); the part_* calls trust it.
   agree_on("forward", fields, [&] {
-    check_inputs(in);
+    check::inputs(in, "");
+    check::algorithm(exec_.algorithm, "");
     parts = checked_parts(stream, in.shape, rank, exchange_->size(), exchange_->part_owners());
-    require(o, "o");
-    check_states(h0, seqs, in.shape, "h0");
-    check_states(ht, seqs, in.shape, "ht");
+    check::pointer(o, "", "o");
+    check::states(h0, seqs, in.shape, "", "h0");
+    check::states(ht, seqs, in.shape, "", "ht");
   });
   on_rank(rank, "forward", [&] {
     const Shape& s = in.shape;
@@ -446,18 +414,15 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
     if (!saved.stream)
       throw InvalidArgument(
           "saved holds no stream, expected what this layer's forward returned");
-    check_inputs(in);
+    check::inputs(in, "");
+    check::algorithm(exec_.algorithm, "");
     parts = checked_parts(*saved.stream, in.shape, rank, exchange_->size(), exchange_->part_owners());
-    require(d_o, "d_o");
-    require(grads.dq, "dq");
-    require(grads.dk, "dk");
-    require(grads.dv, "dv");
-    require(grads.dg, "dg");
-    require(grads.dbeta, "dbeta");
+    check::pointer(d_o, "", "d_o");
+    check::grads(grads, "");
     const Sequences& seqs = saved.stream->sequences;
-    check_states(h0, seqs, in.shape, "h0");
-    check_states(dht, seqs, in.shape, "dht");
-    check_states(dh0, seqs, in.shape, "dh0");
+    check::states(h0, seqs, in.shape, "", "h0");
+    check::states(dht, seqs, in.shape, "", "dht");
+    check::states(dh0, seqs, in.shape, "", "dh0");
     for (const Part& part : parts) infos.push_back(part_info(seqs, part));
   });
   const Stream& stream = *saved.stream;

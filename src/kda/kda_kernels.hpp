@@ -162,7 +162,12 @@ struct KernelSet {
   Kernels<double> f64;
 };
 
-// The entry points of kda.hpp, validated the same way, on `kernels`.
+// The best target's kernels (kda_math.cpp), chosen once per process.
+template <class T>
+const Kernels<T>& chosen_kernels();
+
+// The calls of kda.hpp on `kernels`, without validation: their callers
+// validated the arguments (kda/validate.hpp lists the entry points).
 template <class T>
 void chunk_summary_on(const Kernels<T>& kernels, const Inputs<T>& in, T* state, T* transfer,
                       const ExecPolicy& exec);

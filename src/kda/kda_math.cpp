@@ -34,7 +34,7 @@
 //    targets have FMA.
 // tests/test_kda_dispatch.cpp runs every compiled target and compares bitwise.
 //
-// Validation, threading and the public templates live once, outside the
+// Validation (kda/validate.hpp), threading and the public templates live once, outside the
 // per-target section (the HWY_ONCE block).
 #ifdef __clang__
 #pragma clang fp contract(off)
@@ -81,7 +81,10 @@ HWY_AFTER_NAMESPACE();
 #include <vector>
 
 #include "kda/backward_driver.hpp"
+#include <fmt/format.h>
+
 #include "kda/chunk.hpp"
+#include "kda/validate.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/thread_pool.hpp"
 
@@ -89,8 +92,6 @@ namespace kdacp::kda {
 namespace detail {
 
 HWY_EXPORT(ChooseKernels);
-
-namespace {
 
 // The best target's kernels, chosen once per process: every call runs every
 // head with the same code.
@@ -103,32 +104,16 @@ const Kernels<T>& chosen_kernels() {
     return set->f64;
   }
 }
-
-void require(const void* ptr, const char* op, const char* field) {
-  if (ptr == nullptr)
-    throw InvalidArgument(std::string("kda::") + op + ": " + field +
-                          " is null, expected a pointer to its tensor");
-}
-
-void require_algorithm(Algorithm algorithm, const char* op) {
-  if (algorithm != Algorithm::recurrent && algorithm != Algorithm::chunk)
-    throw InvalidArgument(std::string("kda::") + op + ": algorithm = " +
-                          std::to_string(static_cast<int>(algorithm)) +
-                          ", expected Algorithm::recurrent or Algorithm::chunk");
-}
-
-}  // namespace
+template const Kernels<float>& chosen_kernels<float>();
+template const Kernels<double>& chosen_kernels<double>();
 
 // Each participant of the pool takes a contiguous range of (batch, value
 // head) pairs and allocates its scratch once for them; a pair's result does
-// not depend on which participant computes it.
+// not depend on which participant computes it. The *_on calls trust their
+// arguments: the public calls below validate them first.
 template <class T>
 void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* transfer,
                       const ExecPolicy& exec) {
-  validate(in, "chunk_summary");
-  require_algorithm(exec.algorithm, "chunk_summary");
-  require(state, "chunk_summary", "state");
-  require(transfer, "chunk_summary", "transfer");
   if (exec.algorithm == Algorithm::chunk)
     return chunk_summary_chunked(chosen_chunk_kernels<T>(), in, state, transfer, exec);
   const Shape& s = in.shape;
@@ -147,9 +132,6 @@ void chunk_summary_on(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* 
 template <class T>
 void forward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
                 T* final_state, const ExecPolicy& exec, ForwardCache<T>* keep) {
-  validate(in, "forward");
-  require_algorithm(exec.algorithm, "forward");
-  require(o, "forward", "o");
   if (exec.algorithm == Algorithm::chunk)
     return forward_chunked(chosen_chunk_kernels<T>(), in, incoming, o, final_state, exec,
                            keep ? keep->append(ForwardCache<T>::record_elems(in.shape, exec.algorithm))
@@ -176,16 +158,6 @@ template <class T>
 void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, const T* d_o,
                  const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
                  std::size_t checkpoint_interval, ForwardCache<T>* kept) {
-  validate(in, "backward");
-  require_algorithm(exec.algorithm, "backward");
-  require(d_o, "backward", "d_o");
-  require(grads.dq, "backward", "dq");
-  require(grads.dk, "backward", "dk");
-  require(grads.dv, "backward", "dv");
-  require(grads.dg, "backward", "dg");
-  require(grads.dbeta, "backward", "dbeta");
-  if (checkpoint_interval == 0)
-    throw InvalidArgument("kda::backward: checkpoint_interval = 0, expected >= 1");
   if (exec.algorithm == Algorithm::chunk)
     return backward_chunked(
         chosen_chunk_kernels<T>(), in, incoming, d_o, d_final, grads, exec,
@@ -205,10 +177,6 @@ void backward_on(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
 template <class T>
 void incoming_grad_on(const Kernels<T>& kern, const Inputs<T>& in, const T* d_o, T* g_state,
                       const ExecPolicy& exec) {
-  validate(in, "incoming_grad");
-  require_algorithm(exec.algorithm, "incoming_grad");
-  require(d_o, "incoming_grad", "d_o");
-  require(g_state, "incoming_grad", "g_state");
   if (exec.algorithm == Algorithm::chunk)
     return incoming_grad_chunked(chosen_chunk_kernels<T>(), in, d_o, g_state, exec);
   const Shape& s = in.shape;
@@ -244,16 +212,7 @@ KDACP_KDA_INSTANTIATE(double)
 
 template <class T>
 void validate(const Inputs<T>& in, const char* op) {
-  using detail::require;
-  validate(in.shape);
-  require(in.q, op, "q");
-  require(in.k, op, "k");
-  require(in.v, op, "v");
-  require(in.g, op, "g");
-  require(in.beta, op, "beta");
-  if (!std::isfinite(in.scale) || !(in.scale > 0))
-    throw InvalidArgument(std::string("kda::") + op + ": scale = " + std::to_string(in.scale) +
-                          ", expected a finite value > 0 (default_scale(K) = 1/sqrt(K))");
+  check::inputs(in, fmt::format("kda::{}: ", op));
 }
 
 const char* algorithm_name(Algorithm algorithm) {
@@ -270,7 +229,7 @@ Algorithm parse_algorithm(const char* name) {
   const std::string s = name ? name : "";
   if (s == "recurrent") return Algorithm::recurrent;
   if (s == "chunk") return Algorithm::chunk;
-  throw InvalidArgument("kda: algorithm '" + s + "', expected 'recurrent' or 'chunk'");
+  throw InvalidArgument(fmt::format("kda: algorithm '{}', expected 'recurrent' or 'chunk'", s));
 }
 template void validate<float>(const Inputs<float>&, const char*);
 template void validate<double>(const Inputs<double>&, const char*);
@@ -278,7 +237,7 @@ template void validate<double>(const Inputs<double>&, const char*);
 void validate(const Shape& shape) {
   auto at_least_one = [](std::size_t value, const char* field) {
     if (value == 0)
-      throw InvalidArgument(std::string("kda: shape.") + field + " = 0, expected >= 1");
+      throw InvalidArgument(fmt::format("kda: shape.{} = 0, expected >= 1", field));
   };
   at_least_one(shape.batch, "batch (B)");
   at_least_one(shape.tokens, "tokens (T)");
@@ -287,9 +246,9 @@ void validate(const Shape& shape) {
   at_least_one(shape.key_dim, "key_dim (K)");
   at_least_one(shape.value_dim, "value_dim (V)");
   if (shape.value_heads % shape.heads != 0)
-    throw InvalidArgument("kda: shape.value_heads (HV) = " + std::to_string(shape.value_heads) +
-                          ", expected a multiple of heads (H) = " +
-                          std::to_string(shape.heads));
+    throw InvalidArgument(fmt::format(
+        "kda: shape.value_heads (HV) = {}, expected a multiple of heads (H) = {}",
+        shape.value_heads, shape.heads));
 }
 
 template <class T>
@@ -301,6 +260,10 @@ T default_scale(std::size_t key_dim) {
 template <class T>
 void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
                    const ExecPolicy& exec) {
+  check::inputs(in, "kda::chunk_summary: ");
+  check::algorithm(exec.algorithm, "kda::chunk_summary: ");
+  check::pointer(state, "kda::chunk_summary: ", "state");
+  check::pointer(transfer, "kda::chunk_summary: ", "transfer");
   detail::chunk_summary_on(detail::chosen_kernels<T>(), in, state, transfer, exec);
 }
 
@@ -341,14 +304,16 @@ T* ForwardCache<T>::append(std::size_t elems) {
 template <class T>
 const T* ForwardCache<T>::take(std::size_t elems, const char* op) {
   if (next_ >= used_)
-    throw InvalidArgument(std::string("kda::") + op + ": the forward cache has no record left (" +
-                          std::to_string(used_) +
-                          " kept); pass the cache its forward filled, rewound, or none");
+    throw InvalidArgument(fmt::format(
+        "kda::{}: the forward cache has no record left ({} kept); pass the cache its forward "
+        "filled, rewound, or none",
+        op, used_));
   const Record& r = records_[next_];
   if (r.elems != elems)
-    throw InvalidArgument(std::string("kda::") + op + ": forward cache record " + std::to_string(next_) +
-                          " holds " + std::to_string(r.elems) + " elements, this call needs " +
-                          std::to_string(elems) + " (it comes from a forward of another shape)");
+    throw InvalidArgument(fmt::format(
+        "kda::{}: forward cache record {} holds {} elements, this call needs {} (it comes from "
+        "a forward of another shape)",
+        op, next_, r.elems, elems));
   ++next_;
   return r.data.get();
 }
@@ -356,6 +321,9 @@ const T* ForwardCache<T>::take(std::size_t elems, const char* op) {
 template <class T>
 void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
              const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
+  check::inputs(in, "kda::forward: ");
+  check::algorithm(exec.algorithm, "kda::forward: ");
+  check::pointer(o, "kda::forward: ", "o");
   detail::forward_on(detail::chosen_kernels<T>(), in, incoming, o, final_state, exec, keep);
 }
 
@@ -363,6 +331,12 @@ template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
               const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec,
               std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
+  const std::string_view where = "kda::backward: ";
+  check::inputs(in, where);
+  check::algorithm(exec.algorithm, where);
+  check::pointer(d_o, where, "d_o");
+  check::grads(grads, where);
+  check::checkpoint_interval(checkpoint_interval, where);
   detail::backward_on(detail::chosen_kernels<T>(), in, incoming, d_o, d_final, grads, exec,
                       checkpoint_interval, kept);
 }
@@ -370,6 +344,10 @@ void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
 template <class T>
 void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
                    const ExecPolicy& exec) {
+  check::inputs(in, "kda::incoming_grad: ");
+  check::algorithm(exec.algorithm, "kda::incoming_grad: ");
+  check::pointer(d_o, "kda::incoming_grad: ", "d_o");
+  check::pointer(g_state, "kda::incoming_grad: ", "g_state");
   detail::incoming_grad_on(detail::chosen_kernels<T>(), in, d_o, g_state, exec);
 }
 

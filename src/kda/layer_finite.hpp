@@ -12,10 +12,11 @@
 #include <type_traits>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/kda.hpp"
-#include "kdacp/kda_sequences.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda::layer_detail {
@@ -29,7 +30,7 @@ struct Named {
   std::vector<std::size_t> shape;
 };
 inline std::string where(std::size_t rank, const char* op) {
-  return std::string("kda::ContextParallelLayer::") + op + " on rank " + std::to_string(rank);
+  return fmt::format("kda::ContextParallelLayer::{} on rank {}", op, rank);
 }
 
 inline std::size_t elems_of(const std::vector<std::size_t>& shape) {
@@ -65,8 +66,9 @@ void require_finite_results(const std::string& where, const std::vector<Named<T>
     std::ostringstream os;
     os << where << ": " << out.name << index_string(*bad, out.shape) << " = " << out.data[*bad]
        << ", a non-finite result";
-    std::string cause = " from finite inputs (" + std::string(std::is_same_v<T, float> ? "float32" : "float64") +
-                        " overflow: inputs too large for this dtype?)";
+    std::string cause =
+        fmt::format(" from finite inputs ({} overflow: inputs too large for this dtype?)",
+                    std::is_same_v<T, float> ? "float32" : "float64");
     for (const Named<T>& in : inputs) {
       if (in.data == nullptr) continue;
       if (const auto i = find_non_finite(std::span<const T>(in.data, elems_of(in.shape)))) {

@@ -1,17 +1,18 @@
 // Internal to the context-parallel layer: the local math each rank runs on
 // its parts of a stream (kda_cp.cpp), implemented beside the single-rank path
-// in sequences.cpp. Terms (stream, part, piece, cut): kdacp/kda_sequences.hpp.
+// in sequences.cpp. Terms (stream, part, piece, cut): kda/sequences.hpp.
 #pragma once
 
 #include <cstddef>
 
 #include "kdacp/kda.hpp"
-#include "kdacp/kda_sequences.hpp"
+#include "kda/sequences.hpp"
 #include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
 
-// Common to the part_* calls: `local` is the rank's local tensors (shape.batch
+// The part_* calls do not validate: the layer checked its call's arguments
+// once (kda/validate.hpp) and passes parts of its layout. Common to them: `local` is the rank's local tensors (shape.batch
 // = seqs.batch(), local_begin + end - begin <= shape.tokens); `incoming`,
 // `d_end`, `state`, `transfer` and `g_state` are [B,HV,K,V] (transfer
 // [B,HV,K,K]) like the exchange's summaries; outputs of token fields are

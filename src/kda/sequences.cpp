@@ -2,71 +2,26 @@
 // kda_math.cpp: each piece of a part is one call of those kernels on the
 // piece's tokens, so no recurrence is written twice and a piece's results
 // are the bits the kernels give for it.
-#include "kdacp/kda_sequences.hpp"
+#include "kda/sequences.hpp"
 
+#include "kda/kda_kernels.hpp"
 #include "kda/parts.hpp"
+#include "kda/validate.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <deque>
 #include <optional>
-#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "kdacp/error.hpp"
 #include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
 namespace {
-
-std::string str(std::size_t x) { return std::to_string(x); }
-
-void require(const void* ptr, const char* op, const char* field) {
-  if (ptr == nullptr)
-    throw InvalidArgument(std::string("kda::") + op + ": " + field +
-                          " is null, expected a pointer to its tensor");
-}
-
-void check_part(const Sequences& seqs, const Part& part, const char* op) {
-  if (!(part.begin < part.end) || part.end > seqs.tokens())
-    throw InvalidArgument(std::string("kda::") + op + ": part [begin, end) = [" +
-                          str(part.begin) + ", " + str(part.end) +
-                          "), expected begin < end <= T = " + str(seqs.tokens()));
-}
-
-template <class T>
-void check_local(const Inputs<T>& local, const Sequences& seqs, const Part& part,
-                 const char* op) {
-  validate(local, op);
-  check_part(seqs, part, op);
-  if (local.shape.batch != seqs.batch())
-    throw InvalidArgument(std::string("kda::") + op + ": shape.batch (B) = " +
-                          str(local.shape.batch) + ", expected the sequences' B = " +
-                          str(seqs.batch()));
-  if (part.local_begin + (part.end - part.begin) > local.shape.tokens)
-    throw InvalidArgument(std::string("kda::") + op + ": part of " + str(part.end - part.begin) +
-                          " tokens at local_begin = " + str(part.local_begin) +
-                          ", expected local_begin + end - begin <= shape.tokens = " +
-                          str(local.shape.tokens));
-}
-
-template <class T>
-void check_states(const SequenceStates<T>& st, const Sequences& seqs, const Shape& s,
-                  const char* op, const char* field) {
-  if (st.data == nullptr) return;
-  const std::size_t want[4] = {seqs.count(), s.value_heads, s.key_dim, s.value_dim};
-  const std::size_t got[4] = {st.sequences, st.value_heads, st.key_dim, st.value_dim};
-  if (!std::equal(got, got + 4, want)) {
-    auto dims = [](const std::size_t* d) {
-      std::string out(1, '[');
-      for (std::size_t i = 0; i < 4; ++i) out.append(i ? "," : "").append(str(d[i]));
-      return out.append("]");
-    };
-    throw InvalidArgument(std::string("kda::") + op + ": " + field + " has shape " + dims(got) +
-                          ", expected [N,HV,K,V] = " + dims(want));
-  }
-}
 
 // Segment n's row block of [N,HV,K,V] states: [1,HV,K,V] of sequence n when
 // packed, all [B,HV,K,V] otherwise.
@@ -142,48 +97,31 @@ Window<T> window_of(const Inputs<T>& local, const Part& part, const Piece& piece
 }
 
 template <class T>
-PartInfo forward_impl(const char* op, const Inputs<T>& local, const Sequences& seqs,
-                      const Part& part, const T* incoming, SequenceStates<const T> h0, T* o,
+PartInfo forward_impl(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                      const T* incoming, SequenceStates<const T> h0, T* o,
                       SequenceStates<T> ht, const ExecPolicy& exec, ForwardCache<T>* keep) {
-  check_local(local, seqs, part, op);
-  require(o, op, "o");
-  check_states(h0, seqs, local.shape, op, "h0");
-  check_states(ht, seqs, local.shape, op, "ht");
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
-  if (!info.starts_sequence) require(incoming, op, "incoming (the part continues a sequence)");
   const Shape& s = local.shape;
   for (const Piece& piece : pieces) {
     Window<T> w = window_of(local, part, piece);
     T* piece_o = w.output(o, s.value_heads * s.value_dim);
-    forward(w.inputs(), piece.starts ? slot(h0, s, *piece.starts) : incoming, piece_o,
-            piece.ends ? slot(ht, s, *piece.ends) : nullptr, exec, keep);
+    detail::forward_on(detail::chosen_kernels<T>(), w.inputs(),
+                       piece.starts ? slot(h0, s, *piece.starts) : incoming, piece_o,
+                       piece.ends ? slot(ht, s, *piece.ends) : nullptr, exec, keep);
     w.commit();
   }
   return info;
 }
 
 template <class T>
-PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& seqs,
-                       const Part& part, const T* incoming, SequenceStates<const T> h0,
+PartInfo backward_impl(const Inputs<T>& local, const Sequences& seqs, const Part& part,
+                       const T* incoming, SequenceStates<const T> h0,
                        const T* d_o, const T* d_end, SequenceStates<const T> dht,
                        const Grads<T>& grads, SequenceStates<T> dh0, const ExecPolicy& exec,
                        std::size_t checkpoint_interval, ForwardCache<T>* kept) {
-  check_local(local, seqs, part, op);
-  require(d_o, op, "d_o");
-  require(grads.dq, op, "dq");
-  require(grads.dk, op, "dk");
-  require(grads.dv, op, "dv");
-  require(grads.dg, op, "dg");
-  require(grads.dbeta, op, "dbeta");
-  if (checkpoint_interval == 0)
-    throw InvalidArgument(std::string("kda::") + op + ": checkpoint_interval = 0, expected >= 1");
-  check_states(h0, seqs, local.shape, op, "h0");
-  check_states(dht, seqs, local.shape, op, "dht");
-  check_states(dh0, seqs, local.shape, op, "dh0");
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
-  if (!info.starts_sequence) require(incoming, op, "incoming (the part continues a sequence)");
   const Shape& s = local.shape;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     const Piece& piece = pieces[i];
@@ -196,10 +134,11 @@ PartInfo backward_impl(const char* op, const Inputs<T>& local, const Sequences& 
                                w.output(grads.dg, s.value_heads * s.key_dim),
                                w.output(grads.dbeta, s.value_heads),
                                d_start};
-    backward(w.inputs(), piece.starts ? slot(h0, s, *piece.starts) : incoming,
-             w.input(d_o, s.value_heads * s.value_dim),
-             piece.ends ? slot(dht, s, *piece.ends) : d_end, piece_grads, exec,
-             checkpoint_interval, kept);
+    detail::backward_on(detail::chosen_kernels<T>(), w.inputs(),
+                        piece.starts ? slot(h0, s, *piece.starts) : incoming,
+                        w.input(d_o, s.value_heads * s.value_dim),
+                        piece.ends ? slot(dht, s, *piece.ends) : d_end, piece_grads, exec,
+                        checkpoint_interval, kept);
     w.commit();
     if (i == 0 && grads.d_incoming != nullptr && d_start != grads.d_incoming)
       std::copy_n(d_start, s.state_elems(), grads.d_incoming);
@@ -213,16 +152,11 @@ template <class T>
 PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
                       const ExecPolicy& exec) {
-  const char* op = "part_summary";
-  check_local(local, seqs, part, op);
-  require(state, op, "state");
-  check_states(h0, seqs, local.shape, op, "h0");
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
   if (!info.cut) {
-    require(transfer, op, "transfer (the part is not a cut)");
     Window<T> w = window_of(local, part, pieces.front());
-    chunk_summary(w.inputs(), state, transfer, exec);
+    detail::chunk_summary_on(detail::chosen_kernels<T>(), w.inputs(), state, transfer, exec);
     return info;
   }
   // The last piece starts at the part's last sequence start: the part's
@@ -231,7 +165,8 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
   Window<T> w = window_of(local, part, last);
   const Shape& piece = w.inputs().shape;
   std::vector<T> o(piece.v_elems());
-  forward(w.inputs(), slot(h0, local.shape, *last.starts), o.data(), state, exec);
+  detail::forward_on(detail::chosen_kernels<T>(), w.inputs(), slot(h0, local.shape, *last.starts),
+                     o.data(), state, exec);
   return info;
 }
 
@@ -239,18 +174,13 @@ template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
-  return forward_impl("part_forward", local, seqs, part, incoming, h0, o, ht, exec, keep);
+  return forward_impl(local, seqs, part, incoming, h0, o, ht, exec, keep);
 }
 
 template <class T>
 PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                             const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
                             Elem<T>* g_state, const ExecPolicy& exec) {
-  const char* op = "part_incoming_grad";
-  check_local(local, seqs, part, op);
-  require(d_o, op, "d_o");
-  require(g_state, op, "g_state");
-  check_states(dht, seqs, local.shape, op, "dht");
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
   const Shape& s = local.shape;
@@ -263,7 +193,7 @@ PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const
   const T* piece_do = w.input(d_o, s.value_heads * s.value_dim);
   const T* d_final = first.ends ? slot(dht, s, *first.ends) : nullptr;
   if (d_final == nullptr) {
-    incoming_grad(w.inputs(), piece_do, g_state, exec);
+    detail::incoming_grad_on(detail::chosen_kernels<T>(), w.inputs(), piece_do, g_state, exec);
     return info;
   }
   // ht of the sequence ending in this piece is one of the part's outputs: its
@@ -272,8 +202,10 @@ PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const
   const Shape& ps = w.inputs().shape;
   std::vector<T> dq(ps.qk_elems()), dk(ps.qk_elems()), dv(ps.v_elems()), dg(ps.g_elems()),
       dbeta(ps.beta_elems());
-  backward(w.inputs(), nullptr, piece_do, d_final,
-           Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), g_state}, exec);
+  detail::backward_on(detail::chosen_kernels<T>(), w.inputs(), static_cast<const T*>(nullptr),
+                      piece_do, d_final,
+                      Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), g_state},
+                      exec, kDefaultCheckpointInterval);
   return info;
 }
 
@@ -284,26 +216,23 @@ PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part
                        SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
                        SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
                        std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
-  return backward_impl("part_backward", local, seqs, part, incoming, h0, d_o, d_end, dht, grads,
-                       dh0, exec, checkpoint_interval, kept);
+  return backward_impl(local, seqs, part, incoming, h0, d_o, d_end, dht, grads, dh0, exec,
+                       checkpoint_interval, kept);
 }
-
-namespace {
-void check_whole(const Shape& s, const Sequences& seqs, const char* op) {
-  if (s.tokens != seqs.tokens())
-    throw InvalidArgument(std::string("kda::") + op + ": shape.tokens (T) = " + str(s.tokens) +
-                          ", expected the sequences' T = " + str(seqs.tokens()));
-}
-}  // namespace
 
 template <class T>
 void forward_sequences(const Inputs<T>& in, const Sequences& seqs,
                        SequenceStates<const Elem<T>> h0, Elem<T>* o,
                        SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
-  const char* op = "forward_sequences";
-  check_whole(in.shape, seqs, op);
-  forward_impl(op, in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0, o,
-               ht, exec, keep);
+  const std::string_view where = "kda::forward_sequences: ";
+  check::inputs(in, where);
+  check::algorithm(exec.algorithm, where);
+  check::whole_stream(in.shape, seqs, where);
+  check::pointer(o, where, "o");
+  check::states(h0, seqs, in.shape, where, "h0");
+  check::states(ht, seqs, in.shape, where, "ht");
+  forward_impl(in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0, o, ht,
+               exec, keep);
 }
 
 template <class T>
@@ -312,13 +241,21 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                         SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
                         SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
                         std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
-  const char* op = "backward_sequences";
-  check_whole(in.shape, seqs, op);
+  const std::string_view where = "kda::backward_sequences: ";
+  check::inputs(in, where);
+  check::algorithm(exec.algorithm, where);
+  check::whole_stream(in.shape, seqs, where);
+  check::pointer(d_o, where, "d_o");
+  check::grads(grads, where);
   if (grads.d_incoming != nullptr)
-    throw InvalidArgument(std::string("kda::") + op +
-                          ": grads.d_incoming is set, expected null (the incoming states are "
-                          "h0; their gradient is dh0)");
-  backward_impl(op, in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0,
+    throw InvalidArgument(fmt::format("{}grads.d_incoming is set, expected null (the incoming "
+                                      "states are h0; their gradient is dh0)",
+                                      where));
+  check::checkpoint_interval(checkpoint_interval, where);
+  check::states(h0, seqs, in.shape, where, "h0");
+  check::states(dht, seqs, in.shape, where, "dht");
+  check::states(dh0, seqs, in.shape, where, "dh0");
+  backward_impl(in, seqs, Part{0, seqs.tokens(), 0}, static_cast<const T*>(nullptr), h0,
                 d_o, static_cast<const T*>(nullptr), dht, grads, dh0, exec,
                 checkpoint_interval, kept);
 }

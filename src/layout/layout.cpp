@@ -4,41 +4,41 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/error.hpp"
 
 namespace kdacp {
 namespace {
 
-std::string num(std::size_t x) { return std::to_string(x); }
-
 std::string list_text(const std::vector<std::size_t>& xs) {
-  std::string out(1, '{');
-  for (std::size_t j = 0; j < xs.size(); ++j) out.append(j ? ", " : "").append(num(xs[j]));
-  return out.append("}");
+  return fmt::format("{{{}}}", fmt::join(xs, ", "));
 }
 
 template <class Int>
 std::vector<std::size_t> checked_bounds(std::span<const Int> cu, std::size_t batch,
                                         std::size_t tokens) {
-  const std::string what = "kda::Sequences: ";
+  constexpr std::string_view what = "kda::Sequences: ";
   if (batch != 1)
-    throw InvalidArgument(what + "cu_seqlens given with batch (B) = " + num(batch) +
-                          ", expected B = 1 (packed sequences share one row)");
+    throw InvalidArgument(fmt::format(
+        "{}cu_seqlens given with batch (B) = {}, expected B = 1 (packed sequences share one row)",
+        what, batch));
   if (cu.size() < 2)
-    throw InvalidArgument(what + "cu_seqlens has " + num(cu.size()) +
-                          " entries, expected N + 1 >= 2");
+    throw InvalidArgument(
+        fmt::format("{}cu_seqlens has {} entries, expected N + 1 >= 2", what, cu.size()));
   if (cu[0] != 0)
-    throw InvalidArgument(what + "cu_seqlens[0] is " + std::to_string(cu[0]) + ", expected 0");
+    throw InvalidArgument(fmt::format("{}cu_seqlens[0] is {}, expected 0", what, cu[0]));
   for (std::size_t i = 1; i < cu.size(); ++i)
     if (cu[i] <= cu[i - 1])
-      throw InvalidArgument(what + "cu_seqlens[" + num(i) + "] is " + std::to_string(cu[i]) +
-                            ", expected > cu_seqlens[" + num(i - 1) +
-                            "] = " + std::to_string(cu[i - 1]));
+      throw InvalidArgument(fmt::format("{}cu_seqlens[{}] is {}, expected > cu_seqlens[{}] = {}",
+                                        what, i, cu[i], i - 1, cu[i - 1]));
   if (static_cast<std::int64_t>(cu.back()) != static_cast<std::int64_t>(tokens))
-    throw InvalidArgument(what + "cu_seqlens[" + num(cu.size() - 1) + "] (the last entry) is " +
-                          std::to_string(cu.back()) + ", expected T = " + num(tokens));
+    throw InvalidArgument(fmt::format("{}cu_seqlens[{}] (the last entry) is {}, expected T = {}",
+                                      what, cu.size() - 1, cu.back(), tokens));
   return std::vector<std::size_t>(cu.begin(), cu.end());
 }
 
@@ -52,9 +52,11 @@ SequenceRange as_sequences(const Sequences& seqs, std::size_t first, std::size_t
 
 TokenSplit split_tokens(std::size_t tokens, std::size_t ranks, std::size_t rank) {
   if (ranks == 0 || ranks > tokens)
-    throw InvalidArgument("context-parallel size P is " + num(ranks) + " for " + num(tokens) +
-                          " tokens, expected 1 <= P <= T (every rank needs a token)");
-  if (rank >= ranks) throw InvalidArgument("rank " + num(rank) + " outside P = " + num(ranks));
+    throw InvalidArgument(fmt::format(
+        "context-parallel size P is {} for {} tokens, expected 1 <= P <= T (every rank needs a "
+        "token)",
+        ranks, tokens));
+  if (rank >= ranks) throw InvalidArgument(fmt::format("rank {} outside P = {}", rank, ranks));
   const std::size_t base = tokens / ranks, extra = tokens % ranks;
   return {rank * base + std::min(rank, extra), base + (rank < extra ? 1 : 0)};
 }
@@ -65,14 +67,14 @@ PartOwners::PartOwners(std::size_t ranks, std::vector<std::size_t> owners)
   for (std::size_t j = 0; j < owners_.size(); ++j) {
     const std::size_t r = owners_[j];
     if (r >= ranks)
-      throw InvalidArgument("part_owners[" + num(j) + "] is " + num(r) +
-                            ", expected a rank below the CP size " + num(ranks));
+      throw InvalidArgument(fmt::format(
+          "part_owners[{}] is {}, expected a rank below the CP size {}", j, r, ranks));
     ++held[r];
   }
   for (std::size_t r = 0; r < ranks; ++r)
     if (held[r] == 0)
-      throw InvalidArgument("part_owners gives rank " + num(r) +
-                            " no part, expected every rank to hold at least one");
+      throw InvalidArgument(fmt::format(
+          "part_owners gives rank {} no part, expected every rank to hold at least one", r));
 }
 
 PartOwners PartOwners::one_per_rank(std::size_t ranks) {
@@ -127,8 +129,9 @@ Sequences::Sequences(std::size_t batch, std::size_t tokens,
 
 std::vector<Piece> pieces(const Sequences& seqs, const Part& part) {
   if (!(part.begin < part.end) || part.end > seqs.tokens())
-    throw InvalidArgument("kda::part_info: part [begin, end) = [" + num(part.begin) + ", " +
-                          num(part.end) + "), expected begin < end <= T = " + num(seqs.tokens()));
+    throw InvalidArgument(fmt::format(
+        "kda::part_info: part [begin, end) = [{}, {}), expected begin < end <= T = {}",
+        part.begin, part.end, seqs.tokens()));
   const std::vector<std::size_t>& c = seqs.boundaries();
   std::size_t n = static_cast<std::size_t>(std::upper_bound(c.begin(), c.end(), part.begin) -
                                            c.begin()) - 1;
@@ -164,29 +167,31 @@ PartInfo part_info(const Sequences& seqs, const Part& part) {
 
 Layout::Layout(std::size_t ranks, std::vector<LayoutPart> parts)
     : ranks_(ranks), parts_(std::move(parts)) {
-  const std::string what = "kda::Layout: ";
-  if (ranks == 0) throw InvalidArgument(what + "ranks (P) = 0, expected >= 1");
-  if (parts_.empty()) throw InvalidArgument(what + "no parts, expected at least one per rank");
+  constexpr std::string_view what = "kda::Layout: ";
+  if (ranks == 0) throw InvalidArgument(fmt::format("{}ranks (P) = 0, expected >= 1", what));
+  if (parts_.empty())
+    throw InvalidArgument(fmt::format("{}no parts, expected at least one per rank", what));
   std::vector<bool> held(ranks, false);
   std::size_t next = 0;
   for (std::size_t j = 0; j < parts_.size(); ++j) {
     const LayoutPart& p = parts_[j];
-    const std::string at = what + "part " + num(j) + " ";
     if (p.begin != next)
-      throw InvalidArgument(at + "begins at token " + num(p.begin) + ", expected " + num(next) +
-                            " (parts tile the stream in token order)");
+      throw InvalidArgument(fmt::format(
+          "{}part {} begins at token {}, expected {} (parts tile the stream in token order)",
+          what, j, p.begin, next));
     if (p.end <= p.begin)
-      throw InvalidArgument(at + "is [" + num(p.begin) + ", " + num(p.end) +
-                            "), expected a non-empty token range");
+      throw InvalidArgument(fmt::format("{}part {} is [{}, {}), expected a non-empty token range",
+                                        what, j, p.begin, p.end));
     if (p.rank >= ranks)
-      throw InvalidArgument(at + "is on rank " + num(p.rank) + ", expected < P = " + num(ranks));
+      throw InvalidArgument(
+          fmt::format("{}part {} is on rank {}, expected < P = {}", what, j, p.rank, ranks));
     held[p.rank] = true;
     next = p.end;
   }
   for (std::size_t r = 0; r < ranks; ++r)
     if (!held[r])
-      throw InvalidArgument(what + "rank " + num(r) +
-                            " holds no part, expected every rank to hold tokens");
+      throw InvalidArgument(fmt::format(
+          "{}rank {} holds no part, expected every rank to hold tokens", what, r));
 }
 
 Layout Layout::contiguous(std::size_t tokens, std::size_t ranks,
@@ -202,31 +207,33 @@ Layout Layout::contiguous(std::size_t tokens, std::size_t ranks,
 }
 
 Layout Layout::uneven(std::size_t tokens, std::size_t ranks, std::span<const std::size_t> counts) {
-  const std::string what = "kda::Layout::contiguous: ";
+  constexpr std::string_view what = "kda::Layout::contiguous: ";
   if (counts.size() != ranks)
-    throw InvalidArgument(what + "counts has " + num(counts.size()) +
-                          " entries, expected one per rank, P = " + num(ranks));
+    throw InvalidArgument(fmt::format("{}counts has {} entries, expected one per rank, P = {}",
+                                      what, counts.size(), ranks));
   std::vector<LayoutPart> parts;
   std::size_t begin = 0;
   for (std::size_t r = 0; r < ranks; ++r) {
     if (counts[r] == 0)
-      throw InvalidArgument(what + "counts[" + num(r) +
-                            "] = 0, expected >= 1 (every rank needs a token)");
+      throw InvalidArgument(fmt::format(
+          "{}counts[{}] = 0, expected >= 1 (every rank needs a token)", what, r));
     parts.push_back({r, begin, begin + counts[r]});
     begin += counts[r];
   }
   if (begin != tokens)
-    throw InvalidArgument(what + "counts sum to " + num(begin) + ", expected T = " + num(tokens));
+    throw InvalidArgument(
+        fmt::format("{}counts sum to {}, expected T = {}", what, begin, tokens));
   return Layout(ranks, std::move(parts));
 }
 
 Layout Layout::zigzag(std::size_t tokens, std::size_t ranks) {
-  const std::string what = "kda::Layout::zigzag: ";
-  if (ranks == 0) throw InvalidArgument(what + "ranks (P) = 0, expected >= 1");
+  constexpr std::string_view what = "kda::Layout::zigzag: ";
+  if (ranks == 0) throw InvalidArgument(fmt::format("{}ranks (P) = 0, expected >= 1", what));
   const std::size_t count = 2 * ranks;
   if (tokens < count)
-    throw InvalidArgument(what + num(tokens) + " tokens for P = " + num(ranks) +
-                          ", expected T >= 2P = " + num(count) + " (every part needs a token)");
+    throw InvalidArgument(fmt::format(
+        "{}{} tokens for P = {}, expected T >= 2P = {} (every part needs a token)", what, tokens,
+        ranks, count));
   const PartOwners owners = PartOwners::zigzag(ranks);
   const std::size_t base = tokens / count, extra = tokens % count;
   std::vector<LayoutPart> parts;
@@ -271,8 +278,8 @@ std::size_t Layout::local_tokens(std::size_t rank) const {
 
 std::vector<bool> Layout::cuts(const Sequences& seqs) const {
   if (seqs.tokens() != tokens())
-    throw InvalidArgument("the sequences span T = " + num(seqs.tokens()) +
-                          " tokens, expected the layout's " + num(tokens()));
+    throw InvalidArgument(fmt::format("the sequences span T = {} tokens, expected the layout's {}",
+                                      seqs.tokens(), tokens()));
   std::vector<bool> out;
   for (const LayoutPart& p : parts_) out.push_back(part_info(seqs, Part{p.begin, p.end, 0}).cut);
   return out;
@@ -284,23 +291,15 @@ std::string Layout::str() const {
   if (owners.is_one_per_rank()) {
     if (tokens() >= ranks_ && lengths == Layout::contiguous(tokens(), ranks_).part_lengths())
       return "contiguous";
-    return "uneven " + list_text(lengths);
+    return fmt::format("uneven {}", list_text(lengths));
   }
   if (tokens() >= 2 * ranks_) {
     const Layout zig = Layout::zigzag(tokens(), ranks_);
     if (owners == zig.owners() && lengths == zig.part_lengths()) return "zigzag";
   }
-  std::string out;
-  for (const LayoutPart& p : parts_) {
-    if (!out.empty()) out += ' ';
-    out += '[';
-    out += num(p.begin);
-    out += ',';
-    out += num(p.end);
-    out += ")@";
-    out += num(p.rank);
-  }
-  return out;
+  std::vector<std::string> each;
+  for (const LayoutPart& p : parts_) each.push_back(fmt::format("[{},{})@{}", p.begin, p.end, p.rank));
+  return fmt::format("{}", fmt::join(each, " "));
 }
 
 }  // namespace kdacp

@@ -53,7 +53,7 @@ HEADER_MODULE = {
     "layout.hpp": "layout",
     "exchange.hpp": "exchange", "protocol.hpp": "exchange", "cost_model.hpp": "exchange",
     "admission.hpp": "exchange",
-    "kda.hpp": "kda", "kda_sequences.hpp": "kda",
+    "kda.hpp": "kda",
     "kda_cp.hpp": "kda_cp",
     "calibrate.hpp": "calibrate",
     "launch.hpp": "launch",

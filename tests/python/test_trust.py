@@ -134,6 +134,19 @@ def test_options_in_range_accepted():
         kdacp._kdacp.parse_bytes("-5MiB", "memory_budget_bytes")
 
 
+def test_bench_threads_read_by_the_cpp_parser():
+    """python3 -m kdacp.bench --threads: the C++ integer parser's text and
+    limits (1 up to the CLI's --threads maximum), not argparse's int()."""
+    import argparse
+    import kdacp.bench as kb
+    top = kdacp._kdacp.threads_range[1]
+    assert kb._threads("4") == 4 and kb._threads(str(top)) == top
+    for bad in ("0", "-1", "1.5", str(top + 1)):
+        with pytest.raises(argparse.ArgumentTypeError,
+                           match=rf"--threads is '{bad}', expected an integer in \[1, {top}\]"):
+            kb._threads(bad)
+
+
 def test_double_backward_raises():
     """The C++ backward is not differentiable: create_graph=True then a
     backward through kda's gradient raises (once_differentiable) instead of

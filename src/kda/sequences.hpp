@@ -1,14 +1,16 @@
 // KDA over packed sequences with initial and final states (SPEC §10): the
-// single-rank path over a whole stream. The per-part math each
-// context-parallel rank runs is private to the layer (src/kda/parts.hpp).
-// Definitions: docs/sequences.md.
+// single-rank path over a whole stream. Private to kdacp (the job module and
+// the Python binding call it); a program embedding kdacp runs a stream
+// through ContextParallelLayer (kda_cp.hpp), one rank or many. The per-part
+// math each context-parallel rank runs is private to the layer
+// (src/kda/parts.hpp). Definitions: docs/sequences.md.
 //
 // Every call slices the tokens of each piece (below) out of the caller's
 // tensors and runs kda::chunk_summary / forward / backward / incoming_grad on
 // them, so layouts, element types, threading (ExecPolicy: bitwise
 // independent of the pool's size) and exactness are those of kda.hpp.
-// Every argument is validated, and InvalidArgument thrown, before anything
-// is written.
+// Both calls are entry points: every argument is validated once
+// (kda/validate.hpp), and InvalidArgument thrown, before anything is written.
 //
 // Terms:
 //  - stream: the T tokens of the layer's inputs. With cu_seqlens (B = 1) it
@@ -25,43 +27,11 @@
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
-#include <span>
-#include <type_traits>
-#include <vector>
 
 #include "kdacp/kda.hpp"
 #include "kdacp/layout.hpp"
 
 namespace kdacp::kda {
-
-// The stream's sequences and parts are the layout module's (layout.hpp).
-using kdacp::Part;
-using kdacp::part_info;
-using kdacp::PartInfo;
-using kdacp::SequenceRange;
-using kdacp::Sequences;
-
-// Per-sequence states h0, ht, dh0, dht: dense [N,HV,K,V] at `data`, or absent
-// (data == nullptr: h0 and dht are then zero, ht and dh0 not produced). The
-// dims are checked against the sequences and the inputs' shape.
-template <class T>
-struct SequenceStates {
-  T* data = nullptr;
-  std::size_t sequences = 0, value_heads = 0, key_dim = 0, value_dim = 0;
-
-  operator SequenceStates<const T>() const
-    requires(!std::is_const_v<T>)
-  {
-    return {data, sequences, value_heads, key_dim, value_dim};
-  }
-};
-
-// `data` viewed as the [N,HV,K,V] states of `seqs` for inputs of `shape`.
-template <class T>
-SequenceStates<T> sequence_states(T* data, const Sequences& seqs, const Shape& shape) {
-  return {data, seqs.count(), shape.value_heads, shape.key_dim, shape.value_dim};
-}
 
 // The single-rank path: one part covering the whole stream
 // (in.shape.tokens = seqs.tokens()). Writes o and, when requested, ht.
