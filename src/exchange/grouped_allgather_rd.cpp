@@ -38,12 +38,14 @@ class GroupedRdExchange final : public StateExchange {
   // (run_one), several parts per rank or parts out of rank order the
   // layout's (run_layout); both within the reassociation bound.
   //
-  // Still two algorithms (issue 19), for the reasons recursive_doubling.cpp
-  // and grouped_allgather_p2p.cpp give: with one part per rank the layout's
-  // algorithm (one run per block) scans the same block pairs with the same
-  // messages, but folds step by step through temporaries without consuming
-  // the gathered offsets, copies the scan's result through the runs'
-  // incoming stack and holds a fourth scan pair; run_one folds in place.
+  // Still two algorithms (issue 19), for the reason grouped_allgather_p2p.cpp
+  // gives: with one part per rank the layout's algorithm (one run per block)
+  // scans the same block pairs (rd_exclusive_scan_parts, as run_one does)
+  // with the same messages, but run_pair and the final folds go step by step
+  // through two temporaries without consuming the gathered offsets, and the
+  // scan's result is copied through the runs' incoming stack; run_one folds
+  // the block in one fused scan and every rank its prefix in place
+  // (fold_in_block). run_one can go with grouped_allgather_p2p's.
   std::vector<State> run(const Call& c) override {
     if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
     return run_layout(c);
