@@ -1,5 +1,5 @@
-// Internal: affine pairs (O, N) per (b,h), their composition, and the
-// recursive-doubling exclusive scan the reassociating protocols share.
+// Internal: affine pairs (O, N) per (b,h) and their composition, what the
+// reassociating protocols' recursive-doubling scan (layouts.hpp) combines.
 //
 // A pair is the map x -> op(N)·x + O, op = identity forward and transpose
 // backward (SPEC §3, §4). Composing outer∘inner (inner first in chain order):
