@@ -7,7 +7,8 @@
 #include <fstream>
 #include <limits>
 #include <optional>
-#include <sstream>
+
+#include <fmt/format.h>
 
 #include "kdacp/units.hpp"
 
@@ -70,16 +71,16 @@ std::string max_memory_name(const std::string& text) {
 void check_threads(std::size_t ranks_in_process, std::size_t threads_per_rank) {
   const double total = double(ranks_in_process) * double(std::max<std::size_t>(threads_per_rank, 1));
   if (total > double(kMaxThreadsPerProcess))
-    throw InvalidArgument("--threads " + std::to_string(threads_per_rank) + " on " + std::to_string(ranks_in_process) +
-                          " ranks of this process is " + std::to_string(std::size_t(total)) +
-                          " threads, expected at most " + std::to_string(kMaxThreadsPerProcess));
+    throw InvalidArgument(fmt::format("--threads {} on {} ranks of this process is {} threads, expected at most {}",
+                                      threads_per_rank, ranks_in_process, std::size_t(total),
+                                      kMaxThreadsPerProcess));
 }
 
 void require_memory(double need_bytes, std::size_t limit_bytes, const std::string& what,
                     const std::string& limit_name) {
   if (need_bytes <= double(limit_bytes)) return;
-  throw OutOfMemory(what + " needs " + format_bytes(need_bytes) + ", more than the limit of " +
-                    format_bytes(double(limit_bytes)) + " (" + limit_name + ")");
+  throw OutOfMemory(fmt::format("{} needs {}, more than the limit of {} ({})", what, format_bytes(need_bytes),
+                                format_bytes(double(limit_bytes)), limit_name));
 }
 
 double exchange_rank_bytes(const ProblemShape& shape, const Prediction& prediction) {

@@ -1,5 +1,5 @@
-// Internal: affine pairs (O, N) per (b,h), their composition, and the
-// recursive-doubling exclusive scan the reassociating protocols share.
+// Internal: affine pairs (O, N) per (b,h) and their composition, what the
+// reassociating protocols' recursive-doubling scan (layouts.hpp) combines.
 //
 // A pair is the map x -> op(N)·x + O, op = identity forward and transpose
 // backward (SPEC §3, §4). Composing outer∘inner (inner first in chain order):
@@ -62,11 +62,9 @@ class PairBuffer {
 void compose(const PairView& outer, const PairView& inner, const PairBuffer& dest,
              bool with_transfer, Direction direction, const ExecPolicy& policy);
 
-// Exclusive scan of the members' pairs in chain order (forward: group order,
-// backward: reversed) by recursive doubling, ceil(log2 P) rounds for any P.
-// Returns the offset of the composition of all earlier pairs, i.e. the
-// position's incoming state (zeros for the first position). Collective over
-// `comm`; `tag` separates it from other traffic.
+// The recursive-doubling exclusive scan itself is rd_exclusive_scan_parts
+// (layouts.hpp): one position per member is the scan over the ranks.
+//
 // The documented bound of a recursive-doubling scan over P positions: the
 // relative Frobenius error against the FP64 chain is at most
 // (ceil(log2 P) + 2) · K · 2^-24 for transfers of spectral norm <= 1
@@ -76,8 +74,5 @@ inline double reassociation_bound(std::size_t ranks, std::size_t key_dim) {
   while ((std::size_t{1} << rounds) < ranks) ++rounds;
   return static_cast<double>(rounds + 2) * static_cast<double>(key_dim) * 0x1p-24;
 }
-
-State rd_exclusive_scan(Communicator& comm, const PairView& own, const SummaryShape& shape,
-                        Direction direction, const ExecPolicy& policy, int tag);
 
 }  // namespace kdacp::detail

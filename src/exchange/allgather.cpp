@@ -16,42 +16,16 @@ class AllGatherExchange final : public CommExchange {
   explicit AllGatherExchange(const ProtocolContext& ctx) : CommExchange(ctx, allgather_protocol) {}
 
  private:
-  // The one run: one part per rank takes the chain-of-ranks algorithm
-  // (run_one), several parts per rank or parts out of rank order the
-  // layout's (run_layout); both give the chain-with-cuts bits.
-  std::vector<State> run(const Call& c) override {
-    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
-    return run_layout(c);
-  }
-
-  State run_one(const OnePart& c) {
-    PackedSlots gathered(c.shape, size_);
-    gathered.pack(rank_, c.offset, c.transfer, c.cut);
-    comm_->all_gather(gathered.bytes());
-    State result = make_state(c.shape);
-    const Slots slots = gathered.slots();
-    const bool fwd = c.direction == Direction::forward;
-    // Fold only from the nearest cut on the way (forward: the last one
-    // before this rank, backward: the first one after it): its offset is the
-    // state there exactly.
-    const std::optional<std::size_t> cut =
-        fwd ? gathered.last_cut(0, rank_) : gathered.first_cut(rank_ + 1, size_);
-    if (!cut) {
-      merge(slots, rank_, c.direction, result.view(), options().exec, FoldFlags::consume_offsets);
-    } else {
-      // From the zero state, the scan's first step is the cut's offset itself.
-      const std::size_t steps = fwd ? rank_ - *cut : *cut - rank_;
-      scan(slots, *cut, steps, c.direction, nullptr, result.view(), std::nullopt, nullptr,
-           options().exec, FoldFlags::consume_offsets);
-    }
-    return result;
-  }
-
   // Each rank gathers its parts as k slots (k: the most parts a rank
   // holds), one collective for all; every part then folds the chain over
-  // parts from the nearest cut (or the rank's previous part), one step at a
-  // time in chain order.
-  std::vector<State> run_layout(const Call& c) {
+  // parts from the nearest cut (or the rank's previous part) in chain order.
+  // A stretch of chain positions whose slots are consecutive in the gather
+  // buffer folds in one fused pass per (b,h), consuming those slots' offsets
+  // in place; other steps fold one at a time. One part per rank is the
+  // chain-of-ranks merge: slot j is position j, so rank r folds slots 0..r-1
+  // (or from the last cut before it) in one pass, with no scratch beyond
+  // the gather buffer.
+  std::vector<State> run(const Call& c) override {
     const Direction dir = c.direction;
     const std::size_t n = part_count();
     std::vector<std::size_t> held(size_, 0), local(n), slot_of(n);
@@ -68,8 +42,10 @@ class AllGatherExchange final : public CommExchange {
     // A rank's parts in the direction's order: a later part continues from
     // the state entering the earlier one when no cut lies between them (the
     // same steps from the same state, so the same bits), and the rank folds
-    // each step once.
+    // each step once. The slots a part folds are those of positions [start, j)
+    // in chain order, so no two of a rank's parts consume the same offsets.
     std::optional<std::size_t> last;
+    State temp;  // the other half of a ping-pong with the result
     for (std::size_t t = 0; t < own.size(); ++t) {
       const std::size_t i = dir == Direction::forward ? t : own.size() - 1 - t;
       const std::size_t j = own[i];
@@ -84,24 +60,38 @@ class AllGatherExchange final : public CommExchange {
           break;
         }
       }
-      State cur = make_state(c.shape);  // the chain's first part receives the zero state
+      // The positions start .. j (exclusive) as stretches of consecutive slots.
+      std::vector<std::pair<std::size_t, std::size_t>> stretches;  // first slot, steps
+      for (std::size_t u = start; u != j; u = *chain_next(u, n, dir)) {
+        const std::size_t slot = slot_of[u];
+        const bool continues = !stretches.empty() &&
+                               (dir == Direction::forward
+                                    ? slot == stretches.back().first + stretches.back().second
+                                    : slot + stretches.back().second == stretches.back().first);
+        if (continues)
+          ++stretches.back().second;
+        else
+          stretches.emplace_back(slot, 1);
+      }
+      // The chain's first part receives the zero state.
+      result[i] = make_state(c.shape, stretches.empty() ? Buffer::Init::zero : Buffer::Init::uninitialized);
+      if (stretches.size() >= 2 && temp.size() == 0)
+        temp = make_state(c.shape, Buffer::Init::uninitialized);  // a fold writes it all
       StateView from;
       const StateView* in = nullptr;
       if (from_last) {
         from = result[*last].view();
         in = &from;
       }
-      for (std::size_t u = start; u != j; u = *chain_next(u, n, dir)) {
-        const std::size_t slot = slot_of[u];
-        State next = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
-        // From no incoming state the step is the slot's offset itself, exactly.
-        scan(single_slot(slots.offsets.slot(slot), slots.transfers.slot(slot)), 0, 1, dir, in,
-             next.view(), std::nullopt, nullptr, options().exec);
-        cur = std::move(next);
-        from = cur.view();
+      for (std::size_t q = 0; q < stretches.size(); ++q) {
+        // Alternate so that the last stretch lands in the result.
+        const StateView dst = (stretches.size() - 1 - q) % 2 == 0 ? result[i].view() : temp.view();
+        // From no incoming state the first step is the slot's offset itself, exactly.
+        scan(slots, stretches[q].first, stretches[q].second, dir, in, dst, std::nullopt, nullptr,
+             options().exec, FoldFlags::consume_offsets);
+        from = dst;
         in = &from;
       }
-      result[i] = std::move(cur);
       last = i;
     }
     return result;
@@ -122,8 +112,9 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
   t.folds = stretch_folds(chain.steps);
   t.work_folds = chain.parts >= 3 ? dbl(chain.parts - 1) * dbl(chain.parts - 2) / 2 : 0;
   t.peak_extra_bytes = s.ranks * chain.per_rank * packed_bytes(s);
-  // A layout folds step by step through two temporaries.
-  if (has_layout(s)) t.peak_extra_bytes += 2 * state_bytes(s);
+  // A layout's fold with two or more stretches of consecutive slots
+  // alternates between the result and one temporary.
+  if (has_layout(s)) t.peak_extra_bytes += state_bytes(s);
   return t;
 }
 

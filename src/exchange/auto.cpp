@@ -3,7 +3,7 @@
 // shape, deterministic model), because the grouped protocols split the mesh
 // collectively there. The executor returned is the chosen protocol's own,
 // carrying the prediction.
-#include <sstream>
+#include <fmt/format.h>
 
 #include "exchange/common.hpp"
 #include "kdacp/error.hpp"
@@ -30,16 +30,14 @@ Prediction auto_choice(const ProblemShape& shape, const ExchangeOptions& o) {
 std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
   const ExchangeOptions& o = ctx.options;
   if (!o.expected_shape) {
-    throw InvalidArgument("rank " + std::to_string(ctx.rank) +
-                          ": method 'auto' needs ExchangeOptions::expected_shape (B, H, K, V) "
-                          "to predict the protocols' cost, got none");
+    throw InvalidArgument(fmt::format("rank {}: method 'auto' needs ExchangeOptions::expected_shape "
+                                      "(B, H, K, V) to predict the protocols' cost, got none",
+                                      ctx.rank));
   }
   const SummaryShape& s = *o.expected_shape;
   if (s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0) {
-    std::ostringstream os;
-    os << "rank " << ctx.rank << ": expected_shape is " << to_string(s)
-       << ", expected positive B, H, K and V";
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format("rank {}: expected_shape is {}, expected positive B, H, K and V",
+                                      ctx.rank, to_string(s)));
   }
   ProblemShape shape{ctx.size, s.slabs(), s.key_dim, s.value_dim, dtype_size(s.dtype)};
   // The layout is known here; the cuts come with each call.
@@ -73,7 +71,7 @@ Prediction predict_exchange(const ProblemShape& shape, const std::string& method
   const ProtocolDescriptor& row = find_protocol(method);
   if (row.chooser()) return detail::auto_choice(shape, options);
   if (group_size < 1)
-    throw InvalidArgument("group size is " + std::to_string(group_size) + ", expected a positive divisor of P");
+    throw InvalidArgument(fmt::format("group size is {}, expected a positive divisor of P", group_size));
   return predict(options.cost, shape, ProtocolConfig{method, static_cast<std::size_t>(group_size), options.segments});
 }
 

@@ -5,6 +5,8 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp::detail {
@@ -115,9 +117,9 @@ std::span<const std::byte> bytes_of(const StateView& v) {
 
 void check_group_width(std::size_t rank, std::size_t size, std::size_t width) {
   if (size % width != 0)
-    throw InvalidArgument("rank " + std::to_string(rank) + ": allgather_group_size " +
-                          std::to_string(width) + " does not divide the state CP size " +
-                          std::to_string(size) + ", expected a divisor");
+    throw InvalidArgument(fmt::format(
+        "rank {}: allgather_group_size {} does not divide the state CP size {}, expected a divisor",
+        rank, width, size));
 }
 
 Slots single_slot(const StateView& offset, const StateView& transfer) {

@@ -8,6 +8,7 @@
 #include <limits>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kdacp/error.hpp"
@@ -21,16 +22,13 @@ namespace {
 void check_params(const CostParams& c) {
   auto positive = [](double v, const char* key) {
     if (!(v > 0) || !std::isfinite(v)) {
-      std::ostringstream os;
-      os << "cost parameter " << key << " is " << v << ", expected a positive finite number";
-      throw InvalidArgument(os.str());
+      throw InvalidArgument(fmt::format("cost parameter {} is {}, expected a positive finite number", key, v));
     }
   };
   auto non_negative = [](double v, const char* key) {
     if (!(v >= 0) || !std::isfinite(v)) {
-      std::ostringstream os;
-      os << "cost parameter " << key << " is " << v << ", expected >= 0 (0: as the network)";
-      throw InvalidArgument(os.str());
+      throw InvalidArgument(
+          fmt::format("cost parameter {} is {}, expected >= 0 (0: as the network)", key, v));
     }
   };
   positive(c.alpha_s, "alpha_s");
@@ -42,10 +40,8 @@ void check_params(const CostParams& c) {
 
 void check_shape(const ProblemShape& s) {
   if (s.ranks == 0 || s.slabs == 0 || s.key_dim == 0 || s.value_dim == 0 || s.elem_bytes == 0) {
-    std::ostringstream os;
-    os << "cost model shape P=" << s.ranks << " B*H=" << s.slabs << " K=" << s.key_dim
-       << " V=" << s.value_dim << ", expected every size positive";
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format("cost model shape P={} B*H={} K={} V={}, expected every size positive",
+                                      s.ranks, s.slabs, s.key_dim, s.value_dim));
   }
 }
 
@@ -71,8 +67,7 @@ CostParams cost_params_from_json(const std::string& text) {
   auto number = [&j](const char* key, double& out) {
     if (!j.contains(key)) return;
     if (!j[key].is_number())
-      throw InvalidArgument(std::string("cost parameter ") + key + " is " + j[key].dump() +
-                            ", expected a number");
+      throw InvalidArgument(fmt::format("cost parameter {} is {}, expected a number", key, j[key].dump()));
     out = j[key].get<double>();
   };
   if (j.contains("source") && j["source"].is_string()) c.source = j["source"].get<std::string>();
@@ -85,8 +80,8 @@ CostParams cost_params_from_json(const std::string& text) {
     const nlohmann::json& v = j["concurrent_ranks"];
     if (!v.is_number_unsigned() &&
         !(v.is_number_integer() && v.get<long long>() >= 0))
-      throw InvalidArgument("cost parameter concurrent_ranks is " + v.dump() +
-                            ", expected an integer >= 0 (0: every rank)");
+      throw InvalidArgument(
+          fmt::format("cost parameter concurrent_ranks is {}, expected an integer >= 0 (0: every rank)", v.dump()));
     c.concurrent_ranks = v.get<std::size_t>();
   }
   check_params(c);
@@ -100,7 +95,7 @@ CostParams load_cost_params(const std::string& path) {
     throw IoError(std::string("cannot read cost parameters: ") + e.what());
   }
   std::ifstream in(path);
-  if (!in) throw IoError("cannot read cost parameters from '" + path + "'");
+  if (!in) throw IoError(fmt::format("cannot read cost parameters from '{}'", path));
   std::stringstream ss;
   ss << in.rdbuf();
   return cost_params_from_json(ss.str());
@@ -110,15 +105,14 @@ void save_cost_params(const CostParams& params, const std::string& path) {
   check_params(params);
   std::ofstream out(path);
   out << to_json(params) << "\n";
-  if (!out) throw IoError("cannot write cost parameters to '" + path + "'");
+  if (!out) throw IoError(fmt::format("cannot write cost parameters to '{}'", path));
 }
 
 PartOwners owners_of(const ProblemShape& s) {
   if (!s.part_owners) return PartOwners::one_per_rank(s.ranks);
   if (s.part_owners->ranks() != s.ranks) {
-    std::ostringstream os;
-    os << "cost model: part_owners spans " << s.part_owners->ranks() << " ranks, expected P = " << s.ranks;
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format("cost model: part_owners spans {} ranks, expected P = {}",
+                                      s.part_owners->ranks(), s.ranks));
   }
   return *s.part_owners;
 }
@@ -128,9 +122,8 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   const PartOwners owners = owners_of(s);
   const std::size_t n = owners.size();
   if (!s.part_cuts.empty() && s.part_cuts.size() != n) {
-    std::ostringstream os;
-    os << "cost model: part_cuts has " << s.part_cuts.size() << " entries, expected one per part (" << n << ")";
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format("cost model: part_cuts has {} entries, expected one per part ({})",
+                                      s.part_cuts.size(), n));
   }
   const std::size_t w = std::max<std::size_t>(1, width);
   ChainProfile out;
@@ -201,22 +194,18 @@ const ProtocolDescriptor& checked_row(const ProtocolConfig& config, const Proble
                                       ProtocolConfig& out) {
   const ProtocolDescriptor& row = find_protocol(config.method);
   if (row.chooser())
-    throw InvalidArgument("cost model: '" + config.method +
-                          "' chooses among the protocols (choose_protocol), it has no cost of its own");
+    throw InvalidArgument(fmt::format(
+        "cost model: '{}' chooses among the protocols (choose_protocol), it has no cost of its own", config.method));
   out = config;
   if (!row.takes_group_size) out.group_size = 1;
   if (!row.takes_segments) out.segments = 0;
   if (out.group_size == 0 || shape.ranks % out.group_size != 0) {
-    std::ostringstream os;
-    os << "cost model: group size " << out.group_size << " for " << config.method
-       << " does not divide P = " << shape.ranks << ", expected a divisor";
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format("cost model: group size {} for {} does not divide P = {}, expected a divisor",
+                                      out.group_size, config.method, shape.ranks));
   }
   if (out.segments > max_segments(shape.value_dim)) {
-    std::ostringstream os;
-    os << "cost model: segments " << out.segments << " for V = " << shape.value_dim
-       << ", expected at most V/16 = " << max_segments(shape.value_dim);
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format("cost model: segments {} for V = {}, expected at most V/16 = {}",
+                                      out.segments, shape.value_dim, max_segments(shape.value_dim)));
   }
   return row;
 }
@@ -295,10 +284,9 @@ Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
     if (best == nullptr || p.seconds < best->seconds) best = &p;
   }
   if (best == nullptr) {
-    std::ostringstream os;
-    os << "memory_budget_bytes is " << memory_budget_bytes
-       << ", expected at least the smallest protocol's need of " << least_memory << " bytes";
-    throw InvalidArgument(os.str());
+    throw InvalidArgument(fmt::format(
+        "memory_budget_bytes is {}, expected at least the smallest protocol's need of {} bytes",
+        memory_budget_bytes, least_memory));
   }
   return *best;
 }

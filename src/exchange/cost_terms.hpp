@@ -79,7 +79,9 @@ inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::siz
 // The prefix, the outgoing aggregate and the receive buffer, one pair each,
 // on every position but the first (which holds the outgoing one only).
 inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t m) {
-  return m <= 1 ? 0 : 3 * packed_bytes(s);
+  // Two positions: the first holds its outgoing pair, the second its prefix
+  // and its receive buffer; from three on a middle position holds all three.
+  return m <= 1 ? 0 : (m == 2 ? 2 : 3) * packed_bytes(s);
 }
 
 // Recursive doubling over a layout's runs (layouts.hpp) for blocks of w

@@ -1,5 +1,11 @@
 // The factory (SPEC §6) and what every executor shares: validation before any
 // message, the call meter and the stats, in one non-virtual path.
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "exchange/common.hpp"
 #include "exchange/protocols.hpp"
 #include "kdacp/error.hpp"
@@ -38,18 +44,18 @@ State StateExchange::backward(const StateView& g, const StateView& m, PartFlags 
 std::vector<State> StateExchange::call(std::span<const PartSummary> parts, Direction direction) {
   const bool fwd = direction == Direction::forward;
   if (parts.size() != own_parts_.size())
-    throw InvalidArgument("rank " + std::to_string(rank_) + ": " + std::to_string(parts.size()) +
-                          " parts given, expected the layout's " + std::to_string(own_parts_.size()));
+    throw InvalidArgument(fmt::format("rank {}: {} parts given, expected the layout's {}", rank_,
+                                      parts.size(), own_parts_.size()));
   // One part per rank: the summary is named as the call's own (S or G).
   const bool one = part_owners_.is_one_per_rank();
   SummaryShape shape{};
   for (std::size_t i = 0; i < parts.size(); ++i) {
     const std::string name =
-        std::string(fwd ? "S" : "G") + (one ? "" : " of part " + std::to_string(own_parts_[i]));
+        one ? std::string(fwd ? "S" : "G") : fmt::format("{} of part {}", fwd ? "S" : "G", own_parts_[i]);
     const SummaryShape s = validate_summary(parts[i].offset, parts[i].transfer, name, rank_);
     if (i > 0 && !(s == shape))
-      throw InvalidArgument("rank " + std::to_string(rank_) + ": " + name + " has shape " +
-                            to_string(s) + ", expected the shape of the first part, " + to_string(shape));
+      throw InvalidArgument(fmt::format("rank {}: {} has shape {}, expected the shape of the first part, {}",
+                                        rank_, name, to_string(s), to_string(shape)));
     shape = s;
   }
   detail::CallMeter meter(communicators());
@@ -67,33 +73,33 @@ std::unique_ptr<StateExchange> make_state_exchange(const DeviceMesh& mesh,
                                                    ExchangeOptions options) {
   const ProtocolDescriptor& row = find_protocol(method);
   if (allgather_group_size < 1)
-    throw InvalidArgument("allgather_group_size is " + std::to_string(allgather_group_size) +
-                          ", expected a positive integer");
+    throw InvalidArgument(
+        fmt::format("allgather_group_size is {}, expected a positive integer", allgather_group_size));
   auto rows_taking = [](bool ProtocolDescriptor::*knob) {
-    std::string out;
+    std::vector<std::string_view> names;
     for (const ProtocolDescriptor* r : protocol_registry())
-      if (r->*knob) out += (out.empty() ? "" : " and ") + std::string(r->name);
-    return out;
+      if (r->*knob) names.push_back(r->name);
+    return fmt::format("{}", fmt::join(names, " and "));
   };
   if (!row.takes_group_size && allgather_group_size != 1)
-    throw InvalidArgument("allgather_group_size is " + std::to_string(allgather_group_size) +
-                          " for method '" + method + "', expected 1: a group size is only valid for " +
-                          rows_taking(&ProtocolDescriptor::takes_group_size));
+    throw InvalidArgument(fmt::format(
+        "allgather_group_size is {} for method '{}', expected 1: a group size is only valid for {}",
+        allgather_group_size, method, rows_taking(&ProtocolDescriptor::takes_group_size)));
   if (!row.takes_segments && options.segments != 0)
-    throw InvalidArgument("segments is " + std::to_string(options.segments) + " for method '" +
-                          method + "', expected 0: segments are only valid for " +
-                          rows_taking(&ProtocolDescriptor::takes_segments));
+    throw InvalidArgument(fmt::format(
+        "segments is {} for method '{}', expected 0: segments are only valid for {}", options.segments,
+        method, rows_taking(&ProtocolDescriptor::takes_segments)));
   if (mesh.ndim() != 1)
-    throw InvalidArgument("state exchange mesh has " + std::to_string(mesh.ndim()) +
-                          " dims, expected a 1-D chronological CP mesh");
+    throw InvalidArgument(
+        fmt::format("state exchange mesh has {} dims, expected a 1-D chronological CP mesh", mesh.ndim()));
   // Explicit from here on: none is one part per rank.
   if (!options.part_owners) options.part_owners = PartOwners::one_per_rank(mesh.size());
   if (options.part_owners->ranks() != mesh.size())
-    throw InvalidArgument("part_owners spans " + std::to_string(options.part_owners->ranks()) +
-                          " ranks, expected the CP size " + std::to_string(mesh.size()));
+    throw InvalidArgument(fmt::format("part_owners spans {} ranks, expected the CP size {}",
+                                      options.part_owners->ranks(), mesh.size()));
   if (!options.part_owners->is_one_per_rank() && !row.takes_layouts && !row.chooser())
-    throw InvalidArgument("method '" + method + "' does not take a layout (part_owners), "
-                          "expected one of: " + rows_taking(&ProtocolDescriptor::takes_layouts));
+    throw InvalidArgument(fmt::format("method '{}' does not take a layout (part_owners), expected one of: {}",
+                                      method, rows_taking(&ProtocolDescriptor::takes_layouts)));
   // Collective slots and p2p peers are group ranks: they must be the
   // chronological positions.
   mesh.validate_order();

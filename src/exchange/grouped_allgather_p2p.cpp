@@ -33,6 +33,18 @@ class GroupedExchange final : public StateExchange {
   // The one run: one part per rank takes the chain-of-ranks algorithm
   // (run_one), several parts per rank or parts out of rank order the
   // layout's (run_layout); both give the chain-with-cuts bits.
+  //
+  // Still two algorithms (issue 19): with one part per rank the layout's
+  // (run_layout_in_runs, one run per block) sends the same messages (one
+  // gather, one relay state per block boundary, one broadcast) and does the
+  // same operations in the same order, but it costs more: fold_slots folds
+  // step by step through two temporaries without consuming the gathered
+  // offsets, and the carrier folds its block twice (the state it sends, then
+  // its own result), where run_one folds once in one fused scan that writes
+  // the owner's result as its prefix and consumes the offsets in place
+  // (w slots + 2 states, the bound test_exchange holds it to). run_one can go
+  // once run_layout_in_runs fuses consecutive slots into one consuming scan
+  // and lets the carrier's fold write its own parts' results as prefixes.
   std::vector<State> run(const Call& c) override {
     if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
     return run_layout(c);

@@ -37,6 +37,15 @@ class GroupedRdExchange final : public StateExchange {
   // The one run: one part per rank takes the chain-of-ranks algorithm
   // (run_one), several parts per rank or parts out of rank order the
   // layout's (run_layout); both within the reassociation bound.
+  //
+  // Still two algorithms (issue 19), for the reason grouped_allgather_p2p.cpp
+  // gives: with one part per rank the layout's algorithm (one run per block)
+  // scans the same block pairs (rd_exclusive_scan_parts, as run_one does)
+  // with the same messages, but run_pair and the final folds go step by step
+  // through two temporaries without consuming the gathered offsets, and the
+  // scan's result is copied through the runs' incoming stack; run_one folds
+  // the block in one fused scan and every rank its prefix in place
+  // (fold_in_block). run_one can go with grouped_allgather_p2p's.
   std::vector<State> run(const Call& c) override {
     if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
     return run_layout(c);
@@ -57,8 +66,13 @@ class GroupedRdExchange final : public StateExchange {
 
     State incoming;
     if (is_owner) {
-      incoming = rd_exclusive_scan(*owners_, block_pair(gathered, shape, dir).view(), shape, dir,
-                                   options().exec, call.tag);
+      // One position per owner: the scan over the blocks.
+      std::vector<std::size_t> positions(blocks_);
+      for (std::size_t b = 0; b < blocks_; ++b) positions[b] = b;
+      const PairBuffer block = block_pair(gathered, shape, dir);
+      const PairView pair = block.view();
+      incoming = std::move(rd_exclusive_scan_parts(*owners_, positions, std::span(&pair, 1), shape, dir,
+                                                   options().exec).front());
     } else if (has_incoming) {
       incoming = make_state(shape);
     }

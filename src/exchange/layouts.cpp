@@ -135,9 +135,10 @@ std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const s
   const std::size_t m = mine.size();
   std::vector<PairBuffer> prefix(m), outgoing(m), incoming(m);
   std::vector<char> have(m, 0);
-  // The composition's destination, swapped with a prefix after each compose.
+  // The composition's destination, swapped with a prefix after each compose,
+  // allocated only when a position's outgoing pair cannot serve (below).
   PairBuffer tmp;
-  if (m > 0 && n > 1) tmp = PairBuffer(shape);
+  bool have_tmp = false;
   for (std::size_t i = 0; i < m; ++i) {
     const std::size_t q = mine[i];
     if (q > 0) prefix[i] = PairBuffer(shape);
@@ -150,7 +151,7 @@ std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const s
     return static_cast<std::size_t>(std::lower_bound(mine.begin(), mine.end(), q) - mine.begin());
   };
   for (std::size_t d = 1; d < n; d *= 2) {
-    std::vector<std::unique_ptr<Request>> recvs(m), sends;
+    std::vector<std::unique_ptr<Request>> recvs(m), sends(m);
     for (std::size_t i = 0; i < m; ++i) {
       const std::size_t q = mine[i];
       if (q >= d && holder(q - d) != me) {
@@ -171,8 +172,8 @@ std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const s
         compose(o, prefix[i].view(), outgoing[i], send_pair, direction, policy);
       }
       if (holder(q + d) != me)
-        sends.push_back(comm.isend(outgoing[i].bytes(send_pair), holder(q + d),
-                                   part_tag(chain_pos(q + d), direction)));
+        sends[i] = comm.isend(outgoing[i].bytes(send_pair), holder(q + d),
+                              part_tag(chain_pos(q + d), direction));
     }
     for (std::size_t i = 0; i < m; ++i) {
       const std::size_t q = mine[i];
@@ -197,11 +198,19 @@ std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const s
           prefix[i].set_cut(src->cut());
         }
       } else {
-        compose(prefix[i].view(), src->view(), tmp, true, direction, policy);
-        std::swap(prefix[i], tmp);
+        // The composed pair goes to the position's outgoing pair once its
+        // send is done, unless an own position reads that pair later this
+        // round or there is none (the last position).
+        const bool outgoing_free = q + 1 < n && !(q + d < n && holder(q + d) == me);
+        if (!outgoing_free && !have_tmp) tmp = PairBuffer(shape), have_tmp = true;
+        PairBuffer& dest = outgoing_free ? outgoing[i] : tmp;
+        if (outgoing_free && sends[i]) sends[i]->wait(), sends[i].reset();
+        compose(prefix[i].view(), src->view(), dest, true, direction, policy);
+        std::swap(prefix[i], dest);
       }
     }
-    for (auto& s : sends) s->wait();
+    for (auto& s : sends)
+      if (s) s->wait();
   }
   std::vector<State> result(m);
   for (std::size_t i = 0; i < m; ++i) {
@@ -225,20 +234,31 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     for (std::size_t j : positions) out.push_back(slot_of(j));
     return out;
   };
-  PackedSlots gathered(c.shape, w * k);
-  for (std::size_t i = 0; i < c.parts.size(); ++i)
-    gathered.pack(local * k + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
+  const std::vector<std::size_t> block_runs = runs.of_block(block, dir);
+  // The scan at width 1 needs no slots for a run of one position (its pair
+  // is the part itself) and hands each run's incoming state straight to its
+  // parts: one part per rank is then recursive doubling over the ranks,
+  // nothing packed, nothing copied.
+  const bool direct = w == 1 && c.relay == RunRelay::doubling;
+  bool need_slots = !direct;
+  for (std::size_t run : block_runs) need_slots = need_slots || runs.first[run] != runs.last[run];
+  PackedSlots gathered(c.shape, need_slots ? w * k : 0);
+  if (need_slots)
+    for (std::size_t i = 0; i < c.parts.size(); ++i)
+      gathered.pack(local * k + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
   if (c.intra) c.intra->all_gather(gathered.bytes());
 
   // The block's runs that have an incoming state, in the direction's order;
-  // their states are one stack, broadcast in one message.
-  const std::vector<std::size_t> block_runs = runs.of_block(block, dir);
+  // their states are one stack, broadcast in one message (direct: the
+  // scan's own states, one per run in ascending chain order).
   std::vector<std::size_t> slice_of(runs.size(), 0);
   std::size_t fed = 0;
   for (std::size_t run : block_runs)
     if (runs.prev(run, dir)) slice_of[run] = fed++;
+  std::vector<State> scanned;
+  std::vector<std::size_t> scanned_of(runs.size(), 0);
   State incoming;
-  if (fed > 0)
+  if (fed > 0 && !direct)
     incoming = State(fed * c.shape.batch, c.shape.heads, c.shape.key_dim, c.shape.value_dim,
                      c.shape.dtype, Buffer::Init::uninitialized);  // received or scanned whole
   auto has_cut = [&](std::size_t run) {
@@ -253,6 +273,11 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     std::vector<PairView> pairs;
     const Slots slots = gathered.slots();
     for (std::size_t run : ascending) {
+      if (direct && runs.first[run] == runs.last[run]) {
+        const PartSummary& part = c.parts[layout.local[runs.first[run]]];
+        pairs.push_back({part.offset, part.transfer, part.flags.cut});
+        continue;
+      }
       const std::vector<std::size_t> s = slots_of(runs.positions(run, Direction::forward));
       if (s.size() == 1) {
         pairs.push_back({slots.offsets.slot(s[0]), slots.transfers.slot(s[0]), gathered.cut(s[0])});
@@ -263,9 +288,14 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
       }
     }
     std::vector<State> states = rd_exclusive_scan_parts(*c.cross, runs.block, pairs, c.shape, dir, exec);
-    for (std::size_t i = 0; i < ascending.size(); ++i)
-      if (runs.prev(ascending[i], dir))
-        copy_view(states[i].view(), state_slice(incoming, c.shape, slice_of[ascending[i]]));
+    if (direct) {
+      scanned = std::move(states);
+      for (std::size_t i = 0; i < ascending.size(); ++i) scanned_of[ascending[i]] = i;
+    } else {
+      for (std::size_t i = 0; i < ascending.size(); ++i)
+        if (runs.prev(ascending[i], dir))
+          copy_view(states[i].view(), state_slice(incoming, c.shape, slice_of[ascending[i]]));
+    }
   } else if (local + 1 == w && c.relay == RunRelay::chain) {
     auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };
     auto tag = [&](std::size_t run) { return part_tag(runs.positions(run, dir).front(), dir); };
@@ -311,7 +341,17 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     const std::size_t steps = static_cast<std::size_t>(
         std::find(positions.begin(), positions.end(), j) - positions.begin());
     StateView in;
-    if (runs.prev(run, dir)) in = state_slice(incoming, c.shape, slice_of[run]);
+    if (direct) {
+      // A run of one position: its incoming state is the part's result (the
+      // scan's zeros for the chain's first).
+      if (positions.size() == 1) {
+        result.push_back(std::move(scanned[scanned_of[run]]));
+        continue;
+      }
+      in = scanned[scanned_of[run]].view();
+    } else if (runs.prev(run, dir)) {
+      in = state_slice(incoming, c.shape, slice_of[run]);
+    }
     State out = make_state(c.shape, Buffer::Init::uninitialized);  // the fold writes it all
     fold_slots(gathered, slots_of(positions), steps, dir, runs.prev(run, dir) ? &in : nullptr,
                out.view(), exec);

@@ -67,12 +67,16 @@ void fold_slots(const PackedSlots& gathered, std::span<const std::size_t> order,
 void run_pair(const PackedSlots& gathered, std::span<const std::size_t> ascending_slots,
               Direction direction, const PairBuffer& pair, const ExecPolicy& exec);
 
-// The recursive-doubling exclusive scan (rd_exclusive_scan) over n virtual
-// positions in chain order, several per member: position j is held by member
-// owner_of[j]; `own` are this member's positions' pairs in ascending chain
-// position. A message between positions of one member stays local; the
+// The recursive-doubling exclusive scan of affine pairs (affine_pairs.hpp) in
+// chain order (forward: ascending, backward: reversed), ceil(log2 n) rounds,
+// over n virtual positions, one or several per member: position j is held by
+// member owner_of[j]; `own` are this member's positions' pairs in ascending
+// chain position. A message between positions of one member stays local; the
 // others are tagged by their receiving position (part_tag). Returns each own
-// position's incoming state (zeros for the direction's first position).
+// position's incoming state, the offset of the composition of all earlier
+// pairs (zeros for the direction's first position). Last-round messages
+// carry offsets only. One position per member is the scan over the members:
+// at most three pairs per member (recursive_doubling_memory).
 std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const std::size_t> owner_of,
                                            std::span<const PairView> own, const SummaryShape& shape,
                                            Direction direction, const ExecPolicy& policy);

@@ -11,8 +11,9 @@
 // blocks directly, and only the received blocks are copied into the
 // row-major result. Memory: two states per rank (receive and send buffers).
 #include <algorithm>
-#include <sstream>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
@@ -38,10 +39,10 @@ class PipelinedExchange final : public CommExchange {
                                      dtype_size(shape.dtype)},
                         config().method);
     } else if (c > units) {
-      std::ostringstream os;
-      os << "rank " << rank_ << ": segments is " << c << " for value dim V = " << shape.value_dim
-         << ", expected at most V/16 = " << units << " (segments are multiples of 16 columns)";
-      throw InvalidArgument(os.str());
+      throw InvalidArgument(fmt::format(
+          "rank {}: segments is {} for value dim V = {}, expected at most V/16 = {} (segments are "
+          "multiples of 16 columns)",
+          rank_, c, shape.value_dim, units));
     }
     std::vector<std::pair<std::size_t, std::size_t>> out;
     std::size_t col = 0;
@@ -72,76 +73,15 @@ class PipelinedExchange final : public CommExchange {
     return {static_cast<std::byte*>(b.data), b.slabs() * b.rows * b.cols * dtype_size(b.dtype)};
   }
 
-  // The one run: one part per rank takes the chain-of-ranks algorithm
-  // (run_one), several parts per rank or parts out of rank order the
-  // layout's (run_layout); both give the chain-with-cuts bits.
-  std::vector<State> run(const Call& c) override {
-    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
-    return run_layout(c);
-  }
-
-  State run_one(const OnePart& call) {
-    const StateView& offset = call.offset;
-    const SummaryShape& shape = call.shape;
-    const Direction dir = call.direction;
-    const int tag = call.tag;
-    const auto segs = segments(shape);  // may throw: still before any message
-    const bool fwd = dir == Direction::forward;
-    const bool has_prev = fwd ? rank_ > 0 : rank_ + 1 < size_;
-    const bool has_next = fwd ? rank_ + 1 < size_ : rank_ > 0;
-    const std::size_t prev = fwd ? rank_ - 1 : rank_ + 1;
-    const std::size_t next = fwd ? rank_ + 1 : rank_ - 1;
-
-    // The segments cover every column: each buffer is received, folded or
-    // copied whole (the first rank's result stays the zero state).
-    constexpr auto kWhole = Buffer::Init::uninitialized;
-    State result = make_state(shape, has_prev ? kWhole : Buffer::Init::zero);
-    // One segment is the whole row-major state: receive straight into the
-    // result (then c = 1 costs what p2p costs, no extra copy).
-    const bool single = segs.size() == 1;
-    State recv_buf, send_buf;
-    if (has_prev && !single) recv_buf = make_state(shape, kWhole);
-    const State& recv_into = single ? result : recv_buf;
-    if (has_next) send_buf = make_state(shape, kWhole);
-    // All receives up front: segments arrive in order, each completes as
-    // soon as the previous rank sent it.
-    std::vector<std::unique_ptr<Request>> recvs, sends;
-    if (has_prev)
-      for (const auto& [col, width] : segs)
-        recvs.push_back(comm_->irecv(block_bytes(block(recv_into, shape, col, width)), prev, tag));
-    // The first rank of the chain, and a cut, send their offset itself, the
-    // cut before its own state arrives (the chain does not wait across it).
-    const bool fold = has_prev && !call.cut;
-    for (std::size_t j = 0; j < segs.size(); ++j) {
-      const auto [col, width] = segs[j];
-      const StateView in = has_prev ? block(recv_into, shape, col, width) : StateView{};
-      if (fold) recvs[j]->wait();
-      if (has_next) {
-        const StateView out = block(send_buf, shape, col, width);
-        if (fold) {
-          scan(single_slot(columns(offset, col, width), call.transfer), 0, 1, dir, &in, out,
-               std::nullopt, nullptr, options().exec);
-        } else {
-          copy_view(columns(offset, col, width), out);
-        }
-        sends.push_back(comm_->isend(block_bytes(out), next, tag));
-      }
-    }
-    if (has_prev)
-      for (std::size_t j = 0; j < segs.size(); ++j) {
-        recvs[j]->wait();
-        const auto [col, width] = segs[j];
-        if (!single) copy_view(block(recv_into, shape, col, width), columns(result.view(), col, width));
-      }
-    for (auto& s : sends) s->wait();
-    return result;
-  }
-
   // The chain over parts, segment by segment: each part receives its
   // segments from the rank holding the part before it (or finds them handed
   // on locally), folds and hands each on at once. A rank works through its
   // parts in chain order, so zigzag's second half pipelines like the first.
-  std::vector<State> run_layout(const Call& c) {
+  // One part per rank is the chain over ranks: rank r receives each segment
+  // from r-1, folds it into its send buffer and sends it to r+1 (the first
+  // rank and a cut send their offset's columns); with one segment the
+  // receive lands in the result itself, so c = 1 costs what p2p costs.
+  std::vector<State> run(const Call& c) override {
     const SummaryShape& shape = c.shape;
     const Direction dir = c.direction;
     const auto segs = segments(shape);  // may throw: still before any message

@@ -17,23 +17,13 @@ class RecursiveDoublingExchange final : public CommExchange {
       : CommExchange(ctx, recursive_doubling_protocol) {}
 
  private:
-  // The one run: one part per rank takes the chain-of-ranks algorithm
-  // (run_one), several parts per rank or parts out of rank order the
-  // layout's (run_layout); both within the reassociation bound.
+  // The scan runs over the chain of runs of consecutive parts per rank, each
+  // run folded into one pair, each rank standing for all of its runs
+  // (messages between its own runs stay local), and every part then folds
+  // inside its run from the run's incoming state (layouts.hpp). One part per
+  // rank is the scan over the ranks' own pairs: one run per rank, nothing
+  // packed, the scan's three pairs, its result the part's.
   std::vector<State> run(const Call& c) override {
-    if (part_owners().is_one_per_rank()) return only(run_one(one_part(c)));
-    return run_layout(c);
-  }
-
-  State run_one(const OnePart& c) {
-    return rd_exclusive_scan(*comm_, PairView{c.offset, c.transfer, c.cut}, c.shape, c.direction,
-                             options().exec, c.tag);
-  }
-
-  // A layout: a rank's runs of consecutive parts fold into one pair each,
-  // and the scan runs over the chain of those runs, each rank standing for
-  // all of its runs (messages between its own runs stay local).
-  std::vector<State> run_layout(const Call& c) {
     const LayoutIndex layout(part_owners().list(), size_);
     return run_layout_in_runs(RunsCall{&layout, 1, rank_, nullptr, comm_.get(), RunRelay::doubling,
                                        c.parts, c.shape, c.direction, &options().exec});

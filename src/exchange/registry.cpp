@@ -1,6 +1,10 @@
 // The registry's rows (protocols.def) and what every caller derives from them.
 #include <cmath>
-#include <sstream>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "exchange/protocols.hpp"
 #include "kdacp/error.hpp"
@@ -29,16 +33,15 @@ std::string to_string(ProtocolClass kind) {
 std::span<const ProtocolDescriptor* const> protocol_registry() { return kRows; }
 
 std::string protocol_names() {
-  std::string out;
-  for (const ProtocolDescriptor* row : kRows) out += (out.empty() ? "" : ", ") + std::string(row->name);
-  return out;
+  std::vector<std::string_view> names;
+  for (const ProtocolDescriptor* row : kRows) names.push_back(row->name);
+  return fmt::format("{}", fmt::join(names, ", "));
 }
 
 const ProtocolDescriptor& find_protocol(std::string_view name) {
   for (const ProtocolDescriptor* row : kRows)
     if (row->name == name) return *row;
-  throw InvalidArgument("unknown state_cp_method '" + std::string(name) +
-                        "', expected one of: " + protocol_names());
+  throw InvalidArgument(fmt::format("unknown state_cp_method '{}', expected one of: {}", name, protocol_names()));
 }
 
 double error_bound(const ProtocolDescriptor& protocol, std::size_t ranks, std::size_t key_dim) {
@@ -56,8 +59,8 @@ double error_bound(const ProtocolDescriptor& protocol, const ProblemShape& shape
 
 std::string protocol_label(const ProtocolConfig& config) {
   std::string out = config.method;
-  if (config.group_size > 1) out += " w=" + std::to_string(config.group_size);
-  if (config.segments > 0) out += " c=" + std::to_string(config.segments);
+  if (config.group_size > 1) out += fmt::format(" w={}", config.group_size);
+  if (config.segments > 0) out += fmt::format(" c={}", config.segments);
   return out;
 }
 
