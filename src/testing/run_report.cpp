@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "kdacp/testing/bench.hpp"
+#include "kdacp/testing/synthetic.hpp"
 #include "kdacp/testing/table.hpp"
 
 namespace kdacp::testing {
@@ -122,6 +124,23 @@ void print(const kda::Shape& shape, const LayerRunSetup& setup, const Report& re
 }
 
 }  // namespace
+
+job::LayerJob<float> synthetic_layer_job(const kda::Shape& shape, std::vector<std::int64_t> cu_seqlens,
+                                         std::uint64_t seed) {
+  job::LayerJob<float> job;
+  job.cu_seqlens = std::move(cu_seqlens);
+  job.data = kda::synthetic_layer<float>(shape, seed);
+  job.scale = kda::default_scale<float>(shape.key_dim);
+  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), seed + 1);
+  job.final_states = !job.cu_seqlens.empty();
+  if (job.final_states) {
+    const std::size_t states = (job.cu_seqlens.size() - 1) * shape.value_heads * shape.key_dim * shape.value_dim;
+    job.h0 = kda::synthetic_tensor<float>(states, seed + 3);
+    job.dht = kda::synthetic_tensor<float>(states, seed + 4);
+  }
+  job.sequences();
+  return job;
+}
 
 std::vector<std::string> report_layer_run(const kda::Shape& shape, const LayerRunSetup& setup,
                                           const job::LayerOutputs<float>& single,

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <set>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "kdacp/error.hpp"
@@ -117,24 +116,3 @@ template std::vector<float> synthetic_tensor<float>(std::size_t, std::uint64_t);
 template std::vector<double> synthetic_tensor<double>(std::size_t, std::uint64_t);
 
 }  // namespace kdacp::kda
-
-namespace kdacp::testing {
-
-job::LayerJob<float> synthetic_layer_job(const kda::Shape& shape, std::vector<std::int64_t> cu_seqlens,
-                                         std::uint64_t seed) {
-  job::LayerJob<float> job;
-  job.cu_seqlens = std::move(cu_seqlens);
-  job.data = kda::synthetic_layer<float>(shape, seed);
-  job.scale = kda::default_scale<float>(shape.key_dim);
-  job.d_o = kda::synthetic_tensor<float>(shape.v_elems(), seed + 1);
-  job.final_states = !job.cu_seqlens.empty();
-  if (job.final_states) {
-    const std::size_t states = (job.cu_seqlens.size() - 1) * shape.value_heads * shape.key_dim * shape.value_dim;
-    job.h0 = kda::synthetic_tensor<float>(states, seed + 3);
-    job.dht = kda::synthetic_tensor<float>(states, seed + 4);
-  }
-  job.sequences();
-  return job;
-}
-
-}  // namespace kdacp::testing

@@ -1,4 +1,4 @@
-// `kdacp run`'s report: the single-rank layer and every protocol of
+// `kdacp run`'s synthetic job, and its report: the single-rank layer and every protocol of
 // job::compare_protocols in one table (or one JSON document), with times,
 // GFLOP/s against the FP32 FMA peak measured in the same run, the exchange's
 // share, the relative errors against one device and bitwise agreement.
@@ -12,6 +12,14 @@
 #include "kdacp/job.hpp"
 
 namespace kdacp::testing {
+
+// `kdacp run`'s job, deterministic in seed: kda::synthetic_layer(shape,
+// seed), the default scale, d_o from seed + 1 and, with cu_seqlens (B = 1;
+// empty: one sequence per row), h0 and dht of its N sequences from seed + 3
+// and seed + 4 and the final states. Checked (LayerJob::sequences) before it
+// returns.
+job::LayerJob<float> synthetic_layer_job(const kda::Shape& shape, std::vector<std::int64_t> cu_seqlens,
+                                         std::uint64_t seed);
 
 // How the run was set up, for the header line and the JSON.
 struct LayerRunSetup {

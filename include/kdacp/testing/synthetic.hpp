@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "kdacp/job.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
@@ -58,15 +57,3 @@ std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed);
 std::vector<std::int64_t> random_cu_seqlens(std::size_t tokens, std::size_t docs, std::uint64_t seed);
 
 }  // namespace kdacp::kda
-
-namespace kdacp::testing {
-
-// `kdacp run`'s job, deterministic in seed: synthetic_layer(shape, seed),
-// the default scale, d_o from seed + 1 and, with cu_seqlens (B = 1; empty:
-// one sequence per row), h0 and dht of its N sequences from seed + 3 and
-// seed + 4 and the final states. Checked (LayerJob::sequences) before it
-// returns.
-job::LayerJob<float> synthetic_layer_job(const kda::Shape& shape, std::vector<std::int64_t> cu_seqlens,
-                                         std::uint64_t seed);
-
-}  // namespace kdacp::testing
