@@ -175,14 +175,33 @@ TEST(LayerJob, RandomPackingsAreValidAndSeeded) {
   EXPECT_THROW(kda::random_cu_seqlens(8, 0, 0), InvalidArgument);
 }
 
-TEST(LayerJob, LayoutSpecs) {
-  const job::LayoutSpec uneven{false, {3, 1, 4}};
-  EXPECT_EQ(uneven.name(), "contiguous 3,1,4");
-  EXPECT_EQ(uneven.build(8, 3).local_tokens(2), 4u);
-  EXPECT_THROW(uneven.build(9, 3), InvalidArgument);
-  EXPECT_THROW((job::LayoutSpec{true, {4, 4}}.build(8, 2)), InvalidArgument);
-  EXPECT_THROW((job::LayoutSpec{true, {}}.build(7, 4)), InvalidArgument);
-  EXPECT_EQ((job::LayoutSpec{true, {}}.build(8, 4).owners().list()), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+TEST(LayerJob, MakeLayout) {
+  const std::vector<std::size_t> counts{3, 1, 4};
+  EXPECT_EQ(job::make_layout(false, counts, 8, 3).local_tokens(2), 4u);
+  EXPECT_EQ(job::make_layout(false, {}, 8, 3).local_tokens(2), 2u);
+  EXPECT_THROW(job::make_layout(false, counts, 9, 3), InvalidArgument);
+  EXPECT_THROW(job::make_layout(true, std::vector<std::size_t>{4, 4}, 8, 2), InvalidArgument);
+  EXPECT_THROW(job::make_layout(true, {}, 7, 4), InvalidArgument);
+  EXPECT_EQ(job::make_layout(true, {}, 8, 4).owners().list(), (std::vector<std::size_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+}
+
+// A layout for another T or P than the job's is refused before any message.
+TEST(LayerJob, LayoutOfAnotherStreamIsRefused) {
+  job::LayerJob<float> job;
+  const kda::Shape shape{1, 12, 1, 1, 16, 16};
+  job.data = kda::synthetic_layer<float>(shape, 1);
+  job.scale = kda::default_scale<float>(shape.key_dim);
+  job::LayerRunOptions opts;
+  opts.method = "p2p";
+  for (const kda::Layout& other : {kda::Layout::contiguous(13, 3), kda::Layout::contiguous(12, 2)}) {
+    opts.layout = other;
+    try {
+      job::run_context_parallel(job, 3, opts, 30);
+      ADD_FAILURE() << other.str() << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("the layout is for T = "), std::string::npos) << e.what();
+    }
+  }
 }
 
 // The job runner of `kdacp run` / `kdacp kda` on in-process ranks (the same
@@ -210,7 +229,8 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
     }
     return std::sqrt(num / den);
   };
-  for (const job::LayoutSpec& layout : {job::LayoutSpec{false, {2, 3, 24}}, job::LayoutSpec{true, {}}}) {
+  for (const kda::Layout& layout : {kda::Layout::uneven(29, 3, std::vector<std::size_t>{2, 3, 24}),
+                                    kda::Layout::zigzag(29, 3)}) {
     std::optional<job::LayerOutputs<double>> first;
     for (const char* method : {"p2p", "allgather"}) {
       job::LayerRunOptions opts;
@@ -224,7 +244,7 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
           w{&single.o, &single.dq, &single.dk, &single.dv, &single.dg, &single.dbeta, &single.ht, &single.dh0};
       for (std::size_t i = 0; i < g.size(); ++i) {
         ASSERT_EQ(g[i]->size(), w[i]->size()) << i;
-        EXPECT_LT(rel(*g[i], *w[i]), 1e-12) << layout.name() << " " << method << " field " << i;
+        EXPECT_LT(rel(*g[i], *w[i]), 1e-12) << layout.str() << " " << method << " field " << i;
       }
       if (!first) {
         first = got;
@@ -234,7 +254,7 @@ TEST(LayerJob, InProcessRunnerMatchesOneDevice) {
                                                       &first->dg, &first->dbeta, &first->ht, &first->dh0};
       for (std::size_t i = 0; i < g.size(); ++i)
         EXPECT_EQ(std::memcmp(g[i]->data(), f[i]->data(), g[i]->size() * sizeof(double)), 0)
-            << layout.name() << " " << method << " field " << i << " differs from p2p";
+            << layout.str() << " " << method << " field " << i << " differs from p2p";
     }
   }
   // Bad jobs are refused naming the array, before any rank starts.
@@ -263,7 +283,7 @@ TEST(LayerJob, AlgorithmReachesOneDeviceAndEveryRank) {
   for (double e : job::relative_errors(chunk, recurrent)) EXPECT_LT(e, 5e-5);
   job::LayerRunOptions opts;
   opts.method = "p2p";
-  opts.layout = job::LayoutSpec{false, {40, 90, 20}};
+  opts.layout = kda::Layout::uneven(150, 3, std::vector<std::size_t>{40, 90, 20});
   const job::LayerOutputs<float> cp = job::run_context_parallel(job, 3, opts, 30);
   for (double e : job::relative_errors(cp, chunk)) EXPECT_LT(e, 2e-5);
   job.algorithm = kda::Algorithm::recurrent;
@@ -294,7 +314,8 @@ TEST(LayerJob, KeptForwardChangesNoBit) {
   EXPECT_TRUE(job::same_bits(job::run_single(job, 2), want)) << "one device";
   job.warmup_steps = 1;
   EXPECT_TRUE(job::same_bits(job::run_single(job, 1), want)) << "one device, after a warm-up step";
-  for (const job::LayoutSpec& layout : {job::LayoutSpec{false, {50, 120, 33}}, job::LayoutSpec{true, {}}}) {
+  for (const kda::Layout& layout : {kda::Layout::uneven(203, 3, std::vector<std::size_t>{50, 120, 33}),
+                                    kda::Layout::zigzag(203, 3)}) {
     job::LayerRunOptions opts;
     opts.method = "p2p";
     opts.layout = layout;
@@ -302,10 +323,10 @@ TEST(LayerJob, KeptForwardChangesNoBit) {
     job.warmup_steps = 0;
     const job::LayerOutputs<float> cp = job::run_context_parallel(job, 3, opts, 30);
     job.keep_forward = true;
-    EXPECT_TRUE(job::same_bits(job::run_context_parallel(job, 3, opts, 30), cp)) << layout.name();
+    EXPECT_TRUE(job::same_bits(job::run_context_parallel(job, 3, opts, 30), cp)) << layout.str();
     job.warmup_steps = 2;
     EXPECT_TRUE(job::same_bits(job::run_context_parallel(job, 3, opts, 30), cp))
-        << layout.name() << " after two warm-up steps";
+        << layout.str() << " after two warm-up steps";
   }
 }
 

@@ -36,18 +36,18 @@ TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
   const job::LayerJob<float> job = small_job(shape);
   const std::size_t ranks = 2;
   std::vector<std::string> ran;
-  for (const job::LayoutSpec& spec : {job::LayoutSpec{false, {}}, job::LayoutSpec{true, {}}}) {
+  for (bool zigzag : {false, true}) {
+    const kda::Layout layout = job::make_layout(zigzag, {}, shape.tokens, ranks);
     job::LayerRunOptions opts;
     opts.method = "auto";
-    opts.layout = spec;
+    opts.layout = layout;
     const job::LayerOutputs<float> out = job::run_context_parallel(job, ranks, opts, 30);
     ran.push_back(out.method);
-    const kda::Layout layout = spec.build(shape.tokens, ranks);
     const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout);
-    EXPECT_EQ(has_layout(ps), spec.zigzag) << spec.name();
+    EXPECT_EQ(has_layout(ps), zigzag) << layout.str();
     ExchangeOptions eo;
     eo.expected_shape = job::layer_summary_shape(shape);
-    EXPECT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, out.method) << spec.name();
+    EXPECT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, out.method) << layout.str();
     // The admission's message names the protocol auto will run.
     try {
       job::admit_layer_run(shape, 1, *eo.expected_shape, layout, true, 0, "auto", 1, eo, "1B");
@@ -111,16 +111,15 @@ TEST(LayerAdmission, OneRankPerProcessCountsItsShare) {
   EXPECT_DOUBLE_EQ(job::layer_rank_bytes(shape, 1, one, true, 4, 1e6),
                    job::layer_run_bytes(shape, 1, 1, true, 4, 1e6));
   for (bool zig : {false, true}) {
-    const job::LayoutSpec spec{zig, {}};
-    const double whole = job::compare_protocols_bytes(shape, 1, 16, spec, false);
-    const double share = job::compare_protocols_bytes(shape, 1, 16, spec, true);
-    EXPECT_LT(share, whole) << spec.name();
+    const kda::Layout layout = job::make_layout(zig, {}, shape.tokens, 16);
+    const double whole = job::compare_protocols_bytes(shape, 1, layout, false);
+    const double share = job::compare_protocols_bytes(shape, 1, layout, true);
+    EXPECT_LT(share, whole) << layout.str();
     // Still at least the job and rank 0's gathered outputs.
-    EXPECT_GT(share, 2 * job::layer_output_bytes(shape, true, 4)) << spec.name();
-    const kda::Layout layout = spec.build(shape.tokens, 16);
+    EXPECT_GT(share, 2 * job::layer_output_bytes(shape, true, 4)) << layout.str();
     EXPECT_LT(job::layer_rank_bytes(shape, 1, layout, true, 4, 0),
               job::layer_run_bytes(shape, 1, 16, true, 4, 0, layout.parts().size()) / 2)
-        << spec.name();
+        << layout.str();
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -20,20 +21,12 @@
 
 namespace kdacp::job {
 
-// How the stream's tokens are laid out over the ranks.
-struct LayoutSpec {
-  bool zigzag = false;
-  // Contiguous only: per-rank token counts (empty: the first T mod P ranks
-  // take ⌈T/P⌉, the others ⌊T/P⌋).
-  std::vector<std::size_t> counts;
-
-  // Layout::zigzag or Layout::contiguous; throws their InvalidArgument
-  // (counts not P entries, a zero, a sum other than T; zigzag with T < 2P),
-  // and for counts given with zigzag.
-  kda::Layout build(std::size_t tokens, std::size_t ranks) const;
-  // "contiguous", "contiguous 3,5,4" or "zigzag".
-  std::string name() const;
-};
+// The layout the CLI's --layout and --split ask for, built in one call:
+// Layout::zigzag for `zigzag`, else Layout::contiguous(tokens, ranks,
+// counts) (counts empty: the first T mod P ranks take ⌈T/P⌉, the others
+// ⌊T/P⌋). Throws Layout's InvalidArgument (counts not P entries, a zero, a
+// sum other than T; zigzag with T < 2P), and for counts given with zigzag.
+kda::Layout make_layout(bool zigzag, std::span<const std::size_t> counts, std::size_t tokens, std::size_t ranks);
 
 // A layer job: the whole stream's inputs and what to compute. Every process
 // holds the whole job (read or generated from a seed) and takes its parts.
@@ -96,7 +89,8 @@ struct LayerRunOptions {
   long long group_size = 1;
   std::size_t threads_per_rank = 1;
   ExchangeOptions exchange;  // expected_shape defaults to the job's summary shape
-  LayoutSpec layout;
+  // The layout of the job's T on the world's P (nullopt: Layout::contiguous).
+  std::optional<kda::Layout> layout;
   // Fields every rank must share beyond the layer's own (kda::LayerChecks::
   // agree): where each process reads or generates the whole job, a hash of
   // its input files or its seed.
@@ -230,7 +224,7 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
                                                     const Progress& progress);
 
 // Bytes run_single and compare_protocols allocate for float `shape` with N
-// = `sequences` on `ranks` ranks in `layout` (LayoutSpec) beside the job:
+// = `sequences` on the ranks of `layout` beside the job:
 // every run's outputs and gradients, kept for the comparison, and one
 // context-parallel run at a time with the hungriest protocol of the cost
 // model among those that run on the layout (its part_owners priced). With
@@ -239,8 +233,8 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
 // a run (layer_rank_bytes) instead of all P ranks'.
 // keep_forward: the jobs keep their chunk forward (LayerJob::keep_forward),
 // whose caches (layer_cache_bytes) are counted too.
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
-                               const LayoutSpec& layout = {}, bool one_rank_per_process = false,
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, const kda::Layout& layout,
+                               bool one_rank_per_process = false,
                                bool keep_forward = defaults::kKeepForward);
 
 }  // namespace kdacp::job

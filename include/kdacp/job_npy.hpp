@@ -65,6 +65,15 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
                      bool one_rank_per_process = false, double cache_bytes = 0);
 
+// admit_layer_run for `job`, read from `in` (input_bytes), on
+// options.layout (nullopt: contiguous over `ranks`) with options' method,
+// group size and exchange, for a summary of T; job.keep_forward adds the
+// forward caches (layer_cache_bytes): the whole stream's in-process, the
+// largest rank's with one_rank_per_process.
+template <class T>
+void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunOptions& options, std::size_t ranks,
+                     double input_bytes, const std::string& max_memory, bool one_rank_per_process);
+
 // The arrays as a layer job of T (T must be the files' dtype) with `scale`,
 // asking for the final states; the shape is checked with kda::validate.
 template <class T>
@@ -84,5 +93,12 @@ void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const L
 // file's shape and its value ("inf", "nan", "-inf").
 template <class T>
 void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out);
+
+// `kdacp kda`'s outputs into `dir`: a NaN or Inf from finite inputs is a
+// failure, not a result, so require_finite_outputs runs first (its Error
+// adds "; nothing was written to <dir>"); then write_layer_outputs_npy into a
+// StagedOutput of kLayerOutputFiles, committed once every file is written.
+template <class T>
+void save_layer_outputs(const std::string& dir, const LayerNpy& in, const LayerOutputs<T>& out);
 
 }  // namespace kdacp::job

@@ -1,5 +1,6 @@
 #include "kdacp/job_npy.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -10,10 +11,13 @@
 #include <type_traits>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "kdacp/admission.hpp"
 #include "kdacp/agreement.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
+#include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 
 namespace kdacp::job {
@@ -229,6 +233,25 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
 }
 
 template <class T>
+void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunOptions& options, std::size_t ranks,
+                     double input_bytes, const std::string& max_memory, bool one_rank_per_process) {
+  const kda::Shape& s = job.data.shape;
+  const kda::Layout layout = options.layout ? *options.layout : kda::Layout::contiguous(s.tokens, ranks);
+  SummaryShape summary = layer_summary_shape(s);
+  summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+  std::size_t cache_tokens = s.tokens;
+  if (one_rank_per_process) {
+    cache_tokens = 0;
+    for (std::size_t r = 0; r < layout.ranks(); ++r) cache_tokens = std::max(cache_tokens, layout.local_tokens(r));
+  }
+  const double cache = job.keep_forward ? layer_cache_bytes(s, job.algorithm, cache_tokens,
+                                                            in.sequences + layout.parts().size(), sizeof(T))
+                                        : 0.0;
+  admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, options.method, options.group_size,
+                  options.exchange, max_memory, one_rank_per_process, cache);
+}
+
+template <class T>
 LayerJob<T> layer_job(const LayerNpy& in, T scale) {
   LayerJob<T> job;
   kda::LayerData<T>& data = job.data;
@@ -292,10 +315,28 @@ void write_layer_outputs_npy(const std::string& dir_name, const LayerNpy& in, co
   for (const OutputArray<T>& a : output_arrays(in, out)) write_npy((dir / a.name).string(), a.data->data(), a.shape);
 }
 
+template void admit_layer_job<float>(const LayerNpy&, const LayerJob<float>&, const LayerRunOptions&, std::size_t,
+                                     double, const std::string&, bool);
+template void admit_layer_job<double>(const LayerNpy&, const LayerJob<double>&, const LayerRunOptions&, std::size_t,
+                                      double, const std::string&, bool);
 template LayerJob<float> layer_job<float>(const LayerNpy&, float);
 template LayerJob<double> layer_job<double>(const LayerNpy&, double);
 template void write_layer_outputs_npy<float>(const std::string&, const LayerNpy&, const LayerOutputs<float>&);
 template void write_layer_outputs_npy<double>(const std::string&, const LayerNpy&, const LayerOutputs<double>&);
+template <class T>
+void save_layer_outputs(const std::string& dir, const LayerNpy& in, const LayerOutputs<T>& out) {
+  try {
+    require_finite_outputs(in, out);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}; nothing was written to {}", e.what(), dir));
+  }
+  StagedOutput staged(dir, kLayerOutputFiles);
+  write_layer_outputs_npy(staged.staging_dir(), in, out);
+  staged.commit();
+}
+
+template void save_layer_outputs<float>(const std::string&, const LayerNpy&, const LayerOutputs<float>&);
+template void save_layer_outputs<double>(const std::string&, const LayerNpy&, const LayerOutputs<double>&);
 template void require_finite_outputs<float>(const LayerNpy&, const LayerOutputs<float>&);
 template void require_finite_outputs<double>(const LayerNpy&, const LayerOutputs<double>&);
 

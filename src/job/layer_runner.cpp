@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
@@ -22,21 +24,11 @@
 
 namespace kdacp::job {
 
-kda::Layout LayoutSpec::build(std::size_t tokens, std::size_t ranks) const {
+kda::Layout make_layout(bool zigzag, std::span<const std::size_t> counts, std::size_t tokens, std::size_t ranks) {
   if (!zigzag) return kda::Layout::contiguous(tokens, ranks, counts);
   if (!counts.empty())
     throw InvalidArgument("the zigzag layout takes no per-rank token counts (they apply to the contiguous layout)");
   return kda::Layout::zigzag(tokens, ranks);
-}
-
-std::string LayoutSpec::name() const {
-  if (zigzag) return "zigzag";
-  std::string out = "contiguous";
-  for (std::size_t i = 0; i < counts.size(); ++i) {
-    out += i ? "," : " ";
-    out += std::to_string(counts[i]);
-  }
-  return out;
 }
 
 namespace {
@@ -193,7 +185,10 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   const kda::Shape& s = job.data.shape;
   // Every check before the first message: the job, the layout, the method.
   const kda::Sequences seqs = job.sequences();
-  const kda::Layout layout = options.layout.build(s.tokens, ranks);
+  const kda::Layout layout = options.layout ? *options.layout : kda::Layout::contiguous(s.tokens, ranks);
+  if (layout.tokens() != s.tokens || layout.ranks() != ranks)
+    throw InvalidArgument(fmt::format("run_context_parallel: the layout is for T = {} on P = {}, the job has T = {} "
+                                      "on P = {}", layout.tokens(), layout.ranks(), s.tokens, ranks));
   ExchangeOptions eo = options.exchange;
   if (!eo.expected_shape) {
     eo.expected_shape = layer_summary_shape(s);
@@ -432,7 +427,7 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
   if (!job.grads()) throw InvalidArgument("compare_protocols: the job has no d_o (it compares gradients too)");
   // A layout with several parts on a rank, or parts out of rank order, runs
   // only on protocols whose registry row takes layouts.
-  const bool plain = base.layout.build(job.data.shape.tokens, ranks).owners().is_one_per_rank();
+  const bool plain = !base.layout || base.layout->owners().is_one_per_rank();
   ProtocolComparison cmp;
   for (const ProtocolDescriptor* row : protocol_registry()) {
     if (row->chooser()) continue;
@@ -476,9 +471,9 @@ double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::siz
   return double(s.batch) * double(s.value_heads) * per_pair * double(elem_bytes);
 }
 
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, std::size_t ranks,
-                               const LayoutSpec& layout_spec, bool one_rank_per_process, bool keep_forward) {
-  const kda::Layout layout = layout_spec.build(shape.tokens, ranks);
+double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, const kda::Layout& layout,
+                               bool one_rank_per_process, bool keep_forward) {
+  const std::size_t ranks = layout.ranks();
   const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
   // compare_protocols runs only the rows that take the layout when it is not
   // the plain one.

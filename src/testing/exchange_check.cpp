@@ -11,6 +11,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kdacp/admission.hpp"
@@ -19,6 +20,7 @@
 #include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
+#include "kdacp/testing/table.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::testing {
@@ -426,6 +428,53 @@ std::string to_json(const ExchangeCheckResult& run) {
                  {"cost_source", run.options.cost.source}};
   }
   return j.dump(2);
+}
+
+std::unique_ptr<StagedOutput> stage_runs_npy(const std::string& dir, const SummaryShape& shape,
+                                             const std::vector<RankRun>& runs) {
+  // A NaN or Inf is a failure, not a result: checked before any file is staged.
+  try {
+    require_finite_runs(shape, runs);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}; nothing was written to {}", e.what(), dir));
+  }
+  auto out = std::make_unique<StagedOutput>(dir, std::vector<std::string>{"incoming.npy", "final_grad.npy"});
+  write_runs_npy(out->staging_dir(), shape, runs);
+  return out;
+}
+
+void print_exchange_check(const ExchangeCheckResult& run, const std::string& method) {
+  const SummaryShape& shape = run.shape;
+  const bool exact = run.protocol->exact();
+  Table table({"rank", "fwd ms", "bwd ms", "sent/call", "recv/call", "peak extra", "fwd max abs", "fwd rel",
+               "bwd max abs", "bwd rel", "== p2p"});
+  for (std::size_t q = 0; q < run.runs.size(); ++q) {
+    const auto& ef = run.errors[q].forward;
+    const auto& eb = run.errors[q].backward;
+    const ExchangeRecord& rc = run.runs[q].record;
+    table.add({fmt::format("{}", q), fmt::format("{:.3f}", rc.forward_seconds * 1e3),
+               fmt::format("{:.3f}", rc.backward_seconds * 1e3),
+               format_bytes((rc.forward_bytes_sent + rc.backward_bytes_sent) / 2),
+               format_bytes((rc.forward_bytes_received + rc.backward_bytes_received) / 2),
+               format_bytes(rc.peak_extra_bytes), fmt::format("{:.2e}", ef.max_abs), fmt::format("{:.2e}", ef.rel_fro),
+               fmt::format("{:.2e}", eb.max_abs), fmt::format("{:.2e}", eb.rel_fro),
+               !exact ? "n/a" : rc.equal_to_p2p ? "yes" : "NO"});
+  }
+  std::printf("kdacp exchange: backend=%s protocol=%s", run.backend.c_str(), method.c_str());
+  if (run.group_size > 1) std::printf(" (group size %lld)", run.group_size);
+  std::printf(" P=%zu B=%zu H=%zu K=%zu V=%zu kernel=%s threads/rank=%zu repeat=%zu\n\n", run.ranks, shape.batch,
+              shape.heads, shape.key_dim, shape.value_dim, run.kernel.c_str(), run.threads, run.repeat);
+  table.print();
+  std::printf("\ntimes: median per call; errors: against the FP64 chain (rel = relative Frobenius)\n");
+  std::printf("max abs error %.3e, max rel error %.3e\n", run.max_abs_error, run.max_rel_error);
+  if (exact) {
+    std::printf("bitwise equal to p2p: %s\n", run.equal_to_p2p ? "yes" : "NO");
+  } else {
+    // The registry row's documented bound (transfers of spectral norm <= 1).
+    std::printf("bitwise equal to p2p: not applicable (%.*s reassociates); documented bound %.2e\n",
+                int(run.protocol->name.size()), run.protocol->name.data(),
+                error_bound(*run.protocol, run.ranks, shape.key_dim));
+  }
 }
 
 }  // namespace kdacp::testing

@@ -1,9 +1,13 @@
 #include "kdacp/testing/model_validation.hpp"
 
+#include <cstdio>
+
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
+#include "kdacp/testing/table.hpp"
 
 namespace kdacp::testing {
 
@@ -52,6 +56,30 @@ std::string to_json(const std::vector<ModelRow>& rows, const SummaryShape& shape
                        {"measured_seconds", row.check.measured_seconds},
                        {"ratio", measured_over_predicted(row.check)}, {"iterations", row.check.iterations}});
   return records.dump(2);
+}
+
+void print_model_validation(const std::vector<ModelRow>& rows, const SummaryShape& shape, const std::string& backend) {
+  std::printf("\nmodel validation: forward + backward, B*H=%zu, K=%zu, V=%zu, %s backend\n", shape.batch * shape.heads,
+              shape.key_dim, shape.value_dim, backend.c_str());
+  std::size_t last_p = 0;
+  for (const ModelRow& row : rows) {
+    if (row.check.ranks == last_p) continue;
+    last_p = row.check.ranks;
+    std::printf("P=%zu: alpha %.3g us, bandwidth %.3g GB/s, fold %.3g GFLOP/s, %zu rank(s) fold at once (%s)\n",
+                row.check.ranks, row.params.alpha_s * 1e6, 1e-9 / row.params.beta_s_per_byte, row.params.gflops,
+                row.params.concurrent_ranks, row.params.source.c_str());
+  }
+  Table t({"protocol", "P", "predicted ms", "measured ms", "measured/predicted"});
+  std::size_t outside = 0;
+  for (const ModelRow& row : rows) {
+    const double r = measured_over_predicted(row.check);
+    if (r < 0.7 || r > 1.3) ++outside;
+    t.add({protocol_label(row.check.config), fmt::format("{}", row.check.ranks),
+           fmt::format("{:.3f}", row.check.predicted_seconds * 1e3),
+           fmt::format("{:.3f}", row.check.measured_seconds * 1e3), fmt::format("{:.2f}", r)});
+  }
+  t.print();
+  std::printf("%zu of %zu ratios outside [0.70, 1.30]\n", outside, rows.size());
 }
 
 }  // namespace kdacp::testing

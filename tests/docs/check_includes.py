@@ -58,7 +58,7 @@ HEADER_MODULE = {
     "calibrate.hpp": "calibrate",
     "launch.hpp": "launch",
     "mpi.hpp": "mpi", "launch_mpi.hpp": "mpi",
-    "job.hpp": "job", "job_npy.hpp": "job",
+    "job.hpp": "job", "job_npy.hpp": "job", "job_plan.hpp": "job",
 }
 
 # Source files whose module is not their folder's.

@@ -136,12 +136,12 @@ job::LayerJob<T> packed_job() {
 // Layouts of the matrix on P ranks: contiguous with uneven counts (ranks
 // r < P-1 hold r + 2 tokens, the last the rest, so sequences span several
 // ranks and start or end at rank boundaries) and zigzag.
-std::vector<job::LayoutSpec> layouts_for(std::size_t p, std::size_t tokens) {
+std::vector<kda::Layout> layouts_for(std::size_t p, std::size_t tokens) {
   std::vector<std::size_t> counts;
   std::size_t used = 0;
   for (std::size_t r = 0; r + 1 < p; ++r) used += counts.emplace_back(r + 2);
   counts.push_back(tokens - used);
-  return {job::LayoutSpec{false, counts}, job::LayoutSpec{true, {}}};
+  return {kda::Layout::uneven(tokens, p, counts), kda::Layout::zigzag(tokens, p)};
 }
 
 // Every exact protocol and width, over MPI, on every layout its registry row
@@ -154,17 +154,17 @@ void check_sequences(double tol) {
   const std::size_t p = comm->size();
   const job::LayerJob<T> job = packed_job<T>();
   const job::LayerOutputs<T> single = job::run_single(job, 1);
-  for (const job::LayoutSpec& layout : layouts_for(p, job.data.shape.tokens)) {
+  for (const kda::Layout& layout : layouts_for(p, job.data.shape.tokens)) {
     std::optional<job::LayerOutputs<T>> chain;
     for (const ProtocolDescriptor* row : protocol_registry()) {
       if (row->chooser() || !row->exact()) continue;
-      if (layout.zigzag && !row->takes_layouts) continue;
+      if (!layout.owners().is_one_per_rank() && !row->takes_layouts) continue;
       std::vector<long long> widths{1};
       if (row->takes_group_size)
         for (std::size_t w = 2; w < p; ++w)
           if (p % w == 0) widths.push_back(static_cast<long long>(w));
       for (long long w : widths) {
-        const std::string what = std::string(row->name) + " w=" + std::to_string(w) + ", " + layout.name() +
+        const std::string what = std::string(row->name) + " w=" + std::to_string(w) + ", " + layout.str() +
                                  ", P=" + std::to_string(p);
         SCOPED_TRACE(what);
         job::LayerRunOptions opts;

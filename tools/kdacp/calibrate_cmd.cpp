@@ -20,7 +20,6 @@
 #include "kdacp/testing/model_validation.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "flags.hpp"
-#include "table.hpp"
 
 namespace kdacp::cli {
 
@@ -63,31 +62,6 @@ ValidationOptions validation_options(const CalibrateConfig& cfg, std::size_t thr
                  c.measured_seconds * 1e3, c.iterations);
   };
   return o;
-}
-
-std::string ms(double s) { return fmt("%.3f", s * 1e3); }
-
-void print_table(const CalibrateConfig& cfg, const std::string& backend, const std::vector<ModelRow>& rows) {
-  std::printf("\nmodel validation: forward + backward, B*H=%zu, K=%zu, V=%zu, %s backend\n",
-              cfg.batch * cfg.heads, cfg.key_dim, cfg.value_dim, backend.c_str());
-  std::size_t last_p = 0;
-  for (const ModelRow& row : rows) {
-    if (row.check.ranks == last_p) continue;
-    last_p = row.check.ranks;
-    std::printf("P=%zu: alpha %.3g us, bandwidth %.3g GB/s, fold %.3g GFLOP/s, %zu rank(s) fold at once (%s)\n",
-                row.check.ranks, row.params.alpha_s * 1e6, 1e-9 / row.params.beta_s_per_byte, row.params.gflops,
-                row.params.concurrent_ranks, row.params.source.c_str());
-  }
-  Table t({"protocol", "P", "predicted ms", "measured ms", "measured/predicted"});
-  std::size_t outside = 0;
-  for (const ModelRow& row : rows) {
-    const double r = testing::measured_over_predicted(row.check);
-    if (r < 0.7 || r > 1.3) ++outside;
-    t.add({protocol_label(row.check.config), std::to_string(row.check.ranks), ms(row.check.predicted_seconds),
-           ms(row.check.measured_seconds), fmt("%.2f", r)});
-  }
-  t.print();
-  std::printf("%zu of %zu ratios outside [0.70, 1.30]\n", outside, rows.size());
 }
 
 void print_params(const CalibrateConfig& cfg, const CostParams& p, std::size_t threads) {
@@ -136,7 +110,7 @@ void run_calibrate(const CalibrateConfig& cfg) {
     rows = testing::validate_in_process(cfg.validate_ranks, cfg.backend, loaded, calibration_options(cfg, threads),
                                         shape_of(cfg), validation_options(cfg, threads));
   if (cfg.validate && cfg.json) std::printf("%s\n", testing::to_json(rows, shape_of(cfg)).c_str());
-  else if (cfg.validate) print_table(cfg, mpi ? "mpi" : "inprocess", rows);
+  else if (cfg.validate) testing::print_model_validation(rows, shape_of(cfg), mpi ? "mpi" : "inprocess");
   if (saved) saved->commit();
 }
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "backend.hpp"
 #include "commands.hpp"
 #include "exchange_flags.hpp"
@@ -16,10 +18,8 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
-#include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/exchange_check.hpp"
-#include "table.hpp"
 
 namespace kdacp::cli {
 namespace {
@@ -41,62 +41,15 @@ struct Config {
 
 using testing::ExchangeCheckResult;
 
-void print_text(const Config& cfg, const ExchangeCheckResult& run, const Table& table) {
-  const SummaryShape& shape = run.shape;
-  const std::size_t p = run.ranks;
-  std::printf("kdacp exchange: backend=%s protocol=%s", run.backend.c_str(),
-              describe_method(std::string(run.protocol->name), run.prediction, cfg.exchange).c_str());
-  if (cfg.exchange.group_size > 1) std::printf(" (group size %lld)", cfg.exchange.group_size);
-  std::printf(" P=%zu B=%zu H=%zu K=%zu V=%zu kernel=%s threads/rank=%zu repeat=%zu\n\n", p,
-              shape.batch, shape.heads, shape.key_dim, shape.value_dim, run.kernel.c_str(),
-              run.threads, cfg.repeat);
-  table.print();
-  std::printf("\ntimes: median per call; errors: against the FP64 chain (rel = relative Frobenius)\n");
-  std::printf("max abs error %.3e, max rel error %.3e\n", run.max_abs_error, run.max_rel_error);
-  if (run.protocol->exact()) {
-    std::printf("bitwise equal to p2p: %s\n", run.equal_to_p2p ? "yes" : "NO");
-  } else {
-    // The registry row's documented bound (transfers of spectral norm <= 1).
-    const double bound = error_bound(*run.protocol, p, shape.key_dim);
-    std::printf("bitwise equal to p2p: not applicable (%.*s reassociates); documented bound %.2e\n",
-                int(run.protocol->name.size()), run.protocol->name.data(), bound);
-  }
-}
-
 // Errors of every rank against the FP64 chain, the table or JSON, and the
 // verdict: an exact protocol that differs from p2p fails the command.
 void report(const Config& cfg, const ExchangeCheckResult& run) {
-  const auto& runs = run.runs;
-  const bool exact = run.protocol->exact();
-  Table table({"rank", "fwd ms", "bwd ms", "sent/call", "recv/call", "peak extra", "fwd max abs",
-               "fwd rel", "bwd max abs", "bwd rel", "== p2p"});
-  for (std::size_t q = 0; q < runs.size(); ++q) {
-    const auto& ef = run.errors[q].forward;
-    const auto& eb = run.errors[q].backward;
-    const testing::ExchangeRecord& rc = runs[q].record;
-    table.add({std::to_string(q), fmt("%.3f", rc.forward_seconds * 1e3), fmt("%.3f", rc.backward_seconds * 1e3),
-               fmt_bytes((rc.forward_bytes_sent + rc.backward_bytes_sent) / 2),
-               fmt_bytes((rc.forward_bytes_received + rc.backward_bytes_received) / 2),
-               fmt_bytes(rc.peak_extra_bytes), fmt("%.2e", ef.max_abs), fmt("%.2e", ef.rel_fro),
-               fmt("%.2e", eb.max_abs), fmt("%.2e", eb.rel_fro),
-               !exact ? "n/a" : rc.equal_to_p2p ? "yes" : "NO"});
-  }
-  std::optional<StagedOutput> out;
-  if (!cfg.out.empty()) {
-    // A NaN or Inf is a failure, not a result: checked before any file is staged.
-    try {
-      testing::require_finite_runs(run.shape, runs);
-    } catch (const Error& e) {
-      throw Error(std::string(e.what()) + "; nothing was written to " + cfg.out);
-    }
-    out.emplace(cfg.out, std::vector<std::string>{"incoming.npy", "final_grad.npy"});
-    testing::write_runs_npy(out->staging_dir(), run.shape, runs);
-  }
+  const auto out = cfg.out.empty() ? nullptr : testing::stage_runs_npy(cfg.out, run.shape, run.runs);
   if (cfg.json) std::printf("%s\n", testing::to_json(run).c_str());
-  else print_text(cfg, run, table);
+  else testing::print_exchange_check(run, describe_method(std::string(run.protocol->name), run.prediction, cfg.exchange));
   if (!std::isfinite(run.max_abs_error) || !std::isfinite(run.max_rel_error))
-    throw Error("results are not finite (max abs error " + fmt("%g", run.max_abs_error) + ")");
-  if (exact && !run.equal_to_p2p) throw Error("results differ from the p2p chain");
+    throw Error(fmt::format("results are not finite (max abs error {:g})", run.max_abs_error));
+  if (run.protocol->exact() && !run.equal_to_p2p) throw Error("results differ from the p2p chain");
   if (out) out->commit();
 }
 
@@ -138,10 +91,7 @@ void add_exchange_command(CLI::App& app) {
       "choice) and check it against the FP64 chain and, when exact, the p2p chain bit for bit");
   add_backend_flags(*cmd, cfg->backend);
   add_exchange_flags(*cmd, cfg->exchange);
-  auto* ob = add_int(*cmd, "--batch,-B", cfg->batch, "batch size B", kSizeRange);
-  auto* oh = add_int(*cmd, "--heads,-H", cfg->heads, "heads H", kSizeRange);
-  auto* ok = add_int(*cmd, "--key-dim,-K", cfg->key_dim, "key dim K", kDimRange);
-  auto* ov = add_int(*cmd, "--value-dim,-V", cfg->value_dim, "value dim V", kDimRange);
+  const auto shape_flags = add_bhkv_flags(*cmd, cfg->batch, cfg->heads, cfg->key_dim, cfg->value_dim);
   add_int(*cmd, "--seed", cfg->seed, "seed of the synthetic summaries", IntRange{});
   add_int(*cmd, "--repeat", cfg->repeat, "timed repetitions (median reported)", IntRange{1, 100000});
   add_int(*cmd, "--threads", cfg->threads, "kernel threads per rank (0: hardware threads divided among the ranks)",
@@ -159,12 +109,12 @@ void add_exchange_command(CLI::App& app) {
            "a directory");
   add_max_memory(*cmd, cfg->max_memory);
   cmd->add_flag("--json", cfg->json, "print JSON instead of a table");
-  cmd->callback([cfg, ob, oh, ok, ov] {
+  cmd->callback([cfg, shape_flags] {
     cfg->given_ranks = cfg->backend.ranks_given;
-    cfg->given_batch = ob->count() > 0;
-    cfg->given_heads = oh->count() > 0;
-    cfg->given_k = ok->count() > 0;
-    cfg->given_v = ov->count() > 0;
+    cfg->given_batch = shape_flags[0]->count() > 0;
+    cfg->given_heads = shape_flags[1]->count() > 0;
+    cfg->given_k = shape_flags[2]->count() > 0;
+    cfg->given_v = shape_flags[3]->count() > 0;
     run_exchange(*cfg);
   });
 }

@@ -1,12 +1,12 @@
 #include "exchange_flags.hpp"
 
-#include <sstream>
+#include <fmt/format.h>
 
+#include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/protocol.hpp"
 #include "flags.hpp"
 #include "kdacp/units.hpp"
-#include "table.hpp"
 
 namespace kdacp::cli {
 
@@ -48,11 +48,10 @@ ExchangeOptions exchange_options(const ExchangeFlags& f, const SummaryShape& sha
 std::string describe_method(const std::string& method, const std::optional<Prediction>& pred,
                             const ExchangeFlags& flags) {
   if (!pred) return method;
-  std::ostringstream os;
-  os << flags.protocol << " -> " << protocol_label(pred->config) << " (predicted " << fmt("%.3g", pred->seconds * 1e3) << " ms per call, "
-     << fmt_bytes(static_cast<double>(pred->peak_extra_bytes)) << " extra per rank, "
-     << (pred->exact ? "exact" : "reassociating") << ")";
-  return os.str();
+  return fmt::format("{} -> {} (predicted {:.3g} ms per call, {} extra per rank, {})", flags.protocol,
+                     protocol_label(pred->config), pred->seconds * 1e3,
+                     format_bytes(static_cast<double>(pred->peak_extra_bytes)),
+                     pred->exact ? "exact" : "reassociating");
 }
 
 }  // namespace kdacp::cli

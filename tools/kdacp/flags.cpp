@@ -1,7 +1,8 @@
 #include "flags.hpp"
 
-#include "kdacp/error.hpp"
+#include <sstream>
 
+#include "kdacp/error.hpp"
 
 namespace kdacp::cli {
 
@@ -27,16 +28,12 @@ CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<s
             std::string item;
             std::size_t i = 0;
             // getline drops a trailing empty entry ("3,4,"): catch it here.
-            if (!text.empty() && text.back() == ',') {
-              std::ostringstream what;
-              what << flag << " '" << text << "' ends with a comma, expected";
-              throw InvalidArgument(what.str() + " a comma-separated list, each " + describe(range));
-            }
-            while (std::getline(in, item, ',')) {
-              std::ostringstream what;
-              what << flag << " entry " << i++;
-              values.push_back(static_cast<std::size_t>(parse_integer(item, range, what.str())));
-            }
+            if (!text.empty() && text.back() == ',')
+              throw InvalidArgument(fmt::format("{} '{}' ends with a comma, expected a comma-separated list, each {}",
+                                                flag, text, describe(range)));
+            while (std::getline(in, item, ','))
+              values.push_back(
+                  static_cast<std::size_t>(parse_integer(item, range, fmt::format("{} entry {}", flag, i++))));
             if (values.empty()) parse_integer(text, range, flag);  // "": the parser's message
           },
           help + " (comma-separated, each " + describe(range) + ")")
@@ -46,14 +43,12 @@ CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<s
 CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
                       const RealRange& range) {
   const std::string flag = flag_name(names);
-  std::ostringstream shown;
-  shown << value;
   return cmd
       .add_option_function<std::string>(
           names, [&value, range, flag](const std::string& t) { value = parse_real(t, range, flag); },
           help + " (" + describe(range) + ")")
       ->type_name("FLOAT")
-      ->default_str(shown.str());
+      ->default_str(fmt::format("{:g}", value));
 }
 
 CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& text, const std::string& help,
@@ -70,10 +65,18 @@ CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& 
       help);
 }
 
+std::array<CLI::Option*, 4> add_bhkv_flags(CLI::App& cmd, std::size_t& batch, std::size_t& heads,
+                                           std::size_t& key_dim, std::size_t& value_dim) {
+  return {add_int(cmd, "--batch,-B", batch, "batch size B", kSizeRange), add_int(cmd, "--heads,-H", heads, "heads H", kSizeRange),
+          add_int(cmd, "--key-dim,-K", key_dim, "key dim K", kDimRange),
+          add_int(cmd, "--value-dim,-V", value_dim, "value dim V", kDimRange)};
+}
+
 void check_value_heads(std::size_t heads, std::size_t value_heads) {
   if (value_heads == 0 || (heads > 0 && value_heads % heads == 0)) return;
-  throw InvalidArgument("--value-heads is '" + std::to_string(value_heads) + "', expected a multiple of --heads " +
-                        std::to_string(heads) + " (each query/key head serves HV/H value heads; 0: the same as --heads)");
+  throw InvalidArgument(fmt::format("--value-heads is '{}', expected a multiple of --heads {} (each query/key head "
+                                    "serves HV/H value heads; 0: the same as --heads)",
+                                    value_heads, heads));
 }
 
 CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path, const std::string& help,

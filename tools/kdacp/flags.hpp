@@ -5,12 +5,14 @@
 // shared so that `plan` accepts exactly the shapes `exchange` runs.
 #pragma once
 
+#include <array>
 #include <cstddef>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/summary.hpp"
 #include "kdacp/units.hpp"
@@ -35,18 +37,13 @@ CLI::Option* add_int(CLI::App& cmd, const std::string& names, T& value, const st
           names, [&value, range, flag](const std::string& t) { value = static_cast<T>(parse_integer(t, range, flag)); },
           help + " (" + describe(range) + ")")
       ->type_name("UINT")
-      ->default_str(std::to_string(value));
+      ->default_str(fmt::format("{}", value));
 }
 
 template <class T>
 CLI::Option* add_ints(CLI::App& cmd, const std::string& names, std::vector<T>& values, const std::string& help,
                       const IntRange& range) {
   const std::string flag = flag_name(names);
-  std::string shown;
-  for (const T& v : values) {
-    if (!shown.empty()) shown += ' ';
-    shown += std::to_string(v);
-  }
   return cmd
       .add_option_function<std::vector<std::string>>(
           names,
@@ -56,7 +53,7 @@ CLI::Option* add_ints(CLI::App& cmd, const std::string& names, std::vector<T>& v
           },
           help + " (each " + describe(range) + ")")
       ->type_name("UINT ...")
-      ->default_str(shown);
+      ->default_str(fmt::format("{}", fmt::join(values, " ")));
 }
 
 // A comma-separated list "3,5,4" (one argument), each entry an integer in
@@ -73,6 +70,11 @@ CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, co
 enum class Quantity { bytes, seconds, rate };
 CLI::Option* add_quantity(CLI::App& cmd, const std::string& names, std::string& text, const std::string& help,
                           Quantity kind);
+
+// -B, -H, -K, -V ("batch size B", "heads H", "key dim K", "value dim V"),
+// in this order (`kdacp exchange`, `kdacp plan`); returns their options.
+std::array<CLI::Option*, 4> add_bhkv_flags(CLI::App& cmd, std::size_t& batch, std::size_t& heads,
+                                           std::size_t& key_dim, std::size_t& value_dim);
 
 // --value-heads against --heads (kda::validate's rule, in the flags' names):
 // throws InvalidArgument unless value_heads is 0 (the same as --heads) or a

@@ -2,12 +2,12 @@
 // sequences, initial and final states, any layout), for comparison with any
 // other implementation (flash-linear-attention's layout, SPEC §9, §10), on
 // in-process ranks or one process per rank under mpirun.
-#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
@@ -16,7 +16,6 @@
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/output.hpp"
 #include "kdacp/job_npy.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "layer_flags.hpp"
@@ -36,35 +35,19 @@ struct KdaConfig {
 };
 
 // What every rank runs with on `ranks` ranks, after the memory admission
-// (admit_layer_run) of the whole run in-process, of this process's rank under
-// a launcher, with the layout's part owners. Throws, naming the flag, for a layout that
-// does not fit.
+// (job::admit_layer_job) of the whole run in-process, of this process's rank
+// under a launcher. Throws, naming the flag, for a layout that does not fit.
 template <class T>
-job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in,
-                                     const job::LayerJob<T>& job, std::size_t ranks, double input_bytes) {
-  const kda::Shape& s = job.data.shape;
-  SummaryShape summary = job::layer_summary_shape(s);
+job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in, const job::LayerJob<T>& job,
+                                 std::size_t ranks, double input_bytes) {
+  kda::Layout layout = layout_of(cfg.layout, job.data.shape.tokens, ranks);
+  SummaryShape summary = job::layer_summary_shape(job.data.shape);
   summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  job::LayerRunOptions opts;
-  opts.layout = layout_spec(cfg.layout, s.tokens, ranks);
-  opts.method = cfg.exchange.protocol;
-  opts.group_size = cfg.exchange.group_size;
-  opts.exchange = exchange_options(cfg.exchange, summary);
-  opts.threads_per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
-  // In-process the P ranks are this process's; under a launcher, one.
-  const kda::Layout layout = opts.layout.build(s.tokens, ranks);
-  const bool one_rank = resolved_backend(cfg.backend) != "inprocess";
-  std::size_t cache_tokens = s.tokens;
-  if (one_rank) {
-    cache_tokens = 0;
-    for (std::size_t r = 0; r < ranks; ++r) cache_tokens = std::max(cache_tokens, layout.local_tokens(r));
-  }
-  const double cache = job.keep_forward ? job::layer_cache_bytes(s, job.algorithm, cache_tokens,
-                                                                     in.sequences + layout.parts().size(),
-                                                                     sizeof(T))
-                                        : 0.0;
-  job::admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, cfg.exchange.protocol,
-                           cfg.exchange.group_size, opts.exchange, cfg.max_memory, one_rank, cache);
+  job::LayerRunOptions opts{cfg.exchange.protocol, cfg.exchange.group_size,
+                            cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend)),
+                            exchange_options(cfg.exchange, summary), std::move(layout), {}};
+  job::admit_layer_job(in, job, opts, ranks, input_bytes, cfg.max_memory,
+                       resolved_backend(cfg.backend) != "inprocess");
   return opts;
 }
 
@@ -73,25 +56,15 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
               const job::LayerJob<T>& job, const job::LayerRunOptions& opts) {
   const kda::Shape& s = job.data.shape;
   const std::size_t ranks = world->size();
-  const job::LayoutSpec& layout = opts.layout;
   const auto out = job::run_context_parallel(world, job, opts);
   if (!out) return;  // rank 0 writes and reports
-  // A NaN or Inf from finite inputs is a failure, not a result: nothing
-  // reaches --out (not even the finite files of the same run).
-  try {
-    job::require_finite_outputs(in, *out);
-  } catch (const Error& e) {
-    throw Error(std::string(e.what()) + "; nothing was written to " + cfg.out);
-  }
-  StagedOutput staged(cfg.out, job::kLayerOutputFiles);
-  job::write_layer_outputs_npy(staged.staging_dir(), in, *out);
-  staged.commit();
+  job::save_layer_outputs(cfg.out, in, *out);
   std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s, %s algorithm, on P=%zu %s ranks (%s, %s "
               "layout): wrote %s to %s\n",
               std::is_same_v<T, double> ? "float64" : "float32", s.batch, s.tokens, s.heads, s.value_heads,
               s.key_dim, s.value_dim, in.sequences, in.cu_seqlens.empty() ? "" : " packed",
               kda::algorithm_name(job.algorithm), ranks,
-              out->backend.c_str(), out->method.c_str(), layout.name().c_str(),
+              out->backend.c_str(), out->method.c_str(), layout_name(cfg.layout).c_str(),
               job.grads() ? "o, ht, dq, dk, dv, dg, dbeta, dh0" : "o, ht", cfg.out.c_str());
 }
 

@@ -1,13 +1,25 @@
 #include "layer_flags.hpp"
 
-#include <numeric>
-#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "flags.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp::cli {
+
+CLI::Option* add_layer_shape_flags(CLI::App& cmd, kda::Shape& shape, std::size_t& value_heads,
+                                   const std::string& tokens_help) {
+  add_int(cmd, "--batch,-B", shape.batch, "batch size", kSizeRange);
+  CLI::Option* tokens = add_int(cmd, "--tokens,-T", shape.tokens, tokens_help, IntRange{1, 1 << 24});
+  add_int(cmd, "--heads,-H", shape.heads, "query/key heads", kSizeRange);
+  add_int(cmd, "--value-heads", value_heads, "value heads (multiple of --heads; 0: same)", IntRange{0, kSizeRange.max});
+  add_int(cmd, "--key-dim,-K", shape.key_dim, "key dim", kDimRange);
+  add_int(cmd, "--value-dim,-V", shape.value_dim, "value dim", kDimRange);
+  return tokens;
+}
 
 void add_layout_flags(CLI::App& cmd, LayoutFlags& flags) {
   cmd.add_option("--layout", flags.layout,
@@ -24,10 +36,9 @@ kda::Algorithm parse_algorithm_flag(const std::string& text, const std::string& 
   try {
     return kda::parse_algorithm(text.c_str());
   } catch (const InvalidArgument&) {
-    std::ostringstream what;
-    what << flag << " is '" << text << "', expected 'recurrent' (token by token, the reference) or 'chunk' "
-         << "(chunkwise WY form, " << kda::kChunkSize << " tokens per chunk)";
-    throw InvalidArgument(what.str());
+    throw InvalidArgument(fmt::format("{} is '{}', expected 'recurrent' (token by token, the reference) or 'chunk' "
+                                      "(chunkwise WY form, {} tokens per chunk)",
+                                      flag, text, kda::kChunkSize));
   }
 }
 
@@ -54,24 +65,23 @@ void check_layout_flags(const LayoutFlags& flags) {
     throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");
 }
 
-job::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
+kda::Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
   check_layout_flags(flags);
-  job::LayoutSpec spec{flags.layout == "zigzag", flags.split};
+  const bool zigzag = flags.layout == "zigzag";
   try {
-    spec.build(tokens, ranks);
+    return job::make_layout(zigzag, flags.split, tokens, ranks);
   } catch (const InvalidArgument& e) {
-    std::ostringstream what;
-    if (spec.zigzag) {
-      what << "--layout zigzag on P = " << ranks << " ranks: ";
-    } else if (!flags.split.empty()) {
-      what << "--split " << spec.name().substr(std::string("contiguous ").size()) << " on P = " << ranks
-           << " ranks, T = " << tokens << ": ";
-    } else {
-      what << "P = " << ranks << " ranks for T = " << tokens << " tokens: ";
-    }
-    throw InvalidArgument(what.str() + e.what());
+    if (zigzag) throw InvalidArgument(fmt::format("--layout zigzag on P = {} ranks: {}", ranks, e.what()));
+    if (!flags.split.empty())
+      throw InvalidArgument(fmt::format("--split {} on P = {} ranks, T = {}: {}", fmt::join(flags.split, ","), ranks,
+                                        tokens, e.what()));
+    throw InvalidArgument(fmt::format("P = {} ranks for T = {} tokens: {}", ranks, tokens, e.what()));
   }
-  return spec;
+}
+
+std::string layout_name(const LayoutFlags& flags) {
+  if (flags.layout == "zigzag" || flags.split.empty()) return flags.layout;
+  return fmt::format("contiguous {}", fmt::join(flags.split, ","));
 }
 
 void add_packing_flags(CLI::App& cmd, PackingFlags& flags, std::size_t max_tokens, const std::string& what) {
@@ -91,35 +101,23 @@ std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool to
   std::size_t sum = 0;
   for (std::size_t len : flags.seqlens) {
     sum += len;
-    if (sum > max_tokens) {
-      std::ostringstream what;
-      what << "--seqlens sum to more than the most tokens this command takes, " << max_tokens;
-      throw InvalidArgument(what.str());
-    }
+    if (sum > max_tokens)
+      throw InvalidArgument(fmt::format("--seqlens sum to more than the most tokens this command takes, {}", max_tokens));
   }
-  if (tokens_given && sum != tokens) {
-    std::ostringstream what;
-    what << "--seqlens sum to " << sum << ", expected --tokens " << tokens << " (or leave --tokens out)";
-    throw InvalidArgument(what.str());
-  }
+  if (tokens_given && sum != tokens)
+    throw InvalidArgument(fmt::format("--seqlens sum to {}, expected --tokens {} (or leave --tokens out)", sum, tokens));
   return sum;
 }
 
 std::size_t packed_sequences(const PackingFlags& flags, std::size_t batch, std::size_t tokens) {
   if (!flags.packed()) return batch;
   if (!flags.seqlens.empty() && flags.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
-  if (batch != 1) {
-    std::ostringstream what;
-    what << (flags.docs ? "--docs" : "--seqlens") << " packs sequences into one row, expected --batch 1, not "
-         << batch;
-    throw InvalidArgument(what.str());
-  }
-  if (flags.docs > tokens) {
-    std::ostringstream what;
-    what << "--docs " << flags.docs << " is more documents than T = " << tokens
-         << " tokens (each document needs a token)";
-    throw InvalidArgument(what.str());
-  }
+  if (batch != 1)
+    throw InvalidArgument(fmt::format("{} packs sequences into one row, expected --batch 1, not {}",
+                                      flags.docs ? "--docs" : "--seqlens", batch));
+  if (flags.docs > tokens)
+    throw InvalidArgument(fmt::format("--docs {} is more documents than T = {} tokens (each document needs a token)",
+                                      flags.docs, tokens));
   return flags.docs > 0 ? flags.docs : flags.seqlens.size();
 }
 

@@ -31,6 +31,11 @@ CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute);
 // take several, e.g. `kdacp bench layer --algorithms`).
 kda::Algorithm parse_algorithm_flag(const std::string& text, const std::string& flag);
 
+// -B, -T (help: tokens_help), -H, --value-heads (0: --heads), -K and -V
+// of the layer's shape (`kdacp run`, `kdacp bench layer`); returns --tokens.
+CLI::Option* add_layer_shape_flags(CLI::App& cmd, kda::Shape& shape, std::size_t& value_heads,
+                                   const std::string& tokens_help);
+
 struct LayoutFlags {
   std::string layout = "contiguous";
   std::vector<std::size_t> split;  // per-rank token counts (contiguous)
@@ -42,10 +47,14 @@ void add_layout_flags(CLI::App& cmd, LayoutFlags& flags);
 // Throws InvalidArgument for --split with --layout zigzag.
 void check_layout_flags(const LayoutFlags& flags);
 
-// The layout of `tokens` tokens on `ranks` ranks; what Layout rejects (a
-// split that is not P entries, has a zero or does not sum to T; zigzag with
-// T < 2P; P > T) throws InvalidArgument naming the flag.
-job::LayoutSpec layout_spec(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
+// The layout of `tokens` tokens on `ranks` ranks (job::make_layout); what
+// Layout rejects (a split that is not P entries, has a zero or does not sum
+// to T; zigzag with T < 2P; P > T) throws InvalidArgument naming the flag.
+kda::Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
+
+// The flags as the commands print them: "contiguous", "contiguous 3,5,4" or
+// "zigzag".
+std::string layout_name(const LayoutFlags& flags);
 
 // --seqlens and --docs: packed sequences in one row (`kdacp run`, `kdacp
 // plan`).

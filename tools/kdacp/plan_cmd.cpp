@@ -4,20 +4,24 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
-#include <sstream>
+#include <utility>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "commands.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/job.hpp"
+#include "kdacp/admission.hpp"
+#include "kdacp/job_plan.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/plot.hpp"
 #include "flags.hpp"
 #include "layer_flags.hpp"
 #include "kdacp/units.hpp"
-#include "table.hpp"
+#include "kdacp/testing/table.hpp"
 
 namespace kdacp::cli {
 
@@ -25,12 +29,10 @@ namespace {
 
 std::string fmt_time(double s) {
   if (s == 0) return "0";
-  if (s < 1e-3) return fmt("%.1f us", s * 1e6);
-  if (s < 1) return fmt("%.2f ms", s * 1e3);
-  return fmt("%.3f s", s);
+  if (s < 1e-3) return fmt::format("{:.1f} us", s * 1e6);
+  if (s < 1) return fmt::format("{:.2f} ms", s * 1e3);
+  return fmt::format("{:.3f} s", s);
 }
-
-std::string config_name(const Prediction& p) { return protocol_label(p.config); }
 
 struct PlanConfig {
   std::size_t ranks = 1024, batch = 1, heads = 32, key_dim = 128, value_dim = 128;
@@ -59,11 +61,9 @@ PlanStream plan_stream(const PlanConfig& c, bool tokens_given) {
   PlanStream st;
   st.tokens = packed_tokens(c.packing, c.tokens, tokens_given, kPlanMaxTokens);
   if (st.tokens == 0) {
-    if (c.packing.docs > 0) {
-      std::ostringstream what;
-      what << "--docs " << c.packing.docs << " needs --tokens T, the stream the documents are packed into";
-      throw InvalidArgument(what.str());
-    }
+    if (c.packing.docs > 0)
+      throw InvalidArgument(
+          fmt::format("--docs {} needs --tokens T, the stream the documents are packed into", c.packing.docs));
     if (!c.layout.split.empty()) throw InvalidArgument("--split needs --tokens T (or --seqlens), the tokens it splits");
   }
   if (st.tokens > 0) st.cu_seqlens = packing(c.packing, c.batch, st.tokens, c.seed);
@@ -73,16 +73,14 @@ PlanStream plan_stream(const PlanConfig& c, bool tokens_given) {
 // The shape at P = `ranks`: the layout's part owners (as the layer gives
 // them to its exchange) and, with a token count, which parts are cuts.
 ProblemShape shape_at(const PlanConfig& c, const PlanStream& st, std::size_t ranks) {
-  ProblemShape shape{ranks, c.batch * c.heads, c.key_dim, c.value_dim, 4};
   if (st.tokens == 0) {
+    ProblemShape shape{ranks, c.batch * c.heads, c.key_dim, c.value_dim, 4};
     if (c.layout.layout == "zigzag") shape.part_owners = PartOwners::zigzag(ranks);
     return shape;
   }
-  const kda::Layout layout = layout_spec(c.layout, st.tokens, ranks).build(st.tokens, ranks);
-  shape.part_owners = layout.owners();
-  shape.part_cuts = layout.cuts(st.cu_seqlens.empty() ? Sequences(c.batch, st.tokens)
-                                                      : Sequences(1, st.tokens, st.cu_seqlens));
-  return shape;
+  return job::plan_problem_shape(c.batch * c.heads, c.key_dim, c.value_dim, layout_of(c.layout, st.tokens, ranks),
+                                 st.cu_seqlens.empty() ? Sequences(c.batch, st.tokens)
+                                                       : Sequences(1, st.tokens, st.cu_seqlens));
 }
 
 CostParams params_of(const PlanConfig& c) {
@@ -99,24 +97,11 @@ CostParams params_of(const PlanConfig& c) {
 
 // Predicted time of each protocol's best configuration against P = 2, 4, ...
 void write_plot(const PlanConfig& cfg, const PlanStream& st, const CostParams& params, const ProblemShape& base) {
-  testing::PlotPanel panel{"kdacp plan: B*H=" + std::to_string(base.slabs) + " K=" + std::to_string(base.key_dim) +
-                               " V=" + std::to_string(base.value_dim) + " (" + params.source + ")",
+  testing::PlotPanel panel{fmt::format("kdacp plan: B*H={} K={} V={} ({})", base.slabs, base.key_dim,
+                                       base.value_dim, params.source),
                            "P (ranks)", "predicted time (ms)", true, true, false, {}, NAN, ""};
-  for (const ProtocolDescriptor* row : protocol_registry())
-    if (!row->chooser()) panel.series.push_back({std::string(row->name), {}, false});
-  for (std::size_t p = 2; p <= std::max<std::size_t>(base.ranks, 2); p *= 2) {
-    // A layout that does not fit P (zigzag with T < 2P, --split of another
-    // P) has no points there.
-    std::vector<Prediction> best;
-    try {
-      best = best_per_protocol(params, shape_at(cfg, st, p));
-    } catch (const InvalidArgument&) {
-    }
-    for (auto& series : panel.series) {
-      const auto it = std::find_if(best.begin(), best.end(), [&](const auto& b) { return b.config.method == series.title; });
-      series.points.emplace_back(double(p), it == best.end() ? NAN : it->seconds * 1e3);
-    }
-  }
+  for (job::PlanSeries& s : job::plan_series(params, base.ranks, [&](std::size_t p) { return shape_at(cfg, st, p); }))
+    panel.series.push_back({s.method, std::move(s.points), false});
   testing::draw_plot({panel}, cfg.plot, 900, 600, true);
   std::printf("plot written to %s (gnuplot script with the data: %s.gp)\n", cfg.plot.c_str(), cfg.plot.c_str());
 }
@@ -124,80 +109,46 @@ void write_plot(const PlanConfig& cfg, const PlanStream& st, const CostParams& p
 // The layout line: parts, parts per rank, cuts and the critical stretch.
 void print_chain(const PlanConfig& cfg, const PlanStream& st, const ProblemShape& shape) {
   const ChainProfile prof = chain_profile(shape, 1);
-  std::ostringstream line;
-  line << "layout: " << cfg.layout.layout << ", " << prof.parts << " parts (at most " << prof.per_rank
-       << " per rank)";
-  if (!st.cu_seqlens.empty()) {
-    const std::size_t cuts =
-        static_cast<std::size_t>(std::count(shape.part_cuts.begin(), shape.part_cuts.end(), true));
-    line << "; " << st.cu_seqlens.size() - 1 << " packed sequences in T=" << st.tokens << ", " << cuts
-         << " parts are cuts";
-  } else if (st.tokens > 0) {
-    line << "; T=" << st.tokens << ", one sequence per row";
-  }
-  line << "; critical stretch " << prof.steps << " steps (of " << prof.parts - 1 << " without cuts)";
-  std::printf("%s\n", line.str().c_str());
+  std::string stream;
+  if (!st.cu_seqlens.empty())
+    stream = fmt::format("; {} packed sequences in T={}, {} parts are cuts", st.cu_seqlens.size() - 1, st.tokens,
+                         std::count(shape.part_cuts.begin(), shape.part_cuts.end(), true));
+  else if (st.tokens > 0)
+    stream = fmt::format("; T={}, one sequence per row", st.tokens);
+  fmt::print("layout: {}, {} parts (at most {} per rank){}; critical stretch {} steps (of {} without cuts)\n",
+             cfg.layout.layout, prof.parts, prof.per_rank, stream, prof.steps, prof.parts - 1);
 }
 
 void run_plan(const PlanConfig& cfg, bool tokens_given) {
   const CostParams params = params_of(cfg);
   const PlanStream st = plan_stream(cfg, tokens_given);
   const ProblemShape shape = shape_at(cfg, st, cfg.ranks);
-  // With a layout only the rows that take one run it (auto chooses among them).
-  const bool layouts_only = has_layout(shape);
   const std::size_t budget = cfg.memory_budget.empty() ? 0 : parse_bytes(cfg.memory_budget, "--memory-budget");
   std::printf("cluster: P=%zu, B*H=%zu, K=%zu, V=%zu; alpha %s, bandwidth %.3g GB/s, %.6g GFLOP/s (%s)\n",
               shape.ranks, shape.slabs, shape.key_dim, shape.value_dim,
               fmt_time(params.alpha_s).c_str(), 1e-9 / params.beta_s_per_byte, params.gflops,
               params.source.c_str());
   print_chain(cfg, st, shape);
-  std::vector<Prediction> all;
-  std::vector<std::string> without_layouts;
-  for (Prediction& p : predict_all(params, shape, true)) {
-    if (layouts_only && !find_protocol(p.config.method).takes_layouts) {
-      if (without_layouts.empty() || without_layouts.back() != p.config.method)
-        without_layouts.push_back(p.config.method);
-    } else {
-      all.push_back(std::move(p));
-    }
-  }
-  double allgather = 0;
-  for (const auto& p : all)
-    if (p.config.method == kBaselineProtocol) allgather = p.seconds;
-  Table t({"protocol", "exact", "time", "vs allgather", "peak memory/rank", "within budget"});
-  for (const auto& p : all) {
-    t.add({config_name(p), p.exact ? "yes" : "no", fmt_time(p.seconds),
-           p.seconds > 0 ? fmt("%.2fx", allgather / p.seconds) : "-", fmt_bytes(static_cast<double>(p.peak_extra_bytes)),
+  // With a layout only the rows that take one run it (auto chooses among them).
+  const job::PlanPredictions plan = job::plan_predictions(params, shape, budget);
+  const double allgather = plan.allgather_seconds;
+  testing::Table t({"protocol", "exact", "time", "vs allgather", "peak memory/rank", "within budget"});
+  for (const auto& p : plan.rows) {
+    t.add({protocol_label(p.config), p.exact ? "yes" : "no", fmt_time(p.seconds),
+           p.seconds > 0 ? fmt::format("{:.2f}x", allgather / p.seconds) : "-",
+           format_bytes(static_cast<double>(p.peak_extra_bytes)),
            budget == 0 || p.peak_extra_bytes <= budget ? "yes" : "no"});
   }
   t.print();
-  if (!without_layouts.empty()) {
-    std::string names;
-    for (const std::string& n : without_layouts) {
-      if (!names.empty()) names += ", ";
-      names += n;
-    }
+  if (!plan.without_layouts.empty())
     std::printf("not listed: %s (do not take layouts with several parts per rank or parts out of rank order)\n",
-                names.c_str());
-  }
-  const Prediction exact = choose_protocol(params, shape, budget, false, layouts_only);
-  std::printf("\nauto (exact): %s, predicted %s, %.2fx faster than allgather\n",
-              config_name(exact).c_str(), fmt_time(exact.seconds).c_str(),
-              exact.seconds > 0 ? allgather / exact.seconds : 1.0);
-  const Prediction any = choose_protocol(params, shape, budget, true, layouts_only);
-  std::printf("auto --allow-reassociation: %s, predicted %s, %.2fx faster than allgather\n",
-              config_name(any).c_str(), fmt_time(any.seconds).c_str(),
-              any.seconds > 0 ? allgather / any.seconds : 1.0);
-  if (std::count(shape.part_cuts.begin(), shape.part_cuts.end(), true) > 1) {
-    // A run's auto chooses when the layer is built, from the layout alone:
-    // the cuts come with each call.
-    ProblemShape uncut = shape;
-    uncut.part_cuts.clear();
-    const Prediction built = choose_protocol(params, uncut, budget, false, layouts_only);
-    if (protocol_label(built.config) != protocol_label(exact.config))
-      std::printf("note: in a run, auto (exact) chooses before the cuts are known: %s\n",
-                  config_name(built).c_str());
-  }
+                fmt::format("{}", fmt::join(plan.without_layouts, ", ")).c_str());
+  for (const auto& [label, p] : {std::pair{"\nauto (exact)", plan.exact}, std::pair{"auto --allow-reassociation", plan.any}})
+    std::printf("%s: %s, predicted %s, %.2fx faster than allgather\n", label, protocol_label(p.config).c_str(),
+                fmt_time(p.seconds).c_str(), p.seconds > 0 ? allgather / p.seconds : 1.0);
+  if (plan.before_cuts)
+    std::printf("note: in a run, auto (exact) chooses before the cuts are known: %s\n",
+                protocol_label(plan.before_cuts->config).c_str());
   if (!cfg.plot.empty()) write_plot(cfg, st, params, shape);
 }
 
@@ -209,10 +160,7 @@ void add_plan_command(CLI::App& app) {
       "plan", "predict every protocol's time and memory for a hypothetical cluster (cost model)");
   // P is hypothetical here, so larger than any run; the shape limits are the runs'.
   add_int(*cmd, "--ranks,-P", cfg->ranks, "CP size P", IntRange{1, 1 << 20});
-  add_int(*cmd, "--batch,-B", cfg->batch, "batch size B", kSizeRange);
-  add_int(*cmd, "--heads,-H", cfg->heads, "heads H", kSizeRange);
-  add_int(*cmd, "--key-dim,-K", cfg->key_dim, "key dim K", kDimRange);
-  add_int(*cmd, "--value-dim,-V", cfg->value_dim, "value dim V", kDimRange);
+  add_bhkv_flags(*cmd, cfg->batch, cfg->heads, cfg->key_dim, cfg->value_dim);
   add_quantity(*cmd, "--alpha", cfg->alpha, "per-message latency, e.g. 5us (default 5us)", Quantity::seconds);
   add_quantity(*cmd, "--bandwidth", cfg->bandwidth, "per-rank bandwidth, e.g. 50GB/s (default 45GB/s)",
                Quantity::rate);

@@ -5,7 +5,7 @@
 
 #include "commands.hpp"
 #include "kdacp/protocol.hpp"
-#include "table.hpp"
+#include "kdacp/testing/table.hpp"
 
 namespace kdacp::cli {
 
@@ -44,7 +44,7 @@ void add_protocols_command(CLI::App& app) {
   cmd->add_flag("--markdown", *markdown, "print the Markdown table of README.md and docs/protocols.md");
   cmd->callback([markdown] {
     if (*markdown) return print_markdown();
-    Table t({"method", "class", "knobs", "extra memory per rank", "error vs FP64 chain"});
+    testing::Table t({"method", "class", "knobs", "extra memory per rank", "error vs FP64 chain"});
     for (const ProtocolDescriptor* row : protocol_registry())
       t.add({std::string(row->name), to_string(row->kind), knobs(*row), std::string(row->memory),
              bound_text(*row)});

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "kdacp/exchange.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/mesh.hpp"
+#include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
@@ -154,6 +156,12 @@ void require_finite_runs(const SummaryShape& shape, const std::vector<RankRun>& 
 // (created if needed).
 void write_runs_npy(const std::string& dir, const SummaryShape& shape, const std::vector<RankRun>& runs);
 
+// `kdacp exchange --out DIR`: require_finite_runs (its Error adds "; nothing
+// was written to <dir>"), then write_runs_npy into a StagedOutput of `dir`,
+// returned uncommitted: the caller commits once the run passed.
+std::unique_ptr<StagedOutput> stage_runs_npy(const std::string& dir, const SummaryShape& shape,
+                                             const std::vector<RankRun>& runs);
+
 // What check_exchange runs on every rank.
 struct ExchangeCheck {
   std::string method = "auto";  // make_state_exchange's method and group size
@@ -199,6 +207,13 @@ struct ExchangeCheckResult {
 // ("bitwise_equal_to_p2p", null when not exact) and, for auto, its choice
 // under "auto"; as text indented by two spaces, without a final newline.
 std::string to_json(const ExchangeCheckResult& result);
+
+// `kdacp exchange`'s text on stdout: a line with the backend, `method` (how
+// the caller names what ran, e.g. auto's choice), the group size, the shape,
+// kernel, threads and repeat; one table row per rank (times, traffic, peak
+// extra memory, errors against the FP64 chain, == p2p); the worst errors and
+// the verdict against p2p (or the reassociating protocol's bound).
+void print_exchange_check(const ExchangeCheckResult& result, const std::string& method);
 
 // Collective over `world`. Rank 0 calls make() and scatters its summaries
 // (scatter_summaries: a kdacp::Error of make() throws on rank 0 and ends the

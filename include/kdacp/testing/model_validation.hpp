@@ -47,4 +47,9 @@ double measured_over_predicted(const ModelCheck& check);
 // indented by two spaces, without a final newline.
 std::string to_json(const std::vector<ModelRow>& rows, const SummaryShape& shape);
 
+// `kdacp calibrate --validate`'s text on stdout: the shape and `backend`,
+// each P's parameters, one table row per check (predicted, measured, their
+// ratio) and how many ratios fall outside [0.70, 1.30].
+void print_model_validation(const std::vector<ModelRow>& rows, const SummaryShape& shape, const std::string& backend);
+
 }  // namespace kdacp::testing

@@ -1,23 +1,23 @@
-// A plain aligned text table for human-readable CLI output.
+// A plain aligned text table: the human-readable form of the CLI's reports
+// and of the benchmark drivers' records.
 #pragma once
 
 #include <cstdio>
 #include <string>
 #include <vector>
 
-namespace kdacp::cli {
+namespace kdacp::testing {
 
 class Table {
  public:
   explicit Table(std::vector<std::string> header) : rows_{std::move(header)} {}
   void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  // The header, a rule, then the rows; the first column left-aligned, the
+  // others right-aligned.
   void print(std::FILE* out = stdout) const;
 
  private:
   std::vector<std::vector<std::string>> rows_;
 };
 
-std::string fmt(const char* format, double value);
-std::string fmt_bytes(double bytes);
-
-}  // namespace kdacp::cli
+}  // namespace kdacp::testing

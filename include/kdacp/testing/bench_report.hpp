@@ -1,0 +1,44 @@
+// `kdacp bench`'s records and their rendering: each sweep (kernel_bench.hpp,
+// protocol_bench.hpp, layer_bench.hpp) as one flat JSON record per measured
+// configuration (the --json output is their array), the human tables drawn
+// from the same records, and the gnuplot chart. nlohmann_json is part of
+// this header's interface (a build-tree dependency of kdacp_testing).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kdacp/testing/kernel_bench.hpp"
+#include "kdacp/testing/layer_bench.hpp"
+#include "kdacp/testing/protocol_bench.hpp"
+
+namespace kdacp::testing {
+
+// The smoke-test sweeps of `kdacp bench ... --quick`: every code path,
+// seconds instead of minutes.
+void make_quick(KernelBenchConfig& cfg);
+void make_quick(ProtocolBenchConfig& cfg);
+// T=300 (several chunks per rank, a partial last chunk), H = HV = 1,
+// K = V = 32, P=2, one run.
+void make_quick(LayerBenchConfig& cfg);
+
+// `progress`: one line per configuration on stderr.
+nlohmann::json kernel_bench_records(const KernelBenchConfig& cfg, bool progress);
+nlohmann::json protocol_bench_records(const ProtocolBenchConfig& cfg, bool progress);
+// `failures`: layer_bench_failures of the run (errors NaN or above tolerance).
+nlohmann::json layer_bench_records(const LayerBenchConfig& cfg, bool progress, std::vector<std::string>* failures);
+
+// The records as a titled table with its legend on stdout.
+void print_kernel_bench(const nlohmann::json& records);
+void print_protocol_bench(const nlohmann::json& records);
+void print_layer_bench(const nlohmann::json& records);
+
+// Kernels (`kernels`): one panel per thread count, GFLOP/s against chain
+// length per K with the OpenBLAS loop dashed and the measured peak as a flat
+// line. Protocols: one panel per B·H, time over floor against P per
+// protocol. Both of the first direction swept. draw_plot into `file`.
+void plot_bench(bool kernels, const nlohmann::json& records, const std::string& file);
+
+}  // namespace kdacp::testing
