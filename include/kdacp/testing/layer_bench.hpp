@@ -57,10 +57,10 @@ struct LayerBenchRecord {
   double peak_fraction = 0;  // gflops / the measured peak
   double speedup = 1;        // the first algorithm's forward+backward time / this one's, same mode
   // Relative Frobenius errors against the first algorithm in the same mode:
-  // o, dq, dk, dv, dg, dbeta (relative_errors in layer_runner.hpp).
+  // o, dq, dk, dv, dg, dbeta (relative_errors in kdacp/job.hpp).
   std::vector<double> rel_errors;
   double max_rel_error = 0;  // NaN when any of them is
-  // What rel_errors may reach: layer_error_tolerance (layer_runner.hpp) of
+  // What rel_errors may reach: layer_error_tolerance (kdacp/job.hpp) of
   // the run's method, kLayerFloat32Tolerance on one rank.
   double tolerance = 0;
 };
