@@ -72,7 +72,8 @@ Slots PackedSlots::slots() const {
   off.head_stride = k * cols;
   off.batch_stride = shape_.heads * k * cols;
   StateView tr = off;
-  tr.data = static_cast<char*>(off.data) + v * dtype_size(shape_.dtype);
+  // No slots (count 0): no buffer, and no offset into a null pointer either.
+  tr.data = off.data ? static_cast<char*>(off.data) + v * dtype_size(shape_.dtype) : nullptr;
   tr.cols = k;
   const std::size_t stride = slot_stride_bytes() / dtype_size(shape_.dtype);
   return Slots{StackView{off, count_, stride}, StackView{tr, count_, stride}};
