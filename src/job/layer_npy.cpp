@@ -12,6 +12,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/admission.hpp"
 #include "kdacp/agreement.hpp"
@@ -26,23 +27,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string dims_str(const std::vector<std::size_t>& d) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < d.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(d[i]);
-  }
-  s += ')';
-  return s;
-}
+std::string dims_str(const std::vector<std::size_t>& d) { return fmt::format("({})", fmt::join(d, ",")); }
 
 NpyArray load(const fs::path& dir, const char* name, std::size_t ndim) {
   const fs::path p = dir / name;
   if (!fs::exists(p)) throw IoError(p.string() + ": missing");
   NpyArray a = read_npy(p.string());
   if (a.shape.size() != ndim)
-    throw IoError(p.string() + ": shape " + dims_str(a.shape) + " has " + std::to_string(a.shape.size()) +
-                  " dims, expected " + std::to_string(ndim));
+    throw IoError(fmt::format("{}: shape {} has {} dims, expected {}", p.string(), dims_str(a.shape), a.shape.size(),
+                              ndim));
   return a;
 }
 
@@ -53,23 +46,20 @@ std::vector<T> values(const NpyArray& a) {
   return out;
 }
 
-std::string idx(std::size_t i) { return std::to_string(i); }
-
 // 0 = c_0 < c_1 < ... < c_N = T, for B = 1; IoError/InvalidArgument naming
 // the file and the entry.
 void check_cu_seqlens(const std::vector<std::int64_t>& c, const std::string& path, std::size_t batch,
                       std::size_t tokens) {
   if (batch != 1)
-    throw InvalidArgument(path + ": packed sequences need B = 1, the inputs have B = " + idx(batch));
-  if (c.front() != 0)
-    throw InvalidArgument(path + ": entry 0 is " + std::to_string(c.front()) + ", expected 0");
+    throw InvalidArgument(fmt::format("{}: packed sequences need B = 1, the inputs have B = {}", path, batch));
+  if (c.front() != 0) throw InvalidArgument(fmt::format("{}: entry 0 is {}, expected 0", path, c.front()));
   for (std::size_t i = 1; i < c.size(); ++i)
     if (c[i] <= c[i - 1])
-      throw InvalidArgument(path + ": entry " + idx(i) + " is " + std::to_string(c[i]) + ", expected > entry " +
-                            idx(i - 1) + " = " + std::to_string(c[i - 1]) + " (strictly increasing)");
+      throw InvalidArgument(fmt::format("{}: entry {} is {}, expected > entry {} = {} (strictly increasing)", path,
+                                        i, c[i], i - 1, c[i - 1]));
   if (c.back() != static_cast<std::int64_t>(tokens))
-    throw InvalidArgument(path + ": last entry " + idx(c.size() - 1) + " is " + std::to_string(c.back()) +
-                          ", expected T = " + idx(tokens) + " (the tokens of q.npy)");
+    throw InvalidArgument(fmt::format("{}: last entry {} is {}, expected T = {} (the tokens of q.npy)", path,
+                                      c.size() - 1, c.back(), tokens));
 }
 
 }  // namespace
@@ -107,9 +97,9 @@ std::vector<std::int64_t> read_cu_seqlens_npy(const std::string& path) {
   raw[at + 2] = 'f';
   NpyArray a = parse_npy(std::as_bytes(std::span(raw.data(), raw.size())), path);
   if (a.shape.size() != 1)
-    throw IoError(path + ": shape " + dims_str(a.shape) + " has " + idx(a.shape.size()) + " dims, expected 1");
+    throw IoError(fmt::format("{}: shape {} has {} dims, expected 1", path, dims_str(a.shape), a.shape.size()));
   if (a.shape[0] < 2)
-    throw IoError(path + ": " + idx(a.shape[0]) + " entries, expected at least 2 (0 and T)");
+    throw IoError(fmt::format("{}: {} entries, expected at least 2 (0 and T)", path, a.shape[0]));
   std::vector<std::int64_t> out(a.shape[0]);
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (wide) {
@@ -161,15 +151,15 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
   const std::size_t hv = in.v.shape[2], vd = in.v.shape[3];
   auto expect = [&](const char* name, const NpyArray& a, const std::vector<std::size_t>& want) {
     if (a.shape != want)
-      throw IoError(std::string(name) + ": shape " + dims_str(a.shape) + ", expected " + dims_str(want) +
-                    " from q.npy (B,T,H,K) and v.npy (B,T,HV,V)");
+      throw IoError(fmt::format("{}: shape {}, expected {} from q.npy (B,T,H,K) and v.npy (B,T,HV,V)", name,
+                                dims_str(a.shape), dims_str(want)));
     if (a.dtype != q.dtype)
-      throw IoError(std::string(name) + ": dtype " + to_string(a.dtype) + ", expected " + to_string(q.dtype) +
-                    " like q.npy");
+      throw IoError(fmt::format("{}: dtype {}, expected {} like q.npy", name, to_string(a.dtype), to_string(q.dtype)));
   };
   if (h == 0 || hv % h != 0)
-    throw IoError("v.npy: HV = " + idx(hv) + " value heads (dimension 2), expected a multiple of q.npy's H = " +
-                  idx(h) + " heads (each query/key head serves HV/H value heads)");
+    throw IoError(fmt::format("v.npy: HV = {} value heads (dimension 2), expected a multiple of q.npy's H = {} "
+                              "heads (each query/key head serves HV/H value heads)",
+                              hv, h));
   expect("k.npy", in.k, {b, t, h, kd});
   expect("v.npy", in.v, {b, t, hv, vd});
   expect("g.npy", in.g, {b, t, hv, kd});
@@ -183,12 +173,11 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
   }
   auto expect_states = [&](const char* name, const NpyArray& a) {
     if (a.shape != std::vector<std::size_t>{in.sequences, hv, kd, vd})
-      throw IoError(std::string(name) + ": shape " + dims_str(a.shape) + ", expected " +
-                    dims_str({in.sequences, hv, kd, vd}) + " (N,HV,K,V) with N = " + idx(in.sequences) +
-                    (in.cu_seqlens.empty() ? " (B rows, no cu_seqlens.npy)" : " (sequences of cu_seqlens.npy)"));
+      throw IoError(fmt::format("{}: shape {}, expected {} (N,HV,K,V) with N = {} ({})", name, dims_str(a.shape),
+                                dims_str({in.sequences, hv, kd, vd}), in.sequences,
+                                in.cu_seqlens.empty() ? "B rows, no cu_seqlens.npy" : "sequences of cu_seqlens.npy"));
     if (a.dtype != q.dtype)
-      throw IoError(std::string(name) + ": dtype " + to_string(a.dtype) + ", expected " + to_string(q.dtype) +
-                    " like q.npy");
+      throw IoError(fmt::format("{}: dtype {}, expected {} like q.npy", name, to_string(a.dtype), to_string(q.dtype)));
   };
   if (in.h0) expect_states("h0.npy", *in.h0);
   if (in.dht) expect_states("dht.npy", *in.dht);

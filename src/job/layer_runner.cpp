@@ -438,7 +438,7 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
       width = static_cast<long long>(ranks / 2);
     }
     std::string label = method;
-    if (width > 1) label += " w=" + std::to_string(width);
+    if (width > 1) label += fmt::format(" w={}", width);
     if (!plain && !row->takes_layouts) {
       cmp.runs.push_back({{}, width, label, {}, "n/a: protocol does not take layouts"});
       continue;

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "kdacp/admission.hpp"
@@ -63,18 +64,16 @@ std::optional<NpyArray> load_summary(const fs::path& dir, const char* name, bool
   if (a.dtype != DType::f32)
     throw IoError(p.string() + ": dtype " + to_string(a.dtype) + ", expected float32 (summaries are FP32)");
   if (a.shape.size() != 5)
-    throw IoError(p.string() + ": " + std::to_string(a.shape.size()) +
-                  "-d array, expected 5-d [P,B,H,rows,cols]");
+    throw IoError(fmt::format("{}: {}-d array, expected 5-d [P,B,H,rows,cols]", p.string(), a.shape.size()));
   return a;
 }
 
 void expect_shape(const std::string& file, const std::vector<std::size_t>& got,
                   const std::vector<std::size_t>& want) {
   if (got == want) return;
-  std::string a, b;
-  for (auto x : got) a += std::to_string(x) + ",";
-  for (auto x : want) b += std::to_string(x) + ",";
-  throw IoError(file + ": shape (" + a + ") does not match (" + b + ") implied by S.npy");
+  // Each entry is followed by a comma: "(2,1,4,32,32,)" (the text since the first release).
+  throw IoError(fmt::format("{}: shape ({},) does not match ({},) implied by S.npy", file, fmt::join(got, ","),
+                            fmt::join(want, ",")));
 }
 
 // Splits a [P, n] array into P per-rank vectors.
@@ -170,8 +169,8 @@ std::size_t SummarySource::read_ahead(const std::optional<IntRange>& world_ranks
   shape_ = ahead_->shape;
   const std::size_t p = ahead_->ranks();
   if (world_ranks && (p < world_ranks->min || p > world_ranks->max))
-    throw InvalidArgument(spec_.dir + "/S.npy has P = " + std::to_string(p) + ", expected " +
-                          describe(*world_ranks) + " in-process ranks");
+    throw InvalidArgument(
+        fmt::format("{}/S.npy has P = {}, expected {} in-process ranks", spec_.dir, p, describe(*world_ranks)));
   return p;
 }
 
@@ -180,13 +179,12 @@ WorldSummaries SummarySource::operator()(std::size_t ranks) {
   WorldSummaries w = ahead_ ? std::move(*ahead_) : read();
   ahead_.reset();
   if (ranks != w.ranks())
-    throw InvalidArgument("the summaries have P = " + std::to_string(w.ranks()) +
-                          " (first dimension of S.npy) but the run has " + std::to_string(ranks) +
-                          " ranks (--ranks, or the processes under mpirun)");
+    throw InvalidArgument(fmt::format("the summaries have P = {} (first dimension of S.npy) but the run has {} ranks "
+                                      "(--ranks, or the processes under mpirun)",
+                                      w.ranks(), ranks));
   auto fixed = [](bool given, std::size_t value, std::size_t file, const char* name) {
     if (given && value != file)
-      throw InvalidArgument(std::string("--") + name + " is " + std::to_string(value) +
-                            " but the summaries have " + std::to_string(file));
+      throw InvalidArgument(fmt::format("--{} is {} but the summaries have {}", name, value, file));
   };
   fixed(spec_.fixed_batch, spec_.shape.batch, w.shape.batch, "batch");
   fixed(spec_.fixed_heads, spec_.shape.heads, w.shape.heads, "heads");
@@ -345,8 +343,8 @@ void admit_exchange_check(const ExchangeCheck& check, const SummaryShape& shape,
   const std::size_t here = check.ranks_here;
   require_memory(exchange_check_bytes(shape, world, here, exchange_rank_bytes(ps, pred)),
                  max_memory_bytes(check.max_memory),
-                 "kdacp exchange with " + protocol_label(pred.config) + " on " + std::to_string(here) + " of " +
-                     std::to_string(world) + " ranks in this process, " + to_string(shape),
+                 fmt::format("kdacp exchange with {} on {} of {} ranks in this process, {}", protocol_label(pred.config),
+                             here, world, to_string(shape)),
                  max_memory_name(check.max_memory));
 }
 

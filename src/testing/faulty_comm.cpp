@@ -6,6 +6,8 @@
 #include <thread>
 #include <utility>
 
+#include <fmt/format.h>
+
 namespace kdacp::testing {
 
 namespace {
@@ -119,8 +121,8 @@ class FaultyComm final : public Communicator {
       case FaultAction::drop:
         break;
       case FaultAction::fail:
-        throw InjectedFault("rank " + std::to_string(global_) + ": injected failure at its " +
-                            op_name(f->op) + " #" + std::to_string(f->index) + " (" + op + ")");
+        throw InjectedFault(
+            fmt::format("rank {}: injected failure at its {} #{} ({})", global_, op_name(f->op), f->index, op));
       case FaultAction::signal:
         std::raise(f->signal);
         break;
@@ -138,20 +140,16 @@ class FaultyComm final : public Communicator {
 FaultInjector::FaultInjector(std::size_t world_size, std::vector<Fault> plan)
     : shared_(std::make_shared<detail::FaultState>()) {
   for (const Fault& f : plan) {
-    const std::string which = "fault on rank " + std::to_string(f.rank) + ", " +
-                              op_name(f.op) + " #" + std::to_string(f.index);
+    const std::string which = fmt::format("fault on rank {}, {} #{}", f.rank, op_name(f.op), f.index);
     if (f.rank >= world_size)
-      throw InvalidArgument(which + ": rank outside the world of size " +
-                            std::to_string(world_size));
+      throw InvalidArgument(fmt::format("{}: rank outside the world of size {}", which, world_size));
     if (f.action == FaultAction::drop && f.op != FaultOp::isend)
-      throw InvalidArgument(which + ": drop aimed at " + op_name(f.op) +
-                            ", expected isend (only a sent message can be lost)");
+      throw InvalidArgument(fmt::format("{}: drop aimed at {}, expected isend (only a sent message can be lost)",
+                                        which, op_name(f.op)));
     if (f.action == FaultAction::signal && f.signal <= 0)
-      throw InvalidArgument(which + ": signal " + std::to_string(f.signal) +
-                            ", expected a signal number > 0");
+      throw InvalidArgument(fmt::format("{}: signal {}, expected a signal number > 0", which, f.signal));
     if (f.duration.count() < 0)
-      throw InvalidArgument(which + ": delay of " + std::to_string(f.duration.count()) +
-                            " ms, expected >= 0");
+      throw InvalidArgument(fmt::format("{}: delay of {} ms, expected >= 0", which, f.duration.count()));
   }
   shared_->plan = std::move(plan);
   shared_->ranks.resize(world_size);
@@ -159,9 +157,8 @@ FaultInjector::FaultInjector(std::size_t world_size, std::vector<Fault> plan)
 
 std::shared_ptr<Communicator> FaultInjector::wrap(std::shared_ptr<Communicator> comm) {
   if (comm->world_size() != shared_->ranks.size())
-    throw InvalidArgument("FaultInjector::wrap: a communicator of a world of " +
-                          std::to_string(comm->world_size()) + " ranks, expected " +
-                          std::to_string(shared_->ranks.size()));
+    throw InvalidArgument(fmt::format("FaultInjector::wrap: a communicator of a world of {} ranks, expected {}",
+                                      comm->world_size(), shared_->ranks.size()));
   return std::make_shared<FaultyComm>(shared_, std::move(comm));
 }
 

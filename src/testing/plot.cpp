@@ -5,6 +5,8 @@
 #include <fstream>
 #include <memory>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
 
@@ -27,17 +29,16 @@ std::string number(double x) {
 
 std::string script_of(const std::vector<PlotPanel>& panels, const std::string& image, bool svg, int width,
                       int height) {
-  const std::string size = std::to_string(width * int(std::max<std::size_t>(panels.size(), 1))) + "," +
-                           std::to_string(height);
-  std::string s = "set terminal " + std::string(svg ? "svg" : "pngcairo") + " size " + size +
-                  " noenhanced\nset output " + quoted(image) + "\nset grid\nset key top left\n";
-  s += "set multiplot layout 1," + std::to_string(panels.size()) + "\n";
+  const int total_width = width * int(std::max<std::size_t>(panels.size(), 1));
+  std::string s = fmt::format("set terminal {} size {},{} noenhanced\nset output {}\nset grid\nset key top left\n",
+                              svg ? "svg" : "pngcairo", total_width, height, quoted(image));
+  s += fmt::format("set multiplot layout 1,{}\n", panels.size());
   for (std::size_t p = 0; p < panels.size(); ++p) {
     const PlotPanel& panel = panels[p];
     std::string plots;
     for (std::size_t i = 0; i < panel.series.size(); ++i) {
       const PlotSeries& ser = panel.series[i];
-      const std::string block = "$d" + std::to_string(p) + "_" + std::to_string(i);
+      const std::string block = fmt::format("$d{}_{}", p, i);
       s += block + " << EOD\n";
       for (const auto& [x, y] : ser.points) s += number(x) + " " + number(y) + "\n";
       s += "EOD\n";

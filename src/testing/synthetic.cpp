@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -93,8 +95,9 @@ std::vector<T> synthetic_tensor(std::size_t n, std::uint64_t seed) {
 
 std::vector<std::int64_t> random_cu_seqlens(std::size_t tokens, std::size_t docs, std::uint64_t seed) {
   if (docs == 0 || docs > tokens)
-    throw InvalidArgument("random_cu_seqlens: " + std::to_string(docs) + " documents in " + std::to_string(tokens) +
-                          " tokens, expected 1 to " + std::to_string(tokens) + " (each document needs a token)");
+    throw InvalidArgument(fmt::format(
+        "random_cu_seqlens: {} documents in {} tokens, expected 1 to {} (each document needs a token)", docs, tokens,
+        tokens));
   // Floyd's sampling of docs - 1 distinct boundaries from [1, tokens - 1]:
   // O(docs log docs) whatever T.
   Rng rng(seed * 0xA0761D6478BD642Full + 29);
