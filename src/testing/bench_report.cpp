@@ -5,8 +5,10 @@
 #include <cstdio>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/admission.hpp"
+#include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/plot.hpp"
@@ -250,6 +252,41 @@ void plot_bench(bool kernels, const json& recs, const std::string& file) {
     }
   }
   draw_plot(panels, file, 1200 / int(std::max<std::size_t>(panels.size(), 1)), 500);
+}
+
+namespace {
+
+// The records of a kernel or protocol sweep as the command prints and draws them.
+void report_sweep(bool kernels, const json& recs, const BenchOutput& output) {
+  if (output.json) std::printf("%s\n", recs.dump(2).c_str());
+  else if (kernels) print_kernel_bench(recs);
+  else print_protocol_bench(recs);
+  if (output.plot.empty()) return;
+  plot_bench(kernels, recs, output.plot);
+  if (output.progress) std::fprintf(stderr, "kdacp bench: wrote %s\n", output.plot.c_str());
+}
+
+}  // namespace
+
+void run_kernel_bench(const KernelBenchConfig& cfg, const BenchOutput& output) {
+  report_sweep(true, kernel_bench_records(cfg, output.progress), output);
+}
+
+void run_protocol_bench(const ProtocolBenchConfig& cfg, const BenchOutput& output) {
+  report_sweep(false, protocol_bench_records(cfg, output.progress), output);
+}
+
+void run_layer_bench(const LayerBenchConfig& cfg, const std::string& max_memory, const BenchOutput& output) {
+  require_memory(layer_bench_bytes(cfg), max_memory_bytes(max_memory),
+                 fmt::format("kdacp bench layer on {} ranks", cfg.ranks), max_memory_name(max_memory));
+  std::vector<std::string> failures;
+  const json recs = layer_bench_records(cfg, output.progress, &failures);
+  if (output.json) std::printf("%s\n", recs.dump(2).c_str());
+  else print_layer_bench(recs);
+  if (!failures.empty())
+    throw Error(fmt::format("kdacp bench layer: errors are NaN or above their tolerance ({:.0e} plus a "
+                            "reassociating protocol's bound); {}",
+                            job::kLayerFloat32Tolerance, fmt::join(failures, "; ")));
 }
 
 }  // namespace kdacp::testing

@@ -1,10 +1,12 @@
 #include "kdacp/testing/model_validation.hpp"
 
 #include <cstdio>
+#include <filesystem>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/testing/table.hpp"
@@ -80,6 +82,62 @@ void print_model_validation(const std::vector<ModelRow>& rows, const SummaryShap
   }
   t.print();
   std::printf("%zu of %zu ratios outside [0.70, 1.30]\n", outside, rows.size());
+}
+
+namespace {
+
+void print_params(const CalibrateRequest& request, const CostParams& p) {
+  std::FILE* out = request.json ? stderr : stdout;
+  std::fprintf(out,
+               "alpha %.3g us, bandwidth %.3g GB/s, fold %.3g GFLOP/s per rank (%zu thread(s)), "
+               "%zu rank(s) fold at once (%s)\nsaved to %s\n",
+               p.alpha_s * 1e6, 1e-9 / p.beta_s_per_byte, p.gflops, request.calibration.threads, p.concurrent_ranks,
+               p.source.c_str(), request.out.c_str());
+  std::fflush(out);
+}
+
+}  // namespace
+
+void run_calibration(const CalibrateRequest& request, const ProcessLauncher* launcher) {
+  const SummaryShape& shape = request.calibration.fold_shape;
+  ValidationOptions validation;
+  validation.threads = request.calibration.threads;
+  validation.min_time = request.min_time;
+  validation.on_check = [](const ModelCheck& c) {
+    std::fprintf(stderr, "kdacp calibrate: P=%zu %s: predicted %.3f ms, measured %.3f ms (%zu iterations)\n",
+                 c.ranks, protocol_label(c.config).c_str(), c.predicted_seconds * 1e3, c.measured_seconds * 1e3,
+                 c.iterations);
+  };
+  // The first world measures (or loads) the parameters; under a launcher it
+  // also validates, since the launcher starts once per process.
+  bool root = false, mpi = false;
+  std::vector<ModelRow> rows;
+  // The parameters file appears when the whole command succeeded.
+  std::optional<StagedOutput> saved;
+  const std::filesystem::path out(request.out);
+  launch(request.backend, [&](const std::shared_ptr<Communicator>& comm) {
+    const CostParams p = request.loaded ? *request.loaded : measure_cost_params(*comm, request.calibration);
+    if (comm->rank() == 0) {
+      root = true;
+      mpi = comm->backend() == "mpi";
+      if (!request.loaded) {
+        saved.emplace(out.parent_path().string(), std::vector<std::string>{out.filename().string()});
+        save_cost_params(p, saved->path(out.filename().string()));
+        print_params(request, p);
+      }
+    }
+    if (request.validate && comm->backend() == "mpi") {
+      auto mine = validate_synthetic(comm, p, shape, validation);
+      rows.insert(rows.end(), mine.begin(), mine.end());
+    }
+  }, launcher);
+  if (!root) return;
+  if (request.validate && !mpi)
+    rows = validate_in_process(request.validate_ranks, request.backend, request.loaded, request.calibration, shape,
+                               validation);
+  if (request.validate && request.json) std::printf("%s\n", to_json(rows, shape).c_str());
+  else if (request.validate) print_model_validation(rows, shape, mpi ? "mpi" : "inprocess");
+  if (saved) saved->commit();
 }
 
 }  // namespace kdacp::testing

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "kdacp/error.hpp"
 #include "kdacp/testing/bench.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/testing/table.hpp"
@@ -158,6 +159,24 @@ std::vector<std::string> report_layer_run(const kda::Shape& shape, const LayerRu
   }
   print(shape, setup, rep, cmp.all_bitwise, json);
   return rep.failures;
+}
+
+void run_layer_comparison(const std::shared_ptr<Communicator>& world, const job::LayerJob<float>& job,
+                          const job::LayerRunOptions& base, const std::string& layout, bool json,
+                          std::size_t peak_threads, const job::Progress& progress) {
+  const auto cmp = job::compare_protocols(world, job, base, progress);
+  if (!cmp) return;  // rank 0 reports
+  const auto single = job::run_single(job, peak_threads);
+  progress.note("single-rank layer done");
+  const LayerRunSetup setup{world->backend(), layout, kda::algorithm_name(job.algorithm), world->size(),
+                            base.threads_per_rank, job.cu_seqlens, job.warmup_steps};
+  const std::vector<std::string> failures =
+      report_layer_run(job.data.shape, setup, single, *cmp, !job.cu_seqlens.empty(), json, peak_threads);
+  if (!failures.empty())
+    throw Error(fmt::format("errors against one device are NaN or above their tolerance ({:.0e} plus a "
+                            "reassociating protocol's bound); {}",
+                            job::kLayerFloat32Tolerance, fmt::join(failures, "; ")));
+  if (!cmp->all_bitwise) throw Error("exact protocols disagree bitwise");
 }
 
 }  // namespace kdacp::testing

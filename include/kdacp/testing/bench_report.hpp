@@ -41,4 +41,24 @@ void print_layer_bench(const nlohmann::json& records);
 // protocol. Both of the first direction swept. draw_plot into `file`.
 void plot_bench(bool kernels, const nlohmann::json& records, const std::string& file);
 
+// How `kdacp bench` reports a sweep: the records as one JSON array (json)
+// or as the table on stdout, progress lines on stderr, and with a `plot`
+// file name ("": none) the gnuplot chart of the records.
+struct BenchOutput {
+  bool json = false;
+  bool progress = true;
+  std::string plot;
+};
+
+// `kdacp bench kernels` and `kdacp bench protocols`: run the sweep and
+// report its records (plot_bench draws the chart).
+void run_kernel_bench(const KernelBenchConfig& cfg, const BenchOutput& output);
+void run_protocol_bench(const ProtocolBenchConfig& cfg, const BenchOutput& output);
+
+// `kdacp bench layer`: refuses to start when layer_bench_bytes(cfg) exceed
+// `max_memory` (max_memory_bytes' text; "": what the machine has available),
+// then runs and reports (output.plot is not drawn for the layer); throws
+// Error naming the rows whose errors are NaN or above their tolerance.
+void run_layer_bench(const LayerBenchConfig& cfg, const std::string& max_memory, const BenchOutput& output);
+
 }  // namespace kdacp::testing

@@ -52,4 +52,30 @@ std::string to_json(const std::vector<ModelRow>& rows, const SummaryShape& shape
 // ratio) and how many ratios fall outside [0.70, 1.30].
 void print_model_validation(const std::vector<ModelRow>& rows, const SummaryShape& shape, const std::string& backend);
 
+// `kdacp calibrate`: what it measures, where it saves, what it validates.
+struct CalibrateRequest {
+  LaunchOptions backend;             // where the ranks run (launch's options)
+  std::string out;                   // the parameters' JSON file (save_cost_params)
+  std::optional<CostParams> loaded;  // with validate: these parameters instead of measured ones
+  // α, β, γ's measurement; calibration.threads per rank also run the
+  // validation's exchanges, calibration.fold_shape is the validated shape.
+  CalibrationOptions calibration;
+  bool validate = false;
+  std::vector<std::size_t> validate_ranks;  // in-process: the P values to validate
+  double min_time = 0.3;                    // seconds of timed calls per configuration
+  bool json = false;                        // the validation as to_json's records
+};
+
+// Runs `kdacp calibrate` on request.backend (one process per rank with
+// `launcher`, which may be null): rank 0 of the first world measures the
+// parameters (or takes request.loaded), prints them (on stderr with json)
+// and saves them to request.out, which appears only once the whole command
+// succeeded (StagedOutput). With validate, each configuration's predicted
+// and measured times follow, one line per configuration on stderr as rank 0
+// finishes it: under a launcher in the same world, in-process at each P of
+// validate_ranks (validate_in_process); then print_model_validation or, with
+// json, to_json on stdout. The processes other than rank 0's return after
+// their share of the work.
+void run_calibration(const CalibrateRequest& request, const ProcessLauncher* launcher);
+
 }  // namespace kdacp::testing

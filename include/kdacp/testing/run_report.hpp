@@ -6,9 +6,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "kdacp/comm.hpp"
 #include "kdacp/job.hpp"
 
 namespace kdacp::testing {
@@ -38,5 +40,15 @@ std::vector<std::string> report_layer_run(const kda::Shape& shape, const LayerRu
                                           const job::LayerOutputs<float>& single,
                                           const job::ProtocolComparison& cmp, bool states, bool json,
                                           std::size_t peak_threads);
+
+// `kdacp run` on `world`, collective: job::compare_protocols of `job` with
+// `base`, then on rank 0 the job on one device with peak_threads threads
+// (job::run_single) and report_layer_run of both (`layout` names the layout;
+// ht and dh0 columns with packed sequences). Throws Error on rank 0 when an
+// error is NaN or above its tolerance, or when the exact protocols disagree
+// bitwise.
+void run_layer_comparison(const std::shared_ptr<Communicator>& world, const job::LayerJob<float>& job,
+                          const job::LayerRunOptions& base, const std::string& layout, bool json,
+                          std::size_t peak_threads, const job::Progress& progress);
 
 }  // namespace kdacp::testing
