@@ -8,7 +8,6 @@
 
 namespace kdacp::cli {
 
-namespace {
 const ProcessLauncher* launcher() {
 #ifdef KDACP_HAVE_MPI
   static const ProcessLauncher mpi = mpi_launcher();
@@ -17,7 +16,6 @@ const ProcessLauncher* launcher() {
   return nullptr;
 #endif
 }
-}  // namespace
 
 void add_backend_flags(CLI::App& cmd, LaunchOptions& opts) {
   cmd.add_option("--backend", opts.backend,

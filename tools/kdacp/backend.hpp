@@ -12,6 +12,8 @@
 namespace kdacp::cli {
 
 void add_backend_flags(CLI::App& cmd, LaunchOptions& opts);
+// The MPI launcher when kdacp was built with it, else null.
+const ProcessLauncher* launcher();
 void run_ranks(const LaunchOptions& opts, const RankFn& fn);
 std::size_t ranks_per_process(const LaunchOptions& opts);
 // "inprocess" or the launcher's name.

@@ -4,13 +4,11 @@
 // Human table by default, --json for scripts (one array of flat records),
 // --plot FILE for a PNG or SVG drawn by gnuplot from those records.
 #include <algorithm>
-#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "commands.hpp"
 #include "exchange_flags.hpp"
@@ -48,17 +46,9 @@ void run(const std::string& mode, BenchArgs& args) {
     kc.directions.push_back(d == "forward" ? Direction::forward : Direction::backward);
   for (Direction d : {Direction::forward, Direction::backward})
     if (std::count(kc.directions.begin(), kc.directions.end(), d) > 0) pc.directions.push_back(d);
-  const bool progress = !args.quiet;
-  const bool kernels = mode == "kernels";
-  const nlohmann::json recs =
-      kernels ? testing::kernel_bench_records(kc, progress) : testing::protocol_bench_records(pc, progress);
-  if (args.json) std::printf("%s\n", recs.dump(2).c_str());
-  else if (kernels) testing::print_kernel_bench(recs);
-  else testing::print_protocol_bench(recs);
-  if (!args.plot.empty()) {
-    testing::plot_bench(kernels, recs, args.plot);
-    if (progress) std::fprintf(stderr, "kdacp bench: wrote %s\n", args.plot.c_str());
-  }
+  const testing::BenchOutput output{args.json, !args.quiet, args.plot};
+  if (mode == "kernels") testing::run_kernel_bench(kc, output);
+  else testing::run_protocol_bench(pc, output);
 }
 
 // `kdacp bench layer`: the CLI's side of testing::bench_layer.
@@ -89,16 +79,7 @@ void run_layer(LayerArgs& a) {
   c.method = a.exchange.protocol;
   c.group_size = a.exchange.group_size;
   c.exchange = exchange_options(a.exchange, job::layer_summary_shape(c.shape));
-  require_memory(testing::layer_bench_bytes(c), max_memory_bytes(a.max_memory),
-                 fmt::format("kdacp bench layer on {} ranks", c.ranks), max_memory_name(a.max_memory));
-  std::vector<std::string> failures;
-  const nlohmann::json recs = testing::layer_bench_records(c, !a.quiet, &failures);
-  if (a.json) std::printf("%s\n", recs.dump(2).c_str());
-  else testing::print_layer_bench(recs);
-  if (!failures.empty())
-    throw Error(fmt::format("kdacp bench layer: errors are NaN or above their tolerance ({:.0e} plus a "
-                            "reassociating protocol's bound); {}",
-                            job::kLayerFloat32Tolerance, fmt::join(failures, "; ")));
+  testing::run_layer_bench(c, a.max_memory, testing::BenchOutput{a.json, !a.quiet, ""});
 }
 
 void add_layer_command(CLI::App& bench) {

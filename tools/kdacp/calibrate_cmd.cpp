@@ -3,23 +3,20 @@
 // JSON for `kdacp plan --calibration` and auto. With --validate it then runs
 // every configuration the model weighs on the same backend and prints the
 // predicted time beside the measured one. The measurements are
-// kdacp/calibrate.hpp; this file parses, launches and prints.
-#include <cstdio>
-#include <filesystem>
+// kdacp/calibrate.hpp, the command's flow kdacp/testing/model_validation.hpp
+// (run_calibration); this file parses the flags.
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "backend.hpp"
 #include "commands.hpp"
-#include "kdacp/protocol.hpp"
+#include "flags.hpp"
 #include "kdacp/calibrate.hpp"
+#include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/output.hpp"
 #include "kdacp/testing/model_validation.hpp"
 #include "kdacp/thread_pool.hpp"
-#include "flags.hpp"
 
 namespace kdacp::cli {
 
@@ -41,77 +38,22 @@ struct CalibrateConfig {
   bool json = false;
 };
 
-using testing::ModelRow;
-
-SummaryShape shape_of(const CalibrateConfig& cfg) {
-  return SummaryShape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim};
-}
-
-CalibrationOptions calibration_options(const CalibrateConfig& cfg, std::size_t threads) {
-  return {cfg.repeat, cfg.large_mib << 20, threads, cfg.gamma_time, shape_of(cfg)};
-}
-
-// Each configuration's line on stderr as rank 0 finishes it.
-ValidationOptions validation_options(const CalibrateConfig& cfg, std::size_t threads) {
-  ValidationOptions o;
-  o.threads = threads;
-  o.min_time = cfg.min_time;
-  o.on_check = [](const ModelCheck& c) {
-    std::fprintf(stderr, "kdacp calibrate: P=%zu %s: predicted %.3f ms, measured %.3f ms (%zu iterations)\n",
-                 c.ranks, protocol_label(c.config).c_str(), c.predicted_seconds * 1e3,
-                 c.measured_seconds * 1e3, c.iterations);
-  };
-  return o;
-}
-
-void print_params(const CalibrateConfig& cfg, const CostParams& p, std::size_t threads) {
-  std::FILE* out = cfg.json ? stderr : stdout;
-  std::fprintf(out,
-               "alpha %.3g us, bandwidth %.3g GB/s, fold %.3g GFLOP/s per rank (%zu thread(s)), "
-               "%zu rank(s) fold at once (%s)\nsaved to %s\n",
-               p.alpha_s * 1e6, 1e-9 / p.beta_s_per_byte, p.gflops, threads, p.concurrent_ranks,
-               p.source.c_str(), cfg.out.c_str());
-  std::fflush(out);
-}
-
 void run_calibrate(const CalibrateConfig& cfg) {
   if (!cfg.calibration.empty() && !cfg.validate)
     throw InvalidArgument("--calibration loads parameters for --validate; pass --validate too");
   const std::size_t threads =
       cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
-  const std::optional<CostParams> loaded =
-      cfg.calibration.empty() ? std::nullopt : std::optional<CostParams>(load_cost_params(cfg.calibration));
-
-  // The first job measures (or loads) the parameters; under MPI it also
-  // validates, since MPI starts once per process.
-  bool root = false, mpi = false;
-  std::vector<ModelRow> rows;
-  // The parameters file appears when the whole command succeeded.
-  std::optional<StagedOutput> saved;
-  const std::filesystem::path out(cfg.out);
-  run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& comm) {
-    const CostParams p = loaded ? *loaded : measure_cost_params(*comm, calibration_options(cfg, threads));
-    if (comm->rank() == 0) {
-      root = true;
-      mpi = comm->backend() == "mpi";
-      if (!loaded) {
-        saved.emplace(out.parent_path().string(), std::vector<std::string>{out.filename().string()});
-        save_cost_params(p, saved->path(out.filename().string()));
-        print_params(cfg, p, threads);
-      }
-    }
-    if (cfg.validate && comm->backend() == "mpi") {
-      auto mine = testing::validate_synthetic(comm, p, shape_of(cfg), validation_options(cfg, threads));
-      rows.insert(rows.end(), mine.begin(), mine.end());
-    }
-  });
-  if (!root) return;
-  if (cfg.validate && !mpi)
-    rows = testing::validate_in_process(cfg.validate_ranks, cfg.backend, loaded, calibration_options(cfg, threads),
-                                        shape_of(cfg), validation_options(cfg, threads));
-  if (cfg.validate && cfg.json) std::printf("%s\n", testing::to_json(rows, shape_of(cfg)).c_str());
-  else if (cfg.validate) testing::print_model_validation(rows, shape_of(cfg), mpi ? "mpi" : "inprocess");
-  if (saved) saved->commit();
+  testing::CalibrateRequest request;
+  request.backend = cfg.backend;
+  request.out = cfg.out;
+  if (!cfg.calibration.empty()) request.loaded = load_cost_params(cfg.calibration);
+  request.calibration = {cfg.repeat, cfg.large_mib << 20, threads, cfg.gamma_time,
+                         SummaryShape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim}};
+  request.validate = cfg.validate;
+  request.validate_ranks = cfg.validate_ranks;
+  request.min_time = cfg.min_time;
+  request.json = cfg.json;
+  testing::run_calibration(request, launcher());
 }
 
 }  // namespace

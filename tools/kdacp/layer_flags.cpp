@@ -1,12 +1,10 @@
 #include "layer_flags.hpp"
 
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "flags.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp::cli {
 
@@ -84,51 +82,14 @@ std::string layout_name(const LayoutFlags& flags) {
   return fmt::format("contiguous {}", fmt::join(flags.split, ","));
 }
 
-void add_packing_flags(CLI::App& cmd, PackingFlags& flags, std::size_t max_tokens, const std::string& what) {
-  add_int_list(cmd, "--seqlens", flags.seqlens,
+void add_packing_flags(CLI::App& cmd, testing::Packing& packing, std::size_t max_tokens, const std::string& what) {
+  add_int_list(cmd, "--seqlens", packing.seqlens,
                "pack sequences of these lengths into one row (B = 1; T defaults to their sum)" + what,
                IntRange{1, max_tokens});
-  add_int(cmd, "--docs", flags.docs,
+  add_int(cmd, "--docs", packing.docs,
           "pack this many documents of random lengths (each >= 1, seeded by --seed) into one row, like --seqlens",
           IntRange{1, max_tokens})
       ->default_str("none");
-}
-
-std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool tokens_given,
-                          std::size_t max_tokens) {
-  if (!flags.seqlens.empty() && flags.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
-  if (flags.seqlens.empty()) return tokens;
-  std::size_t sum = 0;
-  for (std::size_t len : flags.seqlens) {
-    sum += len;
-    if (sum > max_tokens)
-      throw InvalidArgument(fmt::format("--seqlens sum to more than the most tokens this command takes, {}", max_tokens));
-  }
-  if (tokens_given && sum != tokens)
-    throw InvalidArgument(fmt::format("--seqlens sum to {}, expected --tokens {} (or leave --tokens out)", sum, tokens));
-  return sum;
-}
-
-std::size_t packed_sequences(const PackingFlags& flags, std::size_t batch, std::size_t tokens) {
-  if (!flags.packed()) return batch;
-  if (!flags.seqlens.empty() && flags.docs > 0) throw InvalidArgument("--seqlens and --docs exclude each other");
-  if (batch != 1)
-    throw InvalidArgument(fmt::format("{} packs sequences into one row, expected --batch 1, not {}",
-                                      flags.docs ? "--docs" : "--seqlens", batch));
-  if (flags.docs > tokens)
-    throw InvalidArgument(fmt::format("--docs {} is more documents than T = {} tokens (each document needs a token)",
-                                      flags.docs, tokens));
-  return flags.docs > 0 ? flags.docs : flags.seqlens.size();
-}
-
-std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
-                                  std::uint64_t seed) {
-  packed_sequences(flags, batch, tokens);
-  if (!flags.packed()) return {};
-  if (flags.docs > 0) return kda::random_cu_seqlens(tokens, flags.docs, seed + 2);
-  std::vector<std::int64_t> cu{0};
-  for (std::size_t len : flags.seqlens) cu.push_back(cu.back() + static_cast<std::int64_t>(len));
-  return cu;
 }
 
 }  // namespace kdacp::cli

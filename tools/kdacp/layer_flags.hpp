@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -13,6 +12,7 @@
 
 #include "kdacp/kda.hpp"
 #include "kdacp/job.hpp"
+#include "kdacp/testing/packing.hpp"
 
 namespace kdacp::cli {
 
@@ -56,35 +56,10 @@ kda::Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t 
 // "zigzag".
 std::string layout_name(const LayoutFlags& flags);
 
-// --seqlens and --docs: packed sequences in one row (`kdacp run`, `kdacp
-// plan`).
-struct PackingFlags {
-  std::vector<std::size_t> seqlens;  // packed sequence lengths (sum T)
-  std::size_t docs = 0;              // a random packing of this many documents
-  bool packed() const { return !seqlens.empty() || docs > 0; }
-};
-
 // Adds --seqlens L1,L2,... (each at most max_tokens; `what` ends the help
-// text, e.g. what the command does with them) and --docs N.
-void add_packing_flags(CLI::App& cmd, PackingFlags& flags, std::size_t max_tokens, const std::string& what);
-
-// T with --seqlens: their sum, which must equal `tokens` when tokens_given
-// and be at most max_tokens; without --seqlens, `tokens`. Throws
-// InvalidArgument naming the flags (also for --seqlens with --docs).
-std::size_t packed_tokens(const PackingFlags& flags, std::size_t tokens, bool tokens_given,
-                          std::size_t max_tokens);
-
-// The cu_seqlens of --seqlens or --docs over `tokens` tokens (empty: one
-// sequence per row); --docs draws kda::random_cu_seqlens(tokens, N, seed +
-// 2), `seed` being the command's --seed, so that `kdacp plan` and `kdacp
-// run` with the same --seed pack alike. Throws InvalidArgument naming the
-// flag for --seqlens with --docs, batch != 1, or more documents than tokens.
-std::vector<std::int64_t> packing(const PackingFlags& flags, std::size_t batch, std::size_t tokens,
-                                  std::uint64_t seed);
-
-// N, the sequences packing() would return (batch without packing), after
-// every check packing() makes, without drawing them: what a memory admission
-// needs before the (for --docs N, large) packing is drawn.
-std::size_t packed_sequences(const PackingFlags& flags, std::size_t batch, std::size_t tokens);
+// text, e.g. what the command does with them) and --docs N, the packed
+// sequences in one row of `kdacp run` and `kdacp plan`
+// (kdacp/testing/packing.hpp checks and draws them).
+void add_packing_flags(CLI::App& cmd, testing::Packing& packing, std::size_t max_tokens, const std::string& what);
 
 }  // namespace kdacp::cli

@@ -1,38 +1,24 @@
 // kdacp plan: the cost model's table for a hypothetical cluster, auto's
-// choice, and optionally a gnuplot chart of time vs P per protocol.
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
+// choice, and optionally a gnuplot chart of time vs P per protocol. The
+// report is kdacp/testing/plan_report.hpp; this file parses the flags.
+#include <cstdint>
 #include <memory>
-#include <utility>
 #include <string>
-#include <vector>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "commands.hpp"
+#include "flags.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/admission.hpp"
-#include "kdacp/job_plan.hpp"
-#include "kdacp/protocol.hpp"
-#include "kdacp/testing/plot.hpp"
-#include "flags.hpp"
-#include "layer_flags.hpp"
+#include "kdacp/testing/packing.hpp"
+#include "kdacp/testing/plan_report.hpp"
 #include "kdacp/units.hpp"
-#include "kdacp/testing/table.hpp"
+#include "layer_flags.hpp"
 
 namespace kdacp::cli {
 
 namespace {
-
-std::string fmt_time(double s) {
-  if (s == 0) return "0";
-  if (s < 1e-3) return fmt::format("{:.1f} us", s * 1e6);
-  if (s < 1) return fmt::format("{:.2f} ms", s * 1e3);
-  return fmt::format("{:.3f} s", s);
-}
 
 struct PlanConfig {
   std::size_t ranks = 1024, batch = 1, heads = 32, key_dim = 128, value_dim = 128;
@@ -41,7 +27,7 @@ struct PlanConfig {
   // The layout and the cut pattern: without a token count (--tokens,
   // --seqlens) only the layout's owners are known, and there are no cuts.
   LayoutFlags layout;
-  PackingFlags packing;
+  testing::Packing packing;
   std::size_t tokens = 0;  // 0: none given
   std::uint64_t seed = 0;
 };
@@ -49,38 +35,21 @@ struct PlanConfig {
 // The most tokens `kdacp plan` takes (a hypothetical stream, never allocated).
 constexpr std::size_t kPlanMaxTokens = std::size_t{1} << 40;
 
-// What the flags say about the stream, checked once: T (0: none) and the
-// packing's cu_seqlens (empty: one sequence per row).
-struct PlanStream {
-  std::size_t tokens = 0;
-  std::vector<std::int64_t> cu_seqlens;
-};
-
-PlanStream plan_stream(const PlanConfig& c, bool tokens_given) {
+// What the flags say about the cluster and the stream, checked once: T (0:
+// none) and the packing's cu_seqlens (empty: one sequence per row).
+testing::PlanRequest plan_request(const PlanConfig& c, bool tokens_given) {
   check_layout_flags(c.layout);
-  PlanStream st;
-  st.tokens = packed_tokens(c.packing, c.tokens, tokens_given, kPlanMaxTokens);
-  if (st.tokens == 0) {
+  testing::PlanRequest r{c.ranks, c.batch, c.heads, c.key_dim, c.value_dim, c.layout.layout == "zigzag", 0, {}, {}};
+  r.tokens = testing::packed_tokens(c.packing, c.tokens, tokens_given, kPlanMaxTokens);
+  if (r.tokens == 0) {
     if (c.packing.docs > 0)
       throw InvalidArgument(
           fmt::format("--docs {} needs --tokens T, the stream the documents are packed into", c.packing.docs));
     if (!c.layout.split.empty()) throw InvalidArgument("--split needs --tokens T (or --seqlens), the tokens it splits");
   }
-  if (st.tokens > 0) st.cu_seqlens = packing(c.packing, c.batch, st.tokens, c.seed);
-  return st;
-}
-
-// The shape at P = `ranks`: the layout's part owners (as the layer gives
-// them to its exchange) and, with a token count, which parts are cuts.
-ProblemShape shape_at(const PlanConfig& c, const PlanStream& st, std::size_t ranks) {
-  if (st.tokens == 0) {
-    ProblemShape shape{ranks, c.batch * c.heads, c.key_dim, c.value_dim, 4};
-    if (c.layout.layout == "zigzag") shape.part_owners = PartOwners::zigzag(ranks);
-    return shape;
-  }
-  return job::plan_problem_shape(c.batch * c.heads, c.key_dim, c.value_dim, layout_of(c.layout, st.tokens, ranks),
-                                 st.cu_seqlens.empty() ? Sequences(c.batch, st.tokens)
-                                                       : Sequences(1, st.tokens, st.cu_seqlens));
+  if (r.tokens > 0) r.cu_seqlens = testing::packed_cu_seqlens(c.packing, c.batch, r.tokens, c.seed);
+  r.layout_at = [layout = c.layout, tokens = r.tokens](std::size_t p) { return layout_of(layout, tokens, p); };
+  return r;
 }
 
 CostParams params_of(const PlanConfig& c) {
@@ -95,61 +64,11 @@ CostParams params_of(const PlanConfig& c) {
   return p;
 }
 
-// Predicted time of each protocol's best configuration against P = 2, 4, ...
-void write_plot(const PlanConfig& cfg, const PlanStream& st, const CostParams& params, const ProblemShape& base) {
-  testing::PlotPanel panel{fmt::format("kdacp plan: B*H={} K={} V={} ({})", base.slabs, base.key_dim,
-                                       base.value_dim, params.source),
-                           "P (ranks)", "predicted time (ms)", true, true, false, {}, NAN, ""};
-  for (job::PlanSeries& s : job::plan_series(params, base.ranks, [&](std::size_t p) { return shape_at(cfg, st, p); }))
-    panel.series.push_back({s.method, std::move(s.points), false});
-  testing::draw_plot({panel}, cfg.plot, 900, 600, true);
-  std::printf("plot written to %s (gnuplot script with the data: %s.gp)\n", cfg.plot.c_str(), cfg.plot.c_str());
-}
-
-// The layout line: parts, parts per rank, cuts and the critical stretch.
-void print_chain(const PlanConfig& cfg, const PlanStream& st, const ProblemShape& shape) {
-  const ChainProfile prof = chain_profile(shape, 1);
-  std::string stream;
-  if (!st.cu_seqlens.empty())
-    stream = fmt::format("; {} packed sequences in T={}, {} parts are cuts", st.cu_seqlens.size() - 1, st.tokens,
-                         std::count(shape.part_cuts.begin(), shape.part_cuts.end(), true));
-  else if (st.tokens > 0)
-    stream = fmt::format("; T={}, one sequence per row", st.tokens);
-  fmt::print("layout: {}, {} parts (at most {} per rank){}; critical stretch {} steps (of {} without cuts)\n",
-             cfg.layout.layout, prof.parts, prof.per_rank, stream, prof.steps, prof.parts - 1);
-}
-
 void run_plan(const PlanConfig& cfg, bool tokens_given) {
   const CostParams params = params_of(cfg);
-  const PlanStream st = plan_stream(cfg, tokens_given);
-  const ProblemShape shape = shape_at(cfg, st, cfg.ranks);
+  const testing::PlanRequest request = plan_request(cfg, tokens_given);
   const std::size_t budget = cfg.memory_budget.empty() ? 0 : parse_bytes(cfg.memory_budget, "--memory-budget");
-  std::printf("cluster: P=%zu, B*H=%zu, K=%zu, V=%zu; alpha %s, bandwidth %.3g GB/s, %.6g GFLOP/s (%s)\n",
-              shape.ranks, shape.slabs, shape.key_dim, shape.value_dim,
-              fmt_time(params.alpha_s).c_str(), 1e-9 / params.beta_s_per_byte, params.gflops,
-              params.source.c_str());
-  print_chain(cfg, st, shape);
-  // With a layout only the rows that take one run it (auto chooses among them).
-  const job::PlanPredictions plan = job::plan_predictions(params, shape, budget);
-  const double allgather = plan.allgather_seconds;
-  testing::Table t({"protocol", "exact", "time", "vs allgather", "peak memory/rank", "within budget"});
-  for (const auto& p : plan.rows) {
-    t.add({protocol_label(p.config), p.exact ? "yes" : "no", fmt_time(p.seconds),
-           p.seconds > 0 ? fmt::format("{:.2f}x", allgather / p.seconds) : "-",
-           format_bytes(static_cast<double>(p.peak_extra_bytes)),
-           budget == 0 || p.peak_extra_bytes <= budget ? "yes" : "no"});
-  }
-  t.print();
-  if (!plan.without_layouts.empty())
-    std::printf("not listed: %s (do not take layouts with several parts per rank or parts out of rank order)\n",
-                fmt::format("{}", fmt::join(plan.without_layouts, ", ")).c_str());
-  for (const auto& [label, p] : {std::pair{"\nauto (exact)", plan.exact}, std::pair{"auto --allow-reassociation", plan.any}})
-    std::printf("%s: %s, predicted %s, %.2fx faster than allgather\n", label, protocol_label(p.config).c_str(),
-                fmt_time(p.seconds).c_str(), p.seconds > 0 ? allgather / p.seconds : 1.0);
-  if (plan.before_cuts)
-    std::printf("note: in a run, auto (exact) chooses before the cuts are known: %s\n",
-                protocol_label(plan.before_cuts->config).c_str());
-  if (!cfg.plot.empty()) write_plot(cfg, st, params, shape);
+  testing::print_plan(request, params, budget, cfg.plot);
 }
 
 }  // namespace

@@ -9,16 +9,13 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "backend.hpp"
 #include "commands.hpp"
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
-#include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
 #include "kdacp/testing/run_report.hpp"
-#include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "layer_flags.hpp"
 
@@ -33,28 +30,26 @@ struct RunConfig {
   kda::Shape shape{1, 8192, 4, 0, 128, 128};
   std::size_t value_heads = 0;  // 0: --heads
   bool tokens_given = false;
-  PackingFlags packing;
+  testing::Packing packing;
   LayoutFlags layout;
   kda::Algorithm algorithm = defaults::kAlgorithm;
   std::uint64_t seed = 0;
   std::size_t threads = 0;
   bool json = false, recompute = !defaults::kKeepForward;
   std::string max_memory;
-
-  bool packed() const { return packing.packed(); }
 };
 
 void run(RunConfig& cfg) {
   check_layout_flags(cfg.layout);
   kda::Shape shape = cfg.shape;
-  shape.tokens = packed_tokens(cfg.packing, shape.tokens, cfg.tokens_given, std::size_t{1} << 24);
+  shape.tokens = testing::packed_tokens(cfg.packing, shape.tokens, cfg.tokens_given, std::size_t{1} << 24);
   check_value_heads(shape.heads, cfg.value_heads);
   shape.value_heads = cfg.value_heads ? cfg.value_heads : shape.heads;
   kda::validate(shape);
   job::LayerJob<float> job;
   // N is known from the flags: the memory admission comes before the
   // packing is drawn (16M --docs take seconds and a GiB to draw).
-  const std::size_t sequences = packed_sequences(cfg.packing, shape.batch, shape.tokens);
+  const std::size_t sequences = testing::packed_sequences(cfg.packing, shape.batch, shape.tokens);
   const std::string backend = resolved_backend(cfg.backend);
   const bool in_process = backend == "inprocess";
   if (in_process) layout_of(cfg.layout, shape.tokens, cfg.backend.ranks);
@@ -77,7 +72,8 @@ void run(RunConfig& cfg) {
   // The job's inputs, generated once admitted: before the ranks start
   // in-process, in the world (one rank, one call per process) under a launcher.
   auto generate = [&] {
-    job = testing::synthetic_layer_job(shape, packing(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
+    job = testing::synthetic_layer_job(
+        shape, testing::packed_cu_seqlens(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
     job.algorithm = cfg.algorithm;
     job.keep_forward = !cfg.recompute;
     // Steady state: every configuration (one device, each protocol) times
@@ -100,18 +96,7 @@ void run(RunConfig& cfg) {
       admit(*base.layout, true);
       generate();
     }
-    const auto cmp = job::compare_protocols(world, job, base, progress);
-    if (!cmp) return;  // rank 0 reports
-    const auto single = job::run_single(job, hw);
-    progress.note("single-rank layer done");
-    const testing::LayerRunSetup setup{world->backend(), layout_name(cfg.layout), kda::algorithm_name(job.algorithm),
-                                       world->size(), per_rank, job.cu_seqlens, job.warmup_steps};
-    const auto failures = testing::report_layer_run(shape, setup, single, *cmp, cfg.packed(), cfg.json, hw);
-    if (!failures.empty())
-      throw Error(fmt::format("errors against one device are NaN or above their tolerance ({:.0e} plus a "
-                              "reassociating protocol's bound); {}",
-                              job::kLayerFloat32Tolerance, fmt::join(failures, "; ")));
-    if (!cmp->all_bitwise) throw Error("exact protocols disagree bitwise");
+    testing::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
   });
 }
 
