@@ -12,6 +12,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   gnuplot-nox python3 python3-numpy
   python3-dev python3-pybind11 pybind11-dev python3-pytest python3-torch
+  python3-venv python3-pip python3-setuptools python3-wheel
 )
 
 missing=()
