@@ -27,6 +27,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "kdacp/layout.hpp"
@@ -103,7 +104,8 @@ class CausalConv {
   // none. Throws NumericalError naming y or final_state and the element when
   // a result is not finite (e.g. float32 overflow).
   template <class T>
-  Saved<T> forward(const Tensors<T>& in, T* y, T* final_state) const;
+  Saved<T> forward(const Tensors<T>& in, std::type_identity_t<T>* y,
+                   std::type_identity_t<T>* final_state) const;
 
   // Gradients of the forward that returned `saved` (same tensors). dy
   // [B,T_local,D]; d_final_state [N,D,W] (null: zero; given on all ranks or
@@ -114,8 +116,8 @@ class CausalConv {
   // ranks is the one-device gradient); dinitial_state complete and the same
   // bits on every rank (the ranks' shares summed in rank order).
   template <class T>
-  void backward(const Tensors<T>& in, const Saved<T>& saved, const T* dy, const T* d_final_state,
-                const Grads<T>& grads) const;
+  void backward(const Tensors<T>& in, const Saved<T>& saved, const std::type_identity_t<T>* dy,
+                const std::type_identity_t<T>* d_final_state, const Grads<T>& grads) const;
 
   // The plan's transfers (for tests and docs): part `to` receives tokens
   // [begin, end) of part `from`.

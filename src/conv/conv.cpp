@@ -320,7 +320,8 @@ const std::vector<CausalConv::Transfer>& CausalConv::transfers() const {
 }
 
 template <class T>
-Saved<T> CausalConv::forward(const Tensors<T>& in, T* y, T* final_state) const {
+Saved<T> CausalConv::forward(const Tensors<T>& in, std::type_identity_t<T>* y,
+                             std::type_identity_t<T>* final_state) const {
   const Impl& m = *impl_;
   if (!in.x || !in.weight || !y)
     throw InvalidArgument("causal_conv1d: x, weight and y must be given");
@@ -389,8 +390,10 @@ Saved<T> CausalConv::forward(const Tensors<T>& in, T* y, T* final_state) const {
 }
 
 template <class T>
-void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved, const T* dy,
-                          const T* d_final_state, const Grads<T>& grads) const {
+void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
+                          const std::type_identity_t<T>* dy,
+                          const std::type_identity_t<T>* d_final_state,
+                          const Grads<T>& grads) const {
   const Impl& m = *impl_;
   if (!in.x || !in.weight || !dy || !grads.dx || !grads.dweight)
     throw InvalidArgument("causal_conv1d backward: x, weight, dy, dx and dweight must be given");
@@ -419,7 +422,11 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved, const T* 
     for (std::size_t k = 0; k < w; ++k) wt[k * d + c] = static_cast<double>(in.weight[c * w + k]);
   std::vector<T> dhist(saved.history.size(), T(0));
   std::vector<T> scratch;
-  std::vector<double> g, dext;
+  // Blocks of kBlock tokens: g (the gradient of the pre-activation z) of
+  // the block, and the gradient of the extended row [history; tokens] over
+  // the block's ext rows plus the W-1 after it (carried to the next block).
+  constexpr std::size_t kBlock = 64;
+  std::vector<double> g(kBlock * d), dext((kBlock + h) * d);
   for (std::size_t li = 0; li < m.local.size(); ++li) {
     const LocalPart& lp = m.local[li];
     for (std::size_t b = 0; b < B; ++b) {
@@ -431,64 +438,72 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved, const T* 
         const T* xs = in.x + (b * m.tokens_local + pos) * d;
         auto ext = [&](std::size_t e) { return e < h ? hist + e * d : xs + (e - h) * d; };
         const T* dys = dy + (b * m.tokens_local + pos) * d;
-        // g: the gradient of the pre-activation z.
-        g.assign(len * d, 0.0);
-        for (std::size_t p = 0; p < len; ++p) {
-          double* gp = g.data() + p * d;
-          if (in.activation == Activation::silu) {
-            for (std::size_t c = 0; c < d; ++c) gp[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
-            for (std::size_t k = 0; k < w; ++k) {
-              const T* src = ext(p + k);
-              const double* wk = wt.data() + k * d;
-              for (std::size_t c = 0; c < d; ++c) gp[c] += wk[c] * static_cast<double>(src[c]);
-            }
-            for (std::size_t c = 0; c < d; ++c) {
-              const double z = gp[c], s = sigmoid(z);
-              gp[c] = static_cast<double>(dys[p * d + c]) * (s * (1.0 + z * (1.0 - s)));
-            }
-          } else {
-            for (std::size_t c = 0; c < d; ++c) gp[c] = static_cast<double>(dys[p * d + c]);
-          }
-          for (std::size_t c = 0; c < d; ++c) db[c] += gp[c];
-          for (std::size_t k = 0; k < w; ++k) {
-            const T* src = ext(p + k);
-            double* dwk = dw.data() + k * d;
-            for (std::size_t c = 0; c < d; ++c) dwk[c] += gp[c] * static_cast<double>(src[c]);
-          }
-        }
-        // The gradient of the extended row [history; tokens].
-        dext.assign((h + len) * d, 0.0);
-        for (std::size_t p = 0; p < len; ++p)
-          for (std::size_t k = 0; k < w; ++k) {
-            double* de = dext.data() + (p + k) * d;
-            const double* gp = g.data() + p * d;
-            const double* wk = wt.data() + k * d;
-            for (std::size_t c = 0; c < d; ++c) de[c] += gp[c] * wk[c];
-          }
-        if (!dht.empty() && pc.ends) {
-          const std::size_t n = m.seq_index(pc.ends, b);
-          for (std::size_t j = 0; j < w; ++j) {
-            double* de = dext.data() + (len - 1 + j) * d;
-            for (std::size_t c = 0; c < d; ++c) de[c] += dht[(n * d + c) * w + j];
-          }
-        }
         T* dxs = grads.dx + (b * m.tokens_local + pos) * d;
-        for (std::size_t k = 0; k < len * d; ++k) dxs[k] = static_cast<T>(dext[h * d + k]);
+        // The sequence whose final state this piece's end gives, or npos.
+        const std::size_t ends = !dht.empty() && pc.ends ? m.seq_index(pc.ends, b) : npos;
         // History rows: halo tokens (first piece, after the sequence start)
         // go back to their owners; rows before the sequence start are
         // initial-state columns.
         const std::size_t real = pi == 0 ? std::min(h, lp.part.begin - lp.seq_start) : 0;
-        const std::size_t n = pi == 0 ? m.state_row(lp, b) : m.seq_index(pc.starts, b);
-        for (std::size_t r = 0; r < h; ++r) {
-          const double* de = dext.data() + r * d;
-          if (r + real >= h) {
-            T* dst = dhist.data() + ((li * B + b) * h + r) * d;
+        const std::size_t n0 = pi == 0 ? m.state_row(lp, b) : m.seq_index(pc.starts, b);
+        // The final gradient of ext row e (its dht term added here).
+        auto emit = [&](std::size_t e, double* de) {
+          if (ends != npos && e + 1 >= len)
+            for (std::size_t c = 0; c < d; ++c) de[c] += dht[(ends * d + c) * w + (e + 1 - len)];
+          if (e >= h) {
+            T* dst = dxs + (e - h) * d;
+            for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
+          } else if (e + real >= h) {
+            T* dst = dhist.data() + ((li * B + b) * h + e) * d;
             for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
           } else if (!dh0.empty()) {
-            const std::size_t col = w - (h - real) + r;
-            for (std::size_t c = 0; c < d; ++c) dh0[(n * d + c) * w + col] += de[c];
+            const std::size_t col = w - (h - real) + e;
+            for (std::size_t c = 0; c < d; ++c) dh0[(n0 * d + c) * w + col] += de[c];
           }
+        };
+        std::fill(dext.begin(), dext.begin() + static_cast<std::ptrdiff_t>(h * d), 0.0);
+        for (std::size_t p0 = 0; p0 < len; p0 += kBlock) {
+          const std::size_t nb = std::min(kBlock, len - p0);
+          // dext row i is ext row p0 + i; rows [0, h) carry over.
+          std::fill(dext.begin() + static_cast<std::ptrdiff_t>(h * d),
+                    dext.begin() + static_cast<std::ptrdiff_t>((h + nb) * d), 0.0);
+          for (std::size_t i = 0; i < nb; ++i) {
+            const std::size_t p = p0 + i;
+            double* gp = g.data() + i * d;
+            if (in.activation == Activation::silu) {
+              for (std::size_t c = 0; c < d; ++c)
+                gp[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
+              for (std::size_t k = 0; k < w; ++k) {
+                const T* src = ext(p + k);
+                const double* wk = wt.data() + k * d;
+                for (std::size_t c = 0; c < d; ++c) gp[c] += wk[c] * static_cast<double>(src[c]);
+              }
+              for (std::size_t c = 0; c < d; ++c) {
+                const double z = gp[c], s = sigmoid(z);
+                gp[c] = static_cast<double>(dys[p * d + c]) * (s * (1.0 + z * (1.0 - s)));
+              }
+            } else {
+              for (std::size_t c = 0; c < d; ++c) gp[c] = static_cast<double>(dys[p * d + c]);
+            }
+            for (std::size_t c = 0; c < d; ++c) db[c] += gp[c];
+            for (std::size_t k = 0; k < w; ++k) {
+              const T* src = ext(p + k);
+              const double* wk = wt.data() + k * d;
+              double* dwk = dw.data() + k * d;
+              double* de = dext.data() + (i + k) * d;
+              for (std::size_t c = 0; c < d; ++c) {
+                dwk[c] += gp[c] * static_cast<double>(src[c]);
+                de[c] += gp[c] * wk[c];
+              }
+            }
+          }
+          // Ext rows p0 .. p0+nb-1 have all their terms (from tokens <= them).
+          for (std::size_t i = 0; i < nb; ++i) emit(p0 + i, dext.data() + i * d);
+          std::copy(dext.begin() + static_cast<std::ptrdiff_t>(nb * d),
+                    dext.begin() + static_cast<std::ptrdiff_t>((nb + h) * d), dext.begin());
         }
+        // The last W-1 ext rows (the piece's last tokens).
+        for (std::size_t i = 0; i < h; ++i) emit(len + i, dext.data() + i * d);
       }
     }
   }
