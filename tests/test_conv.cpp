@@ -166,7 +166,8 @@ std::vector<T> to_local(const std::vector<T>& full, const Problem& p, const Layo
     for (std::size_t b = 0; b < p.B; ++b)
       for (std::size_t t = part.begin; t < part.end; ++t)
         for (std::size_t d = 0; d < p.D; ++d)
-          out[(b * tl + part.local_begin + t - part.begin) * p.D + d] = full[(b * p.T + t) * p.D + d];
+          out[(b * tl + part.local_begin + t - part.begin) * p.D + d] =
+              full[(b * p.T + t) * p.D + d];
   return out;
 }
 template <class T>
@@ -177,7 +178,8 @@ void from_local(const std::vector<T>& local, const Problem& p, const Layout& l, 
     for (std::size_t b = 0; b < p.B; ++b)
       for (std::size_t t = part.begin; t < part.end; ++t)
         for (std::size_t d = 0; d < p.D; ++d)
-          full[(b * p.T + t) * p.D + d] = local[(b * tl + part.local_begin + t - part.begin) * p.D + d];
+          full[(b * p.T + t) * p.D + d] =
+              local[(b * tl + part.local_begin + t - part.begin) * p.D + d];
 }
 
 // CP over P in-process ranks: y, dx assembled; dw, db summed over the ranks in
@@ -238,7 +240,8 @@ double rel_error(const std::vector<A>& a, const std::vector<B>& b) {
 }
 
 template <class T>
-void expect_close(const Result<T>& got, const Result<T>& want, double tol, const std::string& what) {
+void expect_close(const Result<T>& got, const Result<T>& want, double tol,
+                  const std::string& what) {
   EXPECT_LE(rel_error(got.y, want.y), tol) << what << ": y";
   EXPECT_LE(rel_error(got.ht, want.ht), tol) << what << ": final_state";
   EXPECT_LE(rel_error(got.dx, want.dx), tol) << what << ": dx";
@@ -250,7 +253,8 @@ void expect_close(const Result<T>& got, const Result<T>& want, double tol, const
 std::string describe(const Problem& p) {
   std::string cu = p.cu ? "" : "none";
   if (p.cu)
-    for (std::size_t i = 0; i < p.cu->size(); ++i) cu += fmt::format("{}{}", i ? "," : "", (*p.cu)[i]);
+    for (std::size_t i = 0; i < p.cu->size(); ++i)
+      cu += fmt::format("{}{}", i ? "," : "", (*p.cu)[i]);
   return fmt::format("B={} T={} D={} W={} cu={} act={} bias={} h0={} ht={}", p.B, p.T, p.D, p.W,
                      cu, conv::activation_name(p.act), p.bias, p.h0, p.ht);
 }

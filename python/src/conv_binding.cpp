@@ -71,7 +71,8 @@ class ConvOp {
                     bool want_ht) {
     if (dtype == "float64") return forward_t<double>(x, weight, bias, h0, activation, want_ht);
     if (dtype == "float32") return forward_t<float>(x, weight, bias, h0, activation, want_ht);
-    throw InvalidArgument(fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
+    throw InvalidArgument(
+        fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
   }
 
   py::tuple backward(const ConvSaved& saved, const std::string& dtype, std::uintptr_t x,
@@ -81,7 +82,8 @@ class ConvOp {
       return backward_t<double>(saved, x, weight, bias, h0, activation, dy, dht);
     if (dtype == "float32")
       return backward_t<float>(saved, x, weight, bias, h0, activation, dy, dht);
-    throw InvalidArgument(fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
+    throw InvalidArgument(
+        fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
   }
 
  private:

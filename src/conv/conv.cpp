@@ -354,7 +354,8 @@ Saved<T> CausalConv::forward(const Tensors<T>& in, std::type_identity_t<T>* y,
         auto ext = [&](std::size_t e) { return e < h ? hist + e * d : xs + (e - h) * d; };
         T* ys = y + (b * m.tokens_local + pos) * d;
         for (std::size_t p = 0; p < len; ++p) {
-          for (std::size_t c = 0; c < d; ++c) acc[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
+          for (std::size_t c = 0; c < d; ++c)
+            acc[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
           for (std::size_t k = 0; k < w; ++k) {
             const T* src = ext(p + k);
             const double* wk = wt.data() + k * d;
