@@ -52,5 +52,6 @@ struct Pool {
 void bind_exchange(pybind11::module_& m);
 void bind_kda(pybind11::module_& m);
 void bind_checks(pybind11::module_& m);
+void bind_conv(pybind11::module_& m);
 
 }  // namespace kdacp::python

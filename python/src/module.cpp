@@ -175,4 +175,5 @@ PYBIND11_MODULE(_kdacp, m) {
   kdacp::python::bind_exchange(m);
   kdacp::python::bind_kda(m);
   kdacp::python::bind_checks(m);
+  kdacp::python::bind_conv(m);
 }

@@ -30,13 +30,14 @@ MAY_USE = {
     "calibrate": ["exchange", "layout", "mesh", "comm", "kernels", "core"],
     "launch": ["comm", "core"],
     "mpi": ["launch", "comm", "core"],
+    "conv": ["layout", "comm", "core"],
     "job": ["kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch", "comm",
             "kernels", "core"],
-    "testing": ["job", "kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
+    "testing": ["job", "conv", "kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
                 "comm", "kernels", "core"],
-    "python": ["job", "kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
+    "python": ["job", "conv", "kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
                "comm", "kernels", "core"],
-    "tools": ["testing", "mpi", "job", "kda_cp", "kda", "calibrate", "exchange", "layout",
+    "tools": ["testing", "mpi", "job", "conv", "kda_cp", "kda", "calibrate", "exchange", "layout",
               "mesh", "launch", "comm", "kernels", "core"],
 }
 
@@ -58,6 +59,7 @@ HEADER_MODULE = {
     "calibrate.hpp": "calibrate",
     "launch.hpp": "launch",
     "mpi.hpp": "mpi", "launch_mpi.hpp": "mpi",
+    "conv.hpp": "conv",
     "job.hpp": "job", "job_npy.hpp": "job", "job_plan.hpp": "job",
 }
 

@@ -1,0 +1,228 @@
+"""The causal short convolution of flash-linear-attention (its
+``fla.modules.convolution.causal_conv1d``) on kdacp's C++ kernels
+(kdacp/conv.hpp), on one process or under context parallelism with a
+``cp_context``; exported as ``kdacp.torch.causal_conv1d``. docs/conv.md.
+
+    y, final_state = causal_conv1d(x, weight, bias=None, activation=None,
+                                   initial_state=None, output_final_state=False,
+                                   cu_seqlens=None, cp_context=None)
+"""
+
+import operator
+
+import torch
+
+from kdacp import _kdacp
+
+__all__ = ["causal_conv1d"]
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_ACTIVATIONS = {None: "none", "silu": "silu", "swish": "silu"}
+# flash-linear-attention arguments kdacp does not implement: an error when
+# given a value other than their default, never silently ignored.
+_UNSUPPORTED = {"residual": None, "seq_idx": None}
+_FLA_BACKENDS = ("triton", "cuda", None)
+
+
+def _tensor(t, name, ndim, dtype=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"causal_conv1d: {name} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"causal_conv1d: {name} is on {t.device}, expected a CPU tensor")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"causal_conv1d: {name} has dtype {t.dtype}, expected torch.float32 or "
+                         "torch.float64")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"causal_conv1d: {name} has dtype {t.dtype}, expected {dtype} (x's)")
+    if t.dim() != ndim:
+        raise ValueError(f"causal_conv1d: {name} has shape {list(t.shape)} ({t.dim()} dims), "
+                         f"expected {ndim} dims")
+    t = t.contiguous()
+    _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, "finite")
+    return t
+
+
+def _cu_list(cu_seqlens):
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise ValueError(f"causal_conv1d: cu_seqlens is {cu_seqlens.dtype} with "
+                             f"{cu_seqlens.dim()} dims, expected a 1-D int32 or int64 tensor")
+        return [int(v) for v in cu_seqlens.tolist()]
+    if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
+        raise ValueError(f"causal_conv1d: cu_seqlens={cu_seqlens!r}, expected a 1-D integer "
+                         "tensor or a sequence of integers")
+    out = []
+    for i, v in enumerate(cu_seqlens):
+        if isinstance(v, bool):
+            raise ValueError(f"causal_conv1d: cu_seqlens[{i}] is {v!r}, expected an integer")
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise ValueError(f"causal_conv1d: cu_seqlens[{i}] is {v!r}, expected an "
+                             "integer") from None
+    return out
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """A first-order gradient of causal_conv1d computed under
+    create_graph=True: the same values, but a backward through them raises
+    (the C++ backward has no derivative of its own)."""
+
+    @staticmethod
+    def forward(ctx, grad, *anchors):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "kdacp.torch.causal_conv1d is differentiable once: a double backward through it "
+            "is not supported")
+
+
+class _ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, activation, want_ht, x, weight, bias, h0):
+        dtype = _DTYPES[x.dtype]
+        y, ht, saved = op.forward(dtype, x.data_ptr(), weight.data_ptr(),
+                                  0 if bias is None else bias.data_ptr(),
+                                  0 if h0 is None else h0.data_ptr(), activation, want_ht)
+        ctx.op, ctx.activation, ctx.want_ht, ctx.kdacp_saved = op, activation, want_ht, saved
+        ctx.save_for_backward(x, weight, bias, h0)
+        y = torch.from_numpy(y)
+        if want_ht:
+            return y, torch.from_numpy(ht)
+        empty = y.new_empty(0)
+        ctx.mark_non_differentiable(empty)
+        return y, empty
+
+    @staticmethod
+    def backward(ctx, dy, dht):
+        x, weight, bias, h0 = ctx.saved_tensors
+        with torch.no_grad():
+            if dy is None:
+                dy = torch.zeros_like(x)
+            dy = dy.contiguous()
+            _kdacp.check_tensor(dy.data_ptr(), list(dy.shape), _DTYPES[dy.dtype],
+                                "the gradient of y", "finite")
+            dht_ptr = 0
+            if ctx.want_ht:
+                # Every rank passes one (zeros when its loss does not use the
+                # final state): the ranks' are summed collectively.
+                if dht is None:
+                    dht = torch.zeros(ctx.op.sequences, weight.shape[0], weight.shape[1],
+                                      dtype=x.dtype)
+                dht = dht.contiguous()
+                _kdacp.check_tensor(dht.data_ptr(), list(dht.shape), _DTYPES[dht.dtype],
+                                    "the gradient of final_state", "finite")
+                dht_ptr = dht.data_ptr()
+            grads = ctx.op.backward(ctx.kdacp_saved, _DTYPES[x.dtype], x.data_ptr(),
+                                    weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                    0 if h0 is None else h0.data_ptr(), ctx.activation,
+                                    dy.data_ptr(), dht_ptr)
+            grads = [None if g is None else torch.from_numpy(g) for g in grads]
+        if torch.is_grad_enabled():
+            anchors = [t for t in (x, weight, bias, h0) if t is not None and t.requires_grad]
+            grads = [None if g is None else _NoSecondOrder.apply(g, *anchors) for g in grads]
+        return (None, None, None) + tuple(grads)
+
+
+def _context_layout(cp_context, x, cu):
+    """(backend, layout, cu_seqlens) of a CP context; ValueError naming what
+    does not fit this call."""
+    for attr in ("backend", "layout", "rank", "world_size", "cu_seqlens"):
+        if not hasattr(cp_context, attr):
+            raise ValueError(f"causal_conv1d: cp_context {cp_context!r} has no attribute "
+                             f"'{attr}', expected a context of kdacp.torch.build_cp_context")
+    ctx_cu = None if cp_context.cu_seqlens is None else [int(v) for v in cp_context.cu_seqlens]
+    if cu is not None and cu != ctx_cu:
+        raise ValueError(f"causal_conv1d: cu_seqlens {cu} differ from the cp_context's (global) "
+                         f"{ctx_cu}: with a cp_context pass cu_seqlens=None or the context's")
+    layout = cp_context.layout
+    if cp_context.backend is None or cp_context.world_size == 1:
+        tokens = x.shape[1] if layout is None else layout.tokens
+        if x.shape[1] != tokens:
+            raise ValueError(f"causal_conv1d: x holds {x.shape[1]} tokens, the cp_context's "
+                             f"single process holds {tokens}")
+        return None, None, ctx_cu, tokens
+    local = layout.local_tokens(cp_context.rank)
+    if x.shape[1] != local:
+        name = getattr(cp_context, "layout_name", str(layout))
+        raise ValueError(f"causal_conv1d: rank {cp_context.rank}: x holds {x.shape[1]} tokens, "
+                         f"the cp_context's layout ({name}) gives this rank {local} of "
+                         f"{layout.tokens}")
+    return cp_context.backend, layout, ctx_cu, layout.tokens
+
+
+def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
+                  output_final_state=False, cu_seqlens=None, cp_context=None, **kwargs):
+    """Causal depthwise convolution, flash-linear-attention's semantics.
+
+    x [B,T,D] (with a cp_context: this rank's tokens of the context's
+    layout), weight [D,W] with 1 <= W <= 8, bias [D] or None, activation None,
+    "silu" or "swish"; float32 or float64 CPU tensors of one dtype, finite.
+    initial_state [N,D,W] (N = B, or the number of packed sequences with
+    cu_seqlens, B = 1): column W-1-i is the token i+1 before a sequence's
+    first (column 0 is not read). Returns (y [B,T,D], final_state [N,D,W] or
+    None): final_state holds each sequence's last W tokens (reaching into
+    initial_state, or zeros, for a sequence shorter than W); with a
+    cp_context it is complete on every rank and its gradient is the sum over
+    ranks. Differentiable (once) w.r.t. x, weight, bias and initial_state;
+    with a cp_context weight.grad and bias.grad are this rank's tokens' share
+    (summed over the CP ranks they are the one-process gradient, as data
+    parallel gradients are), initial_state.grad is complete on every rank.
+    Every rank calls it, and its backward, in the same order.
+    """
+    unknown = sorted(k for k in kwargs if k not in _UNSUPPORTED and k != "backend")
+    if unknown:
+        raise TypeError(f"causal_conv1d() got unexpected keyword argument(s) {unknown}")
+    given = sorted(k for k, v in kwargs.items() if k in _UNSUPPORTED and v is not None)
+    if given:
+        raise NotImplementedError(f"causal_conv1d: flash-linear-attention's {given} "
+                                  "is not supported by kdacp")
+    if kwargs.get("backend") not in _FLA_BACKENDS:
+        raise ValueError(f"causal_conv1d: backend={kwargs['backend']!r}, expected 'triton' or "
+                         "'cuda' (flash-linear-attention's; kdacp runs its own C++ kernels)")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"causal_conv1d: activation={activation!r}, expected None, 'silu' or "
+                         "'swish'")
+    if not isinstance(output_final_state, bool):
+        raise ValueError(f"causal_conv1d: output_final_state={output_final_state!r}, expected "
+                         "True or False")
+    x = _tensor(x, "x", 3)
+    weight = _tensor(weight, "weight", 2, x.dtype)
+    b, t, d = x.shape
+    if weight.shape[0] != d:
+        raise ValueError(f"causal_conv1d: weight has shape {list(weight.shape)}, expected "
+                         f"[D, W] with D = {d} (x's last dim)")
+    w = weight.shape[1]
+    if not 1 <= w <= _kdacp.conv_max_width:
+        raise ValueError(f"causal_conv1d: weight has shape {list(weight.shape)}: kernel width "
+                         f"W = {w}, expected 1 <= W <= {_kdacp.conv_max_width}")
+    if bias is not None:
+        bias = _tensor(bias, "bias", 1, x.dtype)
+        if bias.shape[0] != d:
+            raise ValueError(f"causal_conv1d: bias has shape {list(bias.shape)}, expected [{d}]")
+    cu = _cu_list(cu_seqlens)
+    if cp_context is not None:
+        kernel = getattr(cp_context, "conv1d_kernel_size", None)
+        if kernel is not None and kernel != w:
+            raise ValueError(f"causal_conv1d: weight has kernel width W = {w}, the cp_context "
+                             f"was built with conv1d_kernel_size={kernel}")
+        backend, layout, cu, tokens = _context_layout(cp_context, x, cu)
+    else:
+        backend, layout, tokens = None, None, t
+    if cu is not None and b != 1:
+        raise ValueError(f"causal_conv1d: x has batch B = {b} with cu_seqlens, expected B = 1 "
+                         "(packed sequences)")
+    n = b if cu is None else len(cu) - 1
+    if initial_state is not None:
+        initial_state = _tensor(initial_state, "initial_state", 3, x.dtype)
+        if list(initial_state.shape) != [n, d, w]:
+            raise ValueError(f"causal_conv1d: initial_state has shape "
+                             f"{list(initial_state.shape)}, expected [N, D, W] = {[n, d, w]}")
+    op = _kdacp.CausalConv(backend, layout, b, tokens, cu, d, w)
+    y, ht = _ConvFunction.apply(op, _ACTIVATIONS[activation], output_final_state, x, weight,
+                                bias, initial_state)
+    return y, (ht if output_final_state else None)

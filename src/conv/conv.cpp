@@ -1,0 +1,536 @@
+// The causal short convolution and its CP halo (kdacp/conv.hpp).
+//
+// Each local part is computed piece by piece (a piece: the part's tokens of
+// one sequence) over an extended row [history; tokens], the history being the
+// W-1 positions before the piece: for a part's first piece the halo received
+// from earlier parts, with initial-state columns (or zeros) where the
+// sequence starts less than W-1 tokens before it; for a piece that starts a
+// sequence inside the part, the initial state alone. Sums run in double for
+// float32 and float64 in one fixed order (row, piece, token, tap), so results
+// do not depend on the thread count (there is one thread) and a halo token's
+// value is the bits its owner holds.
+#include "kdacp/conv.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <span>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "kdacp/comm.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/finite.hpp"
+
+namespace kdacp::conv {
+
+namespace {
+
+// Message tags: above the exchange protocols' (< 2^16) and below kdacp._comm's
+// VIEW_TAG (2^20). Part i's transfer from part i-k (k <= 7) in direction dir
+// (0 forward, 1 backward) is kTagBase + 16 i + 2 k + dir.
+constexpr int kTagBase = 1 << 17;
+constexpr std::size_t kMaxParts = ((std::size_t{1} << 20) - (std::size_t{1} << 17)) / 16;
+constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
+
+double sigmoid(double z) {
+  if (z >= 0) return 1.0 / (1.0 + std::exp(-z));
+  const double e = std::exp(z);
+  return e / (1.0 + e);
+}
+
+template <class T>
+void require_finite_result(std::span<const T> data, const std::vector<std::size_t>& shape,
+                           const char* name, const char* pass) {
+  if (const auto i = find_non_finite(data))
+    throw NumericalError(fmt::format(
+        "causal_conv1d: the {} produced a non-finite {}: element {} is {} (overflow of the "
+        "input's range); expected finite values",
+        pass, name, index_string(*i, shape), exact_string(data[*i])));
+}
+
+template <class T>
+std::span<std::byte> bytes(std::vector<T>& v) {
+  return std::as_writable_bytes(std::span<T>(v));
+}
+
+}  // namespace
+
+Activation parse_activation(std::string_view name) {
+  if (name.empty() || name == "none") return Activation::none;
+  if (name == "silu" || name == "swish") return Activation::silu;
+  throw InvalidArgument(fmt::format(
+      "causal_conv1d: activation '{}', expected none, 'silu' or 'swish'", name));
+}
+
+std::string_view activation_name(Activation a) { return a == Activation::silu ? "silu" : "none"; }
+
+struct LocalPart {
+  std::size_t index = 0;  // global part (chain position)
+  Part part;
+  std::vector<Piece> pieces;
+  std::size_t seq = 0;        // sequence holding the part's first token (packed)
+  std::size_t seq_start = 0;  // its first token
+};
+
+struct CausalConv::Impl {
+  std::shared_ptr<Communicator> comm;  // null: one device
+  Sequences seqs;
+  std::size_t batch = 0, tokens_local = 0, dim = 0, width = 0, rank = 0, ranks = 1;
+  std::vector<LayoutPart> parts;        // global, chain order
+  std::vector<LocalPart> local;         // this rank's, token order
+  std::vector<std::size_t> local_of;    // global part -> local index, or npos
+  std::vector<Transfer> transfers;      // every rank's, ascending `to`
+  std::vector<std::size_t> last_owner;  // sequence -> rank holding its last token
+
+  Impl(std::shared_ptr<Communicator> cm, const Layout& layout, Sequences s, std::size_t d,
+       std::size_t w)
+      : comm(std::move(cm)), seqs(std::move(s)), batch(seqs.batch()), dim(d), width(w) {
+    if (w < 1 || w > kMaxWidth)
+      throw InvalidArgument(fmt::format(
+          "causal_conv1d: kernel width W = {} (weight [D,W]), expected 1 <= W <= {}", w,
+          kMaxWidth));
+    if (d < 1) throw InvalidArgument("causal_conv1d: D = 0 channels, expected D >= 1");
+    if (layout.tokens() != seqs.tokens())
+      throw InvalidArgument(fmt::format(
+          "causal_conv1d: the layout covers T = {} tokens, the sequences (cu_seqlens) T = {}",
+          layout.tokens(), seqs.tokens()));
+    if (comm) {
+      if (comm->size() != layout.ranks())
+        throw InvalidArgument(fmt::format(
+            "causal_conv1d: layout over {} ranks on a communicator of {} ranks", layout.ranks(),
+            comm->size()));
+      rank = comm->rank();
+      ranks = comm->size();
+    }
+    parts = layout.parts();
+    if (parts.size() > kMaxParts)
+      throw InvalidArgument(fmt::format(
+          "causal_conv1d: a layout of {} parts, expected at most {} (message tags)",
+          parts.size(), kMaxParts));
+    tokens_local = layout.local_tokens(rank);
+    const std::vector<std::size_t>& c = seqs.boundaries();
+    auto seq_of = [&](std::size_t t) {
+      return static_cast<std::size_t>(std::upper_bound(c.begin(), c.end(), t) - c.begin()) - 1;
+    };
+    local_of.assign(parts.size(), npos);
+    const std::vector<Part> mine = layout.local_parts(rank);
+    for (const Part& p : mine) {
+      LocalPart lp;
+      lp.part = p;
+      lp.index = static_cast<std::size_t>(
+          std::find_if(parts.begin(), parts.end(),
+                       [&](const LayoutPart& q) { return q.begin == p.begin; }) -
+          parts.begin());
+      lp.pieces = pieces(seqs, p);
+      lp.seq = seq_of(p.begin);
+      lp.seq_start = c[lp.seq];
+      local_of[lp.index] = local.size();
+      local.push_back(std::move(lp));
+    }
+    const std::size_t h = width - 1;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const std::size_t b = parts[i].begin;
+      const std::size_t lo = b - std::min(h, b - c[seq_of(b)]);
+      for (std::size_t j = i; j-- > 0 && parts[j].end > lo;)
+        transfers.push_back(Transfer{i, j, std::max(lo, parts[j].begin), parts[j].end});
+    }
+    last_owner.resize(seqs.count());
+    for (std::size_t n = 0; n < seqs.count(); ++n) {
+      const std::size_t last = seqs.packed() ? c[n + 1] - 1 : seqs.tokens() - 1;
+      for (const LayoutPart& p : parts)
+        if (p.begin <= last && last < p.end) last_owner[n] = p.rank;
+    }
+  }
+
+  std::size_t hist_rows() const { return width - 1; }
+  std::size_t owner(std::size_t part) const { return parts[part].rank; }
+  // Sequence (row of the states) of piece `pc` of row b.
+  std::size_t seq_index(std::optional<std::size_t> s, std::size_t b) const {
+    return seqs.packed() ? *s : b;
+  }
+  std::size_t state_row(const LocalPart& lp, std::size_t b) const {
+    return seqs.packed() ? lp.seq : b;
+  }
+  int tag(const Transfer& t, int dir) const {
+    return kTagBase + static_cast<int>(16 * t.to + 2 * (t.to - t.from)) + dir;
+  }
+  // Local position of token `tok` of global part `part` (held here).
+  std::size_t local_pos(std::size_t part, std::size_t tok) const {
+    const LocalPart& lp = local[local_of[part]];
+    return lp.part.local_begin + (tok - lp.part.begin);
+  }
+
+  // Initial-state columns (or zeros) of the history rows before the
+  // sequence start; the halo rows are filled by the exchange.
+  template <class T>
+  void fill_initial(const T* h0, std::vector<T>& hist) const {
+    const std::size_t h = hist_rows(), d = dim, w = width;
+    for (std::size_t li = 0; li < local.size(); ++li) {
+      const LocalPart& lp = local[li];
+      const std::size_t avail = std::min(h, lp.part.begin - lp.seq_start);
+      for (std::size_t b = 0; b < batch; ++b) {
+        T* rows = hist.data() + (li * batch + b) * h * d;
+        for (std::size_t r = 0; r + avail < h; ++r) {
+          // rel = r - (h - avail) < 0: initial-state column rel + W.
+          const std::size_t col = w - (h - avail) + r;
+          for (std::size_t k = 0; k < d; ++k)
+            rows[r * d + k] = h0 ? h0[(state_row(lp, b) * d + k) * w + col] : T(0);
+        }
+      }
+    }
+  }
+
+  template <class T>
+  T* hist_row(std::vector<T>& hist, std::size_t li, std::size_t b, std::size_t tok) const {
+    const LocalPart& lp = local[li];
+    const std::size_t r = tok - (lp.part.begin - hist_rows());
+    return hist.data() + ((li * batch + b) * hist_rows() + r) * dim;
+  }
+
+  // Forward halo: the history rows of every local part from their owners.
+  template <class T>
+  void exchange_forward(const T* x, std::vector<T>& hist) const {
+    std::vector<std::vector<T>> bufs(transfers.size());
+    std::vector<std::unique_ptr<Request>> reqs;
+    const std::size_t d = dim;
+    for (std::size_t q = 0; q < transfers.size(); ++q) {
+      const Transfer& t = transfers[q];
+      if (owner(t.to) != rank || owner(t.from) == rank) continue;
+      bufs[q].resize(batch * (t.end - t.begin) * d);
+      reqs.push_back(comm->irecv(bytes(bufs[q]), owner(t.from), tag(t, 0)));
+    }
+    for (std::size_t q = 0; q < transfers.size(); ++q) {
+      const Transfer& t = transfers[q];
+      if (owner(t.from) != rank || owner(t.to) == rank) continue;
+      const std::size_t n = t.end - t.begin;
+      bufs[q].resize(batch * n * d);
+      for (std::size_t b = 0; b < batch; ++b)
+        std::memcpy(bufs[q].data() + b * n * d,
+                    x + (b * tokens_local + local_pos(t.from, t.begin)) * d, n * d * sizeof(T));
+      reqs.push_back(comm->isend(std::as_bytes(std::span<const T>(bufs[q])), owner(t.to),
+                                 tag(t, 0)));
+    }
+    for (auto& r : reqs) r->wait();
+    for (std::size_t q = 0; q < transfers.size(); ++q) {
+      const Transfer& t = transfers[q];
+      if (owner(t.to) != rank) continue;
+      const std::size_t n = t.end - t.begin, li = local_of[t.to];
+      for (std::size_t b = 0; b < batch; ++b) {
+        const T* src = owner(t.from) == rank
+                           ? x + (b * tokens_local + local_pos(t.from, t.begin)) * d
+                           : bufs[q].data() + b * n * d;
+        std::memcpy(hist_row(hist, li, b, t.begin), src, n * d * sizeof(T));
+      }
+    }
+  }
+
+  // Backward halo: the gradient of every local part's halo rows to their
+  // owners, added to their dx in transfer order.
+  template <class T>
+  void exchange_backward(std::vector<T>& dhist, T* dx) const {
+    std::vector<std::vector<T>> bufs(transfers.size());
+    std::vector<std::unique_ptr<Request>> reqs;
+    const std::size_t d = dim;
+    for (std::size_t q = 0; q < transfers.size(); ++q) {
+      const Transfer& t = transfers[q];
+      if (owner(t.from) != rank || owner(t.to) == rank) continue;
+      bufs[q].resize(batch * (t.end - t.begin) * d);
+      reqs.push_back(comm->irecv(bytes(bufs[q]), owner(t.to), tag(t, 1)));
+    }
+    for (std::size_t q = 0; q < transfers.size(); ++q) {
+      const Transfer& t = transfers[q];
+      if (owner(t.to) != rank || owner(t.from) == rank) continue;
+      const std::size_t n = t.end - t.begin, li = local_of[t.to];
+      bufs[q].resize(batch * n * d);
+      for (std::size_t b = 0; b < batch; ++b)
+        std::memcpy(bufs[q].data() + b * n * d, hist_row(dhist, li, b, t.begin),
+                    n * d * sizeof(T));
+      reqs.push_back(comm->isend(std::as_bytes(std::span<const T>(bufs[q])), owner(t.from),
+                                 tag(t, 1)));
+    }
+    for (auto& r : reqs) r->wait();
+    for (std::size_t q = 0; q < transfers.size(); ++q) {
+      const Transfer& t = transfers[q];
+      if (owner(t.from) != rank) continue;
+      const std::size_t n = t.end - t.begin;
+      for (std::size_t b = 0; b < batch; ++b) {
+        const T* src = owner(t.to) == rank ? hist_row(dhist, local_of[t.to], b, t.begin)
+                                           : bufs[q].data() + b * n * d;
+        T* dst = dx + (b * tokens_local + local_pos(t.from, t.begin)) * d;
+        for (std::size_t k = 0; k < n * d; ++k) dst[k] += src[k];
+      }
+    }
+  }
+
+  // Sums `mine` (N*D*W doubles) over the ranks in rank order, on every rank.
+  void sum_over_ranks(std::vector<double>& mine) const {
+    if (!comm || ranks == 1) return;
+    const std::size_t n = mine.size();
+    std::vector<double> all(n * ranks);
+    std::copy(mine.begin(), mine.end(), all.begin() + rank * n);
+    comm->all_gather(bytes(all));
+    for (std::size_t k = 0; k < n; ++k) {
+      double s = 0;
+      for (std::size_t r = 0; r < ranks; ++r) s += all[r * n + k];
+      mine[k] = s;
+    }
+  }
+
+  // History of a piece: the part's (first piece) or the initial state's.
+  template <class T>
+  const T* piece_history(const T* h0, const std::vector<T>& hist, std::size_t li, std::size_t pi,
+                         std::size_t b, std::vector<T>& scratch) const {
+    const std::size_t h = hist_rows(), d = dim, w = width;
+    if (pi == 0) return hist.data() + (li * batch + b) * h * d;
+    const std::size_t n = seq_index(local[li].pieces[pi].starts, b);
+    scratch.assign(h * d, T(0));
+    if (h0)
+      for (std::size_t r = 0; r < h; ++r)
+        for (std::size_t k = 0; k < d; ++k) scratch[r * d + k] = h0[(n * d + k) * w + r + 1];
+    return scratch.data();
+  }
+};
+
+CausalConv::CausalConv(Sequences seqs, std::size_t dim, std::size_t width)
+    : impl_(std::make_unique<Impl>(nullptr, Layout::contiguous(seqs.tokens(), 1), seqs, dim,
+                                   width)) {}
+
+CausalConv::CausalConv(std::shared_ptr<Communicator> comm, Layout layout, Sequences seqs,
+                       std::size_t dim, std::size_t width) {
+  if (!comm) throw InvalidArgument("causal_conv1d: a CP convolution needs a communicator");
+  impl_ = std::make_unique<Impl>(std::move(comm), layout, std::move(seqs), dim, width);
+}
+
+CausalConv::~CausalConv() = default;
+CausalConv::CausalConv(CausalConv&&) noexcept = default;
+CausalConv& CausalConv::operator=(CausalConv&&) noexcept = default;
+
+std::size_t CausalConv::batch() const { return impl_->batch; }
+std::size_t CausalConv::local_tokens() const { return impl_->tokens_local; }
+std::size_t CausalConv::dim() const { return impl_->dim; }
+std::size_t CausalConv::width() const { return impl_->width; }
+std::size_t CausalConv::sequences() const { return impl_->seqs.count(); }
+std::size_t CausalConv::rank() const { return impl_->rank; }
+const std::vector<CausalConv::Transfer>& CausalConv::transfers() const {
+  return impl_->transfers;
+}
+
+template <class T>
+Saved<T> CausalConv::forward(const Tensors<T>& in, std::type_identity_t<T>* y,
+                             std::type_identity_t<T>* final_state) const {
+  const Impl& m = *impl_;
+  if (!in.x || !in.weight || !y)
+    throw InvalidArgument("causal_conv1d: x, weight and y must be given");
+  const std::size_t h = m.hist_rows(), d = m.dim, w = m.width, B = m.batch;
+  const std::size_t N = m.seqs.count();
+  Saved<T> saved;
+  saved.history.assign(m.local.size() * B * h * d, T(0));
+  m.fill_initial(in.initial_state, saved.history);
+  m.exchange_forward(in.x, saved.history);
+
+  std::vector<double> wt(w * d);  // weight transposed: [W][D]
+  for (std::size_t c = 0; c < d; ++c)
+    for (std::size_t k = 0; k < w; ++k) wt[k * d + c] = static_cast<double>(in.weight[c * w + k]);
+  const bool want_ht = final_state != nullptr;
+  const bool gather_ht = want_ht && m.comm && m.ranks > 1;
+  std::vector<T> ht_slots(gather_ht ? N * d * w * m.ranks : 0, T(0));
+  T* ht = gather_ht ? ht_slots.data() + m.rank * N * d * w : final_state;
+
+  std::vector<double> acc(d);
+  std::vector<T> scratch;
+  for (std::size_t li = 0; li < m.local.size(); ++li) {
+    const LocalPart& lp = m.local[li];
+    for (std::size_t b = 0; b < B; ++b) {
+      for (std::size_t pi = 0; pi < lp.pieces.size(); ++pi) {
+        const Piece& pc = lp.pieces[pi];
+        const std::size_t len = pc.end - pc.begin;
+        const std::size_t pos = lp.part.local_begin + (pc.begin - lp.part.begin);
+        const T* hist = m.piece_history(in.initial_state, saved.history, li, pi, b, scratch);
+        const T* xs = in.x + (b * m.tokens_local + pos) * d;
+        auto ext = [&](std::size_t e) { return e < h ? hist + e * d : xs + (e - h) * d; };
+        T* ys = y + (b * m.tokens_local + pos) * d;
+        for (std::size_t p = 0; p < len; ++p) {
+          for (std::size_t c = 0; c < d; ++c)
+            acc[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
+          for (std::size_t k = 0; k < w; ++k) {
+            const T* src = ext(p + k);
+            const double* wk = wt.data() + k * d;
+            for (std::size_t c = 0; c < d; ++c) acc[c] += wk[c] * static_cast<double>(src[c]);
+          }
+          T* out = ys + p * d;
+          if (in.activation == Activation::silu)
+            for (std::size_t c = 0; c < d; ++c) out[c] = static_cast<T>(acc[c] * sigmoid(acc[c]));
+          else
+            for (std::size_t c = 0; c < d; ++c) out[c] = static_cast<T>(acc[c]);
+        }
+        if (want_ht && pc.ends) {
+          const std::size_t n = m.seq_index(pc.ends, b);
+          for (std::size_t j = 0; j < w; ++j) {
+            const T* src = ext(len - 1 + j);
+            for (std::size_t c = 0; c < d; ++c) ht[(n * d + c) * w + j] = src[c];
+          }
+        }
+      }
+    }
+  }
+  if (gather_ht) {
+    m.comm->all_gather(bytes(ht_slots));
+    const std::size_t row = d * w;
+    for (std::size_t n = 0; n < N; ++n)
+      std::memcpy(final_state + n * row, ht_slots.data() + (m.last_owner[n] * N + n) * row,
+                  row * sizeof(T));
+  }
+  require_finite_result<T>({y, B * m.tokens_local * d}, {B, m.tokens_local, d}, "y", "forward");
+  if (want_ht)
+    require_finite_result<T>({final_state, N * d * w}, {N, d, w}, "final_state", "forward");
+  return saved;
+}
+
+template <class T>
+void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
+                          const std::type_identity_t<T>* dy,
+                          const std::type_identity_t<T>* d_final_state,
+                          const Grads<T>& grads) const {
+  const Impl& m = *impl_;
+  if (!in.x || !in.weight || !dy || !grads.dx || !grads.dweight)
+    throw InvalidArgument("causal_conv1d backward: x, weight, dy, dx and dweight must be given");
+  if (in.bias && !grads.dbias)
+    throw InvalidArgument("causal_conv1d backward: a bias is given, expected its gradient dbias");
+  if (in.initial_state && !grads.dinitial_state)
+    throw InvalidArgument(
+        "causal_conv1d backward: an initial state is given, expected its gradient "
+        "dinitial_state");
+  const std::size_t h = m.hist_rows(), d = m.dim, w = m.width, B = m.batch;
+  const std::size_t N = m.seqs.count();
+  if (saved.history.size() != m.local.size() * B * h * d)
+    throw InvalidArgument(fmt::format(
+        "causal_conv1d backward: saved history of {} elements, expected {} (another forward's?)",
+        saved.history.size(), m.local.size() * B * h * d));
+
+  // The final state's gradient, summed over the ranks.
+  std::vector<double> dht;
+  if (d_final_state) {
+    dht.assign(d_final_state, d_final_state + N * d * w);
+    m.sum_over_ranks(dht);
+  }
+  std::vector<double> wt(w * d), dw(w * d, 0.0), db(d, 0.0);
+  std::vector<double> dh0(in.initial_state ? N * d * w : 0, 0.0);
+  for (std::size_t c = 0; c < d; ++c)
+    for (std::size_t k = 0; k < w; ++k) wt[k * d + c] = static_cast<double>(in.weight[c * w + k]);
+  std::vector<T> dhist(saved.history.size(), T(0));
+  std::vector<T> scratch;
+  // Blocks of kBlock tokens: g (the gradient of the pre-activation z) of
+  // the block, and the gradient of the extended row [history; tokens] over
+  // the block's ext rows plus the W-1 after it (carried to the next block).
+  constexpr std::size_t kBlock = 64;
+  std::vector<double> g(kBlock * d), dext((kBlock + h) * d);
+  for (std::size_t li = 0; li < m.local.size(); ++li) {
+    const LocalPart& lp = m.local[li];
+    for (std::size_t b = 0; b < B; ++b) {
+      for (std::size_t pi = 0; pi < lp.pieces.size(); ++pi) {
+        const Piece& pc = lp.pieces[pi];
+        const std::size_t len = pc.end - pc.begin;
+        const std::size_t pos = lp.part.local_begin + (pc.begin - lp.part.begin);
+        const T* hist = m.piece_history(in.initial_state, saved.history, li, pi, b, scratch);
+        const T* xs = in.x + (b * m.tokens_local + pos) * d;
+        auto ext = [&](std::size_t e) { return e < h ? hist + e * d : xs + (e - h) * d; };
+        const T* dys = dy + (b * m.tokens_local + pos) * d;
+        T* dxs = grads.dx + (b * m.tokens_local + pos) * d;
+        // The sequence whose final state this piece's end gives, or npos.
+        const std::size_t ends = !dht.empty() && pc.ends ? m.seq_index(pc.ends, b) : npos;
+        // History rows: halo tokens (first piece, after the sequence start)
+        // go back to their owners; rows before the sequence start are
+        // initial-state columns.
+        const std::size_t real = pi == 0 ? std::min(h, lp.part.begin - lp.seq_start) : 0;
+        const std::size_t n0 = pi == 0 ? m.state_row(lp, b) : m.seq_index(pc.starts, b);
+        // The final gradient of ext row e (its dht term added here).
+        auto emit = [&](std::size_t e, double* de) {
+          if (ends != npos && e + 1 >= len)
+            for (std::size_t c = 0; c < d; ++c) de[c] += dht[(ends * d + c) * w + (e + 1 - len)];
+          if (e >= h) {
+            T* dst = dxs + (e - h) * d;
+            for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
+          } else if (e + real >= h) {
+            T* dst = dhist.data() + ((li * B + b) * h + e) * d;
+            for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
+          } else if (!dh0.empty()) {
+            const std::size_t col = w - (h - real) + e;
+            for (std::size_t c = 0; c < d; ++c) dh0[(n0 * d + c) * w + col] += de[c];
+          }
+        };
+        std::fill(dext.begin(), dext.begin() + static_cast<std::ptrdiff_t>(h * d), 0.0);
+        for (std::size_t p0 = 0; p0 < len; p0 += kBlock) {
+          const std::size_t nb = std::min(kBlock, len - p0);
+          // dext row i is ext row p0 + i; rows [0, h) carry over.
+          std::fill(dext.begin() + static_cast<std::ptrdiff_t>(h * d),
+                    dext.begin() + static_cast<std::ptrdiff_t>((h + nb) * d), 0.0);
+          for (std::size_t i = 0; i < nb; ++i) {
+            const std::size_t p = p0 + i;
+            double* gp = g.data() + i * d;
+            if (in.activation == Activation::silu) {
+              for (std::size_t c = 0; c < d; ++c)
+                gp[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
+              for (std::size_t k = 0; k < w; ++k) {
+                const T* src = ext(p + k);
+                const double* wk = wt.data() + k * d;
+                for (std::size_t c = 0; c < d; ++c) gp[c] += wk[c] * static_cast<double>(src[c]);
+              }
+              for (std::size_t c = 0; c < d; ++c) {
+                const double z = gp[c], s = sigmoid(z);
+                gp[c] = static_cast<double>(dys[p * d + c]) * (s * (1.0 + z * (1.0 - s)));
+              }
+            } else {
+              for (std::size_t c = 0; c < d; ++c) gp[c] = static_cast<double>(dys[p * d + c]);
+            }
+            for (std::size_t c = 0; c < d; ++c) db[c] += gp[c];
+            for (std::size_t k = 0; k < w; ++k) {
+              const T* src = ext(p + k);
+              const double* wk = wt.data() + k * d;
+              double* dwk = dw.data() + k * d;
+              double* de = dext.data() + (i + k) * d;
+              for (std::size_t c = 0; c < d; ++c) {
+                dwk[c] += gp[c] * static_cast<double>(src[c]);
+                de[c] += gp[c] * wk[c];
+              }
+            }
+          }
+          // Ext rows p0 .. p0+nb-1 have all their terms (from tokens <= them).
+          for (std::size_t i = 0; i < nb; ++i) emit(p0 + i, dext.data() + i * d);
+          std::copy(dext.begin() + static_cast<std::ptrdiff_t>(nb * d),
+                    dext.begin() + static_cast<std::ptrdiff_t>((nb + h) * d), dext.begin());
+        }
+        // The last W-1 ext rows (the piece's last tokens).
+        for (std::size_t i = 0; i < h; ++i) emit(len + i, dext.data() + i * d);
+      }
+    }
+  }
+  m.exchange_backward(dhist, grads.dx);
+  for (std::size_t c = 0; c < d; ++c) {
+    for (std::size_t k = 0; k < w; ++k) grads.dweight[c * w + k] = static_cast<T>(dw[k * d + c]);
+    if (grads.dbias && in.bias) grads.dbias[c] = static_cast<T>(db[c]);
+  }
+  if (in.initial_state) {
+    m.sum_over_ranks(dh0);
+    for (std::size_t k = 0; k < dh0.size(); ++k) grads.dinitial_state[k] = static_cast<T>(dh0[k]);
+  }
+  require_finite_result<T>({grads.dx, B * m.tokens_local * d}, {B, m.tokens_local, d}, "dx",
+                           "backward");
+  require_finite_result<T>({grads.dweight, d * w}, {d, w}, "dweight", "backward");
+  if (grads.dbias && in.bias) require_finite_result<T>({grads.dbias, d}, {d}, "dbias", "backward");
+  if (in.initial_state)
+    require_finite_result<T>({grads.dinitial_state, N * d * w}, {N, d, w}, "dinitial_state",
+                             "backward");
+}
+
+template Saved<float> CausalConv::forward(const Tensors<float>&, float*, float*) const;
+template Saved<double> CausalConv::forward(const Tensors<double>&, double*, double*) const;
+template void CausalConv::backward(const Tensors<float>&, const Saved<float>&, const float*,
+                                   const float*, const Grads<float>&) const;
+template void CausalConv::backward(const Tensors<double>&, const Saved<double>&, const double*,
+                                   const double*, const Grads<double>&) const;
+
+}  // namespace kdacp::conv

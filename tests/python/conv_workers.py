@@ -1,0 +1,130 @@
+"""Rank function of test_conv.py's multi-process test (gloo on localhost):
+kdacp.torch.causal_conv1d with a cp_context, every rank checking its tokens'
+y and dx, the final state and the initial state's gradient, and the sum over
+ranks of the weight's and bias's gradients, against one process (kdacp's
+and the torch reference's)."""
+
+import datetime
+import faulthandler
+import time
+
+import torch
+import torch.distributed as dist
+
+import kdacp.torch as kt
+from kdacp import _kdacp
+from conv_reference import causal_conv1d_ref
+
+
+class StandInContext:
+    """STAND-IN for kdacp.torch.build_cp_context (issue 20 item 3, written by
+    another helper): built here from the real pieces (kt._group_backend, the
+    C++ Layout) with the attributes that context exposes. Replace by
+    build_cp_context(cu_seqlens, group, conv1d_kernel_size=W, layout=...) at
+    merge."""
+
+    def __init__(self, group, layout, layout_name, cu_seqlens, kernel_size):
+        self.group = group
+        self.backend = kt._group_backend(group, 30.0)
+        self.layout = layout
+        self.layout_name = layout_name
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.cu_seqlens = None if cu_seqlens is None else list(cu_seqlens)
+        self.conv1d_kernel_size = kernel_size
+        self.protocol = "auto"
+        self.allgather_group_size = 1
+        self.options = {}
+
+
+def local_tokens(full, layout, rank):
+    """This rank's tokens of a [B,T,...] tensor, its parts concatenated."""
+    return torch.cat([full[:, lo:hi] for lo, hi in layout.local_parts(rank)], dim=1)
+
+
+def layouts(t, world, w):
+    out = [("contiguous", _kdacp.Layout.contiguous(t, world)),
+           ("zigzag", _kdacp.Layout.zigzag(t, world))]
+    # Parts shorter than W-1: every rank but the last holds one token, or the
+    # first holds nearly all.
+    ones = [1] * (world - 1) + [t - (world - 1)]
+    out.append(("contiguous", _kdacp.Layout.contiguous(t, world, ones)))
+    front = [t - (world - 1)] + [1] * (world - 1)
+    out.append(("contiguous", _kdacp.Layout.contiguous(t, world, front)))
+    return out
+
+
+def conv_worker(rank, world, init_file):
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    group = dist.group.WORLD
+    t, d = 21, 3
+    checked = 0
+    for dtype, tol, w in ((torch.float64, 1e-12, 2), (torch.float64, 1e-12, 8),
+                          (torch.float32, 1e-6, 4)):
+        for cu in (None, [0, 1, 3, 4, 12, 13, 21]):
+            b = 2 if cu is None else 1
+            n = b if cu is None else len(cu) - 1
+            gen = torch.Generator().manual_seed(w * 10 + (cu is None))
+            x = torch.randn(b, t, d, generator=gen, dtype=torch.float64).to(dtype)
+            weight = torch.randn(d, w, generator=gen, dtype=torch.float64).to(dtype)
+            bias = torch.randn(d, generator=gen, dtype=torch.float64).to(dtype)
+            h0 = torch.randn(n, d, w, generator=gen, dtype=torch.float64).to(dtype)
+            dy = torch.randn(b, t, d, generator=gen, dtype=torch.float64).to(dtype)
+            # Each rank's loss puts its own gradient on the final state.
+            dhts = torch.randn(world, n, d, w, generator=gen, dtype=torch.float64).to(dtype)
+            act = "silu" if w != 4 else None
+
+            def one(fn):
+                leaves = [v.clone().requires_grad_(True) for v in (x, weight, bias, h0)]
+                y, ht = fn(leaves[0], leaves[1], bias=leaves[2], activation=act,
+                           initial_state=leaves[3], output_final_state=True, cu_seqlens=cu)
+                ((y * dy).sum() + (ht * dhts.sum(0)).sum()).backward()
+                return y.detach(), ht.detach(), [v.grad for v in leaves]
+
+            y1, ht1, g1 = one(kt.causal_conv1d)
+            yr, htr, gr = one(causal_conv1d_ref)
+            assert (y1.double() - yr.double()).abs().max() <= tol * max(1, yr.abs().max())
+            for name, layout in layouts(t, world, w):
+                ctx = StandInContext(group, layout, name, cu, w)
+                xl = local_tokens(x, layout, rank).clone().requires_grad_(True)
+                wl = weight.clone().requires_grad_(True)
+                bl = bias.clone().requires_grad_(True)
+                hl = h0.clone().requires_grad_(True)
+                y, ht = kt.causal_conv1d(xl, wl, bl, act, hl, True, cp_context=ctx)
+                ((y * local_tokens(dy, layout, rank)).sum() + (ht * dhts[rank]).sum()).backward()
+                what = (dtype, w, cu, str(layout))
+
+                def check(a, ref, name):
+                    err = (a.double() - ref.double()).abs().max().item()
+                    scale = max(1.0, ref.double().abs().max().item())
+                    assert err <= tol * scale, (name, err, what)
+
+                check(y, local_tokens(y1, layout, rank), "y")
+                check(ht, ht1, "final_state")
+                check(xl.grad, local_tokens(g1[0], layout, rank), "dx")
+                check(hl.grad, g1[3], "dinitial_state")
+                for name_, grad, ref in (("dweight", wl.grad, g1[1]), ("dbias", bl.grad, g1[2])):
+                    total = grad.clone()
+                    dist.all_reduce(total)
+                    check(total, ref, name_ + " summed over ranks")
+                # and against the torch reference
+                check(y, local_tokens(yr, layout, rank), "y vs torch")
+                check(xl.grad, local_tokens(gr[0], layout, rank), "dx vs torch")
+                checked += 1
+    assert checked == 3 * 2 * 4
+    # A context built for another kernel width is refused, naming both.
+    ctx = StandInContext(group, _kdacp.Layout.contiguous(t, world), "contiguous", None, 4)
+    try:
+        kt.causal_conv1d(torch.zeros(1, _kdacp.Layout.contiguous(t, world).local_tokens(rank), 2),
+                         torch.zeros(2, 3), cp_context=ctx)
+    except ValueError as e:
+        assert "conv1d_kernel_size=4" in str(e), e
+    else:
+        raise AssertionError("a width other than the context's passed")
+    dist.barrier()
+    kt._BACKENDS.clear()
+    dist.destroy_process_group()
+    time.sleep(0.2)
