@@ -224,4 +224,61 @@ template <class T>
 void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
                    const ExecPolicy& exec = {});
 
+// ---------------------------------------------------------------------------
+// Input transforms of flash-linear-attention's chunk_kda (its "in kernel"
+// flags), each one pass with its exact reverse mode. Contiguous row-major
+// tensors; T is float or double; intermediates are computed in double, so a
+// float result is the correctly rounded double one. Every result is finite
+// for finite inputs, or InvalidArgument names the element whose exact value
+// is beyond T's range (an overflowing gate); non-finite inputs throw
+// InvalidArgument naming the element.
+
+// The gate g [tokens, heads, key_dim] from raw g (use_gate_in_kernel):
+//   g = -exp(A_log[h]) · softplus(raw + dt_bias[h,k])              (default)
+//   g = lower_bound · sigmoid(exp(A_log[h]) · (raw + dt_bias[h,k]))  (with a lower bound)
+// a_log [heads] and dt_bias [heads·key_dim] are optional (null: A_log = 0,
+// dt_bias = 0). The lower bound, when used, must be finite and < 0. softplus
+// and sigmoid are evaluated in forms exact over the whole finite domain
+// (softplus(x) = max(x, 0) + log1p(exp(-|x|))).
+template <class T>
+struct GateParams {
+  const T* a_log = nullptr;    // [heads] or null
+  const T* dt_bias = nullptr;  // [heads·key_dim] or null
+  bool use_lower_bound = false;
+  double lower_bound = 0;
+};
+
+template <class T>
+void gate_forward(const Elem<T>* raw, const GateParams<T>& params, std::size_t tokens,
+                  std::size_t heads, std::size_t key_dim, Elem<T>* g);
+
+// Gradients of a loss L(g): d_raw [tokens, heads, key_dim] and, when not
+// null (and the parameter was given), d_a_log [heads] and d_dt_bias
+// [heads·key_dim], summed over the tokens in token order (in double).
+template <class T>
+void gate_backward(const Elem<T>* raw, const GateParams<T>& params, std::size_t tokens,
+                   std::size_t heads, std::size_t key_dim, const Elem<T>* d_g, Elem<T>* d_raw,
+                   Elem<T>* d_a_log, Elem<T>* d_dt_bias);
+
+// flash-linear-attention's l2norm epsilon: y = x / sqrt(Σ x² + ε) per row.
+inline constexpr double kL2NormEpsilon = 1e-6;
+
+// y [rows, dim] = x · rstd per row, rstd [rows] = 1/sqrt(Σ x² + ε) (use_qk_l2norm_in_kernel,
+// rows = tokens · heads, dim = K). Rows of huge values are scaled first, so
+// no square overflows.
+template <class T>
+void l2norm_forward(const T* x, std::size_t rows, std::size_t dim, T* y, T* rstd);
+
+// d_x = rstd · (d_y - (d_y · y) y) per row, from l2norm_forward's y and rstd.
+template <class T>
+void l2norm_backward(const T* y, const T* rstd, const T* d_y, std::size_t rows,
+                     std::size_t dim, T* d_x);
+
+// y = sigmoid(x) elementwise (use_beta_sigmoid_in_kernel), and d_x = d_y · sigmoid'(x)
+// (from x: exact where y rounds to 0 or 1).
+template <class T>
+void sigmoid_forward(const T* x, std::size_t n, T* y);
+template <class T>
+void sigmoid_backward(const T* x, const T* d_y, std::size_t n, T* d_x);
+
 }  // namespace kdacp::kda

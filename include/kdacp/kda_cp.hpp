@@ -198,6 +198,12 @@ class ContextParallelLayer {
   // LayerChecks::check_finite, for the following calls.
   void check_finite(bool on) { check_finite_ = on; }
   bool checks_finite() const { return check_finite_; }
+  // Off: forward and backward skip their per-call agreement (the caller has
+  // agreed on the call's arguments once, as kdacp.torch's CpContext does):
+  // each rank's own argument checks still run and throw on that rank alone,
+  // before it sends anything; its peers then wait until the timeout.
+  void agree_per_call(bool on) { agree_calls_ = on; }
+  bool agrees_per_call() const { return agree_calls_; }
 
  private:
   // A cache for the next forward (null unless keep_forward and chunk): one
@@ -223,6 +229,7 @@ class ContextParallelLayer {
   PhaseTimes fwd_, bwd_;
   bool keep_forward_ = defaults::kKeepForward;
   bool check_finite_ = true;
+  bool agree_calls_ = true;
   std::vector<std::shared_ptr<ForwardCache<Elem<T>>>> caches_;
 };
 

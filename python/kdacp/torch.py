@@ -7,6 +7,8 @@ torch.distributed group, the serial fold, and a differentiable CP KDA layer.
     final_grad = ex.backward(gradient, matrix)
     x = kt.merge_affine_summaries(states, matrices, rank, forward=True)
     o, ht = kt.kda(q, k, v, g, beta, ...)
+    ctx = kt.build_cp_context(cu_seqlens, group, ...)        # once per batch
+    o, ht = kt.chunk_kda(q, k, v, g, beta, ..., cp_context=ctx)  # flash-linear-attention's op
 
 Tensors are CPU float32 or float64. Inputs C++ can view (unit column stride,
 batch stride = H x head stride) are used in place; others are copied once.
@@ -30,7 +32,7 @@ from kdacp import _kdacp
 from kdacp._comm import backend_for, check_group
 
 __all__ = ["build_kda_state_cp", "merge_affine_summaries", "kda", "StateExchange",
-           "SINGLE_PROCESS"]
+           "SINGLE_PROCESS", "chunk_kda", "build_cp_context", "CpContext"]
 
 
 class _SingleProcess:
@@ -686,7 +688,7 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
         allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
-        keep_forward=_DEFAULTS["keep_forward"], **options):
+        keep_forward=_DEFAULTS["keep_forward"], cp_context=None, **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -714,7 +716,20 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     would recompute (about 1.25x the local q, k, v, g at K = V = 128) in the
     autograd context, for a faster backward; False saves that memory (a
     forward without backward, or memory short); the same results either way. options: as build_kda_state_cp.
+    cp_context: a CpContext (build_cp_context) instead of group, layout,
+    protocol, allgather_group_size and options: no agreement message per
+    call (chunk_kda's path, without its transforms).
     """
+    if cp_context is not None:
+        if not isinstance(cp_context, CpContext):
+            raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
+                             "kdacp.torch.CpContext (build_cp_context)")
+        if group is not SINGLE_PROCESS or layout != "contiguous" or protocol != "auto" or \
+                allgather_group_size != 1 or options:
+            raise ValueError("kda: cp_context given with group, layout, protocol, "
+                             "allgather_group_size or options: the context holds them")
+        return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                               cu_seqlens, algorithm, keep_forward, dict(_NO_TRANSFORMS))
     if group is SINGLE_PROCESS:
         shape, cu, scale, threads, tensors, h0 = _check_arguments(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
@@ -806,6 +821,457 @@ def _group_backend(group, timeout_s):
             raise RuntimeError(str(e)) from None
     _BACKENDS[key] = (group, backend)
     return backend
+
+
+# -- flash-linear-attention's chunk_kda: in-kernel transforms, CP context ------
+
+def _np(t):
+    return torch.from_numpy(t)
+
+
+def _guard_second_order(grads, anchors):
+    """The transforms' C++ backward has no derivative of its own: under
+    create_graph=True their gradients raise on a second backward (as kda's)."""
+    if not torch.is_grad_enabled():
+        return grads
+    live = [t for t in anchors if t is not None and t.requires_grad]
+    return tuple(None if x is None else _NoSecondOrder.apply(x, *live) for x in grads)
+
+
+class _GateFunction(torch.autograd.Function):
+    """g = -exp(A_log)·softplus(g_raw + dt_bias), or lower_bound·sigmoid(
+    exp(A_log)·(g_raw + dt_bias)) (kdacp/kda.hpp gate_forward), one C++ pass;
+    its backward gives g_raw's, A_log's and dt_bias's gradients."""
+
+    @staticmethod
+    def forward(ctx, lower_bound, raw, a_log, dt_bias):
+        b, t, hv, kd = raw.shape
+        dtype = _DTYPES[raw.dtype]
+        ctx.args = (b * t, hv, kd, lower_bound, dtype)
+        ctx.save_for_backward(raw, a_log, dt_bias)
+        (out,) = _kdacp.kda_gate(raw.data_ptr(), 0 if a_log is None else a_log.data_ptr(),
+                                 0 if dt_bias is None else dt_bias.data_ptr(), b * t, hv, kd,
+                                 lower_bound, dtype)
+        return _np(out).view(b, t, hv, kd)
+
+    @staticmethod
+    def backward(ctx, d_g):
+        raw, a_log, dt_bias = ctx.saved_tensors
+        tokens, hv, kd, lower_bound, dtype = ctx.args
+        d_g = d_g.contiguous()
+        with torch.no_grad():
+            d_raw, d_a, d_b = _kdacp.kda_gate(
+                raw.data_ptr(), 0 if a_log is None else a_log.data_ptr(),
+                0 if dt_bias is None else dt_bias.data_ptr(), tokens, hv, kd, lower_bound, dtype,
+                d_g.data_ptr())
+        grads = (_np(d_raw).view(raw.shape), None if d_a is None else _np(d_a).view(a_log.shape),
+                 None if d_b is None else _np(d_b).view(dt_bias.shape))
+        for x, name in zip(grads, ("g", "A_log", "dt_bias")):
+            _require_finite_result(x, f"the gradient of {name}", "gate backward")
+        return (None,) + _guard_second_order(grads, (raw, a_log, dt_bias))
+
+
+class _L2NormFunction(torch.autograd.Function):
+    """x / sqrt(Σ_K x² + 1e-6) per (token, head) (kdacp/kda.hpp l2norm_forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+        y, rstd = _kdacp.kda_l2norm(x.data_ptr(), rows, dim, _DTYPES[x.dtype])
+        y, rstd = _np(y), _np(rstd)
+        ctx.save_for_backward(x, y, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, d_y):
+        x, y, rstd = ctx.saved_tensors
+        d_y = d_y.contiguous()
+        with torch.no_grad():
+            dx = _np(_kdacp.kda_l2norm_backward(y.data_ptr(), rstd.data_ptr(), d_y.data_ptr(),
+                                                y.shape[0], y.shape[1], _DTYPES[y.dtype]))
+        _require_finite_result(dx, "the gradient of q or k", "l2norm backward")
+        return _guard_second_order((dx.view(d_y.shape),), (x,))
+
+
+class _SigmoidFunction(torch.autograd.Function):
+    """beta = sigmoid(beta_raw) (kdacp/kda.hpp sigmoid_forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _np(_kdacp.kda_sigmoid(x.data_ptr(), x.numel(), _DTYPES[x.dtype])).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, d_y):
+        (x,) = ctx.saved_tensors
+        d_y = d_y.contiguous()
+        with torch.no_grad():
+            dx = _np(_kdacp.kda_sigmoid(x.data_ptr(), x.numel(), _DTYPES[x.dtype], d_y.data_ptr()))
+        _require_finite_result(dx, "the gradient of beta", "sigmoid backward")
+        return _guard_second_order((dx.view(x.shape),), (x,))
+
+
+def _transform_input(t, name, dtype):
+    """A CPU float tensor in the compute dtype, contiguous (the transforms read
+    raw memory). A conversion is an autograd op: gradients reach the original."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.float64")
+    return t.to(dtype).contiguous()
+
+
+def _lower_bound(lower_bound):
+    if lower_bound is None:
+        return None
+    if isinstance(lower_bound, torch.Tensor) and lower_bound.numel() == 1:
+        lower_bound = lower_bound.item()
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real) or \
+            not (math.isfinite(float(lower_bound)) and float(lower_bound) < 0):
+        raise ValueError(f"lower_bound={lower_bound!r}, expected a finite number < 0 (the gate "
+                         "then lies in [lower_bound, 0])")
+    return float(lower_bound)
+
+
+# flash-linear-attention's chunk_kda arguments kdacp does not implement: any
+# value but the default raises NotImplementedError naming it.
+_UNSUPPORTED_FLAGS = ("allow_neg_eigval", "return_intermediate_states", "state_v_first")
+# kdacp's extras chunk_kda accepts in **kwargs.
+_CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads")
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, *,
+              A_log=None, dt_bias=None, **kwargs):
+    """flash-linear-attention's ``fla.ops.kda.chunk_kda`` on kdacp (docs/python.md).
+
+    Returns (o [B,T,HV,V], final_state [N,HV,K,V] or None). The in-kernel
+    flags run kdacp's C++ transforms (kdacp/kda.hpp), then the kda layer:
+    use_gate_in_kernel: g is raw, g = -exp(A_log)·softplus(g + dt_bias), or
+    with lower_bound lower_bound·sigmoid(exp(A_log)·(g + dt_bias)); A_log [HV]
+    and dt_bias [HV·K] are optional (None: A_log = 0, dt_bias = 0).
+    use_qk_l2norm_in_kernel: q, k ← x / sqrt(Σ_K x² + 1e-6).
+    use_beta_sigmoid_in_kernel: beta ← sigmoid(beta). safe_gate with the
+    in-kernel gate needs lower_bound (as flash-linear-attention asserts); it is
+    otherwise a numerics hint of flash-linear-attention's kernels that kdacp
+    (exact for every g <= 0) does not need. disable_recompute: kdacp keeps
+    the forward's intermediates by default (keep_forward); True forces it.
+    cu_seqlens_cpu: the same boundaries (must equal cu_seqlens when both are
+    given). cp_context: a CpContext (build_cp_context): the tensors are this
+    rank's tokens of its layout, and no agreement message is sent per call.
+    allow_neg_eigval, return_intermediate_states, state_v_first (other than
+    their defaults) and any other keyword raise NotImplementedError naming
+    them; kdacp extras: algorithm, keep_forward, threads.
+    """
+    flags = {"allow_neg_eigval": allow_neg_eigval,
+             "return_intermediate_states": return_intermediate_states,
+             "state_v_first": state_v_first}
+    unsupported = [n for n in _UNSUPPORTED_FLAGS if flags[n] is not False]
+    unsupported += sorted(n for n in kwargs if n not in _CHUNK_KDA_EXTRAS)
+    if unsupported:
+        raise NotImplementedError(
+            f"kdacp.torch.chunk_kda does not support {unsupported} (flash-linear-attention "
+            f"arguments kdacp does not implement; supported extras: {list(_CHUNK_KDA_EXTRAS)})")
+    for name, flag in (("output_final_state", output_final_state),
+                       ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                       ("use_gate_in_kernel", use_gate_in_kernel),
+                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                       ("safe_gate", safe_gate), ("disable_recompute", disable_recompute)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r}, expected True or False")
+    lower_bound = _lower_bound(lower_bound)
+    if use_gate_in_kernel and safe_gate and lower_bound is None:
+        raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound (the "
+                         "gate is then lower_bound·sigmoid(exp(A_log)·(g + dt_bias)))")
+    if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
+        raise ValueError("A_log / dt_bias given with use_gate_in_kernel=False: g is then the "
+                         "ready log-decay and they would be ignored")
+    if cu_seqlens is None:
+        cu_seqlens = cu_seqlens_cpu
+    elif cu_seqlens_cpu is not None and _cu_list(cu_seqlens) != _cu_list(cu_seqlens_cpu):
+        raise ValueError("cu_seqlens and cu_seqlens_cpu differ, expected the same boundaries")
+    algorithm = kwargs.get("algorithm", _DEFAULTS["algorithm"])
+    keep_forward = kwargs.get("keep_forward", _DEFAULTS["keep_forward"])
+    if disable_recompute:
+        keep_forward = True
+    for t, name, nd in ((q, "q", 4), (k, "k", 4), (g, "g", 4), (beta, "beta", 3)):
+        _check_tensor(t, name, nd)
+    dtype = q.dtype
+    if use_gate_in_kernel:
+        hv, kd = g.shape[2], g.shape[3]
+        a = None
+        if A_log is not None:
+            a = _transform_input(A_log, "A_log", dtype)
+            if a.numel() != hv:
+                raise ValueError(f"A_log has {a.numel()} elements (shape {list(A_log.shape)}), "
+                                 f"expected HV = {hv}")
+        bias = None
+        if dt_bias is not None:
+            bias = _transform_input(dt_bias, "dt_bias", dtype)
+            if bias.numel() != hv * kd:
+                raise ValueError(f"dt_bias has {bias.numel()} elements (shape "
+                                 f"{list(dt_bias.shape)}), expected HV*K = {hv * kd}")
+        g = _GateFunction.apply(lower_bound, _transform_input(g, "g", dtype), a, bias)
+    if use_qk_l2norm_in_kernel:
+        q = _L2NormFunction.apply(q.contiguous())
+        k = _L2NormFunction.apply(k.contiguous())
+    if use_beta_sigmoid_in_kernel:
+        beta = _SigmoidFunction.apply(_transform_input(beta, "beta", dtype))
+    signature = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+                 "use_gate_in_kernel": use_gate_in_kernel,
+                 "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+                 "lower_bound": lower_bound, "A_log given": A_log is not None,
+                 "dt_bias given": dt_bias is not None}
+    options = {"threads": kwargs["threads"]} if "threads" in kwargs else {}
+    if cp_context is None:
+        return kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                   algorithm=algorithm, keep_forward=keep_forward, **options)
+    if not isinstance(cp_context, CpContext):
+        raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
+                         "kdacp.torch.CpContext (build_cp_context)")
+    if options:
+        raise ValueError("threads with a cp_context: pass it to build_cp_context")
+    return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                           algorithm, keep_forward, signature)
+
+
+_NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
+                  "use_beta_sigmoid_in_kernel": False, "lower_bound": None,
+                  "A_log given": False, "dt_bias given": False}
+_CONTEXT_FIELDS = ("layout", "world size", "cu_seqlens length", "cu_seqlens", "split",
+                   "conv1d_kernel_size") + _OPTION_FIELDS
+_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "initial_state given",
+                "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
+
+
+class CpContext:
+    """A context-parallel context (build_cp_context): every cross-rank
+    agreement done once, the C++ Layout and the backend built once.
+
+    Attributes: group, backend (the kdacp comm backend; None for a single
+    process), layout (the global kdacp._kdacp.Layout), layout_name
+    ("contiguous" or "zigzag"), rank, world_size, cu_seqlens (global list of
+    ints, or None), split (tokens per rank), conv1d_kernel_size (int or
+    None), protocol, allgather_group_size, options (dict), timeout_s.
+    """
+
+    def __init__(self, group, backend, layout, layout_name, cu, split, conv1d_kernel_size,
+                 protocol, width, options, timeout_s):
+        self.group = group
+        self.backend = backend
+        self.layout = layout
+        self.layout_name = layout_name
+        self.rank = 0 if backend is None else backend.rank
+        self.world_size = 1 if backend is None else backend.size
+        self.cu_seqlens = cu
+        self.split = split
+        self.conv1d_kernel_size = conv1d_kernel_size
+        self.protocol = protocol
+        self.allgather_group_size = width
+        self.options = options
+        self.timeout_s = timeout_s
+        self._layers = {}
+        self._signature = None  # the per-call arguments the ranks agreed on at the first call
+
+    def __repr__(self):
+        return (f"<kdacp CpContext rank {self.rank}/{self.world_size} {self.layout_name} "
+                f"{self.layout} protocol {self.protocol}>")
+
+    @property
+    def local_tokens(self):
+        return self.layout.local_tokens(self.rank)
+
+    def _call_row(self, shape, dtype, scale, algorithm, h0_given, want_ht, signature):
+        b, _, h, hv, kd, vd = shape
+        row = {"B": b, "H": h, "HV": hv, "K": kd, "V": vd, "dtype": dtype, "scale": scale,
+               "algorithm": algorithm, "initial_state given": h0_given,
+               "output_final_state": want_ht}
+        row.update(signature)
+        return row
+
+    def _agree_call(self, row, error):
+        """The first call's one agreement: every rank learns that all passed the
+        same per-call arguments (or which differ) before any exchange message."""
+        fp = _Fingerprint(_CALL_FIELDS)
+        if error is None:
+            shows = {"dtype": None, "algorithm": None, "lower_bound": None}
+            for name in _CALL_FIELDS:
+                x = row[name]
+                if name == "scale":
+                    fp.add(name, _float_bits(x), lambda b: repr(_bits_float(b)))
+                elif name in shows:
+                    fp.add_hash(name, x)
+                elif isinstance(x, bool):
+                    fp.add(name, int(x), lambda b: str(bool(b)))
+                else:
+                    fp.add(name, x)
+        fp.check(self.backend, "chunk_kda (first call on its cp_context)", ok=error is None,
+                 error=error)
+        self._signature = row
+
+    def _kda(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+             algorithm, keep_forward, signature):
+        """kda over the context's layout. Only the first call sends an
+        agreement (of the per-call arguments); later calls compare theirs
+        with it locally and send nothing but the exchange."""
+        if self.backend is None:
+            return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                       self.cu_seqlens if cu_seqlens is None else cu_seqlens,
+                       algorithm=algorithm, keep_forward=keep_forward, **self.options)
+        error = None
+        row = None
+        try:
+            if cu_seqlens is not None and _cu_list(cu_seqlens) != self.cu_seqlens:
+                raise ValueError(f"rank {dist.get_rank()}: cu_seqlens differs from its "
+                                 f"cp_context's {self.cu_seqlens} (pass None or the same)")
+            shape, cu, scale, threads, tensors, h0 = _check_arguments(
+                q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
+                self.layout_name, algorithm, keep_forward, self.options)
+            want = self.local_tokens
+            if shape[1] != want:
+                raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
+                                 f"{want}: this rank's part of the cp_context's layout "
+                                 f"{self.layout}")
+            row = self._call_row(shape, _DTYPES[q.dtype], scale, algorithm, h0 is not None,
+                                 output_final_state, signature)
+        except (ValueError, TypeError) as e:
+            error = e
+        if self._signature is None:
+            self._agree_call(row, error)
+        elif error is not None:
+            raise error
+        elif row != self._signature:
+            diffs = [f"{n}={row[n]!r} (agreed at the first call: {self._signature[n]!r})"
+                     for n in _CALL_FIELDS if row[n] != self._signature[n]]
+            raise ValueError(
+                f"rank {dist.get_rank()}: chunk_kda on a cp_context called with other "
+                f"arguments than at its first call, where every rank agreed on them: "
+                f"{'; '.join(diffs)}; nothing was sent (its peers wait for it until the "
+                f"timeout); build a new context for other arguments")
+        b, _, _, hv, kd, vd = shape
+        dtype = _DTYPES[q.dtype]
+        key = (dtype, b, hv, kd, vd)
+        layer = self._layers.get(key)
+        if layer is None:
+            opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype)
+            layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
+                                    self.layout, dtype, opts, threads)
+            # The layer's construction agreed (collectively, at this first call of
+            # the shape); its calls need not: the context's first call did.
+            layer.agree_per_call(False)
+            self._layers[key] = layer
+        o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
+                                   keep_forward, *tensors, h0)
+        return o, (ht if output_final_state else None)
+
+
+def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contiguous", split=None,
+                     protocol="auto", allgather_group_size=1, **options):
+    """A CpContext for chunk_kda(..., cp_context=ctx), built once per batch
+    (flash-linear-attention's build_cp_context; kdacp's extras after its
+    arguments). Collective over `group` (one agreement; plus the group's
+    first gather the first time kdacp meets it).
+
+    cu_seqlens: the global boundaries (1-D int tensor or ints; None: B
+    sequences, one per batch row, then `split` is required). group: a live
+    torch.distributed group (its ranks in order are the CP order), or
+    SINGLE_PROCESS. layout: "contiguous" (rank r holds the r-th run of
+    tokens) or "zigzag". split: tokens per rank for a contiguous layout (any
+    lengths; None: cu_seqlens[-1] / world size, which must divide); with
+    zigzag None or zigzag's own counts. protocol, allgather_group_size and
+    options as build_kda_state_cp. Checked at build, in the agreement: the
+    layout, world size, cu_seqlens, split, conv1d_kernel_size, protocol,
+    allgather_group_size, options and timeout. Checked at the first chunk_kda
+    call (its one agreement): B, H, HV, K, V, dtype, scale, algorithm, the
+    flags and which of initial_state, A_log, dt_bias are given; later calls
+    must pass the same (a rank that does not raises ValueError before sending;
+    its peers time out naming it) and send only the exchange's messages.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout {layout!r}, expected 'contiguous' or 'zigzag'")
+    if conv1d_kernel_size is not None:
+        conv1d_kernel_size = _integer(conv1d_kernel_size, "conv1d_kernel_size", 1, 1 << 16)
+    cu = None
+    if cu_seqlens is not None:
+        cu = _cu_list(cu_seqlens)
+        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens {cu}: expected at least 2 non-decreasing entries "
+                             "from 0")
+    options = dict(options)
+    _options(options)
+    timeout_s = _timeout(options)
+    _threads(options)
+    if not isinstance(protocol, str) or protocol not in _kdacp.exchange_methods():
+        raise ValueError(f"unknown protocol {protocol!r}, expected one of "
+                         f"{_kdacp.exchange_methods()}")
+    width = _group_size(allgather_group_size)
+    if group is SINGLE_PROCESS:
+        world, backend = 1, None
+    else:
+        if group is None:
+            raise ValueError("build_cp_context: group=None, expected a process group "
+                             "(torch.distributed.group.WORLD or a new_group), or "
+                             "kdacp.torch.SINGLE_PROCESS for one process")
+        check_group(group)
+        backend = _group_backend(group, timeout_s)
+        world = backend.size
+    fp = _Fingerprint(_CONTEXT_FIELDS)
+    error = None
+    built = None
+    try:
+        if split is not None:
+            if isinstance(split, torch.Tensor):
+                split = split.tolist()
+            split = [_integer(x, "split", 0, 1 << 62) for x in split]
+            if len(split) != world:
+                raise ValueError(f"split has {len(split)} entries, expected one per rank "
+                                 f"({world})")
+            if cu is not None and sum(split) != cu[-1]:
+                raise ValueError(f"split {split} sums to {sum(split)} tokens, expected "
+                                 f"cu_seqlens[-1] = {cu[-1]}")
+        elif cu is None:
+            raise ValueError("cu_seqlens=None and split=None: pass split (tokens per rank), "
+                             "the layout cannot be known otherwise")
+        tokens = cu[-1] if cu is not None else sum(split)
+        if layout == "zigzag":
+            built = _kdacp.Layout.zigzag(tokens, world)
+            own = [built.local_tokens(r) for r in range(world)]
+            if split is not None and split != own:
+                raise ValueError(f"split {split}, but zigzag over {world} ranks of {tokens} "
+                                 f"tokens holds {own}")
+        else:
+            if split is None:
+                if tokens % world:
+                    raise ValueError(f"{tokens} tokens do not split evenly over {world} ranks: "
+                                     "pass split (tokens per rank)")
+                split = [tokens // world] * world
+            built = _kdacp.Layout.contiguous(tokens, world, split)
+        split = [built.local_tokens(r) for r in range(world)]
+        fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
+        fp.add("world size", world)
+        fp.add("cu_seqlens length", -1 if cu is None else len(cu),
+               lambda x: "None" if x < 0 else str(x))
+        fp.add_hash("cu_seqlens", b"" if cu is None else
+                    torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
+        fp.add_hash("split", torch.tensor(split, dtype=torch.int64).numpy().tobytes())
+        fp.add("conv1d_kernel_size", -1 if conv1d_kernel_size is None else conv1d_kernel_size,
+               lambda x: "None" if x < 0 else str(x))
+        _options_fingerprint(fp, options, protocol, width, timeout_s)
+    except (ValueError, TypeError) as e:
+        error = e
+    if backend is None:
+        if error is not None:
+            raise error
+    else:
+        fp.check(backend, "build_cp_context", ok=error is None, error=error)
+    return CpContext(group, backend, built, layout, cu, split, conv1d_kernel_size, protocol,
+                     width, options, timeout_s)
 
 
 from kdacp._conv import causal_conv1d  # noqa: E402  (issue 20: the short convolution)

@@ -15,6 +15,7 @@
 #include "binding.hpp"
 #include "kda/sequences.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/kda.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
@@ -96,6 +97,13 @@ class KdaLayer {
     const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
     return f64_ ? backward_t<double>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0, a)
                 : backward_t<float>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0, a);
+  }
+
+  // Off: the layer's forward and backward skip their per-call agreement
+  // (kda::ContextParallelLayer::agree_per_call): a CpContext agreed once.
+  void agree_per_call(bool on) {
+    if (layer_f32_) layer_f32_->agree_per_call(on);
+    if (layer_f64_) layer_f64_->agree_per_call(on);
   }
 
   // The exchange's method ("none" on one process) and whether it is exact.
@@ -239,6 +247,92 @@ class KdaLayer {
   std::unique_ptr<kda::ContextParallelLayer<double>> layer_f64_;
 };
 
+// The in-kernel input transforms of chunk_kda (kdacp/kda.hpp), on contiguous
+// tensors' memory (pointers from Python), results in new arrays. The loops
+// run without the GIL.
+bool is_f64(const std::string& dtype) {
+  if (dtype == "float64") return true;
+  if (dtype == "float32") return false;
+  throw InvalidArgument(fmt::format("kda transform dtype {}, expected float32 or float64", dtype));
+}
+
+template <class T>
+py::tuple gate_t(std::uintptr_t raw, std::uintptr_t a_log, std::uintptr_t dt_bias, std::size_t tokens,
+                 std::size_t heads, std::size_t key_dim, std::optional<double> lower_bound,
+                 std::uintptr_t d_g) {
+  kda::GateParams<T> p{ptr<T>(a_log), ptr<T>(dt_bias), lower_bound.has_value(), lower_bound.value_or(0.0)};
+  const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+  py::array out = new_array(dt, {tokens, heads, key_dim});
+  if (d_g == 0) {
+    {
+      py::gil_scoped_release release;
+      kda::gate_forward(ptr<T>(raw), p, tokens, heads, key_dim, mut<T>(out));
+    }
+    return py::make_tuple(out);
+  }
+  py::object da = py::none(), db = py::none();
+  T* da_data = nullptr;
+  T* db_data = nullptr;
+  if (a_log) {
+    py::array a = new_array(dt, {heads});
+    da_data = mut<T>(a);
+    da = a;
+  }
+  if (dt_bias) {
+    py::array a = new_array(dt, {heads * key_dim});
+    db_data = mut<T>(a);
+    db = a;
+  }
+  {
+    py::gil_scoped_release release;
+    kda::gate_backward(ptr<T>(raw), p, tokens, heads, key_dim, ptr<T>(d_g), mut<T>(out), da_data, db_data);
+  }
+  return py::make_tuple(out, da, db);
+}
+
+py::tuple kda_gate(std::uintptr_t raw, std::uintptr_t a_log, std::uintptr_t dt_bias, std::size_t tokens,
+                   std::size_t heads, std::size_t key_dim, std::optional<double> lower_bound,
+                   const std::string& dtype, std::uintptr_t d_g) {
+  return is_f64(dtype) ? gate_t<double>(raw, a_log, dt_bias, tokens, heads, key_dim, lower_bound, d_g)
+                       : gate_t<float>(raw, a_log, dt_bias, tokens, heads, key_dim, lower_bound, d_g);
+}
+
+template <class T>
+py::tuple l2norm_t(std::uintptr_t x, std::size_t rows, std::size_t dim) {
+  const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+  py::array y = new_array(dt, {rows, dim});
+  py::array rstd = new_array(dt, {rows});
+  {
+    py::gil_scoped_release release;
+    kda::l2norm_forward(ptr<T>(x), rows, dim, mut<T>(y), mut<T>(rstd));
+  }
+  return py::make_tuple(y, rstd);
+}
+
+template <class T>
+py::array l2norm_backward_t(std::uintptr_t y, std::uintptr_t rstd, std::uintptr_t d_y, std::size_t rows,
+                            std::size_t dim) {
+  py::array dx = new_array(std::is_same_v<T, double> ? DType::f64 : DType::f32, {rows, dim});
+  {
+    py::gil_scoped_release release;
+    kda::l2norm_backward(ptr<T>(y), ptr<T>(rstd), ptr<T>(d_y), rows, dim, mut<T>(dx));
+  }
+  return dx;
+}
+
+template <class T>
+py::array sigmoid_t(std::uintptr_t x, std::uintptr_t d_y, std::size_t n) {
+  py::array out = new_array(std::is_same_v<T, double> ? DType::f64 : DType::f32, {n});
+  {
+    py::gil_scoped_release release;
+    if (d_y == 0)
+      kda::sigmoid_forward(ptr<T>(x), n, mut<T>(out));
+    else
+      kda::sigmoid_backward(ptr<T>(x), ptr<T>(d_y), n, mut<T>(out));
+  }
+  return out;
+}
+
 }  // namespace
 
 void bind_kda(py::module_& m) {
@@ -284,9 +378,36 @@ void bind_kda(py::module_& m) {
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
            py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
            py::arg("want_dh0"), py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm))
+      .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
       .def("times", &KdaLayer::times, py::arg("forward"));
+  // d_g 0: the gate (one array); otherwise its backward: (d_raw, d_a_log or
+  // None, d_dt_bias or None). a_log / dt_bias 0: not given.
+  m.def("kda_gate", &kda_gate, py::arg("raw"), py::arg("a_log"), py::arg("dt_bias"), py::arg("tokens"),
+        py::arg("heads"), py::arg("key_dim"), py::arg("lower_bound"), py::arg("dtype"),
+        py::arg("d_g") = 0);
+  m.def(
+      "kda_l2norm",
+      [](std::uintptr_t x, std::size_t rows, std::size_t dim, const std::string& dtype) {
+        return is_f64(dtype) ? l2norm_t<double>(x, rows, dim) : l2norm_t<float>(x, rows, dim);
+      },
+      py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("dtype"));
+  m.def(
+      "kda_l2norm_backward",
+      [](std::uintptr_t y, std::uintptr_t rstd, std::uintptr_t d_y, std::size_t rows, std::size_t dim,
+         const std::string& dtype) {
+        return is_f64(dtype) ? l2norm_backward_t<double>(y, rstd, d_y, rows, dim)
+                             : l2norm_backward_t<float>(y, rstd, d_y, rows, dim);
+      },
+      py::arg("y"), py::arg("rstd"), py::arg("d_y"), py::arg("rows"), py::arg("dim"), py::arg("dtype"));
+  // d_y 0: sigmoid(x); otherwise d_y · sigmoid'(x).
+  m.def(
+      "kda_sigmoid",
+      [](std::uintptr_t x, std::size_t n, const std::string& dtype, std::uintptr_t d_y) {
+        return is_f64(dtype) ? sigmoid_t<double>(x, d_y, n) : sigmoid_t<float>(x, d_y, n);
+      },
+      py::arg("x"), py::arg("n"), py::arg("dtype"), py::arg("d_y") = 0);
 }
 
 }  // namespace kdacp::python

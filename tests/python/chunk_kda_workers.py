@@ -1,0 +1,197 @@
+"""Rank functions of test_chunk_kda's gloo tests (torch.multiprocessing
+spawn): chunk_kda with a CpContext equals one process, and a call on a
+context sends no agreement message."""
+
+import datetime
+import faulthandler
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kdacp.torch as kt
+
+FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True)
+
+
+def init(rank, world, init_file):
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+
+
+def finish():
+    dist.barrier()
+    kt._LAYERS.clear()
+    dist.destroy_process_group()
+    time.sleep(0.2)
+
+
+def make(t, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
+
+    h, hv, kd, vd = 1, 2, 16, 16
+    return dict(q=rnd(1, t, h, kd), k=rnd(1, t, h, kd), v=rnd(1, t, hv, vd),
+                g=rnd(1, t, hv, kd), beta=rnd(1, t, hv), A_log=0.3 * rnd(hv),
+                dt_bias=0.5 * rnd(hv * kd), h0=0.5 * rnd(n, hv, kd, vd))
+
+
+TOKEN_WISE = ("q", "k", "v", "g", "beta")
+NAMES = TOKEN_WISE + ("A_log", "dt_bias", "h0")
+
+
+def call(x, flags, **kw):
+    return kt.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                         output_final_state=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         **flags, **kw)
+
+
+class Counter:
+    """Counts the backend's messages by kind (instance attributes shadow the
+    methods the C++ communicator calls)."""
+
+    KINDS = ("all_gather", "broadcast", "barrier", "isend", "irecv", "split")
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.counts = dict.fromkeys(self.KINDS, 0)
+        for kind in self.KINDS:
+            setattr(backend, kind, self._wrap(kind, getattr(backend, kind)))
+
+    def _wrap(self, kind, method):
+        def counted(*a, **k):
+            self.counts[kind] += 1
+            return method(*a, **k)
+        return counted
+
+    def reset(self):
+        self.counts = dict.fromkeys(self.KINDS, 0)
+
+    def remove(self):
+        for kind in self.KINDS:
+            delattr(self.backend, kind)
+
+
+def context_worker(rank, world, init_file):
+    init(rank, world, init_file)
+    counts = [3 + 2 * r for r in range(world)]
+    cases = [
+        # dtype, tol, layout, split, total tokens, protocol, flags
+        (torch.float64, 1e-10, "contiguous", counts, sum(counts), "p2p", FLAGS),
+        (torch.float64, 1e-10, "zigzag", None, 9 * world + 3, "allgather",
+         dict(FLAGS, safe_gate=True, lower_bound=-4.0)),
+        (torch.float32, 5e-5, "contiguous", None, 8 * world, "auto", FLAGS),
+    ]
+    if world > 2:
+        cases = cases[1:2]  # the suite's time: world 2 runs every case and check
+    for dtype, tol, layout, split, t, protocol, flags in cases:
+        cu = [0, 4, t // 2 + 1, t]
+        n = len(cu) - 1
+        full = make(t, n, dtype, seed=31)
+        gen = torch.Generator().manual_seed(32)
+        d_o = torch.randn(1, t, 2, 16, generator=gen, dtype=torch.float64).to(dtype)
+        d_ht = [torch.randn(n, 2, 16, 16, generator=gen, dtype=torch.float64).to(dtype)
+                for _ in range(world)]
+        ref = {k_: v_.clone().requires_grad_() for k_, v_ in full.items()}
+        o_ref, ht_ref = call(ref, flags, cu_seqlens=cu)
+        ((o_ref * d_o).sum() + (ht_ref * sum(d_ht[1:], d_ht[0].clone())).sum()).backward()
+
+        ctx = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, conv1d_kernel_size=4,
+                                  layout=layout, split=split, protocol=protocol, timeout=20,
+                                  threads=1)
+        assert (ctx.rank, ctx.world_size, ctx.layout_name) == (rank, world, layout)
+        assert ctx.cu_seqlens == cu and ctx.conv1d_kernel_size == 4
+        assert ctx.group is dist.group.WORLD and ctx.backend is not None
+        assert ctx.protocol == protocol and ctx.allgather_group_size == 1
+        spans = ctx.layout.local_parts(rank)
+
+        def local(x):
+            return torch.cat([x[:, a:e] for a, e in spans], dim=1)
+
+        for step in range(2):  # the first call agrees, the second runs on what it pinned
+            mine = {k_: (local(v_) if k_ in TOKEN_WISE else v_).detach().clone()
+                    .requires_grad_() for k_, v_ in full.items()}
+            o, ht = call(mine, flags, cp_context=ctx)
+            ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
+            # A_log's and dt_bias's gradients are this rank's tokens' part: summed over
+            # the ranks (what data parallel training does with parameters) they are one
+            # process's.
+            for name in ("A_log", "dt_bias"):
+                dist.all_reduce(mine[name].grad)
+            got = {"o": o, "ht": ht, **{"d" + k_: mine[k_].grad for k_ in NAMES}}
+            want = {"o": local(o_ref), "ht": ht_ref,
+                    **{"d" + k_: (local(ref[k_].grad) if k_ in TOKEN_WISE else ref[k_].grad)
+                       for k_ in NAMES}}
+            for name in got:
+                assert got[name].dtype == dtype, name
+                err = (got[name].double() - want[name].double()).abs().max().item()
+                assert err <= tol, (layout, protocol, dtype, name, err)
+    if world > 2:
+        finish()
+        return
+
+    # Messages per call, counted on the backend. p2p without h0/ht: the exchange is
+    # isend/irecv alone, so any collective would be an agreement.
+    t = 8 * world
+    x = make(t, 1, torch.float64, seed=34)
+    mine = {k_: (v_[:, rank * 8:(rank + 1) * 8] if k_ in TOKEN_WISE else v_)
+            for k_, v_ in x.items()}
+    ctx = kt.build_cp_context([0, t], dist.group.WORLD, protocol="p2p", timeout=20, threads=1)
+    counter = Counter(ctx.backend)
+    for step in range(3):
+        counter.reset()
+        leaves = {k_: v_.clone().requires_grad_() for k_, v_ in mine.items()}
+        o, ht = kt.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                             A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], cp_context=ctx,
+                             **FLAGS)
+        assert ht is None
+        o.sum().backward()
+        collectives = sum(counter.counts[k_] for k_ in ("all_gather", "broadcast", "barrier",
+                                                        "split"))
+        if step == 0:
+            assert counter.counts["all_gather"] >= 1, counter.counts  # the one agreement
+        else:
+            assert collectives == 0, (step, counter.counts)
+        assert counter.counts["isend"] + counter.counts["irecv"] >= 1, counter.counts
+    # kda without a context agrees on every call (forward and backward).
+    for step in range(2):
+        counter.reset()
+        kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
+               torch.sigmoid(mine["beta"]), group=dist.group.WORLD, protocol="p2p", timeout=20,
+               threads=1)
+        assert counter.counts["all_gather"] >= 1, counter.counts
+    counter.remove()
+
+    # Per-call arguments that differ at a context's first call: ValueError on every
+    # rank naming them, before any exchange message.
+    t = 8 * world
+    x = make(t, 1, torch.float64, seed=33)
+    ctx = kt.build_cp_context([0, t], dist.group.WORLD, protocol="p2p", timeout=20, threads=1)
+    mine = {k_: (v_[:, rank * 8:(rank + 1) * 8] if k_ in TOKEN_WISE else v_)
+            for k_, v_ in x.items()}
+    with pytest.raises(ValueError, match="scale differs"):
+        call(mine, FLAGS, cp_context=ctx, scale=0.25 if rank == 0 else 0.5)
+    call(mine, FLAGS, cp_context=ctx, scale=0.5)  # now agreed, and pinned
+    # A later call with other arguments raises on its rank before sending (here on
+    # every rank alike, so no peer is left waiting for the timeout).
+    with pytest.raises(ValueError, match=r"other arguments than at its first call.*"
+                                         r"scale=0.3 \(agreed at the first call: 0.5\)"):
+        call(mine, FLAGS, cp_context=ctx, scale=0.3)
+    with pytest.raises(ValueError, match="use_qk_l2norm_in_kernel=False"):
+        call(mine, dict(FLAGS, use_qk_l2norm_in_kernel=False), cp_context=ctx, scale=0.5)
+    with pytest.raises(ValueError, match="q has 7 tokens, expected 8"):
+        call({k_: (v_[:, :7] if k_ in TOKEN_WISE else v_) for k_, v_ in mine.items()}, FLAGS,
+             cp_context=ctx, scale=0.5)
+    # Context arguments that differ: named at build.
+    with pytest.raises(ValueError, match="cu_seqlens differs"):
+        kt.build_cp_context([0, t - rank, t], dist.group.WORLD, timeout=20)
+    with pytest.raises(ValueError, match="layout differs"):
+        kt.build_cp_context([0, 2 * world * 4], dist.group.WORLD,
+                            layout="zigzag" if rank == 0 else "contiguous", timeout=20)
+    finish()
