@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
+from kdacp._conv import causal_conv1d
 from kdacp._comm import backend_for, check_group
 
 __all__ = ["build_kda_state_cp", "merge_affine_summaries", "kda", "StateExchange",
-           "SINGLE_PROCESS", "chunk_kda", "build_cp_context", "CpContext"]
+           "SINGLE_PROCESS", "chunk_kda", "build_cp_context", "CpContext", "causal_conv1d"]
 
 
 class _SingleProcess:
@@ -1272,7 +1273,3 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
         fp.check(backend, "build_cp_context", ok=error is None, error=error)
     return CpContext(group, backend, built, layout, cu, split, conv1d_kernel_size, protocol,
                      width, options, timeout_s)
-
-
-from kdacp._conv import causal_conv1d  # noqa: E402  (issue 20: the short convolution)
-__all__.append("causal_conv1d")

@@ -16,25 +16,14 @@ from kdacp import _kdacp
 from conv_reference import causal_conv1d_ref
 
 
-class StandInContext:
-    """STAND-IN for kdacp.torch.build_cp_context (issue 20 item 3, written by
-    another helper): built here from the real pieces (kt._group_backend, the
-    C++ Layout) with the attributes that context exposes. Replace by
-    build_cp_context(cu_seqlens, group, conv1d_kernel_size=W, layout=...) at
-    merge."""
-
-    def __init__(self, group, layout, layout_name, cu_seqlens, kernel_size):
-        self.group = group
-        self.backend = kt._group_backend(group, 30.0)
-        self.layout = layout
-        self.layout_name = layout_name
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.cu_seqlens = None if cu_seqlens is None else list(cu_seqlens)
-        self.conv1d_kernel_size = kernel_size
-        self.protocol = "auto"
-        self.allgather_group_size = 1
-        self.options = {}
+def context(group, layout, layout_name, cu_seqlens, kernel_size, world):
+    """kdacp.torch.build_cp_context for this layout: its per-rank counts as
+    the split (required without cu_seqlens, zigzag's own for zigzag)."""
+    split = [layout.local_tokens(r) for r in range(world)]
+    ctx = kt.build_cp_context(cu_seqlens, group, conv1d_kernel_size=kernel_size,
+                              layout=layout_name, split=split)
+    assert str(ctx.layout) == str(layout), (ctx.layout, layout)
+    return ctx
 
 
 def local_tokens(full, layout, rank):
@@ -88,7 +77,7 @@ def conv_worker(rank, world, init_file):
             yr, htr, gr = one(causal_conv1d_ref)
             assert (y1.double() - yr.double()).abs().max() <= tol * max(1, yr.abs().max())
             for name, layout in layouts(t, world, w):
-                ctx = StandInContext(group, layout, name, cu, w)
+                ctx = context(group, layout, name, cu, w, world)
                 xl = local_tokens(x, layout, rank).clone().requires_grad_(True)
                 wl = weight.clone().requires_grad_(True)
                 bl = bias.clone().requires_grad_(True)
@@ -116,7 +105,7 @@ def conv_worker(rank, world, init_file):
                 checked += 1
     assert checked == 3 * 2 * 4
     # A context built for another kernel width is refused, naming both.
-    ctx = StandInContext(group, _kdacp.Layout.contiguous(t, world), "contiguous", None, 4)
+    ctx = context(group, _kdacp.Layout.contiguous(t, world), "contiguous", None, 4, world)
     try:
         kt.causal_conv1d(torch.zeros(1, _kdacp.Layout.contiguous(t, world).local_tokens(rank), 2),
                          torch.zeros(2, 3), cp_context=ctx)
