@@ -276,14 +276,9 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
   bool need_slots = !direct;
   for (std::size_t run : block_runs) need_slots = need_slots || runs.first[run] != runs.last[run];
 
-  // The results, allocated first so that the call's peak counts them (and
-  // then discounts them as returned); a direct run of one position returns
-  // the scan's own state.
+  // This rank's parts' results in chain order (a direct run of one
+  // position returns the scan's own state).
   std::vector<State> result(c.parts.size());
-  for (std::size_t run : block_runs)
-    for (std::size_t j = runs.first[run]; j <= runs.last[run]; ++j)
-      if (layout.owner[j] == c.rank && !(direct && runs.first[run] == runs.last[run]))
-        result[layout.local[j]] = make_state(c.shape, Buffer::Init::uninitialized);  // folded whole
 
   // The block's runs that have an incoming state, in the direction's order;
   // their states are one stack, broadcast in one message (direct: the
@@ -319,47 +314,53 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
   // What this rank folds in each of its block's runs: its parts' results
   // and, as the chain's carrier, the run's outgoing state, all in one pass
   // over the run's slots. The targets past the run's last cut do not depend
-  // on its incoming state; the others do.
+  // on its incoming state; the others do. A target's state is allocated when
+  // its pass runs, so that the results are not held beside the scan.
+  constexpr std::size_t kSent = static_cast<std::size_t>(-1);
   struct RunFold {
     std::size_t run = 0;
     std::vector<std::size_t> order;  // the run's slots in the direction's order
-    std::vector<FoldTarget> targets;
-    std::size_t independent = 0;     // targets[independent..] lie past the last cut
+    std::vector<std::pair<std::size_t, std::size_t>> wanted;  // steps, part index (kSent: the outgoing state)
+    std::size_t independent = 0;     // wanted[independent..] lie past the last cut
     bool has_cut = false;
-    State sent;                      // the chain carrier's outgoing state
+    bool sends = false;              // the chain carrier sends the run's outgoing state on
+    State sent;
   };
   std::vector<RunFold> folds;
   folds.reserve(block_runs.size());
   for (std::size_t run : block_runs) {
     if (direct && runs.first[run] == runs.last[run]) continue;
-    const bool sends_on = carrier && chain && runs.next(run, dir);
     RunFold f;
     f.run = run;
+    f.sends = carrier && chain && runs.next(run, dir);
     const std::vector<std::size_t> positions = runs.positions(run, dir);
     for (std::size_t t = 0; t < positions.size(); ++t) {
-      f.order.push_back(slot_of(positions[t]));
-      if (layout.owner[positions[t]] == c.rank) f.targets.push_back({t, result[layout.local[positions[t]]].view()});
+      const std::size_t j = positions[t];
+      f.order.push_back(slot_of(j));
+      if (layout.owner[j] == c.rank) f.wanted.emplace_back(t, layout.local[j]);
     }
-    if (sends_on) {
-      f.sent = make_state(c.shape, Buffer::Init::uninitialized);  // the fold writes it all
-      f.targets.push_back({positions.size(), f.sent.view()});
-    }
-    if (f.targets.empty()) continue;
+    if (f.sends) f.wanted.emplace_back(positions.size(), kSent);
+    if (f.wanted.empty()) continue;
     const auto cut = last_cut_in(gathered, f.order);
     f.has_cut = cut.has_value();
-    f.independent = f.targets.size();
+    f.independent = f.wanted.size();
     if (cut)
-      while (f.independent > 0 && f.targets[f.independent - 1].steps > *cut) --f.independent;
+      while (f.independent > 0 && f.wanted[f.independent - 1].first > *cut) --f.independent;
     folds.push_back(std::move(f));
   }
-  auto fold_independent = [&](RunFold& f) {
-    const std::span<const FoldTarget> targets(f.targets);
-    fold_run(gathered, f.order, targets.subspan(f.independent), dir, nullptr, exec, kConsume);
+  std::vector<FoldTarget> targets;
+  auto fold = [&](RunFold& f, std::size_t begin, std::size_t end, const StateView* in) {
+    targets.clear();
+    for (std::size_t i = begin; i < end; ++i) {
+      const auto [steps, part] = f.wanted[i];
+      State& out = part == kSent ? f.sent : result[part];
+      out = make_state(c.shape, Buffer::Init::uninitialized);  // the fold writes it all
+      targets.push_back({steps, out.view()});
+    }
+    fold_run(gathered, f.order, targets, dir, in, exec, kConsume);
   };
-  auto fold_dependent = [&](RunFold& f, const StateView* in) {
-    const std::span<const FoldTarget> targets(f.targets);
-    fold_run(gathered, f.order, targets.first(f.independent), dir, in, exec, kConsume);
-  };
+  auto fold_independent = [&](RunFold& f) { fold(f, f.independent, f.wanted.size(), nullptr); };
+  auto fold_dependent = [&](RunFold& f, const StateView* in) { fold(f, 0, f.independent, in); };
   auto send_on = [&](RunFold& f) {
     const std::size_t next = *runs.next(f.run, dir);
     sends.push_back(c.cross->isend(bytes_of(f.sent), carrier_of(next), part_tag(entry(next), dir)));
@@ -367,18 +368,18 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
 
   std::vector<State> scanned;  // direct: each of the block's runs' incoming state
   std::vector<std::size_t> scanned_of(runs.size(), 0);
-  std::vector<char> folded(folds.size(), 0);
+  std::vector<char> folded(folds.size(), 0);  // the runs the chain's carrier folded whole
   if (carrier && chain) {
     // After a run's last cut its outgoing state does not depend on the
     // incoming one: those runs send before anything arrives.
     for (RunFold& f : folds)
-      if (f.sent.size() > 0 && f.has_cut) {
+      if (f.sends && f.has_cut) {
         fold_independent(f);
         send_on(f);
       }
     for (std::size_t i = 0; i < folds.size(); ++i) {
       RunFold& f = folds[i];
-      if (f.sent.size() == 0 || f.has_cut) continue;
+      if (!f.sends || f.has_cut) continue;
       StateView in;
       if (recvs[f.run]) {
         recvs[f.run]->wait();
@@ -429,10 +430,13 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
   }
   if (c.intra && fed > 0) c.intra->broadcast(bytes_of(incoming), w - 1);
 
+  // The outgoing states are no longer needed once sent.
+  for (auto& s : sends) s->wait();
+  for (RunFold& f : folds) f.sent = State();
   for (std::size_t i = 0; i < folds.size(); ++i) {
     RunFold& f = folds[i];
     if (folded[i]) continue;
-    if (!(carrier && chain && f.sent.size() > 0)) fold_independent(f);  // the carrier's went with its send
+    if (!f.sends) fold_independent(f);  // the carrier's went with its send
     StateView in;
     const bool fed_run = runs.prev(f.run, dir).has_value();
     if (fed_run) in = direct ? scanned[scanned_of[f.run]].view() : incoming_of(f.run);
@@ -442,7 +446,6 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     for (std::size_t run : block_runs)
       if (runs.first[run] == runs.last[run] && layout.owner[runs.first[run]] == c.rank)
         result[layout.local[runs.first[run]]] = std::move(scanned[scanned_of[run]]);
-  for (auto& s : sends) s->wait();
   return result;
 }
 
