@@ -59,8 +59,9 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     t.folds = dbl(chain.steps);
     t.work_folds = dbl(chain.parts) * dbl(w) / 2 + dbl(chain.parts);
     if (has_layout(s)) {
-      // Slots, the runs' incoming states, the carrier's sent states and two
-      // fold temporaries.
+      // Slots, the runs' incoming states and the carrier's sent states; the
+      // three states more are headroom (the folds consume the slots in
+      // place and need no temporaries, the carrier's results are returned).
       t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) +
                            (2 * chain.runs_per_block + 3) * state_bytes(s);
     } else {
