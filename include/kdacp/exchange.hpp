@@ -123,29 +123,9 @@ class StateExchange {
     std::span<const PartSummary> parts;
     SummaryShape shape;
     Direction direction;
-    int tag;  // message tag of this direction (for messages not tagged per part)
   };
 
   StateExchange(const detail::ProtocolContext& ctx, const ProtocolDescriptor& descriptor);
-  // A protocol whose algorithm for one part per rank differs from its
-  // algorithm over a layout reads its one part as this.
-  struct OnePart {
-    const StateView& offset;
-    const StateView& transfer;
-    SummaryShape shape;
-    Direction direction;
-    int tag;
-    bool cut;  // the part is a cut: its outgoing value is `offset` itself
-  };
-  static OnePart one_part(const Call& c) {
-    return {c.parts[0].offset, c.parts[0].transfer, c.shape, c.direction, c.tag, c.parts[0].flags.cut};
-  }
-  static std::vector<State> only(State s) {
-    std::vector<State> out;
-    out.push_back(std::move(s));
-    return out;
-  }
-
   // Returns each of this rank's parts' result, in the order of call.parts;
   // every message it sends goes through communicators(), whose traffic the
   // call's stats count. The one code path of a protocol: rows without

@@ -88,25 +88,6 @@ std::span<std::byte> PackedSlots::slot_bytes(std::size_t index) const {
   return bytes().subspan(index * n, n);
 }
 
-void fold_in_block(const PackedSlots& gathered, std::size_t local, Direction direction,
-                   const StateView* in, const StateView& out, const ExecPolicy& exec) {
-  const Slots slots = gathered.slots();
-  const std::size_t w = gathered.count();
-  constexpr auto kConsume = FoldFlags::consume_offsets;
-  // A scan from a cut's slot with no incoming state takes its offset itself.
-  if (direction == Direction::forward) {
-    if (const auto cut = gathered.last_cut(0, local)) {
-      scan(slots, *cut, local - *cut, direction, nullptr, out, std::nullopt, nullptr, exec, kConsume);
-    } else {
-      scan(slots, 0, local, direction, in, out, std::nullopt, nullptr, exec, kConsume);
-    }
-  } else if (const auto cut = gathered.first_cut(local + 1, w)) {
-    scan(slots, *cut, *cut - local, direction, nullptr, out, std::nullopt, nullptr, exec, kConsume);
-  } else {
-    scan(slots, w - 1, w - 1 - local, direction, in, out, std::nullopt, nullptr, exec, kConsume);
-  }
-}
-
 std::span<std::byte> bytes_of(const State& s) {
   return {reinterpret_cast<std::byte*>(s.data()), s.bytes()};
 }

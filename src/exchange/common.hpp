@@ -19,13 +19,9 @@
 
 namespace kdacp::detail {
 
-// Message tags on a CP communicator. Calls on one communicator are issued in
-// the same order by every rank, and messages between a pair match in order.
-inline constexpr int kTagForward = 11;
-inline constexpr int kTagBackward = 12;
-// With a layout, a message is tagged by the chain position it enters and its
-// direction, because a rank may exchange several parts with one peer, not in
-// chain order (a cut sends first).
+// Message tags on a CP communicator: a message is tagged by the chain
+// position it enters and its direction, because a rank may exchange several
+// parts with one peer, not in chain order (a cut sends first).
 inline int part_tag(std::size_t position, Direction direction) {
   return 64 + 2 * static_cast<int>(position) + (direction == Direction::backward ? 1 : 0);
 }
@@ -77,14 +73,6 @@ class PackedSlots {
   std::size_t count_;
   Buffer buf_;
 };
-
-// What block position `local` of the gathered block needs: forward the state
-// entering its slot, backward the gradient at its slot's end. Folded from the
-// block's incoming state `in` (nullptr: none, the zero state), or from the
-// nearest cut on the way, whose offset is then the state there exactly.
-// Consumes the offsets of the slots it folds.
-void fold_in_block(const PackedSlots& gathered, std::size_t local, Direction direction,
-                   const StateView* in, const StateView& out, const ExecPolicy& exec);
 
 std::span<std::byte> bytes_of(const State& s);
 std::span<const std::byte> bytes_of(const StateView& dense_view);

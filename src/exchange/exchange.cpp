@@ -59,8 +59,7 @@ std::vector<State> StateExchange::call(std::span<const PartSummary> parts, Direc
     shape = s;
   }
   detail::CallMeter meter(communicators());
-  std::vector<State> result =
-      run(Call{parts, shape, direction, fwd ? detail::kTagForward : detail::kTagBackward});
+  std::vector<State> result = run(Call{parts, shape, direction});
   std::size_t returned = 0;
   for (const State& s : result) returned += s.bytes();
   stats_ = meter.finish(returned);

@@ -49,42 +49,71 @@ std::vector<std::size_t> Runs::of_block(std::size_t b, Direction d) const {
   return out;
 }
 
-void fold_slots(const PackedSlots& gathered, std::span<const std::size_t> order, std::size_t steps,
-                Direction direction, const StateView* in, const StateView& out,
-                const ExecPolicy& exec) {
+std::optional<std::size_t> last_cut_in(const PackedSlots& gathered, std::span<const std::size_t> order) {
+  for (std::size_t t = order.size(); t > 0; --t)
+    if (gathered.cut(order[t - 1])) return t - 1;
+  return std::nullopt;
+}
+
+void fold_run(const PackedSlots& gathered, std::span<const std::size_t> order,
+              std::span<const FoldTarget> targets, Direction direction, const StateView* in,
+              const ExecPolicy& exec, FoldFlags flags) {
   const Slots slots = gathered.slots();
-  std::size_t start = 0;
-  const StateView* from = in;
-  for (std::size_t t = steps; t > 0; --t)
-    if (gathered.cut(order[t - 1])) {
-      start = t - 1;
-      from = nullptr;  // the cut's offset is the state after it, exactly
-      break;
+  const bool consume = flags == FoldFlags::consume_offsets;
+  const bool fwd = direction == Direction::forward;
+  StateView held;                // the state after `done` steps, when `from` points to it
+  const StateView* from = in;    // nullptr: the zero state
+  std::size_t done = 0;
+  State temp;                    // without consuming: the other half of a ping-pong with the target
+  std::vector<std::pair<std::size_t, std::size_t>> stretches;  // first index in order, steps
+  for (const FoldTarget& target : targets) {
+    // From the last cut among the target's slots not yet folded, whose
+    // offset is the state after it exactly.
+    std::size_t start = done;
+    for (std::size_t u = target.steps; u > done; --u)
+      if (gathered.cut(order[u - 1])) {
+        start = u - 1;
+        from = nullptr;
+        break;
+      }
+    stretches.clear();
+    for (std::size_t t = start; t < target.steps; ++t) {
+      if (!stretches.empty() && (fwd ? order[t] == order[t - 1] + 1 : order[t] + 1 == order[t - 1]))
+        ++stretches.back().second;
+      else
+        stretches.emplace_back(t, 1);
     }
-  if (start == steps) {
-    if (in) {
-      copy_view(*in, out);
-    } else {
-      std::memset(out.data, 0, bytes_of(out).size());
+    // From no state a first stretch of one slot is that slot's offset itself.
+    std::size_t q = 0;
+    if (!from && stretches.size() >= 2 && stretches[0].second == 1) {
+      held = slots.offsets.slot(order[stretches[0].first]);
+      from = &held;
+      q = 1;
     }
-    return;
-  }
-  // Ping-pong between two temporaries; the last step writes `out`.
-  State temp[2];
-  StateView cur;
-  for (std::size_t t = start; t < steps; ++t) {
-    StateView dst = out;
-    if (t + 1 < steps) {
-      State& tmp = temp[t % 2];
-      if (tmp.size() == 0)
-        tmp = State(out.batch, out.heads, out.rows, out.cols, out.dtype, Buffer::Init::uninitialized);
-      dst = tmp.view();
+    if (!consume && stretches.size() - q >= 2 && temp.size() == 0)
+      temp = State(target.out.batch, target.out.heads, target.out.rows, target.out.cols, target.out.dtype,
+                   Buffer::Init::uninitialized);  // a scan writes it all
+    for (; q < stretches.size(); ++q) {
+      const auto [first, steps] = stretches[q];
+      const std::size_t last_slot = order[first + steps - 1];
+      // The last stretch lands in the target; consuming, an earlier one in
+      // its last slot's offset (a step may write its own offset), else it
+      // alternates with the target so that the last lands there.
+      StateView dst = target.out;
+      if (q + 1 < stretches.size())
+        dst = consume ? slots.offsets.slot(last_slot)
+                      : (stretches.size() - 1 - q) % 2 == 0 ? target.out : temp.view();
+      scan(slots, order[first], steps, direction, from, dst, std::nullopt, nullptr, exec, flags);
+      held = dst;
+      from = &held;
     }
-    const std::size_t s = order[t];
-    scan(single_slot(slots.offsets.slot(s), slots.transfers.slot(s)), 0, 1, direction, from, dst,
-         std::nullopt, nullptr, exec);
-    cur = dst;
-    from = &cur;
+    if (stretches.empty()) {
+      // No step: the state so far.
+      scan(slots, 0, 0, direction, from, target.out, std::nullopt, nullptr, exec, flags);
+    }
+    held = target.out;
+    from = &held;
+    done = target.steps;
   }
 }
 
@@ -95,7 +124,8 @@ void run_pair(const PackedSlots& gathered, std::span<const std::size_t> ascendin
   bool cut = false;
   for (std::size_t s : order) cut = cut || gathered.cut(s);
   pair.set_cut(cut);
-  fold_slots(gathered, order, order.size(), direction, nullptr, pair.offset(), exec);
+  const FoldTarget whole{order.size(), pair.offset()};
+  fold_run(gathered, order, std::span(&whole, 1), direction, nullptr, exec, FoldFlags::none);
   if (cut) return;
   const Slots slots = gathered.slots();
   const std::size_t n = ascending_slots.size();
@@ -221,55 +251,151 @@ std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const s
   return result;
 }
 
+RunLayout::RunLayout(std::span<const std::size_t> owners, std::size_t ranks, std::size_t width)
+    : index(owners, ranks), width(width), runs(index, width) {}
+
 std::vector<State> run_layout_in_runs(const RunsCall& c) {
-  const LayoutIndex& layout = *c.layout;
-  const std::size_t w = c.width, k = layout.per_rank, n = layout.size();
+  const LayoutIndex& layout = c.layout->index;
+  const Runs& runs = c.layout->runs;
+  const std::size_t w = c.layout->width, k = layout.per_rank;
   const Direction dir = c.direction;
   const ExecPolicy& exec = *c.exec;
-  const Runs runs(layout, w);
+  constexpr auto kConsume = FoldFlags::consume_offsets;
   const std::size_t block = c.rank / w, local = c.rank % w;
+  const bool carrier = local + 1 == w;
+  const bool chain = c.relay == RunRelay::chain;
   auto slot_of = [&](std::size_t j) { return (layout.owner[j] % w) * k + layout.local[j]; };
-  auto slots_of = [&](const std::vector<std::size_t>& positions) {
-    std::vector<std::size_t> out;
-    for (std::size_t j : positions) out.push_back(slot_of(j));
-    return out;
-  };
+  // The chain position a run starts at in the direction's order.
+  auto entry = [&](std::size_t run) { return dir == Direction::forward ? runs.first[run] : runs.last[run]; };
   const std::vector<std::size_t> block_runs = runs.of_block(block, dir);
   // The scan at width 1 needs no slots for a run of one position (its pair
   // is the part itself) and hands each run's incoming state straight to its
   // parts: one part per rank is then recursive doubling over the ranks,
   // nothing packed, nothing copied.
-  const bool direct = w == 1 && c.relay == RunRelay::doubling;
+  const bool direct = w == 1 && !chain;
   bool need_slots = !direct;
   for (std::size_t run : block_runs) need_slots = need_slots || runs.first[run] != runs.last[run];
+
+  // This rank's parts' results in chain order (a direct run of one
+  // position returns the scan's own state).
+  std::vector<State> result(c.parts.size());
+
+  // The block's runs that have an incoming state, in the direction's order;
+  // their states are one stack, broadcast in one message (direct: the
+  // scan's own states, one per run in ascending chain order). The chain's
+  // carrier receives into it, the doubling carrier fills it from its scan.
+  std::vector<std::size_t> slice_of(runs.size(), 0);
+  std::size_t fed = 0;
+  for (std::size_t run : block_runs)
+    if (runs.prev(run, dir)) slice_of[run] = fed++;
+  State incoming;
+  auto make_stack = [&] {
+    return State(fed * c.shape.batch, c.shape.heads, c.shape.key_dim, c.shape.value_dim, c.shape.dtype,
+                 Buffer::Init::uninitialized);  // received, broadcast or scanned whole
+  };
+  if (fed > 0 && !direct && !(carrier && !chain)) incoming = make_stack();
+  auto incoming_of = [&](std::size_t run) { return state_slice(incoming, c.shape, slice_of[run]); };
+
+  // The chain's carrier posts its receives before the block's gather.
+  auto carrier_of = [&](std::size_t run) { return runs.block[run] * w + w - 1; };
+  std::vector<std::unique_ptr<Request>> recvs(runs.size()), sends;
+  if (carrier && chain)
+    for (std::size_t run : block_runs)
+      if (auto prev = runs.prev(run, dir))
+        recvs[run] = c.cross->irecv(state_slice_bytes(incoming, c.shape, slice_of[run]), carrier_of(*prev),
+                                    part_tag(entry(run), dir));
+
   PackedSlots gathered(c.shape, need_slots ? w * k : 0);
   if (need_slots)
     for (std::size_t i = 0; i < c.parts.size(); ++i)
       gathered.pack(local * k + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
   if (c.intra) c.intra->all_gather(gathered.bytes());
 
-  // The block's runs that have an incoming state, in the direction's order;
-  // their states are one stack, broadcast in one message (direct: the
-  // scan's own states, one per run in ascending chain order).
-  std::vector<std::size_t> slice_of(runs.size(), 0);
-  std::size_t fed = 0;
-  for (std::size_t run : block_runs)
-    if (runs.prev(run, dir)) slice_of[run] = fed++;
-  std::vector<State> scanned;
-  std::vector<std::size_t> scanned_of(runs.size(), 0);
-  State incoming;
-  if (fed > 0 && !direct)
-    incoming = State(fed * c.shape.batch, c.shape.heads, c.shape.key_dim, c.shape.value_dim,
-                     c.shape.dtype, Buffer::Init::uninitialized);  // received or scanned whole
-  auto has_cut = [&](std::size_t run) {
-    for (std::size_t j = runs.first[run]; j <= runs.last[run]; ++j)
-      if (gathered.cut(slot_of(j))) return true;
-    return false;
+  // What this rank folds in each of its block's runs: its parts' results
+  // and, as the chain's carrier, the run's outgoing state, all in one pass
+  // over the run's slots. The targets past the run's last cut do not depend
+  // on its incoming state; the others do. A target's state is allocated when
+  // its pass runs, so that the results are not held beside the scan.
+  constexpr std::size_t kSent = static_cast<std::size_t>(-1);
+  struct RunFold {
+    std::size_t run = 0;
+    std::vector<std::size_t> order;  // the run's slots in the direction's order
+    std::vector<std::pair<std::size_t, std::size_t>> wanted;  // steps, part index (kSent: the outgoing state)
+    std::size_t independent = 0;     // wanted[independent..] lie past the last cut
+    bool has_cut = false;
+    bool sends = false;              // the chain carrier sends the run's outgoing state on
+    State sent;
   };
-  if (local + 1 == w && c.relay == RunRelay::doubling) {
+  std::vector<RunFold> folds;
+  folds.reserve(block_runs.size());
+  for (std::size_t run : block_runs) {
+    if (direct && runs.first[run] == runs.last[run]) continue;
+    RunFold f;
+    f.run = run;
+    f.sends = carrier && chain && runs.next(run, dir);
+    const std::vector<std::size_t> positions = runs.positions(run, dir);
+    for (std::size_t t = 0; t < positions.size(); ++t) {
+      const std::size_t j = positions[t];
+      f.order.push_back(slot_of(j));
+      if (layout.owner[j] == c.rank) f.wanted.emplace_back(t, layout.local[j]);
+    }
+    if (f.sends) f.wanted.emplace_back(positions.size(), kSent);
+    if (f.wanted.empty()) continue;
+    const auto cut = last_cut_in(gathered, f.order);
+    f.has_cut = cut.has_value();
+    f.independent = f.wanted.size();
+    if (cut)
+      while (f.independent > 0 && f.wanted[f.independent - 1].first > *cut) --f.independent;
+    folds.push_back(std::move(f));
+  }
+  std::vector<FoldTarget> targets;
+  auto fold = [&](RunFold& f, std::size_t begin, std::size_t end, const StateView* in) {
+    targets.clear();
+    for (std::size_t i = begin; i < end; ++i) {
+      const auto [steps, part] = f.wanted[i];
+      State& out = part == kSent ? f.sent : result[part];
+      out = make_state(c.shape, Buffer::Init::uninitialized);  // the fold writes it all
+      targets.push_back({steps, out.view()});
+    }
+    fold_run(gathered, f.order, targets, dir, in, exec, kConsume);
+  };
+  auto fold_independent = [&](RunFold& f) { fold(f, f.independent, f.wanted.size(), nullptr); };
+  auto fold_dependent = [&](RunFold& f, const StateView* in) { fold(f, 0, f.independent, in); };
+  auto send_on = [&](RunFold& f) {
+    const std::size_t next = *runs.next(f.run, dir);
+    sends.push_back(c.cross->isend(bytes_of(f.sent), carrier_of(next), part_tag(entry(next), dir)));
+  };
+
+  std::vector<State> scanned;  // direct: each of the block's runs' incoming state
+  std::vector<std::size_t> scanned_of(runs.size(), 0);
+  std::vector<char> folded(folds.size(), 0);  // the runs the chain's carrier folded whole
+  if (carrier && chain) {
+    // After a run's last cut its outgoing state does not depend on the
+    // incoming one: those runs send before anything arrives.
+    for (RunFold& f : folds)
+      if (f.sends && f.has_cut) {
+        fold_independent(f);
+        send_on(f);
+      }
+    for (std::size_t i = 0; i < folds.size(); ++i) {
+      RunFold& f = folds[i];
+      if (!f.sends || f.has_cut) continue;
+      StateView in;
+      if (recvs[f.run]) {
+        recvs[f.run]->wait();
+        in = incoming_of(f.run);
+      }
+      fold_dependent(f, recvs[f.run] ? &in : nullptr);
+      folded[i] = 1;
+      send_on(f);
+    }
+    for (auto& r : recvs)
+      if (r) r->wait();
+  } else if (carrier) {
     // Each of the block's runs as one pair, in ascending chain order.
-    std::vector<std::size_t> ascending = runs.of_block(block, Direction::forward);
+    const std::vector<std::size_t> ascending = runs.of_block(block, Direction::forward);
     std::vector<PairBuffer> aggregates;
+    aggregates.reserve(ascending.size());
     std::vector<PairView> pairs;
     const Slots slots = gathered.slots();
     for (std::size_t run : ascending) {
@@ -278,7 +404,8 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
         pairs.push_back({part.offset, part.transfer, part.flags.cut});
         continue;
       }
-      const std::vector<std::size_t> s = slots_of(runs.positions(run, Direction::forward));
+      std::vector<std::size_t> s;
+      for (std::size_t j = runs.first[run]; j <= runs.last[run]; ++j) s.push_back(slot_of(j));
       if (s.size() == 1) {
         pairs.push_back({slots.offsets.slot(s[0]), slots.transfers.slot(s[0]), gathered.cut(s[0])});
       } else {
@@ -291,72 +418,34 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     if (direct) {
       scanned = std::move(states);
       for (std::size_t i = 0; i < ascending.size(); ++i) scanned_of[ascending[i]] = i;
-    } else {
+    } else if (fed == 1) {
+      // One run fed: its scanned state is the stack.
       for (std::size_t i = 0; i < ascending.size(); ++i)
-        if (runs.prev(ascending[i], dir))
-          copy_view(states[i].view(), state_slice(incoming, c.shape, slice_of[ascending[i]]));
+        if (runs.prev(ascending[i], dir)) incoming = std::move(states[i]);
+    } else if (fed > 1) {
+      incoming = make_stack();
+      for (std::size_t i = 0; i < ascending.size(); ++i)
+        if (runs.prev(ascending[i], dir)) copy_view(states[i].view(), incoming_of(ascending[i]));
     }
-  } else if (local + 1 == w && c.relay == RunRelay::chain) {
-    auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };
-    auto tag = [&](std::size_t run) { return part_tag(runs.positions(run, dir).front(), dir); };
-    std::vector<std::unique_ptr<Request>> recvs(runs.size()), sends;
-    std::vector<State> sent;
-    for (std::size_t run : block_runs)
-      if (auto prev = runs.prev(run, dir))
-        recvs[run] = c.cross->irecv(state_slice_bytes(incoming, c.shape, slice_of[run]), carrier(*prev),
-                                    tag(run));
-    auto send_on = [&](std::size_t run, const StateView* in) {
-      const std::size_t next = *runs.next(run, dir);
-      const std::vector<std::size_t> order = slots_of(runs.positions(run, dir));
-      State out = make_state(c.shape, Buffer::Init::uninitialized);  // the fold writes it all
-      fold_slots(gathered, order, order.size(), dir, in, out.view(), exec);
-      sends.push_back(c.cross->isend(bytes_of(out), carrier(next), tag(next)));
-      sent.push_back(std::move(out));
-    };
-    // After a run's last cut its outgoing state does not depend on the
-    // incoming one: those runs send before anything arrives.
-    for (std::size_t run : block_runs)
-      if (runs.next(run, dir) && has_cut(run)) send_on(run, nullptr);
-    for (std::size_t run : block_runs) {
-      if (!runs.next(run, dir) || has_cut(run)) continue;
-      if (recvs[run]) {
-        recvs[run]->wait();
-        const StateView in = state_slice(incoming, c.shape, slice_of[run]);
-        send_on(run, &in);
-      } else {
-        send_on(run, nullptr);
-      }
-    }
-    for (auto& r : recvs)
-      if (r) r->wait();
-    for (auto& s : sends) s->wait();
   }
   if (c.intra && fed > 0) c.intra->broadcast(bytes_of(incoming), w - 1);
 
-  std::vector<State> result;
-  for (std::size_t j = 0; j < n; ++j) {
-    if (layout.owner[j] != c.rank) continue;
-    const std::size_t run = runs.run_of[j];
-    const std::vector<std::size_t> positions = runs.positions(run, dir);
-    const std::size_t steps = static_cast<std::size_t>(
-        std::find(positions.begin(), positions.end(), j) - positions.begin());
+  // The outgoing states are no longer needed once sent.
+  for (auto& s : sends) s->wait();
+  for (RunFold& f : folds) f.sent = State();
+  for (std::size_t i = 0; i < folds.size(); ++i) {
+    RunFold& f = folds[i];
+    if (folded[i]) continue;
+    if (!f.sends) fold_independent(f);  // the carrier's went with its send
     StateView in;
-    if (direct) {
-      // A run of one position: its incoming state is the part's result (the
-      // scan's zeros for the chain's first).
-      if (positions.size() == 1) {
-        result.push_back(std::move(scanned[scanned_of[run]]));
-        continue;
-      }
-      in = scanned[scanned_of[run]].view();
-    } else if (runs.prev(run, dir)) {
-      in = state_slice(incoming, c.shape, slice_of[run]);
-    }
-    State out = make_state(c.shape, Buffer::Init::uninitialized);  // the fold writes it all
-    fold_slots(gathered, slots_of(positions), steps, dir, runs.prev(run, dir) ? &in : nullptr,
-               out.view(), exec);
-    result.push_back(std::move(out));
+    const bool fed_run = runs.prev(f.run, dir).has_value();
+    if (fed_run) in = direct ? scanned[scanned_of[f.run]].view() : incoming_of(f.run);
+    fold_dependent(f, fed_run ? &in : nullptr);
   }
+  if (direct)
+    for (std::size_t run : block_runs)
+      if (runs.first[run] == runs.last[run] && layout.owner[runs.first[run]] == c.rank)
+        result[layout.local[runs.first[run]]] = std::move(scanned[scanned_of[run]]);
   return result;
 }
 

@@ -50,14 +50,32 @@ struct Runs {
   std::vector<std::size_t> of_block(std::size_t b, Direction d) const;
 };
 
-// Writes to `out` (dense) the state after folding the first `steps` slots of
-// `order` (slot indices of `gathered`, in the direction's chain order), one
-// chain step at a time, from `in` (nullptr: none, the chain's start), or
-// from the last cut among them, whose offset is then the state exactly.
-// steps == 0 writes `in` (zeros without). Does not modify the slots.
-void fold_slots(const PackedSlots& gathered, std::span<const std::size_t> order, std::size_t steps,
-                Direction direction, const StateView* in, const StateView& out,
-                const ExecPolicy& exec);
+// A state a fold over a run's slots writes: the state after its first
+// `steps` slots (0: the incoming state).
+struct FoldTarget {
+  std::size_t steps = 0;
+  StateView out;
+};
+
+// Writes every target's state, folding the slots of `order` (slot indices of
+// `gathered`, in the direction's chain order) from `in` (nullptr: none, the
+// chain's start), or from the last cut among a target's slots, whose offset
+// is then the state exactly; a target of 0 steps gets `in` (zeros without).
+// `targets` ascend in steps. One pass: every slot is folded once, a later
+// target continuing from the earlier one, and each stretch of consecutive
+// slots (ascending forward, descending backward) in one fused scan, as the
+// chain folds them, so the bits are the chain's. With
+// FoldFlags::consume_offsets the folded slots' offsets are overwritten with
+// the states after them (a stretch that does not end a target ends in its
+// last slot's offset: no scratch); without, the slots are left as they are
+// and such a stretch ends in one temporary state.
+void fold_run(const PackedSlots& gathered, std::span<const std::size_t> order,
+              std::span<const FoldTarget> targets, Direction direction, const StateView* in,
+              const ExecPolicy& exec, FoldFlags flags);
+
+// The index in `order` of its last slot that is a cut, or none: the states
+// after more steps than that do not depend on the incoming state.
+std::optional<std::size_t> last_cut_in(const PackedSlots& gathered, std::span<const std::size_t> order);
 
 // A run as one affine pair: its fold from no incoming state in the
 // direction's order and the product of its transfers in chain order (the
@@ -87,17 +105,31 @@ enum class RunRelay {
   doubling,  // reassociating: the carriers scan the runs' pairs by recursive doubling
 };
 
-// One layout call of a protocol built on runs (grouped_allgather_p2p,
-// recursive_doubling, grouped_allgather_rd). Each block gathers its ranks'
+// A layout cut into runs for blocks of `width` ranks, as a protocol built on
+// runs keeps it from its construction (the owners never change).
+struct RunLayout {
+  RunLayout(std::span<const std::size_t> owners, std::size_t ranks, std::size_t width);
+  LayoutIndex index;
+  std::size_t width;
+  Runs runs;
+};
+
+// One call of a protocol built on runs (grouped_allgather_p2p,
+// recursive_doubling, grouped_allgather_rd), its one code path: one part per
+// rank is the layout of one part per rank. Each block gathers its ranks'
 // parts, k slots per rank, in one collective over `intra` (nullptr when
 // width is 1); the block's carrier (its last rank) obtains the state
 // entering each of the block's runs over `cross` (chain: the CP group,
 // carriers addressed by rank; doubling: a group whose rank is the block) and
 // broadcasts them in the block in one message; every rank folds its parts
-// inside their runs. Returns this rank's parts' results in chain order.
+// inside their runs. Every rank folds each slot of its runs at most once,
+// in place (fold_run, consuming the gathered offsets): the chain's carrier
+// folds a run once for the state it sends and its own parts' results on the
+// way. One part per rank with width w is then w slots, the block's incoming
+// state and the carrier's outgoing one. Returns this rank's parts' results in
+// chain order.
 struct RunsCall {
-  const LayoutIndex* layout = nullptr;
-  std::size_t width = 1;
+  const RunLayout* layout = nullptr;
   std::size_t rank = 0;
   Communicator* intra = nullptr;
   Communicator* cross = nullptr;

@@ -14,7 +14,7 @@ namespace {
 class RecursiveDoublingExchange final : public CommExchange {
  public:
   explicit RecursiveDoublingExchange(const ProtocolContext& ctx)
-      : CommExchange(ctx, recursive_doubling_protocol) {}
+      : CommExchange(ctx, recursive_doubling_protocol), layout_(part_owners().list(), size_, 1) {}
 
  private:
   // The scan runs over the chain of runs of consecutive parts per rank, each
@@ -24,10 +24,11 @@ class RecursiveDoublingExchange final : public CommExchange {
   // rank is the scan over the ranks' own pairs: one run per rank, nothing
   // packed, the scan's three pairs, its result the part's.
   std::vector<State> run(const Call& c) override {
-    const LayoutIndex layout(part_owners().list(), size_);
-    return run_layout_in_runs(RunsCall{&layout, 1, rank_, nullptr, comm_.get(), RunRelay::doubling,
-                                       c.parts, c.shape, c.direction, &options().exec});
+    return run_layout_in_runs(RunsCall{&layout_, rank_, nullptr, comm_.get(), RunRelay::doubling, c.parts,
+                                       c.shape, c.direction, &options().exec});
   }
+
+  RunLayout layout_;
 };
 
 // Cuts do not shorten the scan: its rounds are fixed by the positions.
