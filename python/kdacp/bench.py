@@ -8,6 +8,11 @@ writes without it, over gloo on localhost (one process per rank).
    same run, same group, same inputs, iterations interleaved.
 2. The binding's overhead: kdacp.torch.kda (forward + backward through
    autograd) vs the time the C++ layer itself reports for the same calls.
+3. A CP context's per-call saving: chunk_kda(..., cp_context=ctx) with a
+   context built once (no agreement message per call) vs kda(..., group=...)
+   (one agreement all-gather per forward and per backward), calls/s, the
+   same tensors; and chunk_kda with the three in-kernel flags on (raw gate,
+   A_log, dt_bias, q/k l2norm, beta sigmoid: the C++ transforms' cost).
 
 Times are medians over --iters iterations, the slowest rank's.
 """
@@ -117,6 +122,32 @@ def _worker(rank, world, init_file, args, out_file):
     kt._LAYERS.clear()
     t_kda, = measure([kda_step])
     t_layer = _median_max(layer_times[args.warmup:])
+
+    # chunk_kda on a context built once vs kda agreeing per call.
+    ctx = kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
+                              protocol="allgather", threads=args.threads)
+    a_log = torch.zeros(hv, requires_grad=True)
+    dt_bias = torch.zeros(hv * k, requires_grad=True)
+    raw = torch.randn(1, t_local, hv, k, generator=gen).requires_grad_(True)
+
+    def step(fn):
+        def run():
+            o, _ = fn()
+            o.backward(d_o)
+            for x_ in leaves + [a_log, dt_bias, raw]:
+                x_.grad = None
+        return run
+
+    with_ctx = step(lambda: kt.chunk_kda(*leaves, cp_context=ctx))
+    per_call = step(lambda: kt.kda(*leaves, group=dist.group.WORLD, protocol="allgather",
+                                   threads=args.threads))
+    flags = step(lambda: kt.chunk_kda(leaves[0], leaves[1], leaves[2], raw, leaves[4],
+                                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                      use_beta_sigmoid_in_kernel=True, A_log=a_log,
+                                      dt_bias=dt_bias, cp_context=ctx2))
+    ctx2 = kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
+                               protocol="allgather", threads=args.threads)
+    t_ctx, t_call, t_flags = measure([with_ctx, per_call, flags])
     if rank == 0:
         with open(out_file, "w") as f:
             f.write(f"P={world} B*H={b * h} K={k} V={v} float32, threads/rank={args.threads}\n")
@@ -126,6 +157,9 @@ def _worker(rank, world, init_file, args, out_file):
                     f"(check_ranks=True: {t_plain / t_checked:.2f}x); max |diff| {err:.2e}\n")
             f.write(f"  kda fwd+bwd T_local={t_local} H=HV={hv}: kdacp.torch.kda {t_kda * 1e3:9.3f} ms,"
                     f" C++ layer {t_layer * 1e3:9.3f} ms, ratio {t_kda / t_layer:.3f}\n")
+            f.write(f"  chunk_kda fwd+bwd with a cp_context {1 / t_ctx:9.1f} calls/s, kda agreeing "
+                    f"per call {1 / t_call:9.1f} calls/s: {t_call / t_ctx:.3f}x; with the "
+                    f"in-kernel gate/l2norm/sigmoid {1 / t_flags:9.1f} calls/s\n")
     dist.destroy_process_group()
 
 
