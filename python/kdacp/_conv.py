@@ -8,11 +8,11 @@
                                    cu_seqlens=None, cp_context=None)
 """
 
-import operator
 
 import torch
 
 from kdacp import _kdacp
+from kdacp._autograd import cu_list, first_order
 
 __all__ = ["causal_conv1d"]
 
@@ -43,42 +43,7 @@ def _tensor(t, name, ndim, dtype=None):
 
 
 def _cu_list(cu_seqlens):
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
-            raise ValueError(f"causal_conv1d: cu_seqlens is {cu_seqlens.dtype} with "
-                             f"{cu_seqlens.dim()} dims, expected a 1-D int32 or int64 tensor")
-        return [int(v) for v in cu_seqlens.tolist()]
-    if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
-        raise ValueError(f"causal_conv1d: cu_seqlens={cu_seqlens!r}, expected a 1-D integer "
-                         "tensor or a sequence of integers")
-    out = []
-    for i, v in enumerate(cu_seqlens):
-        if isinstance(v, bool):
-            raise ValueError(f"causal_conv1d: cu_seqlens[{i}] is {v!r}, expected an integer")
-        try:
-            out.append(operator.index(v))
-        except TypeError:
-            raise ValueError(f"causal_conv1d: cu_seqlens[{i}] is {v!r}, expected an "
-                             "integer") from None
-    return out
-
-
-class _NoSecondOrder(torch.autograd.Function):
-    """A first-order gradient of causal_conv1d computed under
-    create_graph=True: the same values, but a backward through them raises
-    (the C++ backward has no derivative of its own)."""
-
-    @staticmethod
-    def forward(ctx, grad, *anchors):
-        return grad.view_as(grad)
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(
-            "kdacp.torch.causal_conv1d is differentiable once: a double backward through it "
-            "is not supported")
+    return None if cu_seqlens is None else cu_list(cu_seqlens, "causal_conv1d")
 
 
 class _ConvFunction(torch.autograd.Function):
@@ -122,9 +87,7 @@ class _ConvFunction(torch.autograd.Function):
                                     0 if h0 is None else h0.data_ptr(), ctx.activation,
                                     dy.data_ptr(), dht_ptr)
             grads = [None if g is None else torch.from_numpy(g) for g in grads]
-        if torch.is_grad_enabled():
-            anchors = [t for t in (x, weight, bias, h0) if t is not None and t.requires_grad]
-            grads = [None if g is None else _NoSecondOrder.apply(g, *anchors) for g in grads]
+        grads = first_order("causal_conv1d", grads, (x, weight, bias, h0))
         return (None, None, None) + tuple(grads)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
+from kdacp._autograd import cu_list, first_order
 from kdacp._conv import causal_conv1d
 from kdacp._comm import backend_for, check_group
 
@@ -497,25 +498,6 @@ def _check_input(t, name, rule):
     _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, rule)
 
 
-class _NoSecondOrder(torch.autograd.Function):
-    """Marks a first-order gradient of kda, computed under create_graph=True:
-    the same values, but a backward through them raises (the C++ backward
-    has no derivative of its own). torch's once_differentiable would not do:
-    it marks nothing when the incoming gradient needs no grad (loss.sum()),
-    and kda's second-order part was then silently dropped."""
-
-    @staticmethod
-    def forward(ctx, grad, *anchors):
-        return grad.view_as(grad)
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(
-            "kdacp.torch.kda is differentiable once: a double backward through it "
-            "(torch.autograd.grad(..., create_graph=True) then a backward through kda's "
-            "gradient, gradgradcheck) is not supported (once_differentiable)")
-
-
 class _KdaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, q, k, v, g, beta, h0):
@@ -541,12 +523,10 @@ class _KdaFunction(torch.autograd.Function):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         with torch.no_grad():
             grads = _KdaFunction._backward(ctx, q, k, v, g, beta, h0, d_o, d_ht)
-        if torch.is_grad_enabled():
-            # create_graph=True: the C++ backward is not itself
-            # differentiable, so a backward through these gradients raises
-            # instead of silently dropping kda's second-order part.
-            anchors = [t for t in (q, k, v, g, beta, h0) if t is not None and t.requires_grad]
-            grads = [None if x is None else _NoSecondOrder.apply(x, *anchors) for x in grads]
+        # create_graph=True: the C++ backward is not itself differentiable, so
+        # a backward through these gradients raises instead of silently
+        # dropping kda's second-order part.
+        grads = first_order("kda", grads, (q, k, v, g, beta, h0))
         return (None, None, None, None, None, None, None) + tuple(grads)
 
     @staticmethod
@@ -578,32 +558,6 @@ class _KdaFunction(torch.autograd.Function):
         return grads
 
 
-def _cu_list(cu_seqlens):
-    """cu_seqlens as a list of Python ints: a 1-D int32/int64 tensor, or a
-    sequence of integers (a float, even 2.0, is an error: never truncated)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
-            raise ValueError(f"cu_seqlens is {cu_seqlens.dtype} with {cu_seqlens.dim()} dims, "
-                             "expected a 1-D int32 or int64 tensor")
-        return [int(x) for x in cu_seqlens.tolist()]
-    if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
-        raise ValueError(f"cu_seqlens={cu_seqlens!r}, expected a 1-D integer tensor or a "
-                         "sequence of integers")
-    cu = []
-    for i, x in enumerate(cu_seqlens):
-        if isinstance(x, bool):
-            raise ValueError(f"cu_seqlens[{i}] is {x!r}, expected an integer")
-        try:
-            cu.append(operator.index(x))
-        except TypeError:
-            raise ValueError(f"cu_seqlens[{i}] is {x!r} ({type(x).__name__}), expected an "
-                             "integer (sequence boundaries are token indices, never "
-                             "truncated)") from None
-        if not 0 <= cu[-1] < 1 << 63:
-            raise ValueError(f"cu_seqlens[{i}] is {cu[-1]}, expected a token index >= 0")
-    return cu
-
-
 def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
     for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4), (beta, "beta", 3)):
         _check_tensor(t, name, nd)
@@ -625,7 +579,7 @@ def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"beta has shape {list(beta.shape)}, expected [{b},{t_},{hv}] ([B,T,HV])")
     cu = None
     if cu_seqlens is not None:
-        cu = _cu_list(cu_seqlens)
+        cu = cu_list(cu_seqlens)
         if len(cu) < 2:
             raise ValueError(f"cu_seqlens has {len(cu)} entries, expected at least 2")
         if b != 1:
@@ -833,10 +787,7 @@ def _np(t):
 def _guard_second_order(grads, anchors):
     """The transforms' C++ backward has no derivative of its own: under
     create_graph=True their gradients raise on a second backward (as kda's)."""
-    if not torch.is_grad_enabled():
-        return grads
-    live = [t for t in anchors if t is not None and t.requires_grad]
-    return tuple(None if x is None else _NoSecondOrder.apply(x, *live) for x in grads)
+    return tuple(first_order("chunk_kda", grads, anchors))
 
 
 class _GateFunction(torch.autograd.Function):
@@ -994,7 +945,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                          "ready log-decay and they would be ignored")
     if cu_seqlens is None:
         cu_seqlens = cu_seqlens_cpu
-    elif cu_seqlens_cpu is not None and _cu_list(cu_seqlens) != _cu_list(cu_seqlens_cpu):
+    elif cu_seqlens_cpu is not None and cu_list(cu_seqlens) != cu_list(cu_seqlens_cpu):
         raise ValueError("cu_seqlens and cu_seqlens_cpu differ, expected the same boundaries")
     algorithm = kwargs.get("algorithm", _DEFAULTS["algorithm"])
     keep_forward = kwargs.get("keep_forward", _DEFAULTS["keep_forward"])
@@ -1128,7 +1079,7 @@ class CpContext:
         error = None
         row = None
         try:
-            if cu_seqlens is not None and _cu_list(cu_seqlens) != self.cu_seqlens:
+            if cu_seqlens is not None and cu_list(cu_seqlens) != self.cu_seqlens:
                 raise ValueError(f"rank {dist.get_rank()}: cu_seqlens differs from its "
                                  f"cp_context's {self.cu_seqlens} (pass None or the same)")
             shape, cu, scale, threads, tensors, h0 = _check_arguments(
@@ -1200,7 +1151,7 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
         conv1d_kernel_size = _integer(conv1d_kernel_size, "conv1d_kernel_size", 1, 1 << 16)
     cu = None
     if cu_seqlens is not None:
-        cu = _cu_list(cu_seqlens)
+        cu = cu_list(cu_seqlens)
         if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens {cu}: expected at least 2 non-decreasing entries "
                              "from 0")

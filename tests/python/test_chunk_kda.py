@@ -4,19 +4,15 @@ here in flash-linear-attention's conventions (naive_kda_gate,
 naive_kda_lowerbound_gate, l2norm with eps inside the sqrt, sigmoid,
 naive_recurrent_kda), gradients by autograd; plus the CP context over gloo."""
 
-import os
-import signal
-import tempfile
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import kdacp.torch as kt
 
 import chunk_kda_workers
+from spawn_ranks import spawn
 
 
 # -- the reference -------------------------------------------------------------
@@ -312,21 +308,6 @@ def test_single_process_context():
 
 
 # -- over gloo -----------------------------------------------------------------
-
-def spawn(fn, world, timeout_s):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(fn, args=(world, init_file), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{fn.__name__} on {world} ranks ran past {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,18 +1,14 @@
 """kdacp.torch.causal_conv1d against torch.nn.functional.conv1d (conv_reference),
 gradcheck, its errors, and CP over gloo worlds 2 and 4 (conv_workers)."""
 
-import os
-import signal
-import tempfile
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import kdacp.torch as kt
 from conv_reference import causal_conv1d_ref
 import conv_workers
+from spawn_ranks import spawn
 
 
 def make(b, t, d, w, dtype, bias, h0, cu, seed):
@@ -126,22 +122,6 @@ def test_errors():
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiable once"):
         g.sum().backward()
-
-
-def spawn(fn, world, timeout_s):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(fn, args=(world, init_file), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{fn.__name__} on {world} ranks ran past {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,31 +1,11 @@
 """Multi-process tests: gloo on localhost, world 2 and 4, each bounded by a
 timeout (a hang is a failure, never a stuck suite)."""
 
-import os
-import signal
-import tempfile
-import time
 
 import pytest
-import torch.multiprocessing as mp
 
 import dist_workers
-
-
-def spawn(fn, world, timeout_s):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(fn, args=(world, init_file), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{fn.__name__} on {world} ranks ran past {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
+from spawn_ranks import spawn
 
 
 @pytest.mark.parametrize("world", [2, 4])
