@@ -58,14 +58,16 @@ _EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "
 
 # -- tensors as C++ views ----------------------------------------------------
 
-def _check_tensor(t, name, ndim):
+def _check_tensor(t, name, ndim=None):
+    """A CPU float32/float64 tensor (with ndim dims unless None), or ValueError
+    naming it."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}, expected a CPU tensor")
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.float64")
-    if t.dim() != ndim:
+    if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} has shape {list(t.shape)} ({t.dim()} dims), expected {ndim} dims")
 
 
@@ -866,12 +868,7 @@ class _SigmoidFunction(torch.autograd.Function):
 def _transform_input(t, name, dtype):
     """A CPU float tensor in the compute dtype, contiguous (the transforms read
     raw memory). A conversion is an autograd op: gradients reach the original."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.float64")
+    _check_tensor(t, name)
     return t.to(dtype).contiguous()
 
 
