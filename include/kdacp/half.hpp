@@ -1,0 +1,44 @@
+// 16-bit floating-point storage: bfloat16 and IEEE binary16 (float16), the
+// types flash-linear-attention trains in. kdacp computes in float32 and
+// stores in these types at the edges: a 16-bit tensor is widened once
+// (exactly: every 16-bit value is a float32 value) and a float32 result is
+// narrowed once, rounding to nearest, ties to even, as PyTorch and NumPy do.
+//
+// The values are raw bits (std::uint16_t), so no compiler support for
+// _Float16 or __bf16 is needed and every target gives the same bits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace kdacp {
+
+enum class Half : std::uint8_t { bf16, f16 };
+
+// "bfloat16" / "float16".
+const char* half_name(Half type);
+// Parses half_name's spelling; nullopt for anything else.
+std::optional<Half> parse_half(std::string_view name);
+
+// Exact widening of one value (NaN stays NaN, ±Inf stays ±Inf).
+float bf16_to_float(std::uint16_t bits);
+float f16_to_float(std::uint16_t bits);
+
+// Round to nearest, ties to even. Beyond the type's range a finite value
+// becomes ±Inf (float16: |x| ≥ 65520; bfloat16: |x| ≥ 2^128·(1 − 2^−9));
+// NaN becomes the quiet NaN 0x7FC0 (bf16) / 0x7E00 (f16) with x's sign
+// dropped, as PyTorch does.
+std::uint16_t float_to_bf16(float x);
+std::uint16_t float_to_f16(float x);
+
+// dst[i] = widened src[i], for i < n.
+void widen(Half type, const std::uint16_t* src, std::size_t n, float* dst);
+
+// dst[i] = narrowed src[i], for i < n. Returns the index of the first
+// element whose input is finite but whose result is ±Inf (it overflowed the
+// 16-bit type), or nullopt; every element is written either way.
+std::optional<std::size_t> narrow(Half type, const float* src, std::size_t n, std::uint16_t* dst);
+
+}  // namespace kdacp
