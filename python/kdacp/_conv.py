@@ -13,10 +13,10 @@ import torch
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list, first_order
+from kdacp._common import _DTYPES
 
 __all__ = ["causal_conv1d"]
 
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 _ACTIVATIONS = {None: "none", "silu": "silu", "swish": "silu"}
 # flash-linear-attention arguments kdacp does not implement: an error when
 # given a value other than their default, never silently ignored.

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import kdacp
 import kdacp.torch as kt
-from kdacp import _kdacp
+from kdacp import _kdacp, _layer
 
 
 def _median_max(seconds):
@@ -113,13 +113,13 @@ def _worker(rank, world, init_file, args, out_file):
         o, _ = kt.kda(*leaves, group=dist.group.WORLD, protocol="allgather",
                       threads=args.threads)
         o.backward(d_o)
-        lay = next(iter(kt._LAYERS.values()))  # the one layer these calls use
+        lay = next(iter(_layer._LAYERS.values()))  # the one layer these calls use
         f, bw = lay.times(True), lay.times(False)
         layer_times.append(sum(f) + sum(bw))
         for x_ in leaves:
             x_.grad = None
 
-    kt._LAYERS.clear()
+    _layer._LAYERS.clear()
     t_kda, = measure([kda_step])
     t_layer = _median_max(layer_times[args.warmup:])
 

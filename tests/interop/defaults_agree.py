@@ -11,6 +11,7 @@ import sys
 import kdacp
 import kdacp._kdacp
 import kdacp.torch as kt
+from kdacp import _common
 
 kdacp_cli = sys.argv[1]
 failures = []
@@ -62,7 +63,7 @@ for command in ("run", "kda", "exchange", "calibrate"):
 params = inspect.signature(kt.kda).parameters
 check("kdacp.torch.kda algorithm", params["algorithm"].default, d["algorithm"])
 check("kdacp.torch.kda keep_forward", params["keep_forward"].default, d["keep_forward"])
-check("kdacp.torch timeout", kt._timeout({}), d["timeout"])
+check("kdacp.torch timeout", _common._timeout({}), d["timeout"])
 doc = re.sub(r"\s+", " ", kdacp._kdacp.KdaLayer.forward.__doc__)
 check("KdaLayer.forward algorithm", re.search(r"algorithm: str = '(\w+)'", doc).group(1), d["algorithm"])
 check("KdaLayer.forward keep_forward", re.search(r"keep_forward: bool = (\w+)", doc).group(1),

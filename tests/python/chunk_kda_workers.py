@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import kdacp.torch as kt
+from kdacp import _layer
 
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
@@ -25,7 +26,7 @@ def init(rank, world, init_file):
 
 def finish():
     dist.barrier()
-    kt._LAYERS.clear()
+    _layer._LAYERS.clear()
     dist.destroy_process_group()
     time.sleep(0.2)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import kdacp.torch as kt
-from kdacp import _kdacp
+from kdacp import _agreement, _kdacp
 from conv_reference import causal_conv1d_ref
 
 
@@ -114,6 +114,6 @@ def conv_worker(rank, world, init_file):
     else:
         raise AssertionError("a width other than the context's passed")
     dist.barrier()
-    kt._BACKENDS.clear()
+    _agreement._BACKENDS.clear()
     dist.destroy_process_group()
     time.sleep(0.2)

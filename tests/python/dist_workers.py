@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import kdacp
 import kdacp.torch as kt
-from kdacp import _comm
+from kdacp import _comm, _common, _layer
 from kda_oracle import make_inputs
 
 EXACT = ["p2p", "pipelined_p2p", "allgather", "grouped_allgather_p2p"]
@@ -33,7 +33,7 @@ def finish():
     drop their last tensors before Python shuts down (torch 1.13 aborts when
     one takes the GIL during interpreter finalization)."""
     dist.barrier()
-    kt._LAYERS.clear()
+    _layer._LAYERS.clear()
     dist.destroy_process_group()
     time.sleep(0.2)
 
@@ -55,7 +55,7 @@ def exchange_worker(rank, world, init_file):
         s = torch.randn(world, b, h, kd, vd, generator=gen).to(dtype)
         m = (0.3 * torch.randn(world, b, h, kd, kd, generator=gen)).to(dtype)
         refs = {d: torch.from_numpy(kdacp._kdacp.inprocess_exchange(
-            "p2p", 1, kt._desc(s), kt._desc(m), d)) for d in (True, False)}
+            "p2p", 1, _common._desc(s), _common._desc(m), d)) for d in (True, False)}
         for method in EXACT + REASSOCIATING + ["auto"]:
             for w in widths(method, world):
                 ex = kt.build_kda_state_cp(None, method, w, timeout=20, threads=1)
@@ -68,7 +68,7 @@ def exchange_worker(rank, world, init_file):
                     assert got.dtype == dtype and got.shape == want.shape
                     if ex.exact:
                         same = kdacp._kdacp.inprocess_exchange(
-                            method, w, kt._desc(s), kt._desc(m), d)
+                            method, w, _common._desc(s), _common._desc(m), d)
                         assert torch.equal(got, torch.from_numpy(same)[rank]), (method, w, d)
                         assert torch.equal(got, want), (method, w, d)
                         assert torch.equal(got, kt.merge_affine_summaries(s, m, rank, d))
@@ -79,7 +79,7 @@ def exchange_worker(rank, world, init_file):
         ex = kt.build_kda_state_cp(None, "pipelined_p2p", segments=2, timeout=20, threads=1)
         assert ex.segments == 2
         for d in (True, False):
-            same = kdacp._kdacp.inprocess_exchange("pipelined_p2p", 1, kt._desc(s), kt._desc(m), d, 2)
+            same = kdacp._kdacp.inprocess_exchange("pipelined_p2p", 1, _common._desc(s), _common._desc(m), d, 2)
             got = ex.forward(s[rank], m[rank]) if d else ex.backward(s[rank], m[rank])
             assert torch.equal(got, torch.from_numpy(same)[rank])
         # split when the group does not span the default group: the sub-groups
@@ -91,7 +91,7 @@ def exchange_worker(rank, world, init_file):
                 ex = kt.StateExchange(backend, method, w, {"threads": 1})
                 for d in (True, False):
                     got = ex.forward(s[rank], m[rank]) if d else ex.backward(s[rank], m[rank])
-                    same = kdacp._kdacp.inprocess_exchange(method, w, kt._desc(s), kt._desc(m), d)
+                    same = kdacp._kdacp.inprocess_exchange(method, w, _common._desc(s), _common._desc(m), d)
                     assert torch.equal(got, torch.from_numpy(same)[rank]), (method, w, d)
     # A non-contiguous state (a view into packed [S|M] storage) is used in place.
     packed = torch.randn(1, 2, 16, 48, generator=torch.Generator().manual_seed(rank))

@@ -7,6 +7,7 @@ import torch
 
 import kdacp
 import kdacp.torch as kt
+from kdacp import _common
 from kda_oracle import make_inputs, naive_kda
 
 
@@ -174,7 +175,7 @@ def test_merge_affine_summaries(dtype):
     s = torch.randn(p, b, h, kd, vd, generator=gen).to(dtype)
     m = (0.3 * torch.randn(p, b, h, kd, kd, generator=gen)).to(dtype)
     for forward in (True, False):
-        ref = kdacp._kdacp.inprocess_exchange("p2p", 1, kt._desc(s), kt._desc(m), forward)
+        ref = kdacp._kdacp.inprocess_exchange("p2p", 1, _common._desc(s), _common._desc(m), forward)
         for r in range(p):
             got = kt.merge_affine_summaries(s, m, r, forward=forward)
             assert got.shape == (b, h, kd, vd) and got.dtype == dtype

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import kdacp
 import kdacp.torch as kt
+from kdacp import _layer
 from kda_oracle import make_inputs
 
 
@@ -231,7 +232,7 @@ def test_destroyed_group_raises():
             with torch.no_grad():
                 ex.forward(s.clone().requires_grad_(True), m)
         finally:
-            kt._LAYERS.clear()
+            _layer._LAYERS.clear()
             dist.destroy_process_group()
     # The same group object, destroyed: an error, not a silent run.
     with pytest.raises(ValueError, match="not initialised"):
@@ -252,5 +253,5 @@ def test_destroyed_group_raises():
             with pytest.raises(ValueError, match="ProcessGroup"):
                 kt.kda(q, k, v, g, beta, group="world", threads=1)
         finally:
-            kt._LAYERS.clear()
+            _layer._LAYERS.clear()
             dist.destroy_process_group()

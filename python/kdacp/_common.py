@@ -1,0 +1,158 @@
+"""What kdacp.torch's parts share: the dtypes, tensors as C++ views, the
+options read by the CLI's parsers (kdacp/units.hpp), the library's defaults
+and the check of a result's finiteness."""
+
+import numbers
+import operator
+
+import torch
+
+from kdacp import _kdacp
+
+
+class _SingleProcess:
+    """kda's default group: one process, the whole stream local. Distinct
+    from None, which torch.distributed.group.WORLD also is before
+    init_process_group and after destroy_process_group."""
+
+    def __repr__(self):
+        return "kdacp.torch.SINGLE_PROCESS"
+
+
+SINGLE_PROCESS = _SingleProcess()
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+# kdacp/defaults.hpp, the library's and the CLI's: algorithm, keep_forward, timeout.
+_DEFAULTS = _kdacp.defaults()
+_DEFAULT_TIMEOUT_S = _DEFAULTS["timeout"]
+_EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "calibration",
+                     "expected_shape", "timeout", "threads", "check_ranks")
+
+
+# -- tensors as C++ views ----------------------------------------------------
+
+def _check_tensor(t, name, ndim=None):
+    """A CPU float32/float64 tensor (with ndim dims unless None), or ValueError
+    naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.float64")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} has shape {list(t.shape)} ({t.dim()} dims), expected {ndim} dims")
+
+
+def _viewable(t):
+    """t itself when C++ can view it (unit column stride, batch stride = H x
+    head stride, as SPEC §2 asks), else a contiguous copy."""
+    s = t.stride()
+    if t.dim() >= 4 and s[-1] == 1 and s[-4] == t.shape[-3] * s[-3] and t.storage_offset() >= 0:
+        return t
+    return t.contiguous()
+
+
+def _desc(t):
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype])
+
+
+def _from_numpy(a):
+    return None if a is None else torch.from_numpy(a)
+
+
+def _integer(value, name, lo, hi):
+    """An int option in [lo, hi], checked by the CLI's parser (kdacp/units.hpp):
+    ValueError naming the option for anything else (bool, float, str, out of range)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}, expected an integer in [{lo}, {hi}]")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r}, expected an integer in [{lo}, {hi}]") from None
+    return _kdacp.parse_integer(str(value), name, lo, hi)
+
+
+def _parse_bytes(value):
+    """memory_budget_bytes: 0 or None (no budget), a positive int, or a size
+    such as '64MiB', read by the CLI's --memory-budget parser (kdacp/units.hpp)."""
+    name = "memory_budget_bytes"
+    if value is None or (type(value) is int and value == 0):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise ValueError(f"{name}={value!r}, expected 0 (no budget), a positive int or a size "
+                         "such as '64MiB'")
+    return _kdacp.parse_bytes(str(operator.index(value)) if not isinstance(value, str) else value,
+                              name)
+
+
+def _options(options, expected=None, expected_dtype=None):
+    unknown = sorted(set(options) - set(_EXCHANGE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown exchange option(s) {unknown}, expected some of "
+                        f"{list(_EXCHANGE_OPTIONS)}")
+    shape = options.get("expected_shape", expected)
+    if shape is not None:
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__"):
+            raise ValueError(f"expected_shape={shape!r}, expected (B, H, K, V)")
+        shape = [_integer(x, "expected_shape", 1, 1 << 32) for x in shape]
+    for flag in ("allow_reassociation", "check_ranks"):
+        if flag in options and not isinstance(options[flag], bool):
+            raise ValueError(f"{flag}={options[flag]!r}, expected True or False")
+    calibration = options.get("calibration", "")
+    if calibration is None:
+        calibration = ""
+    if not isinstance(calibration, str):
+        raise ValueError(f"calibration={calibration!r}, expected the path of a "
+                         "`kdacp calibrate` JSON file")
+    return _kdacp.make_options(
+        segments=_segments(options),
+        memory_budget_bytes=_parse_bytes(options.get("memory_budget_bytes", 0)),
+        allow_reassociation=bool(options.get("allow_reassociation", False)),
+        calibration=calibration,
+        expected_shape=shape,
+        expected_dtype=expected_dtype)
+
+
+def _segments(options):
+    return _integer(options.get("segments", 0), "segments", *_kdacp.segments_range)
+
+
+def _threads(options):
+    """threads: the C++ pool's size, in the CLI's --threads range; 0 or
+    absent: torch.get_num_threads() (capped at the range's top)."""
+    lo, hi = _kdacp.threads_range
+    n = _integer(options.get("threads", 0), "threads", lo, hi)
+    return n if n > 0 else max(1, min(torch.get_num_threads(), hi))
+
+
+def _timeout(options):
+    """timeout: seconds, a finite number in (0, one day], read by the CLI's
+    --timeout parser (kdacp/units.hpp)."""
+    t = options.get("timeout", _DEFAULT_TIMEOUT_S)
+    if isinstance(t, bool) or not isinstance(t, (numbers.Real, str)):
+        raise ValueError(f"timeout={t!r}, expected seconds: a finite number > 0")
+    if isinstance(t, numbers.Integral):
+        text = str(operator.index(t))
+    elif isinstance(t, str):
+        text = t
+    else:
+        text = repr(float(t))
+    return _kdacp.parse_timeout(text, "timeout")
+
+
+def _group_size(value):
+    return _integer(value, "allgather_group_size", 1, 1 << 31)
+
+
+def _require_finite_result(t, name, what):
+    """RuntimeError naming the tensor, its first non-finite element and value
+    when a forward or backward produced one from finite inputs (the C++
+    validator's scan, without the GIL: faster than torch.isfinite().all())."""
+    if t is None:
+        return
+    try:
+        _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, "finite")
+    except ValueError as e:
+        raise RuntimeError(f"kdacp.torch.kda: the {what} produced a non-finite value from "
+                           f"finite inputs: {e}") from None

@@ -1,0 +1,249 @@
+"""The CP context of chunk_kda and causal_conv1d (build_cp_context,
+CpContext): every cross-rank agreement, the layout and the backend done once
+per batch; a call then sends only the exchange's messages."""
+
+import torch
+import torch.distributed as dist
+
+from kdacp import _kdacp
+from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_bits,
+                              _group_backend, _options_fingerprint)
+from kdacp._autograd import cu_list
+from kdacp._comm import check_group
+from kdacp._common import (_DTYPES, SINGLE_PROCESS, _group_size, _integer, _options, _threads,
+                           _timeout)
+from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, kda
+
+
+_NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
+                  "use_beta_sigmoid_in_kernel": False, "lower_bound": None,
+                  "A_log given": False, "dt_bias given": False}
+_CONTEXT_FIELDS = ("layout", "world size", "cu_seqlens length", "cu_seqlens", "split",
+                   "conv1d_kernel_size") + _OPTION_FIELDS
+_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "initial_state given",
+                "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
+
+
+class CpContext:
+    """A context-parallel context (build_cp_context): every cross-rank
+    agreement done once, the C++ Layout and the backend built once.
+
+    Attributes: group, backend (the kdacp comm backend; None for a single
+    process), layout (the global kdacp._kdacp.Layout), layout_name
+    ("contiguous" or "zigzag"), rank, world_size, cu_seqlens (global list of
+    ints, or None), split (tokens per rank), conv1d_kernel_size (int or
+    None), protocol, allgather_group_size, options (dict), timeout_s.
+    """
+
+    def __init__(self, group, backend, layout, layout_name, cu, split, conv1d_kernel_size,
+                 protocol, width, options, timeout_s):
+        self.group = group
+        self.backend = backend
+        self.layout = layout
+        self.layout_name = layout_name
+        self.rank = 0 if backend is None else backend.rank
+        self.world_size = 1 if backend is None else backend.size
+        self.cu_seqlens = cu
+        self.split = split
+        self.conv1d_kernel_size = conv1d_kernel_size
+        self.protocol = protocol
+        self.allgather_group_size = width
+        self.options = options
+        self.timeout_s = timeout_s
+        self._layers = {}
+        self._signature = None  # the per-call arguments the ranks agreed on at the first call
+
+    def __repr__(self):
+        return (f"<kdacp CpContext rank {self.rank}/{self.world_size} {self.layout_name} "
+                f"{self.layout} protocol {self.protocol}>")
+
+    @property
+    def local_tokens(self):
+        return self.layout.local_tokens(self.rank)
+
+    def _call_row(self, shape, dtype, scale, algorithm, h0_given, want_ht, signature):
+        b, _, h, hv, kd, vd = shape
+        row = {"B": b, "H": h, "HV": hv, "K": kd, "V": vd, "dtype": dtype, "scale": scale,
+               "algorithm": algorithm, "initial_state given": h0_given,
+               "output_final_state": want_ht}
+        row.update(signature)
+        return row
+
+    def _agree_call(self, row, error):
+        """The first call's one agreement: every rank learns that all passed the
+        same per-call arguments (or which differ) before any exchange message."""
+        fp = _Fingerprint(_CALL_FIELDS)
+        if error is None:
+            shows = {"dtype": None, "algorithm": None, "lower_bound": None}
+            for name in _CALL_FIELDS:
+                x = row[name]
+                if name == "scale":
+                    fp.add(name, _float_bits(x), lambda b: repr(_bits_float(b)))
+                elif name in shows:
+                    fp.add_hash(name, x)
+                elif isinstance(x, bool):
+                    fp.add(name, int(x), lambda b: str(bool(b)))
+                else:
+                    fp.add(name, x)
+        fp.check(self.backend, "chunk_kda (first call on its cp_context)", ok=error is None,
+                 error=error)
+        self._signature = row
+
+    def _kda(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+             algorithm, keep_forward, signature):
+        """kda over the context's layout. Only the first call sends an
+        agreement (of the per-call arguments); later calls compare theirs
+        with it locally and send nothing but the exchange."""
+        if self.backend is None:
+            return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                       self.cu_seqlens if cu_seqlens is None else cu_seqlens,
+                       algorithm=algorithm, keep_forward=keep_forward, **self.options)
+        error = None
+        row = None
+        try:
+            if cu_seqlens is not None and cu_list(cu_seqlens) != self.cu_seqlens:
+                raise ValueError(f"rank {dist.get_rank()}: cu_seqlens differs from its "
+                                 f"cp_context's {self.cu_seqlens} (pass None or the same)")
+            shape, cu, scale, threads, tensors, h0 = _check_arguments(
+                q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
+                self.layout_name, algorithm, keep_forward, self.options)
+            want = self.local_tokens
+            if shape[1] != want:
+                raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
+                                 f"{want}: this rank's part of the cp_context's layout "
+                                 f"{self.layout}")
+            row = self._call_row(shape, _DTYPES[q.dtype], scale, algorithm, h0 is not None,
+                                 output_final_state, signature)
+        except (ValueError, TypeError) as e:
+            error = e
+        if self._signature is None:
+            self._agree_call(row, error)
+        elif error is not None:
+            raise error
+        elif row != self._signature:
+            diffs = [f"{n}={row[n]!r} (agreed at the first call: {self._signature[n]!r})"
+                     for n in _CALL_FIELDS if row[n] != self._signature[n]]
+            raise ValueError(
+                f"rank {dist.get_rank()}: chunk_kda on a cp_context called with other "
+                f"arguments than at its first call, where every rank agreed on them: "
+                f"{'; '.join(diffs)}; nothing was sent (its peers wait for it until the "
+                f"timeout); build a new context for other arguments")
+        b, _, _, hv, kd, vd = shape
+        dtype = _DTYPES[q.dtype]
+        key = (dtype, b, hv, kd, vd)
+        layer = self._layers.get(key)
+        if layer is None:
+            opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype)
+            layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
+                                    self.layout, dtype, opts, threads)
+            # The layer's construction agreed (collectively, at this first call of
+            # the shape); its calls need not: the context's first call did.
+            layer.agree_per_call(False)
+            self._layers[key] = layer
+        o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
+                                   keep_forward, *tensors, h0)
+        return o, (ht if output_final_state else None)
+
+
+def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contiguous", split=None,
+                     protocol="auto", allgather_group_size=1, **options):
+    """A CpContext for chunk_kda(..., cp_context=ctx), built once per batch
+    (flash-linear-attention's build_cp_context; kdacp's extras after its
+    arguments). Collective over `group` (one agreement; plus the group's
+    first gather the first time kdacp meets it).
+
+    cu_seqlens: the global boundaries (1-D int tensor or ints; None: B
+    sequences, one per batch row, then `split` is required). group: a live
+    torch.distributed group (its ranks in order are the CP order), or
+    SINGLE_PROCESS. layout: "contiguous" (rank r holds the r-th run of
+    tokens) or "zigzag". split: tokens per rank for a contiguous layout (any
+    lengths; None: cu_seqlens[-1] / world size, which must divide); with
+    zigzag None or zigzag's own counts. protocol, allgather_group_size and
+    options as build_kda_state_cp. Checked at build, in the agreement: the
+    layout, world size, cu_seqlens, split, conv1d_kernel_size, protocol,
+    allgather_group_size, options and timeout. Checked at the first chunk_kda
+    call (its one agreement): B, H, HV, K, V, dtype, scale, algorithm, the
+    flags and which of initial_state, A_log, dt_bias are given; later calls
+    must pass the same (a rank that does not raises ValueError before sending;
+    its peers time out naming it) and send only the exchange's messages.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout {layout!r}, expected 'contiguous' or 'zigzag'")
+    if conv1d_kernel_size is not None:
+        conv1d_kernel_size = _integer(conv1d_kernel_size, "conv1d_kernel_size", 1, 1 << 16)
+    cu = None
+    if cu_seqlens is not None:
+        cu = cu_list(cu_seqlens)
+        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens {cu}: expected at least 2 non-decreasing entries "
+                             "from 0")
+    options = dict(options)
+    _options(options)
+    timeout_s = _timeout(options)
+    _threads(options)
+    if not isinstance(protocol, str) or protocol not in _kdacp.exchange_methods():
+        raise ValueError(f"unknown protocol {protocol!r}, expected one of "
+                         f"{_kdacp.exchange_methods()}")
+    width = _group_size(allgather_group_size)
+    if group is SINGLE_PROCESS:
+        world, backend = 1, None
+    else:
+        if group is None:
+            raise ValueError("build_cp_context: group=None, expected a process group "
+                             "(torch.distributed.group.WORLD or a new_group), or "
+                             "kdacp.torch.SINGLE_PROCESS for one process")
+        check_group(group)
+        backend = _group_backend(group, timeout_s)
+        world = backend.size
+    fp = _Fingerprint(_CONTEXT_FIELDS)
+    error = None
+    built = None
+    try:
+        if split is not None:
+            if isinstance(split, torch.Tensor):
+                split = split.tolist()
+            split = [_integer(x, "split", 0, 1 << 62) for x in split]
+            if len(split) != world:
+                raise ValueError(f"split has {len(split)} entries, expected one per rank "
+                                 f"({world})")
+            if cu is not None and sum(split) != cu[-1]:
+                raise ValueError(f"split {split} sums to {sum(split)} tokens, expected "
+                                 f"cu_seqlens[-1] = {cu[-1]}")
+        elif cu is None:
+            raise ValueError("cu_seqlens=None and split=None: pass split (tokens per rank), "
+                             "the layout cannot be known otherwise")
+        tokens = cu[-1] if cu is not None else sum(split)
+        if layout == "zigzag":
+            built = _kdacp.Layout.zigzag(tokens, world)
+            own = [built.local_tokens(r) for r in range(world)]
+            if split is not None and split != own:
+                raise ValueError(f"split {split}, but zigzag over {world} ranks of {tokens} "
+                                 f"tokens holds {own}")
+        else:
+            if split is None:
+                if tokens % world:
+                    raise ValueError(f"{tokens} tokens do not split evenly over {world} ranks: "
+                                     "pass split (tokens per rank)")
+                split = [tokens // world] * world
+            built = _kdacp.Layout.contiguous(tokens, world, split)
+        split = [built.local_tokens(r) for r in range(world)]
+        fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
+        fp.add("world size", world)
+        fp.add("cu_seqlens length", -1 if cu is None else len(cu),
+               lambda x: "None" if x < 0 else str(x))
+        fp.add_hash("cu_seqlens", b"" if cu is None else
+                    torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
+        fp.add_hash("split", torch.tensor(split, dtype=torch.int64).numpy().tobytes())
+        fp.add("conv1d_kernel_size", -1 if conv1d_kernel_size is None else conv1d_kernel_size,
+               lambda x: "None" if x < 0 else str(x))
+        _options_fingerprint(fp, options, protocol, width, timeout_s)
+    except (ValueError, TypeError) as e:
+        error = e
+    if backend is None:
+        if error is not None:
+            raise error
+    else:
+        fp.check(backend, "build_cp_context", ok=error is None, error=error)
+    return CpContext(group, backend, built, layout, cu, split, conv1d_kernel_size, protocol,
+                     width, options, timeout_s)

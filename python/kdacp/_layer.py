@@ -1,0 +1,311 @@
+"""The differentiable KDA layer (kdacp.torch.kda): its argument checks, the
+agreement of a group's ranks, the C++ layers cached per group and shape, and
+the autograd Function around the C++ forward and backward."""
+
+import math
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from kdacp import _kdacp
+from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_bits,
+                              _group_backend, _options_fingerprint)
+from kdacp._autograd import cu_list, first_order
+from kdacp._comm import check_group
+from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _from_numpy,
+                           _group_size, _options, _require_finite_result, _threads, _timeout)
+
+_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "layout",
+               "initial_state given", "output_final_state", "cu_seqlens length",
+               "cu_seqlens") + _OPTION_FIELDS
+
+_LAYERS = {}
+_LAYER_CACHE_SIZE = 16
+
+
+def _layout(layout, counts):
+    """The C++ layout (kdacp/layout.hpp) of ranks holding `counts` tokens:
+    "contiguous" with those counts, or "zigzag", whose rule lives in C++
+    alone; zigzag's per-rank token counts must then be its own."""
+    ranks, tokens = len(counts), sum(counts)
+    if layout == "contiguous":
+        return _kdacp.Layout.contiguous(tokens, ranks, counts)
+    built = _kdacp.Layout.zigzag(tokens, ranks)
+    want = [built.local_tokens(r) for r in range(ranks)]
+    if counts != want:
+        raise ValueError(f"rank {dist.get_rank()}: zigzag over {ranks} ranks of "
+                         f"{tokens} tokens holds {want} tokens per rank, got {counts}")
+    return built
+
+
+def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_shape=None):
+    cached = _LAYERS.get(key)
+    if cached is not None:
+        return cached
+    opts = _options(options, expected=summary_shape, expected_dtype=dtype)
+    layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, dtype, opts,
+                            _threads(options))
+    if len(_LAYERS) >= _LAYER_CACHE_SIZE:
+        _LAYERS.pop(next(iter(_LAYERS)))
+    _LAYERS[key] = layer
+    return layer
+
+
+def _check_input(t, name, rule):
+    """kdacp/finite.hpp's rules on a contiguous tensor: the CLI's messages."""
+    _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, rule)
+
+
+class _KdaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, q, k, v, g, beta, h0):
+        inputs = [t.data_ptr() for t in (q, k, v, g, beta)]
+        h0_ptr = 0 if h0 is None else h0.data_ptr()
+        o, ht, saved = layer.forward(inputs, shape, scale, cu, h0_ptr, want_ht, algorithm, keep_forward)
+        ctx.layer, ctx.shape, ctx.scale, ctx.cu, ctx.want_ht = layer, shape, scale, cu, want_ht
+        ctx.algorithm = algorithm
+        ctx.kdacp_saved = saved  # the layer's Saved: M and the incoming state per part
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        o = torch.from_numpy(o)
+        ht = torch.from_numpy(ht) if want_ht else None
+        _require_finite_result(o, "o", "forward")
+        _require_finite_result(ht, "ht", "forward")
+        if want_ht:
+            return o, ht
+        empty = o.new_empty(0)
+        ctx.mark_non_differentiable(empty)
+        return o, empty
+
+    @staticmethod
+    def backward(ctx, d_o, d_ht):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        with torch.no_grad():
+            grads = _KdaFunction._backward(ctx, q, k, v, g, beta, h0, d_o, d_ht)
+        # create_graph=True: the C++ backward is not itself differentiable, so
+        # a backward through these gradients raises instead of silently
+        # dropping kda's second-order part.
+        grads = first_order("kda", grads, (q, k, v, g, beta, h0))
+        return (None, None, None, None, None, None, None) + tuple(grads)
+
+    @staticmethod
+    def _backward(ctx, q, k, v, g, beta, h0, d_o, d_ht):
+        if d_o is None:
+            d_o = torch.zeros(ctx.shape[0], ctx.shape[1], ctx.shape[3], ctx.shape[5], dtype=q.dtype)
+        d_o = d_o.contiguous()
+        _check_input(d_o, "the gradient of o", "finite")
+        dht_ptr = 0
+        if ctx.want_ht:
+            # Every rank passes dht (zeros when its loss does not use ht): the
+            # layer gathers them collectively.
+            if d_ht is None:
+                d_ht = torch.zeros_like(h0) if h0 is not None else None
+            if d_ht is None:
+                n = (len(ctx.cu) - 1) if ctx.cu is not None else ctx.shape[0]
+                d_ht = torch.zeros(n, ctx.shape[3], ctx.shape[4], ctx.shape[5], dtype=q.dtype)
+            d_ht = d_ht.contiguous()
+            _check_input(d_ht, "the gradient of ht", "finite")
+            dht_ptr = d_ht.data_ptr()
+        inputs = [t.data_ptr() for t in (q, k, v, g, beta)]
+        h0_ptr = 0 if h0 is None else h0.data_ptr()
+        grads = ctx.layer.backward(
+            ctx.kdacp_saved, inputs, ctx.shape, ctx.scale, ctx.cu, h0_ptr, d_o.data_ptr(),
+            dht_ptr, h0 is not None, ctx.algorithm)
+        grads = [_from_numpy(x) for x in grads]
+        for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+            _require_finite_result(x, name, "backward")
+        return grads
+
+
+def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
+    for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4), (beta, "beta", 3)):
+        _check_tensor(t, name, nd)
+    dtype = q.dtype
+    for t, name in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+        if t.dtype != dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected q's {dtype}")
+    b, t_, h, kd = q.shape
+    if tuple(k.shape) != (b, t_, h, kd):
+        raise ValueError(f"k has shape {list(k.shape)}, expected q's {list(q.shape)} ([B,T,H,K])")
+    if v.shape[0] != b or v.shape[1] != t_:
+        raise ValueError(f"v has shape {list(v.shape)}, expected [{b},{t_},HV,V]")
+    hv, vd = v.shape[2], v.shape[3]
+    if hv == 0 or h == 0 or hv % h != 0:
+        raise ValueError(f"v has {hv} value heads, expected a positive multiple of q's {h} heads")
+    if tuple(g.shape) != (b, t_, hv, kd):
+        raise ValueError(f"g has shape {list(g.shape)}, expected [{b},{t_},{hv},{kd}] ([B,T,HV,K])")
+    if tuple(beta.shape) != (b, t_, hv):
+        raise ValueError(f"beta has shape {list(beta.shape)}, expected [{b},{t_},{hv}] ([B,T,HV])")
+    cu = None
+    if cu_seqlens is not None:
+        cu = cu_list(cu_seqlens)
+        if len(cu) < 2:
+            raise ValueError(f"cu_seqlens has {len(cu)} entries, expected at least 2")
+        if b != 1:
+            raise ValueError(f"cu_seqlens given with batch {b}, expected B = 1 (packed sequences)")
+    if initial_state is not None:
+        _check_tensor(initial_state, "initial_state", 4)
+        if initial_state.dtype != dtype:
+            raise ValueError(f"initial_state has dtype {initial_state.dtype}, expected {dtype}")
+        if tuple(initial_state.shape[1:]) != (hv, kd, vd):
+            raise ValueError(f"initial_state has shape {list(initial_state.shape)}, expected "
+                             f"[N,{hv},{kd},{vd}] ([N,HV,K,V])")
+    return (b, t_, h, hv, kd, vd), cu
+
+
+_ALGORITHMS = ("recurrent", "chunk")
+_LAYOUTS = ("contiguous", "zigzag")
+
+
+def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                     layout, algorithm, keep_forward, options):
+    """Every local check of kda's arguments (no message sent): the shapes,
+    the options, then the values (finite inputs, g <= 0, beta in [0, 1], by
+    the C++ validator the CLI uses). Returns what kda runs with."""
+    shape, cu = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)
+    b, t_local, h, hv, kd, vd = shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(kd)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.requires_grad:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale={scale!r}, expected a finite number > 0")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale}, expected a finite value > 0")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout '{layout}', expected 'contiguous' or 'zigzag'")
+    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}, expected 'recurrent' or 'chunk'")
+    if not isinstance(keep_forward, bool):
+        raise ValueError(f"keep_forward={keep_forward!r}, expected True or False")
+    if not isinstance(output_final_state, bool):
+        raise ValueError(f"output_final_state={output_final_state!r}, expected True or False")
+    _options(options)
+    _timeout(options)
+    threads = _threads(options)
+    n_seq = (len(cu) - 1) if cu is not None else b
+    if initial_state is not None and initial_state.shape[0] != n_seq:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} sequences, expected "
+                         f"N = {n_seq}")
+    tensors = [t.contiguous() for t in (q, k, v, g, beta)]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    for t, name in zip(tensors[:3], ("q", "k", "v")):
+        _check_input(t, name, "finite")
+    _check_input(tensors[3], "g", "gate")
+    _check_input(tensors[4], "beta", "beta")
+    if h0 is not None:
+        _check_input(h0, "initial_state", "finite")
+    return shape, cu, scale, threads, tensors, h0
+
+
+def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
+        allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
+        keep_forward=_DEFAULTS["keep_forward"], cp_context=None, **options):
+    """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
+
+    q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
+    [B,T,HV]; float32 or float64 CPU tensors (flash-linear-attention layout),
+    finite, with g <= 0 and beta in [0, 1] (ValueError naming the first bad
+    element otherwise, the CLI's message). scale None: 1/sqrt(K).
+    initial_state h0 [N,HV,K,V]; cu_seqlens: N packed sequences (B = 1),
+    integers, global, identical on every rank. group omitted
+    (SINGLE_PROCESS): one process, the whole stream local. Otherwise a live
+    torch.distributed group (None is an error: pass
+    torch.distributed.group.WORLD or a new_group); the group's ranks in group order are the CP order and the
+    local tensors are this rank's tokens: with layout "contiguous" rank r
+    holds the r-th run of tokens (any lengths), with "zigzag" parts r and
+    2P-1-r concatenated. Before any other message the ranks compare every
+    argument that must match (ValueError on every rank naming it and the
+    ranks that differ). Returns (o [B,T,HV,V], ht [N,HV,K,V] or None); ht,
+    when requested, is complete on every rank. Differentiable (once) w.r.t.
+    q, k, v, g, beta and initial_state; a double backward raises. A
+    non-finite o, ht or gradient raises RuntimeError naming it. Every rank
+    must call kda, and its backward, in the same order. algorithm: "chunk"
+    (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
+    (token by token, the reference); the same results up to rounding, the
+    same on every rank of a group. keep_forward (default True, as
+    kdacp.defaults() says): with "chunk", the forward keeps what its backward
+    would recompute (about 1.25x the local q, k, v, g at K = V = 128) in the
+    autograd context, for a faster backward; False saves that memory (a
+    forward without backward, or memory short); the same results either way. options: as build_kda_state_cp.
+    cp_context: a CpContext (build_cp_context) instead of group, layout,
+    protocol, allgather_group_size and options: no agreement message per
+    call (chunk_kda's path, without its transforms).
+    """
+    if cp_context is not None:
+        from kdacp._context import _NO_TRANSFORMS, CpContext  # it imports this module
+        if not isinstance(cp_context, CpContext):
+            raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
+                             "kdacp.torch.CpContext (build_cp_context)")
+        if group is not SINGLE_PROCESS or layout != "contiguous" or protocol != "auto" or \
+                allgather_group_size != 1 or options:
+            raise ValueError("kda: cp_context given with group, layout, protocol, "
+                             "allgather_group_size or options: the context holds them")
+        return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                               cu_seqlens, algorithm, keep_forward, dict(_NO_TRANSFORMS))
+    if group is SINGLE_PROCESS:
+        shape, cu, scale, threads, tensors, h0 = _check_arguments(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
+            algorithm, keep_forward, options)
+        if layout != "contiguous":
+            raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
+        dtype = _DTYPES[q.dtype]
+        key = ("single", dtype, threads)
+        layer = _layer(None, key, "none", 1, None, dtype, options)
+    else:
+        # The group and timeout first (a rank that cannot reach its peers
+        # cannot tell them why); every other check runs locally and its
+        # outcome travels in the agreement row, so a rank with a bad argument
+        # raises its own error and its peers name it, none waits for it.
+        if group is None:
+            raise ValueError(
+                "kda: group=None, expected a process group: torch.distributed.group.WORLD is "
+                "None before init_process_group and after destroy_process_group, so None "
+                "cannot mean the default group here; omit group (or pass "
+                "kdacp.torch.SINGLE_PROCESS) to run one process")
+        check_group(group)
+        backend = _group_backend(group, _timeout(options))
+        fp = _Fingerprint(_KDA_FIELDS)
+        error = None
+        t_local = 0
+        try:
+            if not isinstance(protocol, str) or protocol not in _kdacp.exchange_methods():
+                raise ValueError(f"unknown protocol {protocol!r}, expected one of "
+                                 f"{_kdacp.exchange_methods()}")
+            width = _group_size(allgather_group_size)
+            shape, cu, scale, threads, tensors, h0 = _check_arguments(
+                q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
+                algorithm, keep_forward, options)
+            b, t_local, h, hv, kd, vd = shape
+            dtype = _DTYPES[q.dtype]
+            for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
+                fp.add(name, n)
+            fp.add("dtype", 8 if dtype == "float64" else 4,
+                   lambda x: "float64" if x == 8 else "float32")
+            fp.add("scale", _float_bits(scale), lambda x: repr(_bits_float(x)))
+            fp.add("algorithm", _ALGORITHMS.index(algorithm), lambda x: _ALGORITHMS[x])
+            fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
+            fp.add("initial_state given", int(h0 is not None), lambda x: str(bool(x)))
+            fp.add("output_final_state", int(output_final_state), lambda x: str(bool(x)))
+            fp.add("cu_seqlens length", -1 if cu is None else len(cu),
+                   lambda x: "None" if x < 0 else str(x))
+            fp.add_hash("cu_seqlens", b"" if cu is None else
+                        torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
+            _options_fingerprint(fp, options, protocol, width, backend.timeout_s)
+        except (ValueError, TypeError) as e:  # TypeError: an unknown option
+            error = e
+        what = "kda"
+        extra = fp.check(backend, what, ok=error is None, error=error, extra=[t_local])
+        counts = [int(x) for x in extra[:, 0]]
+        key = (id(backend), protocol, width, layout, tuple(counts), dtype,
+               tuple(sorted((k_, repr(v_)) for k_, v_ in options.items())))
+        key = key + ((b, hv, kd, vd),)
+        layer = _LAYERS.get(key)
+        if layer is None:  # the layout is built once per context, with its layer
+            layer = _layer(backend, key, protocol, width, _layout(layout, counts), dtype,
+                           options, summary_shape=(b, hv, kd, vd))
+    o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
+                               keep_forward, *tensors, h0)
+    return o, (ht if output_final_state else None)
