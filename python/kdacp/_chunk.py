@@ -9,13 +9,10 @@ import torch
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list, first_order
-from kdacp._common import _DEFAULTS, _DTYPES, _check_tensor, _require_finite_result
+from kdacp._common import (_DEFAULTS, _DTYPES, _check_tensor, _compute_dtype, _from_numpy,
+                           _require_finite_result)
 from kdacp._context import CpContext
 from kdacp._layer import kda
-
-
-def _np(t):
-    return torch.from_numpy(t)
 
 
 def _guard_second_order(grads, anchors):
@@ -24,84 +21,106 @@ def _guard_second_order(grads, anchors):
     return tuple(first_order("chunk_kda", grads, anchors))
 
 
+def _name(t, compute):
+    """(storage dtype name of t, or compute's for an absent t)."""
+    return _DTYPES[compute] if t is None else _DTYPES[t.dtype]
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+# Each transform reads its input in the input's dtype and computes in
+# `compute` (float64 for float64 calls, else float32: 16-bit inputs are
+# widened in C++); its result feeds the kda layer, so it is stored in
+# `compute`; the gradient of each input comes back in that input's dtype.
+
 class _GateFunction(torch.autograd.Function):
     """g = -exp(A_log)·softplus(g_raw + dt_bias), or lower_bound·sigmoid(
     exp(A_log)·(g_raw + dt_bias)) (kdacp/kda.hpp gate_forward), one C++ pass;
     its backward gives g_raw's, A_log's and dt_bias's gradients."""
 
     @staticmethod
-    def forward(ctx, lower_bound, raw, a_log, dt_bias):
+    def forward(ctx, lower_bound, compute, raw, a_log, dt_bias):
         b, t, hv, kd = raw.shape
-        dtype = _DTYPES[raw.dtype]
-        ctx.args = (b * t, hv, kd, lower_bound, dtype)
+        ctx.args = (b * t, hv, kd, lower_bound, _DTYPES[compute])
+        ctx.dtypes = [_name(x, compute) for x in (raw, a_log, dt_bias)]
         ctx.save_for_backward(raw, a_log, dt_bias)
-        (out,) = _kdacp.kda_gate(raw.data_ptr(), 0 if a_log is None else a_log.data_ptr(),
-                                 0 if dt_bias is None else dt_bias.data_ptr(), b * t, hv, kd,
-                                 lower_bound, dtype)
-        return _np(out).view(b, t, hv, kd)
+        (out,) = _kdacp.kda_gate(raw.data_ptr(), ctx.dtypes[0], _ptr(a_log), ctx.dtypes[1],
+                                 _ptr(dt_bias), ctx.dtypes[2], b * t, hv, kd, lower_bound,
+                                 _DTYPES[compute])
+        return _from_numpy(out).view(b, t, hv, kd)
 
     @staticmethod
     def backward(ctx, d_g):
         raw, a_log, dt_bias = ctx.saved_tensors
-        tokens, hv, kd, lower_bound, dtype = ctx.args
+        tokens, hv, kd, lower_bound, compute = ctx.args
         d_g = d_g.contiguous()
         with torch.no_grad():
             d_raw, d_a, d_b = _kdacp.kda_gate(
-                raw.data_ptr(), 0 if a_log is None else a_log.data_ptr(),
-                0 if dt_bias is None else dt_bias.data_ptr(), tokens, hv, kd, lower_bound, dtype,
-                d_g.data_ptr())
-        grads = (_np(d_raw).view(raw.shape), None if d_a is None else _np(d_a).view(a_log.shape),
-                 None if d_b is None else _np(d_b).view(dt_bias.shape))
+                raw.data_ptr(), ctx.dtypes[0], _ptr(a_log), ctx.dtypes[1], _ptr(dt_bias),
+                ctx.dtypes[2], tokens, hv, kd, lower_bound, compute, d_g.data_ptr())
+        grads = (_from_numpy(d_raw, raw.dtype).view(raw.shape),
+                 None if d_a is None else _from_numpy(d_a, a_log.dtype).view(a_log.shape),
+                 None if d_b is None else _from_numpy(d_b, dt_bias.dtype).view(dt_bias.shape))
         for x, name in zip(grads, ("g", "A_log", "dt_bias")):
             _require_finite_result(x, f"the gradient of {name}", "gate backward")
-        return (None,) + _guard_second_order(grads, (raw, a_log, dt_bias))
+        return (None, None) + _guard_second_order(grads, (raw, a_log, dt_bias))
 
 
 class _L2NormFunction(torch.autograd.Function):
     """x / sqrt(Σ_K x² + 1e-6) per (token, head) (kdacp/kda.hpp l2norm_forward)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, compute, x):
         rows, dim = x.numel() // x.shape[-1], x.shape[-1]
-        y, rstd = _kdacp.kda_l2norm(x.data_ptr(), rows, dim, _DTYPES[x.dtype])
-        y, rstd = _np(y), _np(rstd)
+        y, rstd = _kdacp.kda_l2norm(x.data_ptr(), _DTYPES[x.dtype], rows, dim, _DTYPES[compute])
+        y, rstd = _from_numpy(y), _from_numpy(rstd)
         ctx.save_for_backward(x, y, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, d_y):
         x, y, rstd = ctx.saved_tensors
-        d_y = d_y.contiguous()
+        d_y = d_y.to(y.dtype).contiguous()
         with torch.no_grad():
-            dx = _np(_kdacp.kda_l2norm_backward(y.data_ptr(), rstd.data_ptr(), d_y.data_ptr(),
-                                                y.shape[0], y.shape[1], _DTYPES[y.dtype]))
+            dx = _from_numpy(_kdacp.kda_l2norm_backward(
+                y.data_ptr(), rstd.data_ptr(), d_y.data_ptr(), y.shape[0], y.shape[1],
+                _DTYPES[y.dtype], _DTYPES[x.dtype]), x.dtype)
         _require_finite_result(dx, "the gradient of q or k", "l2norm backward")
-        return _guard_second_order((dx.view(d_y.shape),), (x,))
+        return (None,) + _guard_second_order((dx.view(x.shape),), (x,))
 
 
 class _SigmoidFunction(torch.autograd.Function):
     """beta = sigmoid(beta_raw) (kdacp/kda.hpp sigmoid_forward)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, compute, x):
         ctx.save_for_backward(x)
-        return _np(_kdacp.kda_sigmoid(x.data_ptr(), x.numel(), _DTYPES[x.dtype])).view(x.shape)
+        ctx.compute = _DTYPES[compute]
+        return _from_numpy(_kdacp.kda_sigmoid(x.data_ptr(), _DTYPES[x.dtype], x.numel(),
+                                              ctx.compute)).view(x.shape)
 
     @staticmethod
     def backward(ctx, d_y):
         (x,) = ctx.saved_tensors
-        d_y = d_y.contiguous()
+        d_y = d_y.to(torch.float64 if ctx.compute == "float64" else torch.float32).contiguous()
         with torch.no_grad():
-            dx = _np(_kdacp.kda_sigmoid(x.data_ptr(), x.numel(), _DTYPES[x.dtype], d_y.data_ptr()))
+            dx = _from_numpy(_kdacp.kda_sigmoid(x.data_ptr(), _DTYPES[x.dtype], x.numel(),
+                                                ctx.compute, d_y.data_ptr()), x.dtype)
         _require_finite_result(dx, "the gradient of beta", "sigmoid backward")
-        return _guard_second_order((dx.view(x.shape),), (x,))
+        return (None,) + _guard_second_order((dx.view(x.shape),), (x,))
 
 
-def _transform_input(t, name, dtype):
-    """A CPU float tensor in the compute dtype, contiguous (the transforms read
-    raw memory). A conversion is an autograd op: gradients reach the original."""
+def _transform_input(t, name, compute):
+    """A CPU float tensor the transforms can read, contiguous: t itself when
+    its dtype computes in `compute` (float64: float64; float32: float32,
+    bfloat16 or float16), else converted to `compute` (an autograd op:
+    gradients reach the original)."""
     _check_tensor(t, name)
-    return t.to(dtype).contiguous()
+    if compute == torch.float32 and t.dtype != torch.float64:
+        return t.contiguous()
+    return t.to(compute).contiguous()
 
 
 def _lower_bound(lower_bound):
@@ -182,27 +201,27 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         keep_forward = True
     for t, name, nd in ((q, "q", 4), (k, "k", 4), (g, "g", 4), (beta, "beta", 3)):
         _check_tensor(t, name, nd)
-    dtype = q.dtype
+    compute = _compute_dtype(((q, "q"), (k, "k"), (g, "g"), (beta, "beta")))
     if use_gate_in_kernel:
         hv, kd = g.shape[2], g.shape[3]
         a = None
         if A_log is not None:
-            a = _transform_input(A_log, "A_log", dtype)
+            a = _transform_input(A_log, "A_log", compute)
             if a.numel() != hv:
                 raise ValueError(f"A_log has {a.numel()} elements (shape {list(A_log.shape)}), "
                                  f"expected HV = {hv}")
         bias = None
         if dt_bias is not None:
-            bias = _transform_input(dt_bias, "dt_bias", dtype)
+            bias = _transform_input(dt_bias, "dt_bias", compute)
             if bias.numel() != hv * kd:
                 raise ValueError(f"dt_bias has {bias.numel()} elements (shape "
                                  f"{list(dt_bias.shape)}), expected HV*K = {hv * kd}")
-        g = _GateFunction.apply(lower_bound, _transform_input(g, "g", dtype), a, bias)
+        g = _GateFunction.apply(lower_bound, compute, _transform_input(g, "g", compute), a, bias)
     if use_qk_l2norm_in_kernel:
-        q = _L2NormFunction.apply(q.contiguous())
-        k = _L2NormFunction.apply(k.contiguous())
+        q = _L2NormFunction.apply(compute, q.contiguous())
+        k = _L2NormFunction.apply(compute, k.contiguous())
     if use_beta_sigmoid_in_kernel:
-        beta = _SigmoidFunction.apply(_transform_input(beta, "beta", dtype))
+        beta = _SigmoidFunction.apply(compute, _transform_input(beta, "beta", compute))
     signature = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
                  "use_gate_in_kernel": use_gate_in_kernel,
                  "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,

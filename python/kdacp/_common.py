@@ -21,7 +21,8 @@ class _SingleProcess:
 
 SINGLE_PROCESS = _SingleProcess()
 
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
 # kdacp/defaults.hpp, the library's and the CLI's: algorithm, keep_forward, timeout.
 _DEFAULTS = _kdacp.defaults()
 _DEFAULT_TIMEOUT_S = _DEFAULTS["timeout"]
@@ -31,17 +32,27 @@ _EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "
 
 # -- tensors as C++ views ----------------------------------------------------
 
-def _check_tensor(t, name, ndim=None):
-    """A CPU float32/float64 tensor (with ndim dims unless None), or ValueError
-    naming it."""
+def _check_tensor(t, name, ndim=None, prefix=""):
+    """A CPU float32/float64/bfloat16/float16 tensor (with ndim dims unless
+    None), or ValueError naming it."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+        raise ValueError(f"{prefix}{name} is a {type(t).__name__}, expected a torch.Tensor")
     if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor")
+        raise ValueError(f"{prefix}{name} is on {t.device}, expected a CPU tensor")
     if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.float64")
+        raise ValueError(f"{prefix}{name} has dtype {t.dtype}, expected torch.float32, "
+                         "torch.float64, torch.bfloat16 or torch.float16")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} has shape {list(t.shape)} ({t.dim()} dims), expected {ndim} dims")
+
+
+def _check_state_tensor(t, name, ndim=None):
+    """_check_tensor for a state or transfer matrix: float32 or float64 only
+    (states are kept and exchanged in those; bf16/fp16 layer inputs have
+    float32 states)."""
+    _check_tensor(t, name, ndim)
+    if t.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.float64")
 
 
 def _viewable(t):
@@ -57,8 +68,31 @@ def _desc(t):
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype])
 
 
-def _from_numpy(a):
-    return None if a is None else torch.from_numpy(a)
+def _from_numpy(a, dtype=None):
+    """A C++ result as a tensor (None stays None); a 16-bit one arrives as
+    int16 bits and is viewed as `dtype`."""
+    if a is None:
+        return None
+    t = torch.from_numpy(a)
+    return t.view(dtype) if dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _compute_dtype(named, prefix=""):
+    """The dtype a call computes in: torch.float64 when its tensors are
+    float64, torch.float32 when each is float32, bfloat16 or float16 (16-bit
+    ones are widened in C++ and results stored back in their dtypes).
+    float64 is all or nothing: ValueError naming the first tensor that
+    breaks it. `named`: (tensor or None, name) pairs."""
+    given = [(t, n) for t, n in named if t is not None]
+    wide = [n for t, n in given if t.dtype == torch.float64]
+    if not wide:
+        return torch.float32
+    for t, n in given:
+        if t.dtype != torch.float64:
+            raise ValueError(f"{prefix}{n} has dtype {t.dtype} while {wide[0]} is torch.float64: "
+                             "float64 inputs must all be float64 (float32, bfloat16 and float16 "
+                             "may mix: they compute in float32)")
+    return torch.float64
 
 
 def _integer(value, name, lo, hi):

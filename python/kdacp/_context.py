@@ -10,7 +10,7 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
                               _group_backend, _options_fingerprint)
 from kdacp._autograd import cu_list
 from kdacp._comm import check_group
-from kdacp._common import (_DTYPES, SINGLE_PROCESS, _group_size, _integer, _options, _threads,
+from kdacp._common import (SINGLE_PROCESS, _group_size, _integer, _options, _threads,
                            _timeout)
 from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, kda
 
@@ -105,7 +105,7 @@ class CpContext:
             if cu_seqlens is not None and cu_list(cu_seqlens) != self.cu_seqlens:
                 raise ValueError(f"rank {dist.get_rank()}: cu_seqlens differs from its "
                                  f"cp_context's {self.cu_seqlens} (pass None or the same)")
-            shape, cu, scale, threads, tensors, h0 = _check_arguments(
+            shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
                 self.layout_name, algorithm, keep_forward, self.options)
             want = self.local_tokens
@@ -113,7 +113,7 @@ class CpContext:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
                                  f"{want}: this rank's part of the cp_context's layout "
                                  f"{self.layout}")
-            row = self._call_row(shape, _DTYPES[q.dtype], scale, algorithm, h0 is not None,
+            row = self._call_row(shape, dtype, scale, algorithm, h0 is not None,
                                  output_final_state, signature)
         except (ValueError, TypeError) as e:
             error = e
@@ -130,7 +130,6 @@ class CpContext:
                 f"{'; '.join(diffs)}; nothing was sent (its peers wait for it until the "
                 f"timeout); build a new context for other arguments")
         b, _, _, hv, kd, vd = shape
-        dtype = _DTYPES[q.dtype]
         key = (dtype, b, hv, kd, vd)
         layer = self._layers.get(key)
         if layer is None:

@@ -13,7 +13,7 @@ import torch
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list, first_order
-from kdacp._common import _DTYPES
+from kdacp._common import _DTYPES, _check_tensor, _compute_dtype, _from_numpy
 
 __all__ = ["causal_conv1d"]
 
@@ -24,16 +24,8 @@ _UNSUPPORTED = {"residual": None, "seq_idx": None}
 _FLA_BACKENDS = ("triton", "cuda", None)
 
 
-def _tensor(t, name, ndim, dtype=None):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"causal_conv1d: {name} is a {type(t).__name__}, expected a torch.Tensor")
-    if t.device.type != "cpu":
-        raise ValueError(f"causal_conv1d: {name} is on {t.device}, expected a CPU tensor")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"causal_conv1d: {name} has dtype {t.dtype}, expected torch.float32 or "
-                         "torch.float64")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"causal_conv1d: {name} has dtype {t.dtype}, expected {dtype} (x's)")
+def _tensor(t, name, ndim):
+    _check_tensor(t, name, prefix="causal_conv1d: ")
     if t.dim() != ndim:
         raise ValueError(f"causal_conv1d: {name} has shape {list(t.shape)} ({t.dim()} dims), "
                          f"expected {ndim} dims")
@@ -47,17 +39,22 @@ def _cu_list(cu_seqlens):
 
 
 class _ConvFunction(torch.autograd.Function):
+    """The C++ forward and backward. x, weight, bias, initial_state: all
+    float64, or each float32, bfloat16 or float16 (computed in float32); y
+    and final_state are stored as x, each gradient as its input."""
+
     @staticmethod
-    def forward(ctx, op, activation, want_ht, x, weight, bias, h0):
-        dtype = _DTYPES[x.dtype]
-        y, ht, saved = op.forward(dtype, x.data_ptr(), weight.data_ptr(),
+    def forward(ctx, op, activation, want_ht, compute, x, weight, bias, h0):
+        dtypes = [_DTYPES[compute if t is None else t.dtype] for t in (x, weight, bias, h0)]
+        y, ht, saved = op.forward(_DTYPES[compute], dtypes, x.data_ptr(), weight.data_ptr(),
                                   0 if bias is None else bias.data_ptr(),
                                   0 if h0 is None else h0.data_ptr(), activation, want_ht)
         ctx.op, ctx.activation, ctx.want_ht, ctx.kdacp_saved = op, activation, want_ht, saved
+        ctx.compute, ctx.dtypes = compute, dtypes
         ctx.save_for_backward(x, weight, bias, h0)
-        y = torch.from_numpy(y)
+        y = _from_numpy(y, x.dtype)
         if want_ht:
-            return y, torch.from_numpy(ht)
+            return y, _from_numpy(ht, x.dtype)
         empty = y.new_empty(0)
         ctx.mark_non_differentiable(empty)
         return y, empty
@@ -68,7 +65,7 @@ class _ConvFunction(torch.autograd.Function):
         with torch.no_grad():
             if dy is None:
                 dy = torch.zeros_like(x)
-            dy = dy.contiguous()
+            dy = dy.to(x.dtype).contiguous()
             _kdacp.check_tensor(dy.data_ptr(), list(dy.shape), _DTYPES[dy.dtype],
                                 "the gradient of y", "finite")
             dht_ptr = 0
@@ -78,17 +75,19 @@ class _ConvFunction(torch.autograd.Function):
                 if dht is None:
                     dht = torch.zeros(ctx.op.sequences, weight.shape[0], weight.shape[1],
                                       dtype=x.dtype)
-                dht = dht.contiguous()
+                dht = dht.to(x.dtype).contiguous()
                 _kdacp.check_tensor(dht.data_ptr(), list(dht.shape), _DTYPES[dht.dtype],
                                     "the gradient of final_state", "finite")
                 dht_ptr = dht.data_ptr()
-            grads = ctx.op.backward(ctx.kdacp_saved, _DTYPES[x.dtype], x.data_ptr(),
-                                    weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            grads = ctx.op.backward(ctx.kdacp_saved, _DTYPES[ctx.compute], ctx.dtypes,
+                                    x.data_ptr(), weight.data_ptr(),
+                                    0 if bias is None else bias.data_ptr(),
                                     0 if h0 is None else h0.data_ptr(), ctx.activation,
                                     dy.data_ptr(), dht_ptr)
-            grads = [None if g is None else torch.from_numpy(g) for g in grads]
+            grads = [None if g is None else _from_numpy(g, t.dtype)
+                     for g, t in zip(grads, (x, weight, bias, h0))]
         grads = first_order("causal_conv1d", grads, (x, weight, bias, h0))
-        return (None, None, None) + tuple(grads)
+        return (None, None, None, None) + tuple(grads)
 
 
 def _context_layout(cp_context, x, cu):
@@ -124,7 +123,9 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
 
     x [B,T,D] (with a cp_context: this rank's tokens of the context's
     layout), weight [D,W] with 1 <= W <= 8, bias [D] or None, activation None,
-    "silu" or "swish"; float32 or float64 CPU tensors of one dtype, finite.
+    "silu" or "swish"; CPU tensors, finite, all float64 or each float32,
+    bfloat16 or float16 (computed in float32; y and final_state stored as x,
+    each gradient as its input).
     initial_state [N,D,W] (N = B, or the number of packed sequences with
     cu_seqlens, B = 1): column W-1-i is the token i+1 before a sequence's
     first (column 0 is not read). Returns (y [B,T,D], final_state [N,D,W] or
@@ -154,7 +155,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
         raise ValueError(f"causal_conv1d: output_final_state={output_final_state!r}, expected "
                          "True or False")
     x = _tensor(x, "x", 3)
-    weight = _tensor(weight, "weight", 2, x.dtype)
+    weight = _tensor(weight, "weight", 2)
     b, t, d = x.shape
     if weight.shape[0] != d:
         raise ValueError(f"causal_conv1d: weight has shape {list(weight.shape)}, expected "
@@ -164,7 +165,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
         raise ValueError(f"causal_conv1d: weight has shape {list(weight.shape)}: kernel width "
                          f"W = {w}, expected 1 <= W <= {_kdacp.conv_max_width}")
     if bias is not None:
-        bias = _tensor(bias, "bias", 1, x.dtype)
+        bias = _tensor(bias, "bias", 1)
         if bias.shape[0] != d:
             raise ValueError(f"causal_conv1d: bias has shape {list(bias.shape)}, expected [{d}]")
     cu = _cu_list(cu_seqlens)
@@ -181,11 +182,13 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
                          "(packed sequences)")
     n = b if cu is None else len(cu) - 1
     if initial_state is not None:
-        initial_state = _tensor(initial_state, "initial_state", 3, x.dtype)
+        initial_state = _tensor(initial_state, "initial_state", 3)
         if list(initial_state.shape) != [n, d, w]:
             raise ValueError(f"causal_conv1d: initial_state has shape "
                              f"{list(initial_state.shape)}, expected [N, D, W] = {[n, d, w]}")
+    compute = _compute_dtype(((x, "x"), (weight, "weight"), (bias, "bias"),
+                              (initial_state, "initial_state")), prefix="causal_conv1d: ")
     op = _kdacp.CausalConv(backend, layout, b, tokens, cu, d, w)
-    y, ht = _ConvFunction.apply(op, _ACTIVATIONS[activation], output_final_state, x, weight,
-                                bias, initial_state)
+    y, ht = _ConvFunction.apply(op, _ACTIVATIONS[activation], output_final_state, compute, x,
+                                weight, bias, initial_state)
     return y, (ht if output_final_state else None)

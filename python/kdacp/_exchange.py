@@ -6,7 +6,7 @@ import torch
 from kdacp import _kdacp
 from kdacp._agreement import _OPTION_FIELDS, _Fingerprint, _options_fingerprint
 from kdacp._comm import backend_for
-from kdacp._common import (_DTYPES, _check_tensor, _desc, _group_size, _options, _threads,
+from kdacp._common import (_DTYPES, _check_state_tensor, _desc, _group_size, _options, _threads,
                            _timeout, _viewable)
 
 _SHAPE_FIELDS = ("direction", "B", "H", "K", "V", "dtype")
@@ -80,8 +80,8 @@ class StateExchange:
         return self._run(gradient, matrix, False, "gradient")
 
     def _run(self, offset, matrix, forward, name):
-        _check_tensor(offset, name, 4)
-        _check_tensor(matrix, "matrix", 4)
+        _check_state_tensor(offset, name, 4)
+        _check_state_tensor(matrix, "matrix", 4)
         if offset.dtype != matrix.dtype:
             raise ValueError(f"{name} is {offset.dtype} but matrix is {matrix.dtype}, "
                              "expected one dtype")
@@ -155,8 +155,8 @@ def merge_affine_summaries(states, matrices, rank, forward=True):
     the chain over slots 0..rank-1 (SPEC §3); backward: the transposed chain
     over slots P-1 down to rank+1 (SPEC §4). The same operations in the same
     order as the chain, so exact protocols equal it bit for bit."""
-    _check_tensor(states, "states", 5)
-    _check_tensor(matrices, "matrices", 5)
+    _check_state_tensor(states, "states", 5)
+    _check_state_tensor(matrices, "matrices", 5)
     if states.dtype != matrices.dtype:
         raise ValueError(f"states are {states.dtype} but matrices are {matrices.dtype}, "
                          "expected one dtype")

@@ -13,8 +13,8 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
                               _group_backend, _options_fingerprint)
 from kdacp._autograd import cu_list, first_order
 from kdacp._comm import check_group
-from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _from_numpy,
-                           _group_size, _options, _require_finite_result, _threads, _timeout)
+from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _compute_dtype,
+                           _from_numpy, _group_size, _options, _require_finite_result, _threads, _timeout)
 
 _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
@@ -58,16 +58,23 @@ def _check_input(t, name, rule):
 
 
 class _KdaFunction(torch.autograd.Function):
+    """The C++ layer's forward and backward. q, k, v, g, beta may each be
+    float32, bfloat16 or float16 (computed in float32; o is stored as v, each
+    gradient as its input), or all float64; states in the compute dtype."""
+
     @staticmethod
     def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, q, k, v, g, beta, h0):
-        inputs = [t.data_ptr() for t in (q, k, v, g, beta)]
+        tensors = (q, k, v, g, beta)
+        inputs = [t.data_ptr() for t in tensors]
+        dtypes = [_DTYPES[t.dtype] for t in tensors]
         h0_ptr = 0 if h0 is None else h0.data_ptr()
-        o, ht, saved = layer.forward(inputs, shape, scale, cu, h0_ptr, want_ht, algorithm, keep_forward)
+        o, ht, saved = layer.forward(inputs, dtypes, shape, scale, cu, h0_ptr, want_ht, algorithm,
+                                     keep_forward)
         ctx.layer, ctx.shape, ctx.scale, ctx.cu, ctx.want_ht = layer, shape, scale, cu, want_ht
         ctx.algorithm = algorithm
         ctx.kdacp_saved = saved  # the layer's Saved: M and the incoming state per part
         ctx.save_for_backward(q, k, v, g, beta, h0)
-        o = torch.from_numpy(o)
+        o = _from_numpy(o, v.dtype)
         ht = torch.from_numpy(ht) if want_ht else None
         _require_finite_result(o, "o", "forward")
         _require_finite_result(ht, "ht", "forward")
@@ -90,8 +97,10 @@ class _KdaFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, q, k, v, g, beta, h0, d_o, d_ht):
+        tensors = (q, k, v, g, beta)
+        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         if d_o is None:
-            d_o = torch.zeros(ctx.shape[0], ctx.shape[1], ctx.shape[3], ctx.shape[5], dtype=q.dtype)
+            d_o = torch.zeros(ctx.shape[0], ctx.shape[1], ctx.shape[3], ctx.shape[5], dtype=v.dtype)
         d_o = d_o.contiguous()
         _check_input(d_o, "the gradient of o", "finite")
         dht_ptr = 0
@@ -99,19 +108,18 @@ class _KdaFunction(torch.autograd.Function):
             # Every rank passes dht (zeros when its loss does not use ht): the
             # layer gathers them collectively.
             if d_ht is None:
-                d_ht = torch.zeros_like(h0) if h0 is not None else None
-            if d_ht is None:
                 n = (len(ctx.cu) - 1) if ctx.cu is not None else ctx.shape[0]
-                d_ht = torch.zeros(n, ctx.shape[3], ctx.shape[4], ctx.shape[5], dtype=q.dtype)
-            d_ht = d_ht.contiguous()
+                d_ht = torch.zeros(n, ctx.shape[3], ctx.shape[4], ctx.shape[5], dtype=state_dtype)
+            d_ht = d_ht.to(state_dtype).contiguous()
             _check_input(d_ht, "the gradient of ht", "finite")
             dht_ptr = d_ht.data_ptr()
-        inputs = [t.data_ptr() for t in (q, k, v, g, beta)]
+        inputs = [t.data_ptr() for t in tensors]
+        dtypes = [_DTYPES[t.dtype] for t in tensors]
         h0_ptr = 0 if h0 is None else h0.data_ptr()
         grads = ctx.layer.backward(
-            ctx.kdacp_saved, inputs, ctx.shape, ctx.scale, ctx.cu, h0_ptr, d_o.data_ptr(),
-            dht_ptr, h0 is not None, ctx.algorithm)
-        grads = [_from_numpy(x) for x in grads]
+            ctx.kdacp_saved, inputs, dtypes, ctx.shape, ctx.scale, ctx.cu, h0_ptr, d_o.data_ptr(),
+            _DTYPES[d_o.dtype], dht_ptr, h0 is not None, ctx.algorithm)
+        grads = [_from_numpy(x, None if t is None else t.dtype) for x, t in zip(grads, tensors + (h0,))]
         for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
             _require_finite_result(x, name, "backward")
         return grads
@@ -120,10 +128,7 @@ class _KdaFunction(torch.autograd.Function):
 def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
     for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4), (beta, "beta", 3)):
         _check_tensor(t, name, nd)
-    dtype = q.dtype
-    for t, name in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-        if t.dtype != dtype:
-            raise ValueError(f"{name} has dtype {t.dtype}, expected q's {dtype}")
+    dtype = _compute_dtype(((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
     b, t_, h, kd = q.shape
     if tuple(k.shape) != (b, t_, h, kd):
         raise ValueError(f"k has shape {list(k.shape)}, expected q's {list(q.shape)} ([B,T,H,K])")
@@ -146,11 +151,13 @@ def _check_kda(q, k, v, g, beta, initial_state, cu_seqlens):
     if initial_state is not None:
         _check_tensor(initial_state, "initial_state", 4)
         if initial_state.dtype != dtype:
-            raise ValueError(f"initial_state has dtype {initial_state.dtype}, expected {dtype}")
+            raise ValueError(f"initial_state has dtype {initial_state.dtype}, expected {dtype} "
+                             "(states are float64 with float64 inputs, float32 otherwise, as in "
+                             "flash-linear-attention)")
         if tuple(initial_state.shape[1:]) != (hv, kd, vd):
             raise ValueError(f"initial_state has shape {list(initial_state.shape)}, expected "
                              f"[N,{hv},{kd},{vd}] ([N,HV,K,V])")
-    return (b, t_, h, hv, kd, vd), cu
+    return (b, t_, h, hv, kd, vd), cu, _DTYPES[dtype]
 
 
 _ALGORITHMS = ("recurrent", "chunk")
@@ -162,7 +169,7 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
     """Every local check of kda's arguments (no message sent): the shapes,
     the options, then the values (finite inputs, g <= 0, beta in [0, 1], by
     the C++ validator the CLI uses). Returns what kda runs with."""
-    shape, cu = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)
+    shape, cu, dtype = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)
     b, t_local, h, hv, kd, vd = shape
     if scale is None:
         scale = 1.0 / math.sqrt(kd)
@@ -196,7 +203,7 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
     _check_input(tensors[4], "beta", "beta")
     if h0 is not None:
         _check_input(h0, "initial_state", "finite")
-    return shape, cu, scale, threads, tensors, h0
+    return shape, cu, scale, threads, tensors, h0, dtype
 
 
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -206,7 +213,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
-    [B,T,HV]; float32 or float64 CPU tensors (flash-linear-attention layout),
+    [B,T,HV]; CPU tensors (flash-linear-attention layout), all float64, or
+    each float32, bfloat16 or float16 (computed in float32, o stored as v and
+    each gradient as its input; initial_state and ht float32),
     finite, with g <= 0 and beta in [0, 1] (ValueError naming the first bad
     element otherwise, the CLI's message). scale None: 1/sqrt(K).
     initial_state h0 [N,HV,K,V]; cu_seqlens: N packed sequences (B = 1),
@@ -246,12 +255,11 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
                                cu_seqlens, algorithm, keep_forward, dict(_NO_TRANSFORMS))
     if group is SINGLE_PROCESS:
-        shape, cu, scale, threads, tensors, h0 = _check_arguments(
+        shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
             algorithm, keep_forward, options)
         if layout != "contiguous":
             raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
-        dtype = _DTYPES[q.dtype]
         key = ("single", dtype, threads)
         layer = _layer(None, key, "none", 1, None, dtype, options)
     else:
@@ -275,11 +283,10 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                 raise ValueError(f"unknown protocol {protocol!r}, expected one of "
                                  f"{_kdacp.exchange_methods()}")
             width = _group_size(allgather_group_size)
-            shape, cu, scale, threads, tensors, h0 = _check_arguments(
+            shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
                 algorithm, keep_forward, options)
             b, t_local, h, hv, kd, vd = shape
-            dtype = _DTYPES[q.dtype]
             for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
                 fp.add(name, n)
             fp.add("dtype", 8 if dtype == "float64" else 4,

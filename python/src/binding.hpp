@@ -11,9 +11,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "kdacp/half.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -39,6 +43,71 @@ pybind11::array state_array(State&& state);
 
 // A fresh, uninitialised NumPy array of `dtype` and `shape` (C order).
 pybind11::array new_array(DType dtype, const std::vector<std::size_t>& shape);
+
+// Storage types by kdacp.torch's names: "float32", "float64", "bfloat16",
+// "float16". The KDA layer, its transforms and the convolution compute in T
+// = float for the first and the 16-bit ones, double for float64; a 16-bit
+// tensor is widened once on the way in and a result narrowed once on the way
+// out (kdacp/half.hpp), so the kernels see T only.
+
+// The 16-bit type of `dtype`, nullopt for T's own name; InvalidArgument
+// naming `name` for a dtype T cannot hold.
+template <class T>
+std::optional<Half> storage_of(std::string_view dtype, std::string_view name);
+
+// An input of n elements at address p (0: absent) stored as `dtype`, read
+// as T: the memory itself, or a widened copy made on first use (no GIL
+// needed).
+template <class T>
+class InputOf {
+ public:
+  InputOf(std::uintptr_t p, std::string_view dtype, std::size_t n, std::string_view name)
+      : p_(reinterpret_cast<const void*>(p)), half_(storage_of<T>(dtype, name)), n_(n) {}
+  const T* get() {
+    if (!p_ || !half_) return static_cast<const T*>(p_);
+    if constexpr (std::is_same_v<T, float>) {
+      if (!wide_) {
+        wide_.reset(new float[n_]);
+        widen(*half_, static_cast<const std::uint16_t*>(p_), n_, wide_.get());
+      }
+      return wide_.get();
+    } else {
+      return nullptr;  // unreachable: storage_of<double> accepts float64 only
+    }
+  }
+
+ private:
+  const void* p_;
+  std::optional<Half> half_;
+  std::size_t n_;
+  std::unique_ptr<float[]> wide_;
+};
+
+// A result of `shape` stored as `dtype`: a NumPy array (int16 bits for a
+// 16-bit type; kdacp.torch views them as the torch dtype) made with the GIL
+// held; computed into get() and, for a 16-bit type, narrowed by finish()
+// (no GIL needed), which throws InvalidArgument naming `op`, the result, the
+// element and its value when a finite value overflows the type.
+template <class T>
+class OutputOf {
+ public:
+  OutputOf(std::string_view dtype, const std::vector<std::size_t>& shape, std::string name);
+  T* get() {
+    if constexpr (std::is_same_v<T, float>)
+      if (wide_) return wide_.get();
+    return static_cast<T*>(array.mutable_data());
+  }
+  void finish(const char* op);
+
+  pybind11::array array;
+
+ private:
+  std::optional<Half> half_;
+  std::vector<std::size_t> shape_;
+  std::string name_;
+  std::size_t n_ = 0;
+  std::unique_ptr<float[]> wide_;
+};
 
 // A worker pool owned by one Python object (exchange or layer): nothing is
 // shared between objects, nothing is global.

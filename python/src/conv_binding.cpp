@@ -36,16 +36,6 @@ Sequences sequences(std::size_t batch, std::size_t tokens,
   return cu ? Sequences(batch, tokens, *cu) : Sequences(batch, tokens);
 }
 
-template <class T>
-T* data(py::array& a) {
-  return static_cast<T*>(a.mutable_data());
-}
-
-template <class T>
-const T* ptr(std::uintptr_t p) {
-  return reinterpret_cast<const T*>(p);
-}
-
 class ConvOp {
  public:
   // backend None: one device, the whole stream [B,T,D] local. Otherwise a
@@ -66,94 +56,97 @@ class ConvOp {
   std::size_t local_tokens() const { return conv_->local_tokens(); }
   std::size_t sequences_count() const { return conv_->sequences(); }
 
-  py::tuple forward(const std::string& dtype, std::uintptr_t x, std::uintptr_t weight,
-                    std::uintptr_t bias, std::uintptr_t h0, const std::string& activation,
+  // `dtype`: the compute dtype (float32 or float64); `dtypes`: the storage
+  // of x, weight, bias, initial_state (each float64 with float64, else
+  // float32, bfloat16 or float16). y and the final state are stored as x.
+  py::tuple forward(const std::string& dtype, const std::vector<std::string>& dtypes, std::uintptr_t x,
+                    std::uintptr_t weight, std::uintptr_t bias, std::uintptr_t h0, const std::string& activation,
                     bool want_ht) {
-    if (dtype == "float64") return forward_t<double>(x, weight, bias, h0, activation, want_ht);
-    if (dtype == "float32") return forward_t<float>(x, weight, bias, h0, activation, want_ht);
-    throw InvalidArgument(
-        fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
+    if (dtype == "float64") return forward_t<double>(dtypes, x, weight, bias, h0, activation, want_ht);
+    if (dtype == "float32") return forward_t<float>(dtypes, x, weight, bias, h0, activation, want_ht);
+    throw InvalidArgument(fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
   }
 
-  py::tuple backward(const ConvSaved& saved, const std::string& dtype, std::uintptr_t x,
-                     std::uintptr_t weight, std::uintptr_t bias, std::uintptr_t h0,
+  // The gradients are stored as their inputs; dy as x, dht as x.
+  py::tuple backward(const ConvSaved& saved, const std::string& dtype, const std::vector<std::string>& dtypes,
+                     std::uintptr_t x, std::uintptr_t weight, std::uintptr_t bias, std::uintptr_t h0,
                      const std::string& activation, std::uintptr_t dy, std::uintptr_t dht) {
-    if (dtype == "float64")
-      return backward_t<double>(saved, x, weight, bias, h0, activation, dy, dht);
-    if (dtype == "float32")
-      return backward_t<float>(saved, x, weight, bias, h0, activation, dy, dht);
-    throw InvalidArgument(
-        fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
+    if (dtype == "float64") return backward_t<double>(saved, dtypes, x, weight, bias, h0, activation, dy, dht);
+    if (dtype == "float32") return backward_t<float>(saved, dtypes, x, weight, bias, h0, activation, dy, dht);
+    throw InvalidArgument(fmt::format("causal_conv1d: dtype {}, expected float32 or float64", dtype));
   }
 
  private:
+  // x, weight, bias, initial_state as T (16-bit ones widened on first use).
   template <class T>
-  conv::Tensors<T> tensors(std::uintptr_t x, std::uintptr_t weight, std::uintptr_t bias,
-                           std::uintptr_t h0, const std::string& activation) const {
-    conv::Tensors<T> in;
-    in.x = ptr<T>(x);
-    in.weight = ptr<T>(weight);
-    in.bias = bias ? ptr<T>(bias) : nullptr;
-    in.initial_state = h0 ? ptr<T>(h0) : nullptr;
-    in.activation = conv::parse_activation(activation);
-    return in;
-  }
-
-  DType dtype_of(const float*) const { return DType::f32; }
-  DType dtype_of(const double*) const { return DType::f64; }
-
-  template <class T>
-  py::tuple forward_t(std::uintptr_t x, std::uintptr_t weight, std::uintptr_t bias,
-                      std::uintptr_t h0, const std::string& activation, bool want_ht) {
-    const auto in = tensors<T>(x, weight, bias, h0, activation);
-    const DType dt = dtype_of(static_cast<const T*>(nullptr));
-    const std::size_t B = conv_->batch(), D = conv_->dim(), W = conv_->width();
-    py::array y = new_array(dt, {B, conv_->local_tokens(), D});
-    py::object ht = py::none();
-    T* ht_ptr = nullptr;
-    if (want_ht) {
-      py::array a = new_array(dt, {conv_->sequences(), D, W});
-      ht_ptr = data<T>(a);
-      ht = a;
+  struct Inputs {
+    Inputs(const conv::CausalConv& c, const std::vector<std::string>& dtypes, std::uintptr_t x,
+           std::uintptr_t weight, std::uintptr_t bias, std::uintptr_t h0)
+        : x(x, at(dtypes, 0), c.batch() * c.local_tokens() * c.dim(), "x"),
+          weight(weight, at(dtypes, 1), c.dim() * c.width(), "weight"),
+          bias(bias, at(dtypes, 2), c.dim(), "bias"),
+          h0(h0, at(dtypes, 3), c.sequences() * c.dim() * c.width(), "initial_state") {}
+    static const std::string& at(const std::vector<std::string>& d, std::size_t i) {
+      if (d.size() != 4)
+        throw InvalidArgument("causal_conv1d needs the dtypes of x, weight, bias and initial_state");
+      return d[i];
     }
+    conv::Tensors<T> get(const std::string& activation) {
+      conv::Tensors<T> in;
+      in.x = x.get();
+      in.weight = weight.get();
+      in.bias = bias.get();
+      in.initial_state = h0.get();
+      in.activation = conv::parse_activation(activation);
+      return in;
+    }
+    InputOf<T> x, weight, bias, h0;
+  };
+
+  template <class T>
+  py::tuple forward_t(const std::vector<std::string>& dtypes, std::uintptr_t x, std::uintptr_t weight,
+                      std::uintptr_t bias, std::uintptr_t h0, const std::string& activation, bool want_ht) {
+    Inputs<T> in(*conv_, dtypes, x, weight, bias, h0);
+    conv::parse_activation(activation);  // a bad name throws before any work
+    const std::size_t B = conv_->batch(), D = conv_->dim(), W = conv_->width();
+    OutputOf<T> y(dtypes[0], {B, conv_->local_tokens(), D}, "y");
+    std::optional<OutputOf<T>> ht;
+    if (want_ht) ht.emplace(dtypes[0], std::vector<std::size_t>{conv_->sequences(), D, W}, "final_state");
     auto box = std::make_shared<ConvSaved>();
-    T* y_ptr = data<T>(y);
     {
       py::gil_scoped_release release;
-      box->saved = conv_->forward(in, y_ptr, ht_ptr);
+      box->saved = conv_->forward(in.get(activation), y.get(), ht ? ht->get() : nullptr);
+      y.finish("causal_conv1d");
+      if (ht) ht->finish("causal_conv1d");
     }
-    return py::make_tuple(y, ht, box);
+    return py::make_tuple(y.array, ht ? py::object(ht->array) : py::none(), box);
   }
 
   template <class T>
-  py::tuple backward_t(const ConvSaved& box, std::uintptr_t x, std::uintptr_t weight,
-                       std::uintptr_t bias, std::uintptr_t h0, const std::string& activation,
-                       std::uintptr_t dy, std::uintptr_t dht) {
+  py::tuple backward_t(const ConvSaved& box, const std::vector<std::string>& dtypes, std::uintptr_t x,
+                       std::uintptr_t weight, std::uintptr_t bias, std::uintptr_t h0,
+                       const std::string& activation, std::uintptr_t dy, std::uintptr_t dht) {
     const auto* saved = std::get_if<conv::Saved<T>>(&box.saved);
-    if (!saved)
-      throw InvalidArgument("causal_conv1d backward: the saved forward has another dtype");
-    const auto in = tensors<T>(x, weight, bias, h0, activation);
-    const DType dt = dtype_of(static_cast<const T*>(nullptr));
+    if (!saved) throw InvalidArgument("causal_conv1d backward: the saved forward has another dtype");
+    Inputs<T> in(*conv_, dtypes, x, weight, bias, h0);
     const std::size_t B = conv_->batch(), D = conv_->dim(), W = conv_->width();
-    py::array dx = new_array(dt, {B, conv_->local_tokens(), D});
-    py::array dw = new_array(dt, {D, W});
-    py::object db = py::none(), dh0 = py::none();
-    conv::Grads<T> g{data<T>(dx), data<T>(dw), nullptr, nullptr};
-    if (bias) {
-      py::array a = new_array(dt, {D});
-      g.dbias = data<T>(a);
-      db = a;
-    }
-    if (h0) {
-      py::array a = new_array(dt, {conv_->sequences(), D, W});
-      g.dinitial_state = data<T>(a);
-      dh0 = a;
-    }
+    InputOf<T> dy_in(dy, dtypes[0], B * conv_->local_tokens() * D, "dy");
+    InputOf<T> dht_in(dht, dtypes[0], conv_->sequences() * D * W, "d final_state");
+    OutputOf<T> dx(dtypes[0], {B, conv_->local_tokens(), D}, "dx");
+    OutputOf<T> dw(dtypes[1], {D, W}, "dweight");
+    std::optional<OutputOf<T>> db, dh0;
+    if (bias) db.emplace(dtypes[2], std::vector<std::size_t>{D}, "dbias");
+    if (h0) dh0.emplace(dtypes[3], std::vector<std::size_t>{conv_->sequences(), D, W}, "dinitial_state");
     {
       py::gil_scoped_release release;
-      conv_->backward(in, *saved, ptr<T>(dy), dht ? ptr<T>(dht) : nullptr, g);
+      conv::Grads<T> g{dx.get(), dw.get(), db ? db->get() : nullptr, dh0 ? dh0->get() : nullptr};
+      conv_->backward(in.get(activation), *saved, dy_in.get(), dht_in.get(), g);
+      for (OutputOf<T>* out : {&dx, &dw}) out->finish("causal_conv1d backward");
+      if (db) db->finish("causal_conv1d backward");
+      if (dh0) dh0->finish("causal_conv1d backward");
     }
-    return py::make_tuple(dx, dw, db, dh0);
+    return py::make_tuple(dx.array, dw.array, db ? py::object(db->array) : py::none(),
+                          dh0 ? py::object(dh0->array) : py::none());
   }
 
   std::shared_ptr<Communicator> comm_;
@@ -171,9 +164,9 @@ void bind_conv(py::module_& m) {
            py::arg("cu_seqlens"), py::arg("dim"), py::arg("width"))
       .def_property_readonly("local_tokens", &ConvOp::local_tokens)
       .def_property_readonly("sequences", &ConvOp::sequences_count)
-      .def("forward", &ConvOp::forward, py::arg("dtype"), py::arg("x"), py::arg("weight"),
+      .def("forward", &ConvOp::forward, py::arg("dtype"), py::arg("dtypes"), py::arg("x"), py::arg("weight"),
            py::arg("bias"), py::arg("initial_state"), py::arg("activation"), py::arg("want_ht"))
-      .def("backward", &ConvOp::backward, py::arg("saved"), py::arg("dtype"), py::arg("x"),
+      .def("backward", &ConvOp::backward, py::arg("saved"), py::arg("dtype"), py::arg("dtypes"), py::arg("x"),
            py::arg("weight"), py::arg("bias"), py::arg("initial_state"), py::arg("activation"),
            py::arg("dy"), py::arg("dht"));
   m.attr("conv_max_width") = conv::kMaxWidth;

@@ -82,21 +82,29 @@ class KdaLayer {
   // `algorithm`: kda::Algorithm by name ("recurrent" or "chunk"), per call.
   // keep_forward: the chunk forward keeps what its backward would recompute
   // (kda::ForwardCache) in the returned saved object.
-  py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::size_t>& shape,
-                    double scale, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
-                    std::uintptr_t h0, bool want_ht, const std::string& algorithm, bool keep_forward) {
+  // `dtypes`: the storage of q, k, v, g, beta (o is stored as v); the
+  // states are in the layer's dtype (float32 for 16-bit inputs).
+  py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::string>& dtypes,
+                    const std::vector<std::size_t>& shape, double scale,
+                    const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0,
+                    bool want_ht, const std::string& algorithm, bool keep_forward) {
     const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
-    return f64_ ? forward_t<double>(inputs, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward)
-                : forward_t<float>(inputs, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward);
+    return f64_ ? forward_t<double>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward)
+                : forward_t<float>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward);
   }
 
+  // The gradients of q, k, v, g, beta are stored as those inputs; d_o as
+  // `d_o_dtype`.
   py::tuple backward(const std::shared_ptr<SavedBox>& saved, const std::vector<std::uintptr_t>& inputs,
-                     const std::vector<std::size_t>& shape, double scale,
-                     const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0,
-                     std::uintptr_t d_o, std::uintptr_t dht, bool want_dh0, const std::string& algorithm) {
+                     const std::vector<std::string>& dtypes, const std::vector<std::size_t>& shape,
+                     double scale, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
+                     std::uintptr_t h0, std::uintptr_t d_o, const std::string& d_o_dtype, std::uintptr_t dht,
+                     bool want_dh0, const std::string& algorithm) {
     const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
-    return f64_ ? backward_t<double>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0, a)
-                : backward_t<float>(*saved, inputs, shape, scale, cu_seqlens, h0, d_o, dht, want_dh0, a);
+    return f64_ ? backward_t<double>(*saved, inputs, dtypes, shape, scale, cu_seqlens, h0, d_o, d_o_dtype,
+                                     dht, want_dh0, a)
+                : backward_t<float>(*saved, inputs, dtypes, shape, scale, cu_seqlens, h0, d_o, d_o_dtype,
+                                    dht, want_dh0, a);
   }
 
   // Off: the layer's forward and backward skip their per-call agreement
@@ -134,12 +142,28 @@ class KdaLayer {
       return layer_f32_.get();
   }
 
+  // q, k, v, g, beta as T (16-bit ones widened on first use, without the GIL).
   template <class T>
-  kda::Inputs<T> inputs_of(const std::vector<std::uintptr_t>& p, const kda::Shape& s, double scale) const {
-    if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
-    return kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]),
-                          s, static_cast<T>(scale)};
-  }
+  struct Tensors {
+    Tensors(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes, const kda::Shape& s)
+        : q(at(p, 0), dtype(dtypes, 0), s.qk_elems(), "q"),
+          k(at(p, 1), dtype(dtypes, 1), s.qk_elems(), "k"),
+          v(at(p, 2), dtype(dtypes, 2), s.v_elems(), "v"),
+          g(at(p, 3), dtype(dtypes, 3), s.g_elems(), "g"),
+          beta(at(p, 4), dtype(dtypes, 4), s.beta_elems(), "beta") {}
+    kda::Inputs<T> get(const kda::Shape& s, double scale) {
+      return kda::Inputs<T>{q.get(), k.get(), v.get(), g.get(), beta.get(), s, static_cast<T>(scale)};
+    }
+    static std::uintptr_t at(const std::vector<std::uintptr_t>& p, std::size_t i) {
+      if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
+      return p[i];
+    }
+    static const std::string& dtype(const std::vector<std::string>& d, std::size_t i) {
+      if (d.size() != 5) throw InvalidArgument("kda needs the dtypes of its 5 input tensors");
+      return d[i];
+    }
+    InputOf<T> q, k, v, g, beta;
+  };
 
   // The pool's policy running `algorithm`.
   ExecPolicy exec_of(kda::Algorithm algorithm) const {
@@ -161,16 +185,20 @@ class KdaLayer {
   }
 
   template <class T>
-  py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::size_t>& shape,
-                      double scale, const std::optional<std::vector<std::int64_t>>& cu,
-                      std::uintptr_t h0p, bool want_ht, kda::Algorithm algorithm, bool keep_forward) {
+  py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes,
+                      const std::vector<std::size_t>& shape, double scale,
+                      const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p, bool want_ht,
+                      kda::Algorithm algorithm, bool keep_forward) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
-    kda::validate(in, "kdacp.torch.kda");
+    Tensors<T> tensors(p, dtypes, s);
+    // Shape, pointers and scale, before any widening reads the memory.
+    kda::validate(kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]), s,
+                                 static_cast<T>(scale)},
+                  "kdacp.torch.kda");
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
     const DType dt = f64_ ? DType::f64 : DType::f32;
-    py::array o = new_array(dt, {s.batch, s.tokens, s.value_heads, s.value_dim});
+    OutputOf<T> o(dtypes[2], {s.batch, s.tokens, s.value_heads, s.value_dim}, "o");
     py::object ht = py::none();
     T* ht_data = nullptr;
     if (want_ht) {
@@ -179,40 +207,43 @@ class KdaLayer {
       ht = a;
     }
     auto box = std::make_shared<SavedBox>();
-    T* o_data = mut<T>(o);
     {
       py::gil_scoped_release release;
+      const kda::Inputs<T> in = tensors.get(s, scale);
       const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
       const auto hts = kda::sequence_states(ht_data, seqs, s);
       if (auto* l = layer<T>()) {
         l->keep_forward(keep_forward);
         l->algorithm(algorithm);
-        box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o_data, hts);
+        box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o.get(), hts);
       } else {
         std::shared_ptr<kda::ForwardCache<T>> cache;
         if (keep_forward && algorithm == kda::Algorithm::chunk) cache = std::make_shared<kda::ForwardCache<T>>();
-        kda::forward_sequences(in, seqs, h0, o_data, hts, exec_of(algorithm), cache.get());
+        kda::forward_sequences(in, seqs, h0, o.get(), hts, exec_of(algorithm), cache.get());
         if (cache) box->saved.emplace().kept<T>() = cache;
       }
+      o.finish("kdacp.torch.kda");
     }
-    return py::make_tuple(o, ht, box);
+    return py::make_tuple(o.array, ht, box);
   }
 
   template <class T>
   py::tuple backward_t(const SavedBox& box, const std::vector<std::uintptr_t>& p,
-                       const std::vector<std::size_t>& shape, double scale,
-                       const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
-                       std::uintptr_t d_o, std::uintptr_t dhtp, bool want_dh0, kda::Algorithm algorithm) {
+                       const std::vector<std::string>& dtypes, const std::vector<std::size_t>& shape,
+                       double scale, const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
+                       std::uintptr_t d_op, const std::string& d_o_dtype, std::uintptr_t dhtp, bool want_dh0,
+                       kda::Algorithm algorithm) {
     const kda::Shape s = to_shape(shape);
-    const kda::Inputs<T> in = inputs_of<T>(p, s, scale);
+    Tensors<T> tensors(p, dtypes, s);
+    InputOf<T> d_o(d_op, d_o_dtype, s.v_elems(), "d_o");
     const kda::Sequences seqs = sequences(s.batch, stream_tokens(s), cu);
     const std::size_t n = seqs.count();
     const DType dt = f64_ ? DType::f64 : DType::f32;
-    py::array dq = new_array(dt, {s.batch, s.tokens, s.heads, s.key_dim});
-    py::array dk = new_array(dt, {s.batch, s.tokens, s.heads, s.key_dim});
-    py::array dv = new_array(dt, {s.batch, s.tokens, s.value_heads, s.value_dim});
-    py::array dg = new_array(dt, {s.batch, s.tokens, s.value_heads, s.key_dim});
-    py::array dbeta = new_array(dt, {s.batch, s.tokens, s.value_heads});
+    OutputOf<T> dq(dtypes[0], {s.batch, s.tokens, s.heads, s.key_dim}, "dq");
+    OutputOf<T> dk(dtypes[1], {s.batch, s.tokens, s.heads, s.key_dim}, "dk");
+    OutputOf<T> dv(dtypes[2], {s.batch, s.tokens, s.value_heads, s.value_dim}, "dv");
+    OutputOf<T> dg(dtypes[3], {s.batch, s.tokens, s.value_heads, s.key_dim}, "dg");
+    OutputOf<T> dbeta(dtypes[4], {s.batch, s.tokens, s.value_heads}, "dbeta");
     py::object dh0 = py::none();
     T* dh0_data = nullptr;
     if (want_dh0) {
@@ -220,22 +251,24 @@ class KdaLayer {
       dh0_data = mut<T>(a);
       dh0 = a;
     }
-    const kda::Grads<T> grads{mut<T>(dq), mut<T>(dk), mut<T>(dv), mut<T>(dg), mut<T>(dbeta), nullptr};
+    const kda::Grads<T> grads{dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), nullptr};
     {
       py::gil_scoped_release release;
+      const kda::Inputs<T> in = tensors.get(s, scale);
       const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
       const auto dht = kda::sequence_states(ptr<T>(dhtp), seqs, s);
       const auto dh0s = kda::sequence_states(dh0_data, seqs, s);
       if (auto* l = layer<T>()) {
         if (!box.saved) throw InvalidArgument("kda backward without the forward's saved state");
         l->algorithm(algorithm);
-        l->backward(in, *box.saved, h0, ptr<T>(d_o), dht, grads, dh0s);
+        l->backward(in, *box.saved, h0, d_o.get(), dht, grads, dh0s);
       } else {
-        kda::backward_sequences(in, seqs, h0, ptr<T>(d_o), dht, grads, dh0s, exec_of(algorithm),
+        kda::backward_sequences(in, seqs, h0, d_o.get(), dht, grads, dh0s, exec_of(algorithm),
                                 kda::kDefaultCheckpointInterval, box.kept<T>());
       }
+      for (OutputOf<T>* out : {&dq, &dk, &dv, &dg, &dbeta}) out->finish("kdacp.torch.kda backward");
     }
-    return py::make_tuple(dq, dk, dv, dg, dbeta, dh0);
+    return py::make_tuple(dq.array, dk.array, dv.array, dg.array, dbeta.array, dh0);
   }
 
   Pool pool_;
@@ -248,89 +281,102 @@ class KdaLayer {
 };
 
 // The in-kernel input transforms of chunk_kda (kdacp/kda.hpp), on contiguous
-// tensors' memory (pointers from Python), results in new arrays. The loops
-// run without the GIL.
+// tensors' memory (addresses and storage dtypes from Python), results in new
+// arrays: T = float64 for float64 inputs, else float32 (16-bit inputs
+// widened). A transform's result feeds the layer, so it is stored as T; the
+// gradient of an input is stored as that input. The loops run without the GIL.
 bool is_f64(const std::string& dtype) {
   if (dtype == "float64") return true;
   if (dtype == "float32") return false;
   throw InvalidArgument(fmt::format("kda transform dtype {}, expected float32 or float64", dtype));
 }
 
+const char* name_of(bool f64) { return f64 ? "float64" : "float32"; }
+
 template <class T>
-py::tuple gate_t(std::uintptr_t raw, std::uintptr_t a_log, std::uintptr_t dt_bias, std::size_t tokens,
-                 std::size_t heads, std::size_t key_dim, std::optional<double> lower_bound,
+py::tuple gate_t(std::uintptr_t raw, const std::string& raw_dtype, std::uintptr_t a_log,
+                 const std::string& a_log_dtype, std::uintptr_t dt_bias, const std::string& dt_bias_dtype,
+                 std::size_t tokens, std::size_t heads, std::size_t key_dim, std::optional<double> lower_bound,
                  std::uintptr_t d_g) {
-  kda::GateParams<T> p{ptr<T>(a_log), ptr<T>(dt_bias), lower_bound.has_value(), lower_bound.value_or(0.0)};
-  const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  py::array out = new_array(dt, {tokens, heads, key_dim});
+  const char* t_name = name_of(std::is_same_v<T, double>);
+  InputOf<T> raw_in(raw, raw_dtype, tokens * heads * key_dim, "g");
+  InputOf<T> a_in(a_log, a_log ? a_log_dtype : t_name, heads, "A_log");
+  InputOf<T> b_in(dt_bias, dt_bias ? dt_bias_dtype : t_name, heads * key_dim, "dt_bias");
+  auto params = [&] {
+    return kda::GateParams<T>{a_in.get(), b_in.get(), lower_bound.has_value(), lower_bound.value_or(0.0)};
+  };
   if (d_g == 0) {
+    OutputOf<T> g(t_name, {tokens, heads, key_dim}, "g");
     {
       py::gil_scoped_release release;
-      kda::gate_forward(ptr<T>(raw), p, tokens, heads, key_dim, mut<T>(out));
+      kda::gate_forward(raw_in.get(), params(), tokens, heads, key_dim, g.get());
     }
-    return py::make_tuple(out);
+    return py::make_tuple(g.array);
   }
-  py::object da = py::none(), db = py::none();
-  T* da_data = nullptr;
-  T* db_data = nullptr;
-  if (a_log) {
-    py::array a = new_array(dt, {heads});
-    da_data = mut<T>(a);
-    da = a;
-  }
-  if (dt_bias) {
-    py::array a = new_array(dt, {heads * key_dim});
-    db_data = mut<T>(a);
-    db = a;
-  }
+  OutputOf<T> d_raw(raw_dtype, {tokens, heads, key_dim}, "dg");
+  std::optional<OutputOf<T>> da, db;
+  if (a_log) da.emplace(a_log_dtype, std::vector<std::size_t>{heads}, "dA_log");
+  if (dt_bias) db.emplace(dt_bias_dtype, std::vector<std::size_t>{heads * key_dim}, "ddt_bias");
   {
     py::gil_scoped_release release;
-    kda::gate_backward(ptr<T>(raw), p, tokens, heads, key_dim, ptr<T>(d_g), mut<T>(out), da_data, db_data);
+    kda::gate_backward(raw_in.get(), params(), tokens, heads, key_dim, ptr<T>(d_g), d_raw.get(),
+                       da ? da->get() : nullptr, db ? db->get() : nullptr);
+    d_raw.finish("chunk_kda backward");
+    if (da) da->finish("chunk_kda backward");
+    if (db) db->finish("chunk_kda backward");
   }
-  return py::make_tuple(out, da, db);
+  return py::make_tuple(d_raw.array, da ? py::object(da->array) : py::none(),
+                        db ? py::object(db->array) : py::none());
 }
 
-py::tuple kda_gate(std::uintptr_t raw, std::uintptr_t a_log, std::uintptr_t dt_bias, std::size_t tokens,
-                   std::size_t heads, std::size_t key_dim, std::optional<double> lower_bound,
+py::tuple kda_gate(std::uintptr_t raw, const std::string& raw_dtype, std::uintptr_t a_log,
+                   const std::string& a_log_dtype, std::uintptr_t dt_bias, const std::string& dt_bias_dtype,
+                   std::size_t tokens, std::size_t heads, std::size_t key_dim, std::optional<double> lower_bound,
                    const std::string& dtype, std::uintptr_t d_g) {
-  return is_f64(dtype) ? gate_t<double>(raw, a_log, dt_bias, tokens, heads, key_dim, lower_bound, d_g)
-                       : gate_t<float>(raw, a_log, dt_bias, tokens, heads, key_dim, lower_bound, d_g);
+  return is_f64(dtype) ? gate_t<double>(raw, raw_dtype, a_log, a_log_dtype, dt_bias, dt_bias_dtype, tokens,
+                                        heads, key_dim, lower_bound, d_g)
+                       : gate_t<float>(raw, raw_dtype, a_log, a_log_dtype, dt_bias, dt_bias_dtype, tokens,
+                                       heads, key_dim, lower_bound, d_g);
 }
 
 template <class T>
-py::tuple l2norm_t(std::uintptr_t x, std::size_t rows, std::size_t dim) {
-  const DType dt = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  py::array y = new_array(dt, {rows, dim});
-  py::array rstd = new_array(dt, {rows});
+py::tuple l2norm_t(std::uintptr_t x, const std::string& x_dtype, std::size_t rows, std::size_t dim) {
+  const char* t_name = name_of(std::is_same_v<T, double>);
+  InputOf<T> in(x, x_dtype, rows * dim, "x");
+  OutputOf<T> y(t_name, {rows, dim}, "y");
+  OutputOf<T> rstd(t_name, {rows}, "rstd");
   {
     py::gil_scoped_release release;
-    kda::l2norm_forward(ptr<T>(x), rows, dim, mut<T>(y), mut<T>(rstd));
+    kda::l2norm_forward(in.get(), rows, dim, y.get(), rstd.get());
   }
-  return py::make_tuple(y, rstd);
+  return py::make_tuple(y.array, rstd.array);
 }
 
 template <class T>
 py::array l2norm_backward_t(std::uintptr_t y, std::uintptr_t rstd, std::uintptr_t d_y, std::size_t rows,
-                            std::size_t dim) {
-  py::array dx = new_array(std::is_same_v<T, double> ? DType::f64 : DType::f32, {rows, dim});
+                            std::size_t dim, const std::string& dx_dtype) {
+  OutputOf<T> dx(dx_dtype, {rows, dim}, "dx");
   {
     py::gil_scoped_release release;
-    kda::l2norm_backward(ptr<T>(y), ptr<T>(rstd), ptr<T>(d_y), rows, dim, mut<T>(dx));
+    kda::l2norm_backward(ptr<T>(y), ptr<T>(rstd), ptr<T>(d_y), rows, dim, dx.get());
+    dx.finish("chunk_kda backward (l2norm)");
   }
-  return dx;
+  return dx.array;
 }
 
 template <class T>
-py::array sigmoid_t(std::uintptr_t x, std::uintptr_t d_y, std::size_t n) {
-  py::array out = new_array(std::is_same_v<T, double> ? DType::f64 : DType::f32, {n});
+py::array sigmoid_t(std::uintptr_t x, const std::string& x_dtype, std::uintptr_t d_y, std::size_t n) {
+  InputOf<T> in(x, x_dtype, n, "beta");
+  OutputOf<T> out(d_y == 0 ? name_of(std::is_same_v<T, double>) : x_dtype.c_str(), {n}, "beta");
   {
     py::gil_scoped_release release;
     if (d_y == 0)
-      kda::sigmoid_forward(ptr<T>(x), n, mut<T>(out));
+      kda::sigmoid_forward(in.get(), n, out.get());
     else
-      kda::sigmoid_backward(ptr<T>(x), ptr<T>(d_y), n, mut<T>(out));
+      kda::sigmoid_backward(in.get(), ptr<T>(d_y), n, out.get());
+    out.finish("chunk_kda backward (beta sigmoid)");
   }
-  return out;
+  return out.array;
 }
 
 }  // namespace
@@ -371,43 +417,50 @@ void bind_kda(py::module_& m) {
                     const std::string&, ExchangeOptions, std::size_t>(),
            py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"),
            py::arg("dtype"), py::arg("options"), py::arg("threads"))
-      .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("shape"), py::arg("scale"),
+      .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("dtypes"), py::arg("shape"), py::arg("scale"),
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
            py::arg("keep_forward") = defaults::kKeepForward)
-      .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("shape"),
-           py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"), py::arg("dht"),
+      .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("dtypes"),
+           py::arg("shape"), py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"),
+           py::arg("d_o_dtype"), py::arg("dht"),
            py::arg("want_dh0"), py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm))
       .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
       .def("times", &KdaLayer::times, py::arg("forward"));
   // d_g 0: the gate (one array); otherwise its backward: (d_raw, d_a_log or
-  // None, d_dt_bias or None). a_log / dt_bias 0: not given.
-  m.def("kda_gate", &kda_gate, py::arg("raw"), py::arg("a_log"), py::arg("dt_bias"), py::arg("tokens"),
-        py::arg("heads"), py::arg("key_dim"), py::arg("lower_bound"), py::arg("dtype"),
-        py::arg("d_g") = 0);
+  // None, d_dt_bias or None). a_log / dt_bias 0: not given. `dtype`: the
+  // compute dtype (float32 or float64); the *_dtype arguments: storage.
+  m.def("kda_gate", &kda_gate, py::arg("raw"), py::arg("raw_dtype"), py::arg("a_log"), py::arg("a_log_dtype"),
+        py::arg("dt_bias"), py::arg("dt_bias_dtype"), py::arg("tokens"), py::arg("heads"), py::arg("key_dim"),
+        py::arg("lower_bound"), py::arg("dtype"), py::arg("d_g") = 0);
   m.def(
       "kda_l2norm",
-      [](std::uintptr_t x, std::size_t rows, std::size_t dim, const std::string& dtype) {
-        return is_f64(dtype) ? l2norm_t<double>(x, rows, dim) : l2norm_t<float>(x, rows, dim);
+      [](std::uintptr_t x, const std::string& x_dtype, std::size_t rows, std::size_t dim,
+         const std::string& dtype) {
+        return is_f64(dtype) ? l2norm_t<double>(x, x_dtype, rows, dim) : l2norm_t<float>(x, x_dtype, rows, dim);
       },
-      py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("dtype"));
+      py::arg("x"), py::arg("x_dtype"), py::arg("rows"), py::arg("dim"), py::arg("dtype"));
+  // y, rstd and d_y in the compute dtype; d_x stored as dx_dtype (x's).
   m.def(
       "kda_l2norm_backward",
       [](std::uintptr_t y, std::uintptr_t rstd, std::uintptr_t d_y, std::size_t rows, std::size_t dim,
-         const std::string& dtype) {
-        return is_f64(dtype) ? l2norm_backward_t<double>(y, rstd, d_y, rows, dim)
-                             : l2norm_backward_t<float>(y, rstd, d_y, rows, dim);
+         const std::string& dtype, const std::string& dx_dtype) {
+        return is_f64(dtype) ? l2norm_backward_t<double>(y, rstd, d_y, rows, dim, dx_dtype)
+                             : l2norm_backward_t<float>(y, rstd, d_y, rows, dim, dx_dtype);
       },
-      py::arg("y"), py::arg("rstd"), py::arg("d_y"), py::arg("rows"), py::arg("dim"), py::arg("dtype"));
-  // d_y 0: sigmoid(x); otherwise d_y · sigmoid'(x).
+      py::arg("y"), py::arg("rstd"), py::arg("d_y"), py::arg("rows"), py::arg("dim"), py::arg("dtype"),
+      py::arg("dx_dtype"));
+  // d_y 0: sigmoid(x) in the compute dtype; otherwise d_y · sigmoid'(x)
+  // stored as x.
   m.def(
       "kda_sigmoid",
-      [](std::uintptr_t x, std::size_t n, const std::string& dtype, std::uintptr_t d_y) {
-        return is_f64(dtype) ? sigmoid_t<double>(x, d_y, n) : sigmoid_t<float>(x, d_y, n);
+      [](std::uintptr_t x, const std::string& x_dtype, std::size_t n, const std::string& dtype,
+         std::uintptr_t d_y) {
+        return is_f64(dtype) ? sigmoid_t<double>(x, x_dtype, d_y, n) : sigmoid_t<float>(x, x_dtype, d_y, n);
       },
-      py::arg("x"), py::arg("n"), py::arg("dtype"), py::arg("d_y") = 0);
+      py::arg("x"), py::arg("x_dtype"), py::arg("n"), py::arg("dtype"), py::arg("d_y") = 0);
 }
 
 }  // namespace kdacp::python

@@ -84,6 +84,52 @@ py::array new_array(DType dtype, const std::vector<std::size_t>& shape) {
   return py::array_t<float>(s);
 }
 
+template <class T>
+std::optional<Half> storage_of(std::string_view dtype, std::string_view name) {
+  if constexpr (std::is_same_v<T, double>) {
+    if (dtype == "float64") return std::nullopt;
+    throw InvalidArgument(fmt::format("{} has dtype {}, expected float64 (the call's dtype)", name, dtype));
+  } else {
+    if (dtype == "float32") return std::nullopt;
+    if (auto half = parse_half(dtype)) return half;
+    throw InvalidArgument(
+        fmt::format("{} has dtype {}, expected float32, bfloat16 or float16 (the call computes in float32)",
+                    name, dtype));
+  }
+}
+template std::optional<Half> storage_of<float>(std::string_view, std::string_view);
+template std::optional<Half> storage_of<double>(std::string_view, std::string_view);
+
+template <class T>
+OutputOf<T>::OutputOf(std::string_view dtype, const std::vector<std::size_t>& shape, std::string name)
+    : half_(storage_of<T>(dtype, name)), shape_(shape), name_(std::move(name)) {
+  n_ = 1;
+  for (std::size_t d : shape) n_ *= d;
+  if (!half_) {
+    array = new_array(std::is_same_v<T, double> ? DType::f64 : DType::f32, shape);
+    return;
+  }
+  array = py::array_t<std::int16_t>(std::vector<py::ssize_t>(shape.begin(), shape.end()));  // torch has no uint16
+  if constexpr (std::is_same_v<T, float>) wide_.reset(new float[n_]);
+}
+
+template <class T>
+void OutputOf<T>::finish(const char* op) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!half_) return;
+    auto* bits = static_cast<std::uint16_t*>(array.mutable_data());
+    if (const auto at = narrow(*half_, wide_.get(), n_, bits))
+      throw InvalidArgument(fmt::format(
+          "{}: {} element {} is {} in float32, beyond {}'s range (its largest value is {}); "
+          "use float32 inputs or rescale",
+          op, name_, index_string(*at, shape_), exact_string(wide_[*at]), half_name(*half_),
+          *half_ == Half::f16 ? "65504" : "3.3895314e38"));
+    wide_.reset();
+  }
+}
+template class OutputOf<float>;
+template class OutputOf<double>;
+
 namespace {
 
 // kdacp/finite.hpp on a contiguous tensor's memory: the rule by name
@@ -92,11 +138,18 @@ namespace {
 void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, const std::string& dtype,
                   const std::string& name, const std::string& rule) {
   TensorRef t{name, shape, reinterpret_cast<const void*>(data), DType::f32};
-  if (dtype == "float64")
+  // A 16-bit tensor is checked as its exact float32 values.
+  std::unique_ptr<float[]> wide;
+  if (dtype == "float64") {
     t.dtype = DType::f64;
-  else if (dtype != "float32")
-    throw InvalidArgument(
-        fmt::format("{} has dtype {}, expected float32 or float64", name, dtype));
+  } else if (const auto half = parse_half(dtype)) {
+    wide.reset(new float[t.elements()]);
+    widen(*half, static_cast<const std::uint16_t*>(t.data), t.elements(), wide.get());
+    t.data = wide.get();
+  } else if (dtype != "float32") {
+    throw InvalidArgument(fmt::format("{} has dtype {}, expected float32, float64, bfloat16 or float16",
+                                      name, dtype));
+  }
   void (*check)(const TensorRef&) = nullptr;
   if (rule == "finite")
     check = [](const TensorRef& x) { require_finite(x); };

@@ -196,3 +196,48 @@ def context_worker(rank, world, init_file):
         kt.build_cp_context([0, 2 * world * 4], dist.group.WORLD,
                             layout="zigzag" if rank == 0 else "contiguous", timeout=20)
     finish()
+
+
+def half_worker(rank, world, init_file):
+    """bf16 under CP (zigzag, packed, h0/ht) against one process in bf16: both
+    compute in float32 and round once, so they differ only where a float32
+    rounding difference (other cuts, other chunking) flips a bf16 rounding:
+    at most one bf16 ulp of the value (2^-8 relative), counted here against
+    the tensor's largest value."""
+    init(rank, world, init_file)
+    t, cu = 9 * world + 3, None
+    cu = [0, 4, t // 2 + 1, t]
+    n = len(cu) - 1
+    dtype = torch.bfloat16
+    full = make(t, n, dtype, seed=41)
+    full["h0"] = full["h0"].float()
+    full["A_log"], full["dt_bias"] = full["A_log"].float(), full["dt_bias"].float()
+    gen = torch.Generator().manual_seed(42)
+    d_o = torch.randn(1, t, 2, 16, generator=gen).to(dtype)
+    d_ht = torch.randn(n, 2, 16, 16, generator=gen)
+    ref = {k_: v_.clone().requires_grad_() for k_, v_ in full.items()}
+    o_ref, ht_ref = call(ref, FLAGS, cu_seqlens=cu)
+    ((o_ref.float() * d_o.float()).sum() + (ht_ref * d_ht).sum() * world).backward()
+    ctx = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, layout="zigzag", timeout=20,
+                              threads=1)
+    spans = ctx.layout.local_parts(rank)
+
+    def local(x):
+        return torch.cat([x[:, a:e] for a, e in spans], dim=1)
+
+    mine = {k_: (local(v_) if k_ in TOKEN_WISE else v_).detach().clone().requires_grad_()
+            for k_, v_ in full.items()}
+    o, ht = call(mine, FLAGS, cp_context=ctx)
+    ((o.float() * local(d_o).float()).sum() + (ht * d_ht).sum()).backward()
+    for name in ("A_log", "dt_bias"):
+        dist.all_reduce(mine[name].grad)
+    got = {"o": o, "ht": ht, **{"d" + k_: mine[k_].grad for k_ in NAMES}}
+    want = {"o": local(o_ref), "ht": ht_ref,
+            **{"d" + k_: (local(ref[k_].grad) if k_ in TOKEN_WISE else ref[k_].grad)
+               for k_ in NAMES}}
+    for name in got:
+        assert got[name].dtype == want[name].dtype, name
+        top = want[name].double().abs().max().item()
+        e = (got[name].double() - want[name].double()).abs().max().item()
+        assert e <= 2 ** -8 * top + 1e-6, (name, e, top)
+    finish()

@@ -162,7 +162,7 @@ def test_gate_without_a_log_or_bias():
             raw = x["g"].clone().requires_grad_()
             a = x["A_log"].clone().requires_grad_() if with_a else None
             b = x["dt_bias"].clone().requires_grad_() if with_b else None
-            g = _chunk._GateFunction.apply(lb, raw, a, b)
+            g = _chunk._GateFunction.apply(lb, raw.dtype, raw, a, b)
             r_raw = x["g"].clone().requires_grad_()
             r_a = x["A_log"].clone().requires_grad_() if with_a else None
             r_b = x["dt_bias"].clone().requires_grad_() if with_b else None
@@ -200,21 +200,21 @@ def test_extreme_gate_inputs_stay_finite():
             r = raw.clone().requires_grad_()
             b = bias.clone().requires_grad_()
             a = None if a_log is None else a_log.clone().requires_grad_()
-            g = _chunk._GateFunction.apply(lb, r, a, b)
+            g = _chunk._GateFunction.apply(lb, dtype, r, a, b)
             assert torch.isfinite(g).all() and (g <= 0).all() and (g >= lb).all()
             g.sum().backward()
             for t in (r, b) + (() if a is None else (a,)):
                 assert torch.isfinite(t.grad).all()
         # softplus gate: huge negative arguments give 0 (finite), moderate ones stay exact
         r = torch.tensor([[[[-big, -1e4, 0.0, 50.0]]]], dtype=dtype, requires_grad=True)
-        g = _chunk._GateFunction.apply(None, r, None, None)
+        g = _chunk._GateFunction.apply(None, dtype, r, None, None)
         assert torch.isfinite(g).all()
         assert g[0, 0, 0, 3].item() == pytest.approx(-50.0, rel=1e-12)
         g.sum().backward()
         assert torch.isfinite(r.grad).all()
         # and a gate whose exact value is beyond the dtype names the element
         with pytest.raises(ValueError, match="beyond"):
-            _chunk._GateFunction.apply(None, torch.full((1, 1, 1, 1), big, dtype=dtype),
+            _chunk._GateFunction.apply(None, dtype, torch.full((1, 1, 1, 1), big, dtype=dtype),
                                        torch.tensor([60.0 if dtype == torch.float32 else 700.0],
                                                     dtype=dtype), None)
 
@@ -223,13 +223,13 @@ def test_extreme_l2norm_and_sigmoid_stay_finite():
     for dtype, big in ((torch.float32, 3e38), (torch.float64, 1e308)):
         x = torch.tensor([[[[big, -big, big, 1.0], [0.0, 0.0, 0.0, 0.0],
                             [1e-30, 0.0, 0.0, 0.0]]]], dtype=dtype, requires_grad=True)
-        y = _chunk._L2NormFunction.apply(x)
+        y = _chunk._L2NormFunction.apply(dtype, x)
         assert torch.isfinite(y).all()
         assert y[0, 0, 0, 0].item() == pytest.approx(3 ** -0.5, rel=1e-6)
         y.sum().backward()
         assert torch.isfinite(x.grad).all()
         b = torch.tensor([[[big, -big, 0.0]]], dtype=dtype, requires_grad=True)
-        s = _chunk._SigmoidFunction.apply(b)
+        s = _chunk._SigmoidFunction.apply(dtype, b)
         assert s.tolist() == [[[1.0, 0.0, 0.5]]]
         s.sum().backward()
         assert torch.isfinite(b.grad).all() and b.grad[0, 0, 2].item() == 0.25

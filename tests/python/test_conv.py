@@ -97,7 +97,7 @@ def test_errors():
     w = torch.randn(3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="W = 9, expected 1 <= W <= 8"):
         kt.causal_conv1d(x, torch.randn(3, 9, dtype=torch.float64))
-    with pytest.raises(ValueError, match="expected torch.float64"):
+    with pytest.raises(ValueError, match="weight has dtype torch.float32 while x is torch.float64"):
         kt.causal_conv1d(x, w.float())
     with pytest.raises(ValueError, match="activation='relu'"):
         kt.causal_conv1d(x, w, activation="relu")
