@@ -15,9 +15,12 @@
 namespace kdacp::job {
 
 // q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy
-// [B,T,HV] and optional do.npy [B,T,HV,V], all float32 or all float64;
-// optional cu_seqlens.npy (int32 or int64, 1-D, B = 1) and the states h0.npy
-// and dht.npy [N,HV,K,V] in q's dtype (N: sequences, B without cu_seqlens).
+// [B,T,HV] and optional do.npy [B,T,HV,V], all float16, all float32 or all
+// float64; optional cu_seqlens.npy (int32 or int64, 1-D, B = 1) and the
+// states h0.npy and dht.npy [N,HV,K,V] in q's dtype (N: sequences, B without
+// cu_seqlens), float32 with float16 inputs (flash-linear-attention's
+// training convention: 16-bit activations, float32 states). float16 arrays
+// hold their float32 widening (NpyArray::half): the job runs in float32.
 struct LayerNpy {
   NpyArray q, k, v, g, beta;
   std::optional<NpyArray> d_o, h0, dht;
@@ -27,8 +30,9 @@ struct LayerNpy {
 
 // Reads and checks the files of `dir`: a missing file, a wrong rank, a shape
 // that disagrees with q.npy and v.npy (h0/dht: with N, HV, K, V) or a dtype
-// unlike q.npy's throws IoError naming the file. Values outside the layer's
-// domain throw InvalidArgument naming the file, the element and the domain:
+// unlike q.npy's (h0/dht with float16 inputs: not float32) throws IoError
+// naming the file. Values outside the layer's domain (the widened values of
+// float16 files) throw InvalidArgument naming the file, the element and the domain:
 // NaN or ±Inf anywhere, g > 0 (g is the log of a decay in (0, 1]), beta
 // outside [0, 1], cu_seqlens not 0 = c_0 < c_1 < ... < c_N = T or given with
 // B > 1.
@@ -37,7 +41,7 @@ LayerNpy read_layer_npy(const std::string& dir);
 // What a process read, for ranks that each read the whole job (`kdacp kda`
 // under a launcher) to compare before the layer's first message
 // (LayerRunOptions::agree): one field per file, named "--inputs q.npy" etc.,
-// an FNV-1a hash of its dtype, shape and bytes ("absent" for an optional
+// an FNV-1a hash of its file dtype, shape and bytes ("absent" for an optional
 // file not given), and cu_seqlens.npy's values.
 Fingerprint layer_npy_fingerprint(const LayerNpy& in);
 
@@ -81,7 +85,8 @@ LayerJob<T> layer_job(const LayerNpy& in, T scale);
 
 // o.npy and ht.npy [N,HV,K,V] and, when `in` has do.npy,
 // dq/dk/dv/dg/dbeta.npy and dh0.npy into `dir` (created if needed), in the
-// shapes and dtype of the inputs.
+// shapes and dtype of the inputs; with float16 inputs o and dq..dbeta are
+// narrowed to float16 (round to nearest even) and ht, dh0 stay float32.
 inline const std::vector<std::string> kLayerOutputFiles{"o.npy",  "ht.npy", "dq.npy",    "dk.npy",
                                                         "dv.npy", "dg.npy", "dbeta.npy", "dh0.npy"};
 template <class T>
@@ -90,12 +95,15 @@ void write_layer_outputs_npy(const std::string& dir, const LayerNpy& in, const L
 // Checks every array write_layer_outputs_npy would write, in
 // kLayerOutputFiles order, before anything is written: the first NaN or ±Inf
 // throws Error naming the file (e.g. "dq.npy"), the element's index in the
-// file's shape and its value ("inf", "nan", "-inf").
+// file's shape and its value ("inf", "nan", "-inf"); so does the first finite
+// value of a float16 output beyond float16's range (|x| >= 65520 rounds to
+// Inf), with its float32 value.
 template <class T>
 void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out);
 
 // `kdacp kda`'s outputs into `dir`: a NaN or Inf from finite inputs is a
-// failure, not a result, so require_finite_outputs runs first (its Error
+// failure, not a result (nor is a float16 output that overflows), so
+// require_finite_outputs runs first (its Error
 // adds "; nothing was written to <dir>"); then write_layer_outputs_npy into a
 // StagedOutput of kLayerOutputFiles, committed once every file is written.
 template <class T>

@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <bit>
+#include <iterator>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -56,6 +58,8 @@ std::size_t NpyArray::elements() const {
   return n;
 }
 
+std::string NpyArray::file_dtype() const { return half ? half_name(*half) : to_string(dtype); }
+
 std::vector<float> NpyArray::to_f32(bool allow_f64) const {
   std::vector<float> out(elements());
   if (dtype == DType::f32) {
@@ -103,7 +107,8 @@ NpyArray read_header(const std::string& path, std::istream& in, std::size_t& dat
   std::string descr = dict_value(path, header, "descr");
   if (descr == "'<f4'" || descr == "'=f4'") arr.dtype = DType::f32;
   else if (descr == "'<f8'" || descr == "'=f8'") arr.dtype = DType::f64;
-  else bad(path, "dtype " + descr + ", expected '<f4' (float32) or '<f8' (float64)");
+  else if (descr == "'<f2'" || descr == "'=f2'") arr.half = Half::f16;  // widened to float32 as it is read
+  else bad(path, "dtype " + descr + ", expected '<f2' (float16), '<f4' (float32) or '<f8' (float64)");
   const std::string fortran = dict_value(path, header, "fortran_order");
   if (fortran != "False") bad(path, "fortran_order is " + fortran + ", expected False (C order)");
   std::string shape = dict_value(path, header, "shape");
@@ -123,7 +128,7 @@ NpyArray read_header(const std::string& path, std::istream& in, std::size_t& dat
     total *= d;
     arr.shape.push_back(static_cast<std::size_t>(d));
   }
-  data_bytes = total * dtype_size(arr.dtype);
+  data_bytes = total * (arr.half ? sizeof(std::uint16_t) : dtype_size(arr.dtype));
   return arr;
 }
 
@@ -136,9 +141,24 @@ void read_data(const std::string& path, std::istream& in, std::size_t bytes,
                           bytes, available));
   if (available > bytes)
     bad(path, fmt::format("{} bytes after the data of shape {}, expected none", available - bytes, shape_text));
-  arr.data.resize(bytes);
-  if (bytes > 0 && !in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
+  if (!arr.half) {
+    arr.data.resize(bytes);
+    if (bytes > 0 && !in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
+      bad(path, fmt::format("read failed after {} of {} data bytes", in.gcount(), bytes));
+    return;
+  }
+  // 16-bit values, widened once to float32 (exact), a block at a time.
+  const std::size_t n = bytes / sizeof(std::uint16_t);
+  std::vector<std::uint16_t> bits(n);
+  if (bytes > 0 && !in.read(reinterpret_cast<char*>(bits.data()), static_cast<std::streamsize>(bytes)))
     bad(path, fmt::format("read failed after {} of {} data bytes", in.gcount(), bytes));
+  arr.data.resize(n * sizeof(float));
+  float block[1024];
+  for (std::size_t at = 0; at < n; at += std::size(block)) {
+    const std::size_t m = std::min(std::size(block), n - at);
+    widen(*arr.half, bits.data() + at, m, block);
+    std::memcpy(arr.data.data() + at * sizeof(float), block, m * sizeof(float));
+  }
 }
 
 std::string shape_text(const std::vector<std::size_t>& shape) {
@@ -224,6 +244,10 @@ void write_npy(const std::string& path, const float* data, const std::vector<std
 
 void write_npy(const std::string& path, const double* data, const std::vector<std::size_t>& shape) {
   write_impl(path, data, sizeof(double), "<f8", shape);
+}
+
+void write_npy_f16(const std::string& path, const std::uint16_t* bits, const std::vector<std::size_t>& shape) {
+  write_impl(path, bits, sizeof(std::uint16_t), "<f2", shape);
 }
 
 }  // namespace kdacp

@@ -1,11 +1,13 @@
 #include "kdacp/job_npy.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <type_traits>
@@ -18,6 +20,7 @@
 #include "kdacp/agreement.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
+#include "kdacp/half.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 
@@ -120,7 +123,8 @@ Fingerprint layer_npy_fingerprint(const LayerNpy& in) {
       f.add_text(name, "absent");
       return;
     }
-    const std::uint64_t dtype = a->dtype == DType::f64 ? 8 : 4;
+    // The file's item size: a float16 file differs from the float32 file of its widened values.
+    const std::uint64_t dtype = a->half ? 2 : a->dtype == DType::f64 ? 8 : 4;
     std::uint64_t h = fnv1a64(std::as_bytes(std::span(&dtype, 1)));
     h = fnv1a64(std::as_bytes(std::span(a->shape)), h);
     f.add_hash(name, fnv1a64(a->data, h));
@@ -153,8 +157,8 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
     if (a.shape != want)
       throw IoError(fmt::format("{}: shape {}, expected {} from q.npy (B,T,H,K) and v.npy (B,T,HV,V)", name,
                                 dims_str(a.shape), dims_str(want)));
-    if (a.dtype != q.dtype)
-      throw IoError(fmt::format("{}: dtype {}, expected {} like q.npy", name, to_string(a.dtype), to_string(q.dtype)));
+    if (a.dtype != q.dtype || a.half != q.half)
+      throw IoError(fmt::format("{}: dtype {}, expected {} like q.npy", name, a.file_dtype(), q.file_dtype()));
   };
   if (h == 0 || hv % h != 0)
     throw IoError(fmt::format("v.npy: HV = {} value heads (dimension 2), expected a multiple of q.npy's H = {} "
@@ -176,8 +180,13 @@ LayerNpy read_layer_npy(const std::string& dir_name) {
       throw IoError(fmt::format("{}: shape {}, expected {} (N,HV,K,V) with N = {} ({})", name, dims_str(a.shape),
                                 dims_str({in.sequences, hv, kd, vd}), in.sequences,
                                 in.cu_seqlens.empty() ? "B rows, no cu_seqlens.npy" : "sequences of cu_seqlens.npy"));
-    if (a.dtype != q.dtype)
-      throw IoError(fmt::format("{}: dtype {}, expected {} like q.npy", name, to_string(a.dtype), to_string(q.dtype)));
+    if (q.half && (a.half || a.dtype != DType::f32))
+      throw IoError(fmt::format("{}: dtype {}, expected float32: with {} inputs the states h0.npy and dht.npy stay "
+                                "float32, as flash-linear-attention keeps them (ht.npy and dh0.npy are written in "
+                                "float32 too)",
+                                name, a.file_dtype(), q.file_dtype()));
+    if (!q.half && a.dtype != q.dtype)
+      throw IoError(fmt::format("{}: dtype {}, expected {} like q.npy", name, a.file_dtype(), q.file_dtype()));
   };
   if (in.h0) expect_states("h0.npy", *in.h0);
   if (in.dht) expect_states("dht.npy", *in.dht);
@@ -233,6 +242,12 @@ void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunO
     cache_tokens = 0;
     for (std::size_t r = 0; r < layout.ranks(); ++r) cache_tokens = std::max(cache_tokens, layout.local_tokens(r));
   }
+  // A float16 file is held widened (twice its bytes) beside its copy as T:
+  // input_bytes counts each file's bytes twice, so add the difference twice.
+  double widened = 0;
+  for (const NpyArray* a : {&in.q, &in.k, &in.v, &in.g, &in.beta, in.d_o ? &*in.d_o : nullptr})
+    if (a != nullptr && a->half) widened += double(a->elements()) * double(sizeof(float) - sizeof(std::uint16_t));
+  input_bytes += 2 * widened;
   const double cache = job.keep_forward ? layer_cache_bytes(s, job.algorithm, cache_tokens,
                                                             in.sequences + layout.parts().size(), sizeof(T))
                                         : 0.0;
@@ -269,19 +284,43 @@ struct OutputArray {
   const char* name;
   const std::vector<T>* data;
   std::vector<std::size_t> shape;
+  std::optional<Half> half = std::nullopt;  // written narrowed to this type
 };
 
 template <class T>
 std::vector<OutputArray<T>> output_arrays(const LayerNpy& in, const LayerOutputs<T>& out) {
   const std::vector<std::size_t> states{in.sequences, in.v.shape[2], in.q.shape[3], in.v.shape[3]};
-  std::vector<OutputArray<T>> arrays{{"o.npy", &out.o, in.v.shape}, {"ht.npy", &out.ht, states}};
+  // o and the gradients of the inputs in the inputs' 16-bit type, if any;
+  // the states ht and dh0 stay in the type computed in.
+  const std::optional<Half> half = in.q.half;
+  std::vector<OutputArray<T>> arrays{{"o.npy", &out.o, in.v.shape, half}, {"ht.npy", &out.ht, states}};
   if (!in.d_o) return arrays;
-  for (OutputArray<T> a : {OutputArray<T>{"dq.npy", &out.dq, in.q.shape}, OutputArray<T>{"dk.npy", &out.dk, in.k.shape},
-                           OutputArray<T>{"dv.npy", &out.dv, in.v.shape}, OutputArray<T>{"dg.npy", &out.dg, in.g.shape},
-                           OutputArray<T>{"dbeta.npy", &out.dbeta, in.beta.shape},
-                           OutputArray<T>{"dh0.npy", &out.dh0, states}})
+  for (OutputArray<T> a :
+       {OutputArray<T>{"dq.npy", &out.dq, in.q.shape, half}, OutputArray<T>{"dk.npy", &out.dk, in.k.shape, half},
+        OutputArray<T>{"dv.npy", &out.dv, in.v.shape, half}, OutputArray<T>{"dg.npy", &out.dg, in.g.shape, half},
+        OutputArray<T>{"dbeta.npy", &out.dbeta, in.beta.shape, half}, OutputArray<T>{"dh0.npy", &out.dh0, states}})
     arrays.push_back(std::move(a));
   return arrays;
+}
+
+// a's values narrowed to a.half (float16 inputs compute in float32): a
+// finite value beyond the 16-bit type's range throws Error naming the file,
+// the element and the value.
+template <class T>
+std::vector<std::uint16_t> narrowed(const OutputArray<T>& a) {
+  if constexpr (!std::is_same_v<T, float>) {
+    throw Error(fmt::format("{}: a 16-bit output needs a float32 run", a.name));
+  } else {
+    std::vector<std::uint16_t> bits(a.data->size());
+    const auto over = narrow(*a.half, a.data->data(), bits.size(), bits.data());
+    if (over)
+      throw Error(fmt::format("the run produced a result {} cannot hold: {} element {} is {} (float32; {}'s largest "
+                              "finite value is {})",
+                              half_name(*a.half), a.name, index_string(*over, a.shape), exact_string((*a.data)[*over]),
+                              half_name(*a.half),
+                              exact_string(*a.half == Half::f16 ? f16_to_float(0x7BFF) : bf16_to_float(0x7F7F))));
+    return bits;
+  }
 }
 
 }  // namespace
@@ -290,7 +329,10 @@ template <class T>
 void require_finite_outputs(const LayerNpy& in, const LayerOutputs<T>& out) {
   for (const OutputArray<T>& a : output_arrays(in, out)) {
     const auto bad = find_non_finite(std::span<const T>(*a.data));
-    if (!bad) continue;
+    if (!bad) {
+      if (a.half) (void)narrowed(a);
+      continue;
+    }
     throw Error(std::string("the run produced a non-finite result from finite inputs: ") + a.name + " element " +
                 index_string(*bad, a.shape) + " is " + exact_string((*a.data)[*bad]) + " (" +
                 (std::is_same_v<T, double> ? "float64" : "float32") + ")");
@@ -301,7 +343,10 @@ template <class T>
 void write_layer_outputs_npy(const std::string& dir_name, const LayerNpy& in, const LayerOutputs<T>& out) {
   fs::create_directories(dir_name);
   const fs::path dir(dir_name);
-  for (const OutputArray<T>& a : output_arrays(in, out)) write_npy((dir / a.name).string(), a.data->data(), a.shape);
+  for (const OutputArray<T>& a : output_arrays(in, out)) {
+    if (a.half) write_npy_f16((dir / a.name).string(), narrowed(a).data(), a.shape);
+    else write_npy((dir / a.name).string(), a.data->data(), a.shape);
+  }
 }
 
 template void admit_layer_job<float>(const LayerNpy&, const LayerJob<float>&, const LayerRunOptions&, std::size_t,

@@ -61,8 +61,8 @@ std::optional<NpyArray> load_summary(const fs::path& dir, const char* name, bool
   }
   NpyArray a = read_npy(p.string());
   require_finite(a, p.string());
-  if (a.dtype != DType::f32)
-    throw IoError(p.string() + ": dtype " + to_string(a.dtype) + ", expected float32 (summaries are FP32)");
+  if (a.dtype != DType::f32 || a.half)
+    throw IoError(p.string() + ": dtype " + a.file_dtype() + ", expected float32 (summaries are FP32)");
   if (a.shape.size() != 5)
     throw IoError(fmt::format("{}: {}-d array, expected 5-d [P,B,H,rows,cols]", p.string(), a.shape.size()));
   return a;

@@ -47,7 +47,7 @@ HEADER_MODULE = {
     "error.hpp": "core", "tensor.hpp": "core", "memory.hpp": "core",
     "thread_pool.hpp": "core", "npy.hpp": "core", "units.hpp": "core",
     "output.hpp": "core", "finite.hpp": "core", "summary.hpp": "core",
-    "defaults.hpp": "core",
+    "defaults.hpp": "core", "half.hpp": "core",
     "kernels.hpp": "kernels",
     "comm.hpp": "comm", "inprocess.hpp": "comm", "agreement.hpp": "comm",
     "mesh.hpp": "mesh",

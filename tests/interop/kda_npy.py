@@ -3,7 +3,8 @@ independent NumPy transcription of the recurrence of SPEC §9 and §10
 (flash-linear-attention's naive_recurrent_kda convention: o_t = scale * S_t^T q_t,
 value head j uses q/k head j // (HV/H)), run per sequence from its h0, and with a
 hand-written reverse sweep of that recurrence in float64 for the gradients,
-including dh0 and the path through ht (dht).
+including dh0 and the path through ht (dht). float16 inputs: the outputs are
+NumPy's float16 rounding of the float32 run on the widened values, bit for bit.
 
     kda_npy.py KDACP [MPIEXEC MPI_FLAGS...]
     kda_npy.py KDACP --chunk
@@ -242,6 +243,67 @@ def check_rows(kdacp):
             same_files(os.path.join(d, f"out_{ranks}_p2p"), os.path.join(d, f"out_{ranks}_allgather"))
 
 
+def check_float16(kdacp):
+    """float16 inputs written by NumPy (flash-linear-attention's training
+    dtype): o and the gradients come back float16 and equal NumPy's own
+    float16 rounding (np.float16, round to nearest even) of the float32 run on
+    the widened values, bit for bit; ht and dh0 are float32 and equal the
+    float32 run's; the transcription in float64 agrees to float16's
+    precision. h0/dht in float16 and a float32 file among float16 inputs are
+    refused naming the file."""
+    rng = np.random.default_rng(17)
+    b_, t_, h_, hv, kd, vd = 1, 23, 1, 2, 16, 16
+    x, d_o, h0, dht = make_inputs(rng, b_, t_, h_, hv, kd, vd, len(CU) - 1)
+    half = {name: a.astype(np.float16) for name, a in dict(x, do=d_o).items()}
+    states = dict(h0=h0.astype(np.float32), dht=dht.astype(np.float32))
+    wide = {name: a.astype(np.float64) for name, a in half.items()}
+    scale = kd ** -0.5
+    o, ht = kda_forward(**{n: wide[n] for n in x}, scale=scale, cu=CU, h0=states["h0"].astype(np.float64))
+    want = dict(zip(OUTPUTS, (o, ht) + kda_backward(**{n: wide[n] for n in x}, scale=scale, d_o=wide["do"], cu=CU,
+                                                     h0=states["h0"].astype(np.float64),
+                                                     dht=states["dht"].astype(np.float64))))
+    with tempfile.TemporaryDirectory() as d:
+        d16, d32 = os.path.join(d, "in16"), os.path.join(d, "in32")
+        for sub, cast in ((d16, np.float16), (d32, np.float32)):
+            os.mkdir(sub)
+            for name, a in half.items():
+                np.save(os.path.join(sub, name + ".npy"), a.astype(cast))
+            for name, a in states.items():
+                np.save(os.path.join(sub, name + ".npy"), a)
+            np.save(os.path.join(sub, "cu_seqlens.npy"), CU.astype(np.int32))
+        for ranks, layout in ((1, []), (3, ["--split", "5,11,7"]), (4, ["--layout", "zigzag"])):
+            out16, out32 = os.path.join(d, f"o16_{ranks}"), os.path.join(d, f"o32_{ranks}")
+            stdout = run(kdacp, "--inputs", d16, "--out", out16, "--ranks", str(ranks), *layout)
+            assert "float16 (computed in float32)" in stdout, stdout
+            run(kdacp, "--inputs", d32, "--out", out32, "--ranks", str(ranks), *layout)
+            worst = 0.0
+            for name in OUTPUTS:
+                got = np.load(os.path.join(out16, name + ".npy"))
+                ref32 = np.load(os.path.join(out32, name + ".npy"))
+                state = name in ("ht", "dh0")
+                assert got.dtype == (np.float32 if state else np.float16), (name, got.dtype)
+                expect = ref32 if state else ref32.astype(np.float16)
+                assert got.tobytes() == expect.tobytes(), (ranks, layout, name, "not the float32 run's bits")
+                err = rel(got.astype(np.float64), want[name])
+                worst = max(worst, err)
+                assert err < (2e-5 if state else 1e-3), (ranks, layout, name, err)
+            print(f"float16 P={ranks} {' '.join(layout)}: outputs = float16(the float32 run) bit for bit, "
+                  f"max rel error vs float64 {worst:.2e}")
+        for name, a, word in (("h0", states["h0"].astype(np.float16), "h0.npy: dtype float16, expected float32"),
+                              ("k", half["k"].astype(np.float32), "k.npy: dtype float32, expected float16")):
+            bad = os.path.join(d, "bad_" + name)
+            os.mkdir(bad)
+            for f in os.listdir(d16):
+                os.link(os.path.join(d16, f), os.path.join(bad, f))
+            os.remove(os.path.join(bad, name + ".npy"))
+            np.save(os.path.join(bad, name + ".npy"), a)
+            r = subprocess.run([kdacp, "kda", "--inputs", bad, "--out", os.path.join(bad, "out")],
+                               capture_output=True, text=True)
+            assert r.returncode == 2 and word in r.stderr, (name, r.returncode, r.stderr)
+            assert not os.path.exists(os.path.join(bad, "out")), name
+        print("float16: a float16 h0.npy and a float32 k.npy among float16 inputs are refused naming the file")
+
+
 def same_files(a, b):
     for name in OUTPUTS:
         with open(os.path.join(a, name + ".npy"), "rb") as fa, open(os.path.join(b, name + ".npy"), "rb") as fb:
@@ -341,6 +403,7 @@ def main():
         check_transcription()
         check_plain(kdacp)
         check_rows(kdacp)
+        check_float16(kdacp)
     check_packed(kdacp, mpi)
     print("interop ok")
 

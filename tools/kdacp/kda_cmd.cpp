@@ -59,9 +59,11 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
   const auto out = job::run_context_parallel(world, job, opts);
   if (!out) return;  // rank 0 writes and reports
   job::save_layer_outputs(cfg.out, in, *out);
+  const std::string dtype = in.q.half ? in.q.file_dtype() + " (computed in float32)"
+                                      : std::is_same_v<T, double> ? "float64" : "float32";
   std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s, %s algorithm, on P=%zu %s ranks (%s, %s "
               "layout): wrote %s to %s\n",
-              std::is_same_v<T, double> ? "float64" : "float32", s.batch, s.tokens, s.heads, s.value_heads,
+              dtype.c_str(), s.batch, s.tokens, s.heads, s.value_heads,
               s.key_dim, s.value_dim, in.sequences, in.cu_seqlens.empty() ? "" : " packed",
               kda::algorithm_name(job.algorithm), ranks,
               out->backend.c_str(), out->method.c_str(), layout_name(cfg.layout).c_str(),
@@ -98,7 +100,7 @@ void run(const KdaConfig& cfg) {
   if (in.q.dtype == DType::f64) {
     run_typed<double>(cfg, in, input_bytes);
   } else {
-    run_typed<float>(cfg, in, input_bytes);
+    run_typed<float>(cfg, in, input_bytes);  // float32, or float16 widened as it was read
   }
 }
 
@@ -113,15 +115,17 @@ void add_kda_command(CLI::App& app) {
       "(and gradients, dh0)");
   add_path(*cmd, "--inputs", cfg->inputs,
                   "DIR with q.npy, k.npy [B,T,H,K], v.npy [B,T,HV,V], g.npy [B,T,HV,K], beta.npy [B,T,HV], "
-                  "optional do.npy [B,T,HV,V] (float32 or float64, all alike), optional cu_seqlens.npy "
-                  "(int32/int64, 1-D, 0 = c_0 < ... < c_N = T, B = 1), optional h0.npy and dht.npy "
-                  "[N,HV,K,V] (N: sequences, or B rows without cu_seqlens); NaN or Inf anywhere, g > 0 or beta "
-                  "outside [0, 1] is an error",
+                  "optional do.npy [B,T,HV,V] (float16, float32 or float64, all alike; float16 is computed in float32 "
+                  "and o and the gradients are written in float16; bfloat16 has no .npy dtype: kdacp.torch only), "
+                  "optional cu_seqlens.npy (int32/int64, 1-D, 0 = c_0 < ... < c_N = T, B = 1), optional h0.npy "
+                  "and dht.npy [N,HV,K,V] (N: sequences, or B rows without cu_seqlens; q's dtype, float32 with "
+                  "float16 inputs); NaN or Inf anywhere, g > 0 or beta outside [0, 1] is an error",
            "a directory")
       ->required();
   add_path(*cmd, "--out", cfg->out,
-                  "DIR for o.npy, ht.npy and, with do.npy, dq/dk/dv/dg/dbeta.npy and dh0.npy, written (by rank 0) "
-                  "once the run succeeded; those of an earlier run that this one does not write are removed, "
+                  "DIR for o.npy, ht.npy and, with do.npy, dq/dk/dv/dg/dbeta.npy and dh0.npy (in the inputs' dtype; "
+                  "ht and dh0 float32 with float16 inputs), written (by rank 0) once the run succeeded (a "
+                  "float16 output that overflows float16 is an error); those of an earlier run that this one does not write are removed, "
                   "other files are left alone",
            "a directory")
       ->required();
