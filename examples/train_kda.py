@@ -42,7 +42,11 @@ import torch.nn.functional as F
 
 import kdacp.torch as kt
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# bfloat16: mixed precision as flash-linear-attention trains, float32
+# parameters and optimizer, the forward under torch.autocast in bfloat16 (the
+# projections' outputs, hence q, k, v, g, beta and the convolutions' inputs,
+# are bfloat16; kdacp computes them in float32 and returns bfloat16).
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 # -- data ----------------------------------------------------------------------
@@ -189,10 +193,11 @@ def train(rank, world, args, init_file):
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
         group = dist.group.WORLD
     dtype = DTYPES[args.dtype]
+    amp = dtype == torch.bfloat16
     torch.manual_seed(args.seed)  # the same parameters on every rank
     vocab = 1 + args.keys + args.values
     model = Model(vocab, args.dim, args.layers, args.heads, args.head_dim, args.conv_width)
-    model = model.to(dtype)
+    model = model.to(torch.float32 if amp else dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     losses, tokens, elapsed = [], 0, 0.0
     for step in range(args.steps):
@@ -208,7 +213,9 @@ def train(rank, world, args, init_file):
             ids, targets, cu_local = ids[mine], targets[mine], None
         else:
             ctx, cu_local = None, torch.tensor(cu)
-        logits = model(ids.unsqueeze(0), cu_local, ctx)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = model(ids.unsqueeze(0), cu_local, ctx)
+        logits = logits.float() if amp else logits
         loss_sum = F.cross_entropy(logits.view(-1, vocab), targets,
                                    ignore_index=-100, reduction="sum")
         opt.zero_grad(set_to_none=True)
@@ -242,7 +249,12 @@ def train(rank, world, args, init_file):
             os.replace(tmp, args.json_out)  # never a partial file
     if world > 1:
         dist.barrier()
+        del ctx  # the context's layers hold the group's communicator: drop them first
         dist.destroy_process_group()
+        # torch 1.13 aborts ("terminate called without an active exception")
+        # when a gloo worker thread takes the GIL during interpreter shutdown:
+        # give them a moment to finish with their last tensors.
+        time.sleep(0.2)
 
 
 def parse(argv):
