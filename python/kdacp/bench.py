@@ -12,7 +12,9 @@ writes without it, over gloo on localhost (one process per rank).
    context built once (no agreement message per call) vs kda(..., group=...)
    (one agreement all-gather per forward and per backward), calls/s, the
    same tensors; and chunk_kda with the three in-kernel flags on (raw gate,
-   A_log, dt_bias, q/k l2norm, beta sigmoid: the C++ transforms' cost).
+   A_log, dt_bias, q/k l2norm, beta sigmoid: the C++ transforms' cost), in
+   float32 and with q, k, v, g, beta in bfloat16 (flash-linear-attention's
+   training dtype: widened to float32 in C++, results narrowed back).
 
 Times are medians over --iters iterations, the slowest rank's.
 """
@@ -130,11 +132,14 @@ def _worker(rank, world, init_file, args, out_file):
     dt_bias = torch.zeros(hv * k, requires_grad=True)
     raw = torch.randn(1, t_local, hv, k, generator=gen).requires_grad_(True)
 
-    def step(fn):
+    half = [x_.detach().bfloat16().requires_grad_(True) for x_ in leaves + [raw]]
+    d_o_half = d_o.bfloat16()
+
+    def step(fn, d=d_o):
         def run():
             o, _ = fn()
-            o.backward(d_o)
-            for x_ in leaves + [a_log, dt_bias, raw]:
+            o.backward(d)
+            for x_ in leaves + [a_log, dt_bias, raw] + half:
                 x_.grad = None
         return run
 
@@ -145,9 +150,14 @@ def _worker(rank, world, init_file, args, out_file):
                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                       use_beta_sigmoid_in_kernel=True, A_log=a_log,
                                       dt_bias=dt_bias, cp_context=ctx2))
+    flags_bf16 = step(lambda: kt.chunk_kda(half[0], half[1], half[2], half[5], half[4],
+                                           use_qk_l2norm_in_kernel=True,
+                                           use_gate_in_kernel=True,
+                                           use_beta_sigmoid_in_kernel=True, A_log=a_log,
+                                           dt_bias=dt_bias, cp_context=ctx2), d_o_half)
     ctx2 = kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
                                protocol="allgather", threads=args.threads)
-    t_ctx, t_call, t_flags = measure([with_ctx, per_call, flags])
+    t_ctx, t_call, t_flags, t_bf16 = measure([with_ctx, per_call, flags, flags_bf16])
     if rank == 0:
         with open(out_file, "w") as f:
             f.write(f"P={world} B*H={b * h} K={k} V={v} float32, threads/rank={args.threads}\n")
@@ -160,6 +170,8 @@ def _worker(rank, world, init_file, args, out_file):
             f.write(f"  chunk_kda fwd+bwd with a cp_context {1 / t_ctx:9.1f} calls/s, kda agreeing "
                     f"per call {1 / t_call:9.1f} calls/s: {t_call / t_ctx:.3f}x; with the "
                     f"in-kernel gate/l2norm/sigmoid {1 / t_flags:9.1f} calls/s\n")
+            f.write(f"  chunk_kda fwd+bwd with the flags, bfloat16 inputs {1 / t_bf16:9.1f} calls/s vs "
+                    f"float32 {1 / t_flags:9.1f} calls/s: {t_flags / t_bf16:.3f}x\n")
     dist.destroy_process_group()
 
 

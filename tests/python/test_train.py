@@ -1,7 +1,8 @@
 """examples/train_kda.py as the acceptance test of issue 20: a small KDA model
 (short convolutions, the in-kernel gate, l2norm and beta sigmoid) trained with
 AdamW on packed associative-recall documents, on one process and with context
-parallelism over gloo (2 processes contiguous, 4 zigzag): the loss curves agree to floating-point tolerance and
+parallelism over gloo (2 processes contiguous, 4 zigzag), in float64, float32
+and bfloat16 (autocast): the loss curves agree to floating-point tolerance and
 the loss decreases. A shorter run than the example's default."""
 
 import json
@@ -26,7 +27,10 @@ def run(tmp_path, name, *extra):
         return json.load(f)
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-9), ("float32", 2e-4)])
+# bfloat16: mixed precision (autocast); one process and CP round their
+# float32 results to bfloat16 at slightly different places (cuts), so the
+# curves differ by bf16 rounding flips (1.9e-4 measured), not more.
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-9), ("float32", 2e-4), ("bfloat16", 1e-3)])
 def test_cp_trains_like_one_process(tmp_path, dtype, rtol):
     one = run(tmp_path, "one", "--dtype", dtype)
     assert one["world"] == 1 and len(one["losses"]) == 12
