@@ -79,6 +79,20 @@ class Counter:
             delattr(self.backend, kind)
 
 
+def got_and_want(mine, o, ht, ref, o_ref, ht_ref, local):
+    """This rank's results and gradients and one process's, by name. A_log's
+    and dt_bias's gradients are this rank's tokens' part: summed over the
+    ranks (what data parallel training does with parameters) they are one
+    process's."""
+    for name in ("A_log", "dt_bias"):
+        dist.all_reduce(mine[name].grad)
+    got = {"o": o, "ht": ht, **{"d" + k_: mine[k_].grad for k_ in NAMES}}
+    want = {"o": local(o_ref), "ht": ht_ref,
+            **{"d" + k_: (local(ref[k_].grad) if k_ in TOKEN_WISE else ref[k_].grad)
+               for k_ in NAMES}}
+    return got, want
+
+
 def context_worker(rank, world, init_file):
     init(rank, world, init_file)
     counts = [3 + 2 * r for r in range(world)]
@@ -120,15 +134,7 @@ def context_worker(rank, world, init_file):
                     .requires_grad_() for k_, v_ in full.items()}
             o, ht = call(mine, flags, cp_context=ctx)
             ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
-            # A_log's and dt_bias's gradients are this rank's tokens' part: summed over
-            # the ranks (what data parallel training does with parameters) they are one
-            # process's.
-            for name in ("A_log", "dt_bias"):
-                dist.all_reduce(mine[name].grad)
-            got = {"o": o, "ht": ht, **{"d" + k_: mine[k_].grad for k_ in NAMES}}
-            want = {"o": local(o_ref), "ht": ht_ref,
-                    **{"d" + k_: (local(ref[k_].grad) if k_ in TOKEN_WISE else ref[k_].grad)
-                       for k_ in NAMES}}
+            got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local)
             for name in got:
                 assert got[name].dtype == dtype, name
                 err = (got[name].double() - want[name].double()).abs().max().item()
@@ -229,12 +235,7 @@ def half_worker(rank, world, init_file):
             for k_, v_ in full.items()}
     o, ht = call(mine, FLAGS, cp_context=ctx)
     ((o.float() * local(d_o).float()).sum() + (ht * d_ht).sum()).backward()
-    for name in ("A_log", "dt_bias"):
-        dist.all_reduce(mine[name].grad)
-    got = {"o": o, "ht": ht, **{"d" + k_: mine[k_].grad for k_ in NAMES}}
-    want = {"o": local(o_ref), "ht": ht_ref,
-            **{"d" + k_: (local(ref[k_].grad) if k_ in TOKEN_WISE else ref[k_].grad)
-               for k_ in NAMES}}
+    got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local)
     for name in got:
         assert got[name].dtype == want[name].dtype, name
         top = want[name].double().abs().max().item()
