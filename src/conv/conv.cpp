@@ -17,6 +17,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -191,77 +192,62 @@ struct CausalConv::Impl {
     return hist.data() + ((li * batch + b) * hist_rows() + r) * dim;
   }
 
-  // Forward halo: the history rows of every local part from their owners.
-  template <class T>
-  void exchange_forward(const T* x, std::vector<T>& hist) const {
+  // The halo exchange, one plan for both directions. Transfer t carries
+  // tokens [begin, end) between part `from` (their x rows) and part `to`
+  // (its history rows). Forward: x rows into the history, copied. Backward:
+  // the history rows' gradient back into dx, added in transfer order.
+  enum Dir : int { kForward = 0, kBackward = 1 };  // also the tag's last bit
+  template <Dir dir, class T>
+  void exchange(std::conditional_t<dir == kForward, const T*, T*> x,
+                std::vector<T>& hist) const {
+    constexpr bool fwd = dir == kForward;
+    const std::size_t d = dim;
+    auto src_part = [](const Transfer& t) { return fwd ? t.from : t.to; };
+    auto dst_part = [](const Transfer& t) { return fwd ? t.to : t.from; };
+    auto x_rows = [&](const Transfer& t, std::size_t b) {
+      return x + (b * tokens_local + local_pos(t.from, t.begin)) * d;
+    };
+    auto halo_rows = [&](const Transfer& t, std::size_t b) {
+      return hist_row(hist, local_of[t.to], b, t.begin);
+    };
+    auto src_rows = [&](const Transfer& t, std::size_t b) -> const T* {
+      if constexpr (fwd)
+        return x_rows(t, b);
+      else
+        return halo_rows(t, b);
+    };
     std::vector<std::vector<T>> bufs(transfers.size());
     std::vector<std::unique_ptr<Request>> reqs;
-    const std::size_t d = dim;
     for (std::size_t q = 0; q < transfers.size(); ++q) {
       const Transfer& t = transfers[q];
-      if (owner(t.to) != rank || owner(t.from) == rank) continue;
+      if (owner(dst_part(t)) != rank || owner(src_part(t)) == rank) continue;
       bufs[q].resize(batch * (t.end - t.begin) * d);
-      reqs.push_back(comm->irecv(bytes(bufs[q]), owner(t.from), tag(t, 0)));
+      reqs.push_back(comm->irecv(bytes(bufs[q]), owner(src_part(t)), tag(t, dir)));
     }
     for (std::size_t q = 0; q < transfers.size(); ++q) {
       const Transfer& t = transfers[q];
-      if (owner(t.from) != rank || owner(t.to) == rank) continue;
+      if (owner(src_part(t)) != rank || owner(dst_part(t)) == rank) continue;
       const std::size_t n = t.end - t.begin;
       bufs[q].resize(batch * n * d);
       for (std::size_t b = 0; b < batch; ++b)
-        std::memcpy(bufs[q].data() + b * n * d,
-                    x + (b * tokens_local + local_pos(t.from, t.begin)) * d, n * d * sizeof(T));
-      reqs.push_back(comm->isend(std::as_bytes(std::span<const T>(bufs[q])), owner(t.to),
-                                 tag(t, 0)));
+        std::memcpy(bufs[q].data() + b * n * d, src_rows(t, b), n * d * sizeof(T));
+      reqs.push_back(comm->isend(std::as_bytes(std::span<const T>(bufs[q])),
+                                 owner(dst_part(t)), tag(t, dir)));
     }
     for (auto& r : reqs) r->wait();
     for (std::size_t q = 0; q < transfers.size(); ++q) {
       const Transfer& t = transfers[q];
-      if (owner(t.to) != rank) continue;
-      const std::size_t n = t.end - t.begin, li = local_of[t.to];
-      for (std::size_t b = 0; b < batch; ++b) {
-        const T* src = owner(t.from) == rank
-                           ? x + (b * tokens_local + local_pos(t.from, t.begin)) * d
-                           : bufs[q].data() + b * n * d;
-        std::memcpy(hist_row(hist, li, b, t.begin), src, n * d * sizeof(T));
-      }
-    }
-  }
-
-  // Backward halo: the gradient of every local part's halo rows to their
-  // owners, added to their dx in transfer order.
-  template <class T>
-  void exchange_backward(std::vector<T>& dhist, T* dx) const {
-    std::vector<std::vector<T>> bufs(transfers.size());
-    std::vector<std::unique_ptr<Request>> reqs;
-    const std::size_t d = dim;
-    for (std::size_t q = 0; q < transfers.size(); ++q) {
-      const Transfer& t = transfers[q];
-      if (owner(t.from) != rank || owner(t.to) == rank) continue;
-      bufs[q].resize(batch * (t.end - t.begin) * d);
-      reqs.push_back(comm->irecv(bytes(bufs[q]), owner(t.to), tag(t, 1)));
-    }
-    for (std::size_t q = 0; q < transfers.size(); ++q) {
-      const Transfer& t = transfers[q];
-      if (owner(t.to) != rank || owner(t.from) == rank) continue;
-      const std::size_t n = t.end - t.begin, li = local_of[t.to];
-      bufs[q].resize(batch * n * d);
-      for (std::size_t b = 0; b < batch; ++b)
-        std::memcpy(bufs[q].data() + b * n * d, hist_row(dhist, li, b, t.begin),
-                    n * d * sizeof(T));
-      reqs.push_back(comm->isend(std::as_bytes(std::span<const T>(bufs[q])), owner(t.from),
-                                 tag(t, 1)));
-    }
-    for (auto& r : reqs) r->wait();
-    for (std::size_t q = 0; q < transfers.size(); ++q) {
-      const Transfer& t = transfers[q];
-      if (owner(t.from) != rank) continue;
+      if (owner(dst_part(t)) != rank) continue;
       const std::size_t n = t.end - t.begin;
       for (std::size_t b = 0; b < batch; ++b) {
-        const T* src = owner(t.to) == rank ? hist_row(dhist, local_of[t.to], b, t.begin)
-                                           : bufs[q].data() + b * n * d;
-        T* dst = dx + (b * tokens_local + local_pos(t.from, t.begin)) * d;
-        for (std::size_t k = 0; k < n * d; ++k) dst[k] += src[k];
+        const T* src =
+            owner(src_part(t)) == rank ? src_rows(t, b) : bufs[q].data() + b * n * d;
+        if constexpr (fwd) {
+          std::memcpy(halo_rows(t, b), src, n * d * sizeof(T));
+        } else {
+          T* dst = x_rows(t, b);
+          for (std::size_t k = 0; k < n * d; ++k) dst[k] += src[k];
+        }
       }
     }
   }
@@ -330,7 +316,7 @@ Saved<T> CausalConv::forward(const Tensors<T>& in, std::type_identity_t<T>* y,
   Saved<T> saved;
   saved.history.assign(m.local.size() * B * h * d, T(0));
   m.fill_initial(in.initial_state, saved.history);
-  m.exchange_forward(in.x, saved.history);
+  m.exchange<Impl::kForward>(in.x, saved.history);
 
   std::vector<double> wt(w * d);  // weight transposed: [W][D]
   for (std::size_t c = 0; c < d; ++c)
@@ -508,7 +494,7 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
       }
     }
   }
-  m.exchange_backward(dhist, grads.dx);
+  m.exchange<Impl::kBackward>(grads.dx, dhist);
   for (std::size_t c = 0; c < d; ++c) {
     for (std::size_t k = 0; k < w; ++k) grads.dweight[c * w + k] = static_cast<T>(dw[k * d + c]);
     if (grads.dbias && in.bias) grads.dbias[c] = static_cast<T>(db[c]);

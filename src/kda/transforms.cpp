@@ -63,6 +63,19 @@ std::vector<double> decay_scales(const GateParams<T>& p, std::size_t heads, std:
   return e;
 }
 
+// One element's gate input: its dt_bias (0 without), z = g + dt_bias, and
+// the lower-bound form's sigmoid argument x = exp(A_log)·z (0 at z = 0).
+struct GateInput {
+  double bias, z, x;
+};
+
+template <class T>
+GateInput gate_input(T raw, const GateParams<T>& p, std::size_t bias_index, double scale) {
+  const double bias = p.dt_bias ? static_cast<double>(p.dt_bias[bias_index]) : 0.0;
+  const double z = static_cast<double>(raw) + bias;
+  return {bias, z, z == 0 ? 0.0 : scale * z};
+}
+
 template <class T>
 void check_gate(const T* raw, const GateParams<T>& p, std::size_t tokens, std::size_t heads,
                 std::size_t key_dim, std::string_view op) {
@@ -89,12 +102,11 @@ void gate_forward(const Elem<T>* raw, const GateParams<T>& p, std::size_t tokens
     for (std::size_t h = 0; h < heads; ++h) {
       const std::size_t row = (t * heads + h) * key_dim;
       for (std::size_t k = 0; k < key_dim; ++k) {
-        const double z =
-            static_cast<double>(raw[row + k]) + (p.dt_bias ? static_cast<double>(p.dt_bias[h * key_dim + k]) : 0.0);
+        const auto [bias, z, x] = gate_input(raw[row + k], p, h * key_dim + k, e[h]);
         double y;
         if (p.use_lower_bound) {
-          // e·z may overflow to ±inf: sigmoid is then exactly 1 or 0, its limit.
-          y = p.lower_bound * sigmoid(z == 0 ? 0.0 : e[h] * z);
+          // x = e·z may overflow to ±inf: sigmoid is then exactly 1 or 0, its limit.
+          y = p.lower_bound * sigmoid(x);
         } else {
           y = -e[h] * softplus(z);
         }
@@ -104,7 +116,7 @@ void gate_forward(const Elem<T>* raw, const GateParams<T>& p, std::size_t tokens
               "{}: g[token {}, head {}, k {}] = {} (dt_bias {}, exp(A_log) {}) gives a gate of {}, "
               "beyond {}'s range",
               op, t, h, k, static_cast<double>(raw[row + k]),
-              p.dt_bias ? static_cast<double>(p.dt_bias[h * key_dim + k]) : 0.0, e[h], y, type_name<T>()));
+              bias, e[h], y, type_name<T>()));
         g[row + k] = out;
       }
     }
@@ -126,12 +138,10 @@ void gate_backward(const Elem<T>* raw, const GateParams<T>& p, std::size_t token
     for (std::size_t h = 0; h < heads; ++h) {
       const std::size_t row = (t * heads + h) * key_dim;
       for (std::size_t k = 0; k < key_dim; ++k) {
-        const double z =
-            static_cast<double>(raw[row + k]) + (p.dt_bias ? static_cast<double>(p.dt_bias[h * key_dim + k]) : 0.0);
+        const auto [bias, z, x] = gate_input(raw[row + k], p, h * key_dim + k, e[h]);
         const double dy = static_cast<double>(d_g[row + k]);
         double dz, dlog_a;
         if (p.use_lower_bound) {
-          const double x = z == 0 ? 0.0 : e[h] * z;
           const double slope = sigmoid_slope(x);  // 0 where x overflowed
           const double common = dy * p.lower_bound * slope;
           dz = common * e[h];
