@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/buffer_allocator.hpp"
+
 namespace kdacp::detail {
 
 template <class T>
@@ -18,6 +20,7 @@ std::vector<T> copy_bytes_as(const std::byte* bytes, std::size_t elems) {
   static_assert(std::is_trivially_copyable_v<T>);
   std::vector<T> out;
   out.reserve(elems);
+  advise_huge_pages(out.data(), elems * sizeof(T));
   T block[4096 / sizeof(T)];
   for (std::size_t at = 0; at < elems; at += std::size(block)) {
     const std::size_t m = std::min(std::size(block), elems - at);

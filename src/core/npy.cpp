@@ -146,6 +146,7 @@ void read_data(const std::string& path, std::istream& in, std::size_t bytes,
     // write (and fault in) every page once more before the read does.
     arr.data.clear();
     arr.data.reserve(bytes);
+    detail::advise_huge_pages(arr.data.data(), bytes);
     char block[64 << 10];
     while (arr.data.size() < bytes) {
       const std::size_t m = std::min(sizeof block, bytes - arr.data.size());

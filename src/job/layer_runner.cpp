@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "core/buffer_allocator.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
@@ -130,16 +131,22 @@ namespace {
 template <class T>
 LayerOutputs<T> outputs_for(const kda::Shape& s, bool grads, std::size_t states) {
   LayerOutputs<T> r;
-  r.o.resize(s.v_elems());
+  // Zeroed (callers rely on it), in huge pages where large.
+  auto zeros = [](std::vector<T>& x, std::size_t n) {
+    x.reserve(n);
+    detail::advise_huge_pages(x.data(), n * sizeof(T));
+    x.resize(n);
+  };
+  zeros(r.o, s.v_elems());
   if (grads) {
-    r.dq.resize(s.qk_elems());
-    r.dk.resize(s.qk_elems());
-    r.dv.resize(s.v_elems());
-    r.dg.resize(s.g_elems());
-    r.dbeta.resize(s.beta_elems());
+    zeros(r.dq, s.qk_elems());
+    zeros(r.dk, s.qk_elems());
+    zeros(r.dv, s.v_elems());
+    zeros(r.dg, s.g_elems());
+    zeros(r.dbeta, s.beta_elems());
   }
-  r.ht.resize(states);
-  if (grads) r.dh0.resize(states);
+  zeros(r.ht, states);
+  if (grads) zeros(r.dh0, states);
   return r;
 }
 }  // namespace
