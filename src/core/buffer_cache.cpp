@@ -1,9 +1,15 @@
 // The process-wide cache behind large Buffers (memory.hpp).
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <new>
 #include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "core/buffer_allocator.hpp"
 #include "kdacp/memory.hpp"
@@ -24,6 +30,12 @@ namespace kdacp {
 namespace {
 
 constexpr std::size_t kAlign = 64;
+
+// Blocks of a huge page or more start on a huge page boundary, so that every
+// 2 MiB of them can be one huge page.
+std::align_val_t alignment_of(std::size_t cls) {
+  return std::align_val_t{cls >= detail::kHugePageBytes ? detail::kHugePageBytes : kAlign};
+}
 constexpr std::size_t kCachedFrom = 64 << 10;  // smaller blocks: plain operator new
 constexpr std::size_t kDefaultLimit = std::size_t{1} << 30;
 
@@ -69,7 +81,9 @@ class Cache {
       }
       ++misses_;
     }
-    return ::operator new(cls, std::align_val_t{kAlign});
+    void* p = ::operator new(cls, alignment_of(cls));
+    detail::advise_huge_pages(p, cls);
+    return p;
   }
 
   void deallocate(void* p, std::size_t bytes) noexcept {
@@ -83,7 +97,7 @@ class Cache {
         return;
       }
     }
-    ::operator delete(p, std::align_val_t{kAlign});
+    ::operator delete(p, alignment_of(cls));
   }
 
   void release() noexcept {
@@ -95,7 +109,7 @@ class Cache {
     }
     for (auto& [cls, p] : idle) {
       unpoison(p, cls);
-      ::operator delete(p, std::align_val_t{kAlign});
+      ::operator delete(p, alignment_of(cls));
     }
   }
 
@@ -148,6 +162,18 @@ void set_buffer_cache_limit(std::size_t bytes) { cache().set_limit(bytes); }
 void release_buffer_cache() { cache().release(); }
 
 namespace detail {
+
+void advise_huge_pages(const void* p, std::size_t bytes) noexcept {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (p == nullptr || bytes < kHugePageBytes) return;
+  static const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(p) / page * page;
+  const auto end = (reinterpret_cast<std::uintptr_t>(p) + bytes + page - 1) / page * page;
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p, (void)bytes;
+#endif
+}
 
 void* buffer_allocate(std::size_t bytes) {
   if (bytes < kCachedFrom) return ::operator new(bytes, std::align_val_t{kAlign});

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/copy_bytes.hpp"
 #include "kdacp/error.hpp"
 
 namespace kdacp {
@@ -61,10 +62,9 @@ std::size_t NpyArray::elements() const {
 std::string NpyArray::file_dtype() const { return half ? half_name(*half) : to_string(dtype); }
 
 std::vector<float> NpyArray::to_f32(bool allow_f64) const {
+  if (dtype == DType::f32) return detail::copy_bytes_as<float>(data.data(), elements());
   std::vector<float> out(elements());
-  if (dtype == DType::f32) {
-    if (!out.empty()) std::memcpy(out.data(), data.data(), out.size() * sizeof(float));
-  } else if (dtype == DType::f64 && allow_f64) {
+  if (dtype == DType::f64 && allow_f64) {
     for (std::size_t i = 0; i < out.size(); ++i) {
       double d;
       std::memcpy(&d, data.data() + i * sizeof(double), sizeof(double));
@@ -142,9 +142,19 @@ void read_data(const std::string& path, std::istream& in, std::size_t bytes,
   if (available > bytes)
     bad(path, fmt::format("{} bytes after the data of shape {}, expected none", available - bytes, shape_text));
   if (!arr.half) {
-    arr.data.resize(bytes);
-    if (bytes > 0 && !in.read(reinterpret_cast<char*>(arr.data.data()), static_cast<std::streamsize>(bytes)))
-      bad(path, fmt::format("read failed after {} of {} data bytes", in.gcount(), bytes));
+    // Appended a block at a time, never zero-filled first: resize() would
+    // write (and fault in) every page once more before the read does.
+    arr.data.clear();
+    arr.data.reserve(bytes);
+    detail::advise_huge_pages(arr.data.data(), bytes);
+    char block[64 << 10];
+    while (arr.data.size() < bytes) {
+      const std::size_t m = std::min(sizeof block, bytes - arr.data.size());
+      if (!in.read(block, static_cast<std::streamsize>(m)))
+        bad(path, fmt::format("read failed after {} of {} data bytes", arr.data.size() + in.gcount(), bytes));
+      const auto* b = reinterpret_cast<const std::byte*>(block);
+      arr.data.insert(arr.data.end(), b, b + m);
+    }
     return;
   }
   // 16-bit values, widened once to float32 (exact), a block at a time.
@@ -152,12 +162,14 @@ void read_data(const std::string& path, std::istream& in, std::size_t bytes,
   std::vector<std::uint16_t> bits(n);
   if (bytes > 0 && !in.read(reinterpret_cast<char*>(bits.data()), static_cast<std::streamsize>(bytes)))
     bad(path, fmt::format("read failed after {} of {} data bytes", in.gcount(), bytes));
-  arr.data.resize(n * sizeof(float));
+  arr.data.clear();
+  arr.data.reserve(n * sizeof(float));
   float block[1024];
   for (std::size_t at = 0; at < n; at += std::size(block)) {
     const std::size_t m = std::min(std::size(block), n - at);
     widen(*arr.half, bits.data() + at, m, block);
-    std::memcpy(arr.data.data() + at * sizeof(float), block, m * sizeof(float));
+    const auto* b = reinterpret_cast<const std::byte*>(block);
+    arr.data.insert(arr.data.end(), b, b + m * sizeof(float));
   }
 }
 

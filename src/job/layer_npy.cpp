@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/copy_bytes.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/agreement.hpp"
 #include "kdacp/error.hpp"
@@ -44,9 +45,7 @@ NpyArray load(const fs::path& dir, const char* name, std::size_t ndim) {
 
 template <class T>
 std::vector<T> values(const NpyArray& a) {
-  std::vector<T> out(a.elements());
-  std::memcpy(out.data(), a.data.data(), out.size() * sizeof(T));
-  return out;
+  return detail::copy_bytes_as<T>(a.data.data(), a.elements());
 }
 
 // 0 = c_0 < c_1 < ... < c_N = T, for B = 1; IoError/InvalidArgument naming

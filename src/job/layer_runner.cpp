@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <span>
 #include <sstream>
@@ -13,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "core/buffer_allocator.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
@@ -129,16 +131,22 @@ namespace {
 template <class T>
 LayerOutputs<T> outputs_for(const kda::Shape& s, bool grads, std::size_t states) {
   LayerOutputs<T> r;
-  r.o.resize(s.v_elems());
+  // Zeroed (callers rely on it), in huge pages where large.
+  auto zeros = [](std::vector<T>& x, std::size_t n) {
+    x.reserve(n);
+    detail::advise_huge_pages(x.data(), n * sizeof(T));
+    x.resize(n);
+  };
+  zeros(r.o, s.v_elems());
   if (grads) {
-    r.dq.resize(s.qk_elems());
-    r.dk.resize(s.qk_elems());
-    r.dv.resize(s.v_elems());
-    r.dg.resize(s.g_elems());
-    r.dbeta.resize(s.beta_elems());
+    zeros(r.dq, s.qk_elems());
+    zeros(r.dk, s.qk_elems());
+    zeros(r.dv, s.v_elems());
+    zeros(r.dg, s.g_elems());
+    zeros(r.dbeta, s.beta_elems());
   }
-  r.ht.resize(states);
-  if (grads) r.dh0.resize(states);
+  zeros(r.ht, states);
+  if (grads) zeros(r.dh0, states);
   return r;
 }
 }  // namespace
@@ -206,16 +214,26 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   kda::Shape ls = s;
   ls.tokens = layout.local_tokens(rank);
   const bool grads = job.grads();
-  auto local = [&](const std::vector<T>& full, std::size_t inner) {
-    std::vector<T> out(s.batch * ls.tokens * inner);
-    take_parts(full.data(), s.batch, s.tokens, inner, parts, ls.tokens, out.data());
-    return out;
+  // A rank that holds every token where the whole stream has it (one rank)
+  // computes on the job's arrays and hands its outputs over as they are: a
+  // copy of each would be fresh pages to fault in on every run.
+  const bool whole = ls.tokens == s.tokens && std::all_of(parts.begin(), parts.end(), [](const kda::Part& p) {
+                       return p.local_begin == p.begin;
+                     });
+  // Otherwise a copy of this rank's parts, which cover its local tokens
+  // exactly: take_parts writes every element, so none is zeroed first.
+  std::vector<std::unique_ptr<T[]>> copies;
+  auto local = [&](const std::vector<T>& full, std::size_t inner) -> const T* {
+    if (whole || full.empty()) return full.data();
+    copies.emplace_back(new T[s.batch * ls.tokens * inner]);
+    take_parts(full.data(), s.batch, s.tokens, inner, parts, ls.tokens, copies.back().get());
+    return copies.back().get();
   };
   const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim, gk = s.value_heads * s.key_dim;
-  const std::vector<T> q = local(job.data.q, qk), k = local(job.data.k, qk), v = local(job.data.v, vv),
-                       g = local(job.data.g, gk), beta = local(job.data.beta, s.value_heads),
-                       d_o = grads ? local(job.d_o, vv) : std::vector<T>{};
-  const kda::Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, job.scale};
+  const T *q = local(job.data.q, qk), *k = local(job.data.k, qk), *v = local(job.data.v, vv),
+          *g = local(job.data.g, gk), *beta = local(job.data.beta, s.value_heads);
+  const T* d_o = grads ? local(job.d_o, vv) : nullptr;
+  const kda::Inputs<T> in{q, k, v, g, beta, ls, job.scale};
   // ht's gradient is the sum over ranks of each rank's dht: rank 0 carries
   // the job's, the others zero, so the sum is the job's dht bit for bit.
   const std::vector<T> dht = job.dht.empty() || rank == 0 ? job.dht : std::vector<T>(job.dht.size());
@@ -235,7 +253,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
     if (grads) {
       comm.barrier();
       t0 = std::chrono::steady_clock::now();
-      layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o.data(), states_of(dht, seqs, ls),
+      layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
                      kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(),
                                    nullptr},
                      states_of(lr.dh0, seqs, ls));
@@ -265,23 +283,31 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
     comm.isend(std::as_bytes(std::span(packed)), 0, kOutputsTag)->wait();
     return std::nullopt;
   }
-  LayerOutputs<T> r = allocate_outputs(job);
-  std::vector<std::vector<T>*> full = token_outputs(r);
-  for (std::size_t i = 0; i < inners.size(); ++i)
-    put_parts(fields[i], s.batch, s.tokens, inners[i], parts, ls.tokens, full[i]->data());
-  for (std::size_t from = 1; from < ranks; ++from) {
-    std::vector<T> packed(packed_elems(from));
-    comm.irecv(std::as_writable_bytes(std::span(packed)), from, kOutputsTag)->wait();
-    const std::vector<kda::Part> their = layout.local_parts(from);
-    const std::size_t lt = layout.local_tokens(from);
-    const T* at = packed.data();
-    for (std::size_t i = 0; i < inners.size(); ++i) {
-      put_parts(at, s.batch, s.tokens, inners[i], their, lt, full[i]->data());
-      at += s.batch * lt * inners[i];
+  LayerOutputs<T> r;
+  if (whole) {
+    r = std::move(lr);  // one rank: its outputs are the stream's, ht and dh0 included
+  } else {
+    r = allocate_outputs(job);
+    std::vector<std::vector<T>*> full = token_outputs(r);
+    for (std::size_t i = 0; i < inners.size(); ++i)
+      put_parts(fields[i], s.batch, s.tokens, inners[i], parts, ls.tokens, full[i]->data());
+    for (std::size_t from = 1; from < ranks; ++from) {
+      // Filled whole by the message: rank `from` packs exactly packed_elems(from)
+      // elements of the same layout.
+      const std::size_t n = packed_elems(from);
+      const std::unique_ptr<T[]> packed(new T[n]);
+      comm.irecv(std::as_writable_bytes(std::span(packed.get(), n)), from, kOutputsTag)->wait();
+      const std::vector<kda::Part> their = layout.local_parts(from);
+      const std::size_t lt = layout.local_tokens(from);
+      const T* at = packed.get();
+      for (std::size_t i = 0; i < inners.size(); ++i) {
+        put_parts(at, s.batch, s.tokens, inners[i], their, lt, full[i]->data());
+        at += s.batch * lt * inners[i];
+      }
     }
+    r.ht = std::move(lr.ht);
+    r.dh0 = std::move(lr.dh0);
   }
-  r.ht = std::move(lr.ht);
-  r.dh0 = std::move(lr.dh0);
   for (std::size_t q0 = 0; q0 < ranks; ++q0) {
     r.forward_seconds = std::max(r.forward_seconds, all_times[4 * q0]);
     r.backward_seconds = std::max(r.backward_seconds, all_times[4 * q0 + 1]);

@@ -83,6 +83,7 @@ HWY_AFTER_NAMESPACE();
 #include "kda/backward_driver.hpp"
 #include <fmt/format.h>
 
+#include "core/buffer_allocator.hpp"
 #include "kda/chunk.hpp"
 #include "kda/validate.hpp"
 #include "kdacp/error.hpp"
@@ -294,7 +295,10 @@ T* ForwardCache<T>::append(std::size_t elems) {
   Record& r = records_[used_++];
   if (r.capacity < elems) {
     r.data.reset();
+    // Uninitialised: the forward writes the whole record before backward
+    // takes it. Huge pages: the first forward faults it in whole.
     r.data.reset(new T[elems]);
+    kdacp::detail::advise_huge_pages(r.data.get(), elems * sizeof(T));
     r.capacity = elems;
   }
   r.elems = elems;
