@@ -413,6 +413,7 @@ TEST(LayerBench, RecordsPerAlgorithmAndRun) {
       EXPECT_LT(r.max_rel_error, 5e-5);
     }
   }
+  for (const testing::LayerBenchRecord& r : res.records) EXPECT_EQ(r.cold_seconds, 0.0);  // not asked for
   EXPECT_GT(testing::layer_bench_bytes(c), 0);
   testing::LayerBenchConfig bad = c;
   bad.repeats = 0;
@@ -500,6 +501,27 @@ TEST(CliFlags, InputsMustBeRegularFiles) {
   EXPECT_THROW(load_cost_params(fifo.string()), IoError);
   EXPECT_THROW(read_npy(dir.string()), IoError);
   fs::remove_all(dir);
+}
+
+// --cold: a fresh layer's first step per repeat and algorithm, timed beside
+// the warm ones (twice the runs), its median in cold_seconds.
+TEST(LayerBench, ColdStepsAreTimedBesideTheWarmOnes) {
+  testing::LayerBenchConfig c;
+  c.shape = kda::Shape{1, 100, 1, 1, 16, 16};
+  c.ranks = 2;
+  c.repeats = 1;
+  c.peak_seconds = 0.01;
+  c.cold = true;
+  std::size_t calls = 0;
+  const testing::LayerBenchResult res =
+      testing::bench_layer(c, [&](const std::string&, kda::Algorithm, double s, std::size_t done, std::size_t total) {
+        EXPECT_GT(s, 0);
+        EXPECT_EQ(done, ++calls);
+        EXPECT_EQ(total, 8u);
+      });
+  EXPECT_EQ(calls, 8u);
+  ASSERT_EQ(res.records.size(), 4u);
+  for (const testing::LayerBenchRecord& r : res.records) EXPECT_GT(r.cold_seconds, 0.0);
 }
 
 // `kdacp run` and `kdacp bench layer` fail when an error is NaN or above its

@@ -131,6 +131,7 @@ json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::ve
               {"forward_seconds", r.forward_seconds}, {"backward_seconds", r.backward_seconds},
               {"seconds", r.forward_seconds + r.backward_seconds},
               {"exchange_seconds", r.exchange_seconds}, {"summary_seconds", r.summary_seconds},
+              {"cold_seconds", lc.cold ? json(r.cold_seconds) : json(nullptr)},
               {"flops", r.flops}, {"gflops", r.gflops},
               {"peak_gflops", res.peak.gflops}, {"peak_threads", res.peak.threads},
               {"target", res.peak.target}, {"fraction_of_peak", r.peak_fraction},
@@ -180,8 +181,8 @@ void print_protocol_bench(const json& recs) {
 }
 
 void print_layer_bench(const json& recs) {
-  Table t({"run", "algorithm", "P x threads", "protocol", "fwd ms", "bwd ms", "fwd+bwd ms", "summary+G",
-           "exchange", "GFLOP/s", "% peak", "speed-up", "err o", "err grads"});
+  Table t({"run", "algorithm", "P x threads", "protocol", "fwd ms", "bwd ms", "fwd+bwd ms", "cold / warm",
+           "summary+G", "exchange", "GFLOP/s", "% peak", "speed-up", "err o", "err grads"});
   for (const auto& r : recs) {
     const bool base = r["algorithm"] == r["baseline"], cp = r["run"] == "cp";
     double grads = 0;
@@ -194,6 +195,9 @@ void print_layer_bench(const json& recs) {
     t.add({cp ? "context-parallel" : "one rank", r["algorithm"].get<std::string>(),
            fmt::format("{} x {}", size(r["P"]), size(r["threads_per_rank"])), r["protocol"].get<std::string>(),
            ms(r["forward_seconds"]), ms(r["backward_seconds"]), ms(r["seconds"]),
+           r["cold_seconds"].is_null() ? "-"
+                                       : fmt::format("{} ms = {:.2f}x", ms(r["cold_seconds"]),
+                                                     real(r["cold_seconds"]) / real(r["seconds"])),
            cp ? ms(r["summary_seconds"]) : "-", cp ? ms(r["exchange_seconds"]) : "-",
            fmt::format("{:.1f}", real(r["gflops"])), fmt::format("{:.1f}%", 100 * real(r["fraction_of_peak"])),
            fmt::format("{:.2f}x", real(r["speedup"])),

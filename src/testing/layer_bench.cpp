@@ -71,7 +71,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
   std::vector<std::string> modes;
   if (c.single) modes.emplace_back("single");
   if (c.ranks > 0) modes.emplace_back("cp");
-  const std::size_t total = modes.size() * c.repeats * c.algorithms.size();
+  const std::size_t total = modes.size() * c.repeats * c.algorithms.size() * (c.cold ? 2 : 1);
   std::size_t done = 0;
   for (const std::string& mode : modes) {
     const bool cp = mode == "cp";
@@ -81,6 +81,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
     opts.exchange = c.exchange;
     opts.threads_per_rank = cp_threads(c);
     std::vector<std::vector<Timing>> times(c.algorithms.size());
+    std::vector<std::vector<Timing>> cold(c.algorithms.size());
     std::vector<LayerOutputs<float>> outputs(c.algorithms.size());
     std::vector<std::string> methods(c.algorithms.size(), "none");
     // Interleaved, so that a slow spell of a shared machine hits every
@@ -88,8 +89,18 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
     for (std::size_t rep = 0; rep < c.repeats; ++rep) {
       for (std::size_t a = 0; a < c.algorithms.size(); ++a) {
         job.algorithm = c.algorithms[a];
+        const auto run = [&] {
+          return cp ? job::run_context_parallel(job, c.ranks, opts, c.timeout_s) : job::run_single(job, single_threads);
+        };
+        if (c.cold) {
+          job.warmup_steps = 0;  // the timed step is the fresh layer's first
+          const LayerOutputs<float> first = run();
+          job.warmup_steps = c.warmup_steps;
+          cold[a].push_back(Timing{first.forward_seconds, first.backward_seconds, 0, 0});
+          if (progress) progress(mode, c.algorithms[a], cold[a].back().total(), ++done, total);
+        }
         LayerOutputs<float> out =
-            cp ? job::run_context_parallel(job, c.ranks, opts, c.timeout_s) : job::run_single(job, single_threads);
+            run();
         const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds, out.summary_seconds};
         times[a].push_back(t);
         if (cp) methods[a] = out.method;
@@ -110,6 +121,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       r.backward_seconds = t.backward;
       r.exchange_seconds = t.exchange;
       r.summary_seconds = t.summary;
+      if (c.cold) r.cold_seconds = median(cold[a]).total();
       r.flops = flops;
       r.gflops = flops / t.total() / 1e9;
       r.peak_fraction = r.gflops / result.peak.gflops;

@@ -107,6 +107,9 @@ void add_layer_command(CLI::App& bench) {
           "untimed forward+backward steps before each timed one, on the same layer and buffers (a training "
           "loop's steady state)",
           IntRange{0, 100});
+  cmd->add_flag("--cold", c.cold,
+                "also time each run's first step on a fresh layer (no untimed step), once per repeat: the "
+                "'cold / warm' column");
   add_recompute_flag(*cmd, a->recompute);
   add_int(*cmd, "--seed", c.seed, "input seed", IntRange{});
   add_max_memory(*cmd, a->max_memory);

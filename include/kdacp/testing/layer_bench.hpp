@@ -38,6 +38,11 @@ struct LayerBenchConfig {
   double timeout_s = defaults::kTimeoutSeconds;  // of a context-parallel rank waiting for a peer
   bool keep_forward = defaults::kKeepForward;  // LayerJob::keep_forward (chunk: the forward keeps its states)
   std::size_t warmup_steps = 1;      // LayerJob::warmup_steps: each timed step follows one untimed
+  // Also time, once per repeat before the warm run, each algorithm's first
+  // step on a fresh layer (no untimed step: new layer, forward cache and
+  // outputs; the process's allocator is warm after the first): a training
+  // loop's first step, LayerBenchRecord::cold_seconds.
+  bool cold = false;
 };
 
 struct LayerBenchRecord {
@@ -49,6 +54,7 @@ struct LayerBenchRecord {
   double forward_seconds = 0, backward_seconds = 0;  // slowest rank
   double exchange_seconds = 0;                       // slowest rank, forward + backward
   double summary_seconds = 0;  // slowest rank, the summary + the G pass (CP only; part of local work)
+  double cold_seconds = 0;     // with LayerBenchConfig::cold: the median first step's forward+backward, else 0
   // The recurrent algorithm's flops on one device, 34·B·T·HV·K·V
   // (kda::forward_flops + backward_flops), for every algorithm and mode: a
   // rate of the same work.
