@@ -372,22 +372,33 @@ TEST(LayerJob, LayerReusesItsForwardCache) {
   });
 }
 
+// A progress callback that checks each call: a positive time, `done`
+// counting up from 1 in `calls`, and `total`.
+testing::LayerBenchProgress counting_progress(std::size_t& calls, std::size_t total) {
+  return [&calls, total](const std::string&, kda::Algorithm, double s, std::size_t done, std::size_t all) {
+    EXPECT_GT(s, 0);
+    EXPECT_EQ(done, ++calls);
+    EXPECT_EQ(all, total);
+  };
+}
+
+// A bench of `shape` on one rank and `ranks`, `repeats` runs, a short peak.
+testing::LayerBenchConfig small_bench(const kda::Shape& shape, std::size_t ranks, std::size_t repeats) {
+  testing::LayerBenchConfig c;
+  c.shape = shape;
+  c.ranks = ranks;
+  c.repeats = repeats;
+  c.peak_seconds = 0.01;
+  return c;
+}
+
 // `kdacp bench layer`'s measuring code: one record per algorithm and run in
 // order, the baseline at speed-up 1 and error 0, the other within float's
 // tolerance but not bitwise equal, rates of the recurrent flop count.
 TEST(LayerBench, RecordsPerAlgorithmAndRun) {
-  testing::LayerBenchConfig c;
-  c.shape = kda::Shape{1, 150, 1, 2, 16, 32};
-  c.ranks = 3;
-  c.repeats = 2;
-  c.peak_seconds = 0.01;
+  testing::LayerBenchConfig c = small_bench(kda::Shape{1, 150, 1, 2, 16, 32}, 3, 2);
   std::size_t calls = 0;
-  const testing::LayerBenchResult res =
-      testing::bench_layer(c, [&](const std::string&, kda::Algorithm, double s, std::size_t done, std::size_t total) {
-        EXPECT_GT(s, 0);
-        EXPECT_EQ(done, ++calls);
-        EXPECT_EQ(total, 8u);
-      });
+  const testing::LayerBenchResult res = testing::bench_layer(c, counting_progress(calls, 8));
   EXPECT_EQ(calls, 8u);
   EXPECT_GT(res.peak.gflops, 0);
   ASSERT_EQ(res.records.size(), 4u);
@@ -506,19 +517,10 @@ TEST(CliFlags, InputsMustBeRegularFiles) {
 // --cold: a fresh layer's first step per repeat and algorithm, timed beside
 // the warm ones (twice the runs), its median in cold_seconds.
 TEST(LayerBench, ColdStepsAreTimedBesideTheWarmOnes) {
-  testing::LayerBenchConfig c;
-  c.shape = kda::Shape{1, 100, 1, 1, 16, 16};
-  c.ranks = 2;
-  c.repeats = 1;
-  c.peak_seconds = 0.01;
+  testing::LayerBenchConfig c = small_bench(kda::Shape{1, 100, 1, 1, 16, 16}, 2, 1);
   c.cold = true;
   std::size_t calls = 0;
-  const testing::LayerBenchResult res =
-      testing::bench_layer(c, [&](const std::string&, kda::Algorithm, double s, std::size_t done, std::size_t total) {
-        EXPECT_GT(s, 0);
-        EXPECT_EQ(done, ++calls);
-        EXPECT_EQ(total, 8u);
-      });
+  const testing::LayerBenchResult res = testing::bench_layer(c, counting_progress(calls, 8));
   EXPECT_EQ(calls, 8u);
   ASSERT_EQ(res.records.size(), 4u);
   for (const testing::LayerBenchRecord& r : res.records) EXPECT_GT(r.cold_seconds, 0.0);
