@@ -120,6 +120,7 @@ TEST_P(HalfTest, NarrowReportsTheFirstFiniteValueThatOverflows) {
   EXPECT_EQ(*first, 4u);  // Inf and NaN inputs are not overflows; the finite -big is
   EXPECT_FALSE(narrow(type, xs.data(), 4, out.data()).has_value());
   EXPECT_EQ(parse_half(half_name(type)), type);
+  EXPECT_EQ(static_cast<double>(half_max(type)), type == Half::f16 ? 65504.0 : std::ldexp(255.0, 120));
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, HalfTest, ::testing::Values(Half::bf16, Half::f16),

@@ -22,6 +22,9 @@ const char* half_name(Half type);
 // Parses half_name's spelling; nullopt for anything else.
 std::optional<Half> parse_half(std::string_view name);
 
+// The largest finite value: 65504 (float16), 2^127·(2 − 2^−7) (bfloat16).
+float half_max(Half type);
+
 // Exact widening of one value (NaN stays NaN, ±Inf stays ±Inf).
 float bf16_to_float(std::uint16_t bits);
 float f16_to_float(std::uint16_t bits);

@@ -123,7 +123,7 @@ void OutputOf<T>::finish(const char* op) {
           "{}: {} element {} is {} in float32, beyond {}'s range (its largest value is {}); "
           "use float32 inputs or rescale",
           op, name_, index_string(*at, shape_), exact_string(wide_[*at]), half_name(*half_),
-          *half_ == Half::f16 ? "65504" : "3.3895314e38"));
+          exact_string(half_max(*half_))));
     wide_.reset();
   }
 }

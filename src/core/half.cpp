@@ -16,6 +16,8 @@ std::optional<Half> parse_half(std::string_view name) {
   return std::nullopt;
 }
 
+float half_max(Half type) { return type == Half::bf16 ? bf16_to_float(0x7f7f) : f16_to_float(0x7bff); }
+
 float bf16_to_float(std::uint16_t bits) { return std::bit_cast<float>(std::uint32_t{bits} << 16); }
 
 float f16_to_float(std::uint16_t bits) {
@@ -80,12 +82,15 @@ void widen(Half type, const std::uint16_t* src, std::size_t n, float* dst) {
 std::optional<std::size_t> narrow(Half type, const float* src, std::size_t n, std::uint16_t* dst) {
   // The infinity pattern without the sign: 0x7F80 (bf16) / 0x7C00 (f16).
   const std::uint16_t inf = type == Half::bf16 ? 0x7f80 : 0x7c00;
-  std::optional<std::size_t> overflow;
-  for (std::size_t i = 0; i < n; ++i) {
-    dst[i] = type == Half::bf16 ? float_to_bf16(src[i]) : float_to_f16(src[i]);
-    if (!overflow && (dst[i] & 0x7fffu) == inf && std::isfinite(src[i])) overflow = i;
+  if (type == Half::bf16) {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = float_to_f16(src[i]);
   }
-  return overflow;
+  // Overflow is rare: one scan for an Inf result of a finite input.
+  for (std::size_t i = 0; i < n; ++i)
+    if ((dst[i] & 0x7fffu) == inf && std::isfinite(src[i])) return i;
+  return std::nullopt;
 }
 
 }  // namespace kdacp

@@ -211,7 +211,7 @@ def half_worker(rank, world, init_file):
     at most one bf16 ulp of the value (2^-8 relative), counted here against
     the tensor's largest value."""
     init(rank, world, init_file)
-    t, cu = 9 * world + 3, None
+    t = 9 * world + 3
     cu = [0, 4, t // 2 + 1, t]
     n = len(cu) - 1
     dtype = torch.bfloat16
