@@ -25,6 +25,7 @@
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/layer_bench.hpp"
+#include "kdacp/testing/bench_report.hpp"
 #include "kdacp/job_npy.hpp"
 #include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
@@ -524,6 +525,68 @@ TEST(LayerBench, ColdStepsAreTimedBesideTheWarmOnes) {
   EXPECT_EQ(calls, 8u);
   ASSERT_EQ(res.records.size(), 4u);
   for (const testing::LayerBenchRecord& r : res.records) EXPECT_GT(r.cold_seconds, 0.0);
+}
+
+// --phases: each record's slowest rank's summary, G pass, exchange, forward
+// and backward, warm and cold; they sum to that rank's forward+backward, the
+// summary and G only in CP, and cold minus warm is the allocation column.
+TEST(LayerBench, PhasesSumToTheSlowestRanksStep) {
+  testing::LayerBenchConfig c = small_bench(kda::Shape{1, 120, 1, 2, 16, 16}, 3, 1);
+  c.cold = true;
+  c.phases = true;
+  const testing::LayerBenchResult res = testing::bench_layer(c);
+  ASSERT_EQ(res.records.size(), 4u);
+  const double eps = 1e-9;
+  for (const testing::LayerBenchRecord& r : res.records) {
+    const bool cp = r.mode == "cp";
+    for (const job::LayerPhases& p : {r.phases, r.cold_phases}) {
+      for (double x : {p.summary, p.incoming_grad, p.exchange, p.forward, p.backward}) EXPECT_GE(x, 0.0);
+      EXPECT_GT(p.forward, 0.0);
+      EXPECT_GT(p.backward, 0.0);
+      EXPECT_LT(p.rank, r.ranks);
+      if (cp) {
+        EXPECT_GT(p.summary, 0.0);
+        EXPECT_GT(p.incoming_grad, 0.0);
+        EXPECT_GT(p.exchange, 0.0);
+      } else {
+        EXPECT_EQ(p.summary + p.incoming_grad + p.exchange, 0.0);
+      }
+    }
+    // The warm phases are of the median run: one rank's part of its figures.
+    const job::LayerPhases& p = r.phases;
+    if (cp) {
+      // The slowest rank's step: at most the slowest forward plus the slowest
+      // backward, at least either.
+      EXPECT_LE(p.total(), r.forward_seconds + r.backward_seconds + eps);
+      EXPECT_GE(p.total(), std::max(r.forward_seconds, r.backward_seconds) - eps);
+      EXPECT_LE(p.summary + p.incoming_grad, r.summary_seconds + eps);
+      EXPECT_LE(p.exchange, r.exchange_seconds + eps);
+    } else {
+      EXPECT_NEAR(p.forward, r.forward_seconds, eps);
+      EXPECT_NEAR(p.backward, r.backward_seconds, eps);
+      EXPECT_NEAR(r.cold_phases.total(), r.cold_seconds, eps);
+    }
+  }
+  // In the JSON records: the same fields, and allocation = cold - warm.
+  const nlohmann::json recs = testing::layer_bench_records(c, false, nullptr);
+  ASSERT_EQ(recs.size(), 4u);
+  for (const nlohmann::json& j : recs) {
+    for (const char* prefix : {"phase_", "cold_phase_"}) {
+      const std::string pre = prefix;
+      double sum = 0;
+      for (const char* f : {"summary_seconds", "g_seconds", "exchange_seconds", "forward_seconds", "backward_seconds"})
+        sum += j.at(pre + f).get<double>();
+      EXPECT_NEAR(sum, j.at(pre + "total_seconds").get<double>(), eps) << pre;
+      EXPECT_TRUE(j.contains(pre + "rank"));
+    }
+    EXPECT_NEAR(j.at("allocation_seconds").get<double>(),
+                j.at("cold_phase_total_seconds").get<double>() - j.at("phase_total_seconds").get<double>(), eps);
+  }
+  c.phases = false;  // without --phases the records stay as they were
+  c.cold = false;
+  c.ranks = 0;
+  for (const nlohmann::json& j : testing::layer_bench_records(c, false, nullptr))
+    EXPECT_FALSE(j.contains("phase_total_seconds"));
 }
 
 // `kdacp run` and `kdacp bench layer` fail when an error is NaN or above its

@@ -60,6 +60,19 @@ struct LayerJob {
   bool grads() const { return !d_o.empty(); }
 };
 
+// Where one rank's forward+backward went (`kdacp bench layer --phases`): the
+// five phases sum to that rank's forward_seconds + backward_seconds. On one
+// rank only forward and backward are non-zero.
+struct LayerPhases {
+  double summary = 0;        // the chunk summary before the forward's exchange (CP)
+  double incoming_grad = 0;  // the G pass before the backward's exchange (CP)
+  double exchange = 0;       // the state exchanges and the dht / ht / dh0 collectives, forward + backward
+  double forward = 0;        // the rest of the forward: its walk over the chunks, checks and agreement
+  double backward = 0;       // the rest of the backward
+  std::size_t rank = 0;      // the rank they are of
+  double total() const { return summary + incoming_grad + exchange + forward + backward; }
+};
+
 template <class T>
 struct LayerOutputs {
   std::vector<T> o, dq, dk, dv, dg, dbeta;
@@ -67,6 +80,7 @@ struct LayerOutputs {
   double forward_seconds = 0, backward_seconds = 0;  // slowest rank
   double exchange_seconds = 0;                       // slowest rank, forward + backward
   double summary_seconds = 0;  // slowest rank, the summary + the G pass (PhaseTimes::summary; CP only)
+  LayerPhases phases;          // of the rank with the largest forward + backward
   std::string method;
   std::string backend = "single";
   std::size_t ranks = 1;

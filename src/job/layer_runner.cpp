@@ -173,6 +173,7 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
     kda::forward_sequences(in, seqs, states_of(job.h0, seqs, s), r.o.data(), states_of(r.ht, seqs, s), exec,
                            keep);
     r.forward_seconds = since(t0);
+    r.phases.forward = r.forward_seconds;
     if (job.grads()) {
       t0 = std::chrono::steady_clock::now();
       kda::backward_sequences(in, seqs, states_of(job.h0, seqs, s), job.d_o.data(), states_of(job.dht, seqs, s),
@@ -180,6 +181,7 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
                                             nullptr},
                               states_of(r.dh0, seqs, s), exec, kda::kDefaultCheckpointInterval, keep);
       r.backward_seconds = since(t0);
+      r.phases.backward = r.backward_seconds;
     }
   }
   return r;
@@ -241,7 +243,9 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   LayerOutputs<T> lr = outputs_for<T>(ls, grads, job.final_states ? job.state_elems() : 0);
 
   const kda::Stream stream{seqs, layout};
-  double times[4] = {0, 0, 0, 0};
+  // forward, backward, their exchanges, the summary, the G pass.
+  constexpr std::size_t kTimes = 6;
+  double times[kTimes] = {0, 0, 0, 0, 0, 0};
   for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
     comm.barrier();
     auto t0 = std::chrono::steady_clock::now();
@@ -249,7 +253,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
         layer.forward(in, stream, states_of(job.h0, seqs, ls), lr.o.data(), states_of(lr.ht, seqs, ls));
     times[0] = since(t0);
     times[2] = layer.forward_times().exchange;
-    times[3] = layer.forward_times().summary;
+    times[4] = layer.forward_times().summary;
     if (grads) {
       comm.barrier();
       t0 = std::chrono::steady_clock::now();
@@ -258,14 +262,14 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
                                    nullptr},
                      states_of(lr.dh0, seqs, ls));
       times[1] = since(t0);
-      times[2] += layer.backward_times().exchange;
-      times[3] += layer.backward_times().summary;
+      times[3] = layer.backward_times().exchange;
+      times[5] = layer.backward_times().summary;
     }
   }
 
   // The slowest rank's times, then every rank's outputs to rank 0.
-  std::vector<double> all_times(4 * ranks);
-  std::copy_n(times, 4, all_times.begin() + static_cast<std::ptrdiff_t>(4 * rank));
+  std::vector<double> all_times(kTimes * ranks);
+  std::copy_n(times, kTimes, all_times.begin() + static_cast<std::ptrdiff_t>(kTimes * rank));
   comm.all_gather(std::as_writable_bytes(std::span(all_times)));
   const std::vector<std::size_t> inners = output_inners(s, grads);
   auto packed_elems = [&](std::size_t r) {
@@ -308,11 +312,17 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
     r.ht = std::move(lr.ht);
     r.dh0 = std::move(lr.dh0);
   }
+  double slowest = -1;
   for (std::size_t q0 = 0; q0 < ranks; ++q0) {
-    r.forward_seconds = std::max(r.forward_seconds, all_times[4 * q0]);
-    r.backward_seconds = std::max(r.backward_seconds, all_times[4 * q0 + 1]);
-    r.exchange_seconds = std::max(r.exchange_seconds, all_times[4 * q0 + 2]);
-    r.summary_seconds = std::max(r.summary_seconds, all_times[4 * q0 + 3]);
+    const double* t = &all_times[kTimes * q0];
+    r.forward_seconds = std::max(r.forward_seconds, t[0]);
+    r.backward_seconds = std::max(r.backward_seconds, t[1]);
+    r.exchange_seconds = std::max(r.exchange_seconds, t[2] + t[3]);
+    r.summary_seconds = std::max(r.summary_seconds, t[4] + t[5]);
+    if (t[0] + t[1] > slowest) {
+      slowest = t[0] + t[1];
+      r.phases = LayerPhases{t[4], t[5], t[2] + t[3], t[0] - t[4] - t[2], t[1] - t[5] - t[3], q0};
+    }
   }
   r.method = layer.exchange().method();
   r.exact = layer.exchange().exact();

@@ -112,6 +112,52 @@ json protocol_bench_records(const ProtocolBenchConfig& pc, bool show_progress) {
   return records;
 }
 
+namespace {
+
+// --phases: the slowest rank's phases of the median run ("phase_*"), and with
+// --cold those of the median first step ("cold_phase_*") and their difference
+// in total ("allocation_seconds": allocation and first touch).
+void add_layer_phases(json& j, const LayerBenchRecord& r, bool cold) {
+  const auto add = [&](const std::string& prefix, const job::LayerPhases& p) {
+    j[prefix + "rank"] = p.rank;
+    j[prefix + "summary_seconds"] = p.summary;
+    j[prefix + "g_seconds"] = p.incoming_grad;
+    j[prefix + "exchange_seconds"] = p.exchange;
+    j[prefix + "forward_seconds"] = p.forward;
+    j[prefix + "backward_seconds"] = p.backward;
+    j[prefix + "total_seconds"] = p.total();
+  };
+  add("phase_", r.phases);
+  if (cold) add("cold_phase_", r.cold_phases);
+  j["allocation_seconds"] = cold ? json(r.cold_phases.total() - r.phases.total()) : json(nullptr);
+}
+
+// The --phases table: a row per run and step (warm; cold with --cold).
+void print_layer_phases(const json& recs) {
+  Table t({"run", "algorithm", "step", "rank", "summary", "G pass", "exchange", "forward", "backward", "total",
+           "cold - warm"});
+  for (const auto& r : recs) {
+    const bool cp = r["run"] == "cp";
+    for (const std::string prefix : {"phase_", "cold_phase_"}) {
+      if (!r.contains(prefix + "rank")) continue;
+      const bool cold = prefix == "cold_phase_";
+      const auto f = [&](const char* name) { return ms(r[prefix + name]); };
+      t.add({cp ? "context-parallel" : "one rank", r["algorithm"].get<std::string>(), cold ? "cold" : "warm",
+             fmt::format("{} of {}", size(r[prefix + "rank"]), size(r["P"])), cp ? f("summary_seconds") : "-",
+             cp ? f("g_seconds") : "-", cp ? f("exchange_seconds") : "-", f("forward_seconds"),
+             f("backward_seconds"), f("total_seconds"), cold ? ms(r["allocation_seconds"]) : "-"});
+    }
+  }
+  std::printf("\nwhere the time goes (ms, the slowest rank of the median run): summary: the chunk summary before the "
+              "forward's exchange;\nG pass: the incoming gradient before the backward's exchange; exchange: the state "
+              "exchanges and the dht/ht/dh0 collectives\n(waiting for peers included); forward, backward: the rest of "
+              "each (the walk over the chunks, checks); the five sum to total;\ncold - warm: the first step's total "
+              "minus the warm one's, what allocation and first touch cost\n\n");
+  t.print();
+}
+
+}  // namespace
+
 json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::vector<std::string>* failures) {
   LayerBenchProgress progress;
   if (show_progress)
@@ -140,6 +186,7 @@ json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::ve
               {"max_rel_error", number(r.max_rel_error)}, {"tolerance", r.tolerance}};
     for (std::size_t i = 0; i < r.rel_errors.size() && i < 6; ++i)
       j["rel_error_" + job::kLayerErrorNames[i]] = number(r.rel_errors[i]);
+    if (lc.phases) add_layer_phases(j, r, lc.cold);
     records.push_back(std::move(j));
   }
   if (failures) *failures = layer_bench_failures(res);
@@ -223,6 +270,7 @@ void print_layer_bench(const json& recs) {
               real(r0["flops"]) / 1e9, real(r0["peak_gflops"]), size(r0["peak_threads"]),
               r0["target"].get<std::string>().c_str(), r0["baseline"].get<std::string>().c_str(),
               r0["baseline"].get<std::string>().c_str(), job::kLayerFloat32Tolerance);
+  if (r0.contains("phase_rank")) print_layer_phases(recs);
 }
 
 void plot_bench(bool kernels, const json& recs, const std::string& file) {

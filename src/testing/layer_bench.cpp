@@ -21,6 +21,7 @@ namespace {
 
 struct Timing {
   double forward = 0, backward = 0, exchange = 0, summary = 0;
+  job::LayerPhases phases;
   double total() const { return forward + backward; }
 };
 
@@ -96,12 +97,13 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
           job.warmup_steps = 0;  // the timed step is the fresh layer's first
           const LayerOutputs<float> first = run();
           job.warmup_steps = c.warmup_steps;
-          cold[a].push_back(Timing{first.forward_seconds, first.backward_seconds, 0, 0});
+          cold[a].push_back(Timing{first.forward_seconds, first.backward_seconds, 0, 0, first.phases});
           if (progress) progress(mode, c.algorithms[a], cold[a].back().total(), ++done, total);
         }
         LayerOutputs<float> out =
             run();
-        const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds, out.summary_seconds};
+        const Timing t{out.forward_seconds, out.backward_seconds, out.exchange_seconds, out.summary_seconds,
+                       out.phases};
         times[a].push_back(t);
         if (cp) methods[a] = out.method;
         if (rep == 0) outputs[a] = std::move(out);  // results are the same bits every run
@@ -121,7 +123,12 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       r.backward_seconds = t.backward;
       r.exchange_seconds = t.exchange;
       r.summary_seconds = t.summary;
-      if (c.cold) r.cold_seconds = median(cold[a]).total();
+      r.phases = t.phases;
+      if (c.cold) {
+        const Timing first = median(cold[a]);
+        r.cold_seconds = first.total();
+        r.cold_phases = first.phases;
+      }
       r.flops = flops;
       r.gflops = flops / t.total() / 1e9;
       r.peak_fraction = r.gflops / result.peak.gflops;

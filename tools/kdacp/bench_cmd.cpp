@@ -111,6 +111,9 @@ void add_layer_command(CLI::App& bench) {
                 "also time each run's first step on a fresh layer (no untimed step), once per repeat: the "
                 "'cold / warm' column");
   add_recompute_flag(*cmd, a->recompute);
+  cmd->add_flag("--phases", c.phases,
+                "also report where each run's time goes: the slowest rank's summary, G pass, exchange, forward and "
+                "backward (with --cold, cold and warm and their difference)");
   add_int(*cmd, "--seed", c.seed, "input seed", IntRange{});
   add_max_memory(*cmd, a->max_memory);
   cmd->add_flag("--json", a->json, "print one JSON array of flat records instead of a table");

@@ -14,6 +14,7 @@
 
 #include "kdacp/defaults.hpp"
 #include "kdacp/exchange.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/testing/bench.hpp"
 
@@ -43,6 +44,8 @@ struct LayerBenchConfig {
   // outputs; the process's allocator is warm after the first): a training
   // loop's first step, LayerBenchRecord::cold_seconds.
   bool cold = false;
+  // `--phases`: the report adds where each run's time went (LayerBenchRecord::phases).
+  bool phases = false;
 };
 
 struct LayerBenchRecord {
@@ -69,6 +72,11 @@ struct LayerBenchRecord {
   // What rel_errors may reach: layer_error_tolerance (kdacp/job.hpp) of
   // the run's method, kLayerFloat32Tolerance on one rank.
   double tolerance = 0;
+  // The median run's phases, of its slowest rank (they sum to its forward +
+  // backward); with LayerBenchConfig::cold also the median first step's: the
+  // difference is what allocation and first touch cost.
+  job::LayerPhases phases;
+  job::LayerPhases cold_phases;
 };
 
 struct LayerBenchResult {
