@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 
 #include "kda/chunk.hpp"
 #include "kda/chunk_exact-inl.h"
@@ -40,16 +41,63 @@ using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gem
 // the solve's columns [x_lo, x_hi) of X = [U | W] (U: [0, V), W: [V, V+K)).
 // alpha_all: exp(g) of the head's tokens, [tokens×K] (null: computed here).
 // factors: which of L and P are built (l: P is left as it was, for the
-// summary, which uses L only; none: neither, for a
+// summary, which uses L only, and so are q and Qg; none: neither, for a
 // caller that kept them from an earlier call on the same chunk); L and P are
 // the same either way.
 enum class Factors { l, l_and_p, none };
+
+// transpose(src, rows, cols, lds, dst, ldd) of simd-inl.h (a copy, the same
+// values), with the float 16×16 blocks transposed in registers on the
+// AVX-512 targets: chunk_prepare transposes its rows of K·F and Q·F once per
+// sub-chunk, and element by element that was a tenth of the summary's time.
+template <class T>
+void transpose_rows(const T* HWY_RESTRICT src, std::size_t rows, std::size_t cols, std::size_t lds,
+                    T* HWY_RESTRICT dst, std::size_t ldd) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr std::size_t kB = 16;
+    const std::size_t rb = rows / kB * kB, cb = cols / kB * kB;
+    for (std::size_t i0 = 0; i0 < rb; i0 += kB)
+      for (std::size_t j0 = 0; j0 < cb; j0 += kB) {
+        __m512 r[kB], t[kB];
+        for (std::size_t i = 0; i < kB; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
+        for (std::size_t i = 0; i < kB / 2; ++i) {  // 2×2 blocks of 32-bit lanes
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (std::size_t i = 0; i < kB / 4; ++i) {  // 4×4 blocks inside each 128-bit lane
+          const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+          const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+          r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+          r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+          r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+          r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+        }
+        for (std::size_t h = 0; h < 2; ++h)  // then the 128-bit lanes themselves
+          for (std::size_t i = 0; i < 4; ++i) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+          }
+        for (std::size_t i = 0; i < kB / 2; ++i) {
+          _mm512_storeu_ps(dst + (j0 + i) * ldd + i0, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+          _mm512_storeu_ps(dst + (j0 + 8 + i) * ldd + i0, _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+        }
+      }
+    // The edges: rows below rb (all columns), columns right of cb.
+    if (rb < rows) transpose(src + rb * lds, rows - rb, cols, lds, dst + rb, ldd);
+    if (cb < cols && rb > 0) transpose(src + cb, rb, cols - cb, lds, dst + cb * ldd, ldd);
+    return;
+  }
+#endif
+  transpose(src, rows, cols, lds, dst, ldd);
+}
 
 template <class T>
 void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
                    std::size_t vd, std::size_t x_lo, std::size_t x_hi, ChunkWork<T>& w,
                    const T* alpha_all = nullptr, Factors factors = Factors::l_and_p) {
   const bool need_p = factors == Factors::l_and_p;
+  const bool need_q = factors != Factors::l;  // P and the output's Qg S_0 read q
   const std::size_t ldx = vd + kd;
   w.resize(kd, vd);
   T* k = w.k.data();
@@ -64,15 +112,14 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
       constexpr std::size_t kLine = 64 / sizeof(T);
       for (std::size_t i = 0; i < kd; i += kLine) {
         hwy::Prefetch(h.k_at(ta) + i);
-        hwy::Prefetch(h.q_at(ta) + i);
+        if (need_q) hwy::Prefetch(h.q_at(ta) + i);
         if (!alpha_all) hwy::Prefetch(h.g_at(ta) + i);
       }
       for (std::size_t i = 0; i < vd; i += kLine) hwy::Prefetch(h.v_at(ta) + i);
     }
-    for (std::size_t i = 0; i < kd; ++i) {
-      k[t * kd + i] = kt[i];
-      q[t * kd + i] = qt[i];
-    }
+    for (std::size_t i = 0; i < kd; ++i) k[t * kd + i] = kt[i];
+    if (need_q)
+      for (std::size_t i = 0; i < kd; ++i) q[t * kd + i] = qt[i];
     if (alpha_all) {
       const T* at = alpha_all + (t0 + t) * kd;
       for (std::size_t i = 0; i < kd; ++i) al[t * kd + i] = at[i];
@@ -95,12 +142,12 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
           const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, al + o + i));
           hn::StoreU(r, d, run + i);
           hn::StoreU(hn::Mul(hn::LoadU(d, k + o + i), r), d, kg + o + i);
-          hn::StoreU(hn::Mul(hn::LoadU(d, q + o + i), r), d, qg + o + i);
+          if (need_q) hn::StoreU(hn::Mul(hn::LoadU(d, q + o + i), r), d, qg + o + i);
         },
         [&](std::size_t i) {
           run[i] = run[i] * al[o + i];
           kg[o + i] = k[o + i] * run[i];
-          qg[o + i] = q[o + i] * run[i];
+          if (need_q) qg[o + i] = q[o + i] * run[i];
         });
   }
   for (std::size_t i = 0; i < kd; ++i) w.ac[i] = run[i];
@@ -150,13 +197,13 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
             hn::StoreU(fv, d, f + i);
             const auto kv = hn::LoadU(d, kt + i);
             hn::StoreU(hn::Mul(kv, fv), d, ak + i);
-            hn::StoreU(hn::Mul(hn::LoadU(d, qt + i), fv), d, aq + i);
+            if (need_p) hn::StoreU(hn::Mul(hn::LoadU(d, qt + i), fv), d, aq + i);
             hn::StoreU(hn::Div(kv, fv), d, bt + i);
           },
           [&](std::size_t i) {
             f[i] = first ? T(1) : fp[i] * a[i];
             ak[i] = kt[i] * f[i];
-            aq[i] = qt[i] * f[i];
+            if (need_p) aq[i] = qt[i] * f[i];
             bt[i] = kt[i] / f[i];
           });
     }
@@ -183,7 +230,7 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
           });
     }
     const std::size_t na = need_p ? 2 * nr : nr;
-    transpose(am, na, kd, kd, amt, na);
+    transpose_rows(am, na, kd, kd, amt, na);
     // rt = br · amᵀ (ncol×(2·nr)): element (s, t) is the same fused chain
     // over the key channels as (am · brᵀ)(t, s), factors swapped.
     T* r = w.rbuf.data();

@@ -363,6 +363,17 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
       // A cut's M is never read: the zero buffer stands for it.
       transfers.emplace_back(s.batch, s.value_heads, s.key_dim, s.key_dim, dtype_of<T>());
       infos.push_back(part_info(seqs, part));
+      // A part whose last token ends a sequence (the stream's last part,
+      // always) hands nothing on: its successor starts a sequence, a cut,
+      // which ignores what enters it, and the backward exchange multiplies
+      // its M by that zero out-gradient. Zeros stand for its S and M (any
+      // finite M gives those bits), and the pass is skipped: with P ranks
+      // sharing cores that is a rank's summary less to wait for.
+      if (infos.back().ends_sequence) {
+        std::fill_n(offsets.back().data<T>(), s.state_elems(), T(0));
+        std::fill_n(transfers.back().data<T>(), s.batch * s.value_heads * s.key_dim * s.key_dim, T(0));
+        continue;
+      }
       part_summary(in, seqs, part, h0, offsets.back().data<T>(),
                    infos.back().cut ? nullptr : transfers.back().data<T>(), exec_);
     }
