@@ -264,6 +264,30 @@ TEST(KdaChunk, ForwardCacheMismatchAndRecurrent) {
   EXPECT_EQ(cache.bytes(), 0u);
 }
 
+TEST(KdaChunk, ForwardCachePoolHandsOutOnlyCachesNobodyHolds) {
+  const Data<double> a(shape_with(kC + 1), 97, 0);
+  std::vector<double> o(a.shape.v_elems());
+  ForwardCachePool<double> pool;
+  std::shared_ptr<ForwardCache<double>> first = pool.acquire();
+  forward(a.inputs(), a.h0.data(), o.data(), nullptr, on(Algorithm::chunk), first.get());
+  const std::size_t one = pool.bytes();
+  EXPECT_GT(one, 0u);
+  // Held: a second forward gets a cache of its own.
+  std::shared_ptr<ForwardCache<double>> second = pool.acquire();
+  EXPECT_NE(second.get(), first.get());
+  EXPECT_EQ(pool.caches(), 2u);
+  // Let go: handed out again, cleared, its buffers kept.
+  ForwardCache<double>* was = first.get();
+  first.reset();
+  std::shared_ptr<ForwardCache<double>> third = pool.acquire();
+  EXPECT_EQ(third.get(), was);
+  EXPECT_EQ(third->records(), 0u);
+  EXPECT_EQ(pool.bytes(), one);
+  forward(a.inputs(), a.h0.data(), o.data(), nullptr, on(Algorithm::chunk), third.get());
+  EXPECT_EQ(pool.bytes(), one);
+  EXPECT_EQ(pool.caches(), 2u);
+}
+
 template <class T>
 void compare_backward(const Shape& s, double g_min, double tol, unsigned seed) {
   const Data<T> d(s, seed, g_min);

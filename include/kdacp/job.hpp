@@ -122,12 +122,25 @@ struct LayerRunOptions {
 // nullopt. Times are the
 // slowest rank's. Throws what the layer throws (before any message for bad
 // inputs) and, for a layout that is not the job's T and P, InvalidArgument.
+// A rank whose tokens are one range of the stream (B = 1 with a contiguous
+// layout, or one rank) reads the job's arrays in place, without a copy, and
+// rank 0 writes its outputs into the whole ones in place.
+// `shared`: for ranks that are threads of one process (in-process), the
+// job's whole outputs (allocate_outputs(job)), one object for all ranks,
+// owned by the caller and alive until every rank has returned (past the
+// world's join, even when a rank fails). Every rank then writes its tokens
+// there (in place where they are one range, else copied in after the run)
+// and nothing is sent: the run holds the outputs once, not twice. Rank 0
+// stores ht, dh0, the times and the method there too, after a barrier that
+// every rank's writes precede; every rank returns nullopt.
 template <class T>
 std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Communicator>& world,
-                                                    const LayerJob<T>& job, const LayerRunOptions& options);
+                                                    const LayerJob<T>& job, const LayerRunOptions& options,
+                                                    LayerOutputs<T>* shared = nullptr);
 
-// The same on `ranks` in-process ranks; a rank that waits longer than
-// timeout_s for a peer fails the run; the first error is rethrown.
+// The same on `ranks` in-process ranks, writing into one whole outputs
+// (`shared` above); a rank that waits longer than timeout_s for a peer fails
+// the run; the first error is rethrown.
 template <class T>
 LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
                                      double timeout_s);
@@ -142,15 +155,24 @@ ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, co
 // q, k, v, g, beta) of `s` in T of elem_bytes.
 double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes);
 
+// Whether every rank of `layout` holds its tokens of `s` as one range of the
+// stream that run_context_parallel reads and writes in place (B = 1 with
+// every rank's parts in stream order and adjacent, e.g. the contiguous
+// layout; or one rank): no rank then copies inputs or outputs.
+bool layer_in_place(const kda::Shape& s, const kda::Layout& layout);
+
 // Bytes run_context_parallel allocates for `s` with N = `sequences` on
 // `ranks` ranks with T of elem_bytes: the ranks' slices, the outputs
 // (gradients too when `grads`), h0, dht, ht and dh0 [N,HV,K,V] per rank, the
 // checkpoints and the summaries, and rank_exchange_bytes per rank for its
 // exchange (exchange_rank_bytes in kdacp/admission.hpp). `parts`: the
 // layout's parts (each holds its S, M, incoming state and G); 0: one per
-// rank. The job itself is not counted.
+// rank. `in_place`: in-process ranks that share the whole outputs on a
+// layout where layer_in_place holds, which hold no slices (the outputs are
+// counted once). The job itself is not counted.
 double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
-                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts = 0);
+                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts = 0,
+                       bool in_place = false);
 
 // The share of one process holding one rank of run_context_parallel on
 // `layout` (under a launcher, one rank per process): the largest rank's
@@ -167,6 +189,16 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
 // C/16) + 2·tokens·V) elements. 0 for the recurrent algorithm.
 double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens, std::size_t pieces,
                          std::size_t elem_bytes);
+
+// What the chunk backward reads besides its inputs, for `tokens` tokens of
+// `s` cut into at most `pieces` pieces on `threads` threads: with
+// keep_forward the forward's caches (layer_cache_bytes); without them the
+// records it recomputes into per-thread scratch instead (the same layout,
+// one per (row, value head) in flight: min(threads, B·HV) of the B·HV). 0
+// for the recurrent algorithm (its checkpoints are layer_run_bytes').
+double layer_backward_records_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens,
+                                    std::size_t pieces, std::size_t elem_bytes, bool keep_forward,
+                                    std::size_t threads);
 
 // Relative Frobenius errors (reference::relative_error) of `got` against
 // `want`: o, dq, dk, dv, dg, dbeta, then ht and dh0 when both have them.

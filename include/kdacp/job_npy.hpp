@@ -58,8 +58,8 @@ double layer_npy_bytes(const std::string& dir);
 // gradients too when `grads`), with the exchange make_state_exchange(mesh,
 // method, group_size, options) builds for `summary` and the layout's part
 // owners (layer_problem_shape: auto's choice is the one the layer makes),
-// beside inputs of input_bytes already read (counted twice: the files' bytes
-// and their copy as T) exceeds the limit text max_memory (max_memory_bytes
+// beside inputs of input_bytes already read (counted once: take_layer_job
+// holds them once, as T) exceeds the limit text max_memory (max_memory_bytes
 // in kdacp/admission.hpp). With one_rank_per_process (under a launcher) the
 // run counted is this process's rank's share (layer_rank_bytes), not all P
 // ranks'. The message names the ranks and the protocol (auto: its choice).
@@ -73,7 +73,9 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
 // options.layout (nullopt: contiguous over `ranks`) with options' method,
 // group size and exchange, for a summary of T; job.keep_forward adds the
 // forward caches (layer_cache_bytes): the whole stream's in-process, the
-// largest rank's with one_rank_per_process.
+// largest rank's with one_rank_per_process; a chunk backward without them
+// (--recompute) the records it recomputes instead on threads_per_rank
+// threads (layer_backward_records_bytes).
 template <class T>
 void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunOptions& options, std::size_t ranks,
                      double input_bytes, const std::string& max_memory, bool one_rank_per_process);
@@ -82,6 +84,14 @@ void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunO
 // asking for the final states; the shape is checked with kda::validate.
 template <class T>
 LayerJob<T> layer_job(const LayerNpy& in, T scale);
+
+// The same, taking the data: each array's bytes are released as soon as
+// they are copied, so that the inputs are held once (beside at most one
+// array's copy), not twice. `in` keeps its shapes, dtypes, cu_seqlens and
+// N (what admit_layer_job and save_layer_outputs read) with empty data:
+// take its layer_npy_fingerprint before.
+template <class T>
+LayerJob<T> take_layer_job(LayerNpy& in, T scale);
 
 // o.npy and ht.npy [N,HV,K,V] and, when `in` has do.npy,
 // dq/dk/dv/dg/dbeta.npy and dh0.npy into `dir` (created if needed), in the

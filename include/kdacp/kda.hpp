@@ -174,6 +174,24 @@ class ForwardCache {
   std::size_t used_ = 0, next_ = 0;
 };
 
+// Forward caches for reuse across calls: acquire() hands out one that nobody
+// else holds any more (use_count 1: its Saved is gone or let it go), cleared
+// with its buffers kept, else a new one. A training loop then faults the
+// record's pages in once, not every step; with several forwards in flight
+// (gradient accumulation) it holds one cache per forward not yet backed.
+// One caller at a time.
+template <class T>
+class ForwardCachePool {
+ public:
+  std::shared_ptr<ForwardCache<T>> acquire();
+  // Bytes held by every cache of the pool, in use or not.
+  std::size_t bytes() const;
+  std::size_t caches() const { return caches_.size(); }
+
+ private:
+  std::vector<std::shared_ptr<ForwardCache<T>>> caches_;
+};
+
 // Runs the recurrence from `incoming` [B,HV,K,V] (nullptr: the zero state),
 // writing o [B,T,HV,V] and, when `final_state` is not null, S_T [B,HV,K,V].
 // `keep` (optional): receives this call's record for its backward (see

@@ -208,7 +208,7 @@ class ContextParallelLayer {
  private:
   // A cache for the next forward (null unless keep_forward and chunk): one
   // no Saved holds any more, else a new one.
-  std::shared_ptr<ForwardCache<Elem<T>>> next_cache(const Inputs<T>& in);
+  std::shared_ptr<ForwardCache<Elem<T>>> next_cache();
   static ForwardCache<Elem<T>>* kept_of(const Saved& saved);
 
   // The calls without a stream run the plain exchange: one part per rank.
@@ -230,7 +230,7 @@ class ContextParallelLayer {
   bool keep_forward_ = defaults::kKeepForward;
   bool check_finite_ = true;
   bool agree_calls_ = true;
-  std::vector<std::shared_ptr<ForwardCache<Elem<T>>>> caches_;
+  ForwardCachePool<Elem<T>> caches_;
 };
 
 // Owning layer inputs in the layout of SPEC §9.

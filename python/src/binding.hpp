@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kdacp/half.hpp"
+#include "kdacp/tensor.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -66,11 +67,11 @@ class InputOf {
   const T* get() {
     if (!p_ || !half_) return static_cast<const T*>(p_);
     if constexpr (std::is_same_v<T, float>) {
-      if (!wide_) {
-        wide_.reset(new float[n_]);
-        widen(*half_, static_cast<const std::uint16_t*>(p_), n_, wide_.get());
+      if (!wide_.data()) {
+        wide_ = Buffer(n_ * sizeof(float), Buffer::Init::uninitialized);
+        widen(*half_, static_cast<const std::uint16_t*>(p_), n_, wide_.as<float>());
       }
-      return wide_.get();
+      return wide_.as<float>();
     } else {
       return nullptr;  // unreachable: storage_of<double> accepts float64 only
     }
@@ -80,7 +81,7 @@ class InputOf {
   const void* p_;
   std::optional<Half> half_;
   std::size_t n_;
-  std::unique_ptr<float[]> wide_;
+  Buffer wide_;  // from the buffer cache: the next call's widening reuses its pages
 };
 
 // A result of `shape` stored as `dtype`: a NumPy array (int16 bits for a
@@ -94,7 +95,7 @@ class OutputOf {
   OutputOf(std::string_view dtype, const std::vector<std::size_t>& shape, std::string name);
   T* get() {
     if constexpr (std::is_same_v<T, float>)
-      if (wide_) return wide_.get();
+      if (wide_.data()) return wide_.as<float>();
     return static_cast<T*>(array.mutable_data());
   }
   void finish(const char* op);
@@ -106,7 +107,7 @@ class OutputOf {
   std::vector<std::size_t> shape_;
   std::string name_;
   std::size_t n_ = 0;
-  std::unique_ptr<float[]> wide_;
+  Buffer wide_;
 };
 
 // A worker pool owned by one Python object (exchange or layer): nothing is

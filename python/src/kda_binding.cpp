@@ -29,6 +29,12 @@ namespace {
 // What forward keeps for backward: the layer's Saved (M and the incoming state
 // of each part, and with keep_forward its forward cache); on one process
 // nothing, or with keep_forward a Saved holding the forward cache alone.
+// The first backward lets the forward cache go (release_kept): its layer's
+// pool hands it to the next forward while autograd still holds this box
+// (the previous step's graph lives until its output is dropped), so a
+// training loop reuses one cache instead of faulting a second one in. A
+// second backward (retain_graph=True) recomputes what the cache held: the
+// same bits.
 struct SavedBox {
   std::optional<kda::Saved> saved;
 
@@ -38,6 +44,10 @@ struct SavedBox {
     kda::ForwardCache<T>* c = saved ? saved->kept<T>().get() : nullptr;
     if (c) c->rewind();
     return c;
+  }
+  template <class T>
+  void release_kept() {
+    if (saved) saved->kept<T>().reset();
   }
 };
 
@@ -107,6 +117,14 @@ class KdaLayer {
                                     dht, want_dh0, a);
   }
 
+  // Bytes of the forward caches this layer holds for reuse and in use (the
+  // CP layer's, or those of the one-process path).
+  std::size_t forward_cache_bytes() const {
+    if (layer_f32_) return layer_f32_->forward_cache_bytes();
+    if (layer_f64_) return layer_f64_->forward_cache_bytes();
+    return caches_f32_.bytes() + caches_f64_.bytes();
+  }
+
   // Off: the layer's forward and backward skip their per-call agreement
   // (kda::ContextParallelLayer::agree_per_call): a CpContext agreed once.
   void agree_per_call(bool on) {
@@ -140,6 +158,13 @@ class KdaLayer {
       return layer_f64_.get();
     else
       return layer_f32_.get();
+  }
+  template <class T>
+  kda::ForwardCachePool<T>& caches() {
+    if constexpr (std::is_same_v<T, double>)
+      return caches_f64_;
+    else
+      return caches_f32_;
   }
 
   // q, k, v, g, beta as T (16-bit ones widened on first use, without the GIL).
@@ -218,7 +243,7 @@ class KdaLayer {
         box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o.get(), hts);
       } else {
         std::shared_ptr<kda::ForwardCache<T>> cache;
-        if (keep_forward && algorithm == kda::Algorithm::chunk) cache = std::make_shared<kda::ForwardCache<T>>();
+        if (keep_forward && algorithm == kda::Algorithm::chunk) cache = caches<T>().acquire();
         kda::forward_sequences(in, seqs, h0, o.get(), hts, exec_of(algorithm), cache.get());
         if (cache) box->saved.emplace().kept<T>() = cache;
       }
@@ -228,7 +253,7 @@ class KdaLayer {
   }
 
   template <class T>
-  py::tuple backward_t(const SavedBox& box, const std::vector<std::uintptr_t>& p,
+  py::tuple backward_t(SavedBox& box, const std::vector<std::uintptr_t>& p,
                        const std::vector<std::string>& dtypes, const std::vector<std::size_t>& shape,
                        double scale, const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p,
                        std::uintptr_t d_op, const std::string& d_o_dtype, std::uintptr_t dhtp, bool want_dh0,
@@ -266,6 +291,7 @@ class KdaLayer {
         kda::backward_sequences(in, seqs, h0, d_o.get(), dht, grads, dh0s, exec_of(algorithm),
                                 kda::kDefaultCheckpointInterval, box.kept<T>());
       }
+      box.release_kept<T>();
       for (OutputOf<T>* out : {&dq, &dk, &dv, &dg, &dbeta}) out->finish("kdacp.torch.kda backward");
     }
     return py::make_tuple(dq.array, dk.array, dv.array, dg.array, dbeta.array, dh0);
@@ -278,6 +304,8 @@ class KdaLayer {
   std::optional<kda::Layout> layout_;
   std::unique_ptr<kda::ContextParallelLayer<float>> layer_f32_;
   std::unique_ptr<kda::ContextParallelLayer<double>> layer_f64_;
+  kda::ForwardCachePool<float> caches_f32_;  // the one-process path's
+  kda::ForwardCachePool<double> caches_f64_;
 };
 
 // The in-kernel input transforms of chunk_kda (kdacp/kda.hpp), on contiguous
@@ -428,7 +456,8 @@ void bind_kda(py::module_& m) {
       .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
-      .def("times", &KdaLayer::times, py::arg("forward"));
+      .def("times", &KdaLayer::times, py::arg("forward"))
+      .def_property_readonly("forward_cache_bytes", &KdaLayer::forward_cache_bytes);
   // d_g 0: the gate (one array); otherwise its backward: (d_raw, d_a_log or
   // None, d_dt_bias or None). a_log / dt_bias 0: not given. `dtype`: the
   // compute dtype (float32 or float64); the *_dtype arguments: storage.

@@ -2,6 +2,9 @@
 // module converts arguments, forwards calls and maps kdacp's typed errors to
 // Python's: InvalidArgument -> ValueError, Timeout / RemoteError ->
 // RuntimeError subclasses, IoError -> OSError, the message unchanged.
+#include <algorithm>
+#include <memory>
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -78,10 +81,30 @@ py::array state_array(State&& state) {
   return py::array_t<float>(shape, owned->data<float>(), owner);
 }
 
+namespace {
+
+// An uninitialised array of E whose storage is a kdacp::Buffer (from the
+// process's large-buffer cache, huge pages from 2 MiB) owned by the array:
+// when the tensor viewing it dies, the block goes back to the cache and the
+// next call's result of the same size reuses its pages instead of faulting
+// fresh ones in (on this project's hosts a first touch costs more than the
+// kernel that writes it).
+template <class E>
+py::array cached_array(const std::vector<std::size_t>& shape) {
+  std::size_t n = 1;
+  for (std::size_t d : shape) n *= d;
+  auto owner = std::make_unique<Buffer>(std::max<std::size_t>(n, 1) * sizeof(E), Buffer::Init::uninitialized);
+  E* data = owner->as<E>();
+  py::capsule base(owner.get(), [](void* p) { delete static_cast<Buffer*>(p); });
+  owner.release();  // the capsule owns it now
+  return py::array_t<E>(std::vector<py::ssize_t>(shape.begin(), shape.end()), data, base);
+}
+
+}  // namespace
+
 py::array new_array(DType dtype, const std::vector<std::size_t>& shape) {
-  std::vector<py::ssize_t> s(shape.begin(), shape.end());
-  if (dtype == DType::f64) return py::array_t<double>(s);
-  return py::array_t<float>(s);
+  if (dtype == DType::f64) return cached_array<double>(shape);
+  return cached_array<float>(shape);
 }
 
 template <class T>
@@ -109,8 +132,8 @@ OutputOf<T>::OutputOf(std::string_view dtype, const std::vector<std::size_t>& sh
     array = new_array(std::is_same_v<T, double> ? DType::f64 : DType::f32, shape);
     return;
   }
-  array = py::array_t<std::int16_t>(std::vector<py::ssize_t>(shape.begin(), shape.end()));  // torch has no uint16
-  if constexpr (std::is_same_v<T, float>) wide_.reset(new float[n_]);
+  array = cached_array<std::int16_t>(shape);  // torch has no uint16
+  if constexpr (std::is_same_v<T, float>) wide_ = Buffer(n_ * sizeof(float), Buffer::Init::uninitialized);
 }
 
 template <class T>
@@ -118,13 +141,13 @@ void OutputOf<T>::finish(const char* op) {
   if constexpr (std::is_same_v<T, float>) {
     if (!half_) return;
     auto* bits = static_cast<std::uint16_t*>(array.mutable_data());
-    if (const auto at = narrow(*half_, wide_.get(), n_, bits))
+    if (const auto at = narrow(*half_, wide_.as<float>(), n_, bits))
       throw InvalidArgument(fmt::format(
           "{}: {} element {} is {} in float32, beyond {}'s range (its largest value is {}); "
           "use float32 inputs or rescale",
-          op, name_, index_string(*at, shape_), exact_string(wide_[*at]), half_name(*half_),
+          op, name_, index_string(*at, shape_), exact_string(wide_.as<float>()[*at]), half_name(*half_),
           exact_string(half_max(*half_))));
-    wide_.reset();
+    wide_ = Buffer();
   }
 }
 template class OutputOf<float>;

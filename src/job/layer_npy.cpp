@@ -220,12 +220,13 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
   const double exchange = exchange_rank_bytes(ps, pred);
   const double run = one_rank_per_process
                          ? layer_rank_bytes(s, sequences, layout, grads, ps.elem_bytes, exchange)
-                         : layer_run_bytes(s, sequences, ranks, grads, ps.elem_bytes, exchange, layout.parts().size());
+                         : layer_run_bytes(s, sequences, ranks, grads, ps.elem_bytes, exchange, layout.parts().size(),
+                                           layer_in_place(s, layout));
   std::ostringstream what;
   what << "kdacp kda on " << ranks << " ranks";
   if (one_rank_per_process) what << " (one per process, this process's rank)";
   what << " with " << protocol_label(pred.config);
-  require_memory(2 * input_bytes + run + cache_bytes, max_memory_bytes(max_memory), what.str(),
+  require_memory(input_bytes + run + cache_bytes, max_memory_bytes(max_memory), what.str(),
                  max_memory_name(max_memory));
 }
 
@@ -241,37 +242,59 @@ void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunO
     cache_tokens = 0;
     for (std::size_t r = 0; r < layout.ranks(); ++r) cache_tokens = std::max(cache_tokens, layout.local_tokens(r));
   }
-  // A float16 file is held widened (twice its bytes) beside its copy as T:
-  // input_bytes counts each file's bytes twice, so add the difference twice.
+  // The job holds the inputs as T (take_layer_job: the files' arrays are
+  // released as they are copied); a float16 file's copy is twice its bytes.
   double widened = 0;
   for (const NpyArray* a : {&in.q, &in.k, &in.v, &in.g, &in.beta, in.d_o ? &*in.d_o : nullptr})
     if (a != nullptr && a->half) widened += double(a->elements()) * double(sizeof(float) - sizeof(std::uint16_t));
-  input_bytes += 2 * widened;
-  const double cache = job.keep_forward ? layer_cache_bytes(s, job.algorithm, cache_tokens,
-                                                            in.sequences + layout.parts().size(), sizeof(T))
-                                        : 0.0;
+  input_bytes += widened;
+  const double cache = job.grads() ? layer_backward_records_bytes(s, job.algorithm, cache_tokens,
+                                                                  in.sequences + layout.parts().size(), sizeof(T),
+                                                                  job.keep_forward, options.threads_per_rank)
+                                   : 0.0;
   admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, options.method, options.group_size,
                   options.exchange, max_memory, one_rank_per_process, cache);
 }
 
-template <class T>
-LayerJob<T> layer_job(const LayerNpy& in, T scale) {
+namespace {
+
+// The job of `in`; a `in` that is not const gives up each array's bytes as
+// soon as they are copied, so that no more than one array is held twice.
+template <class T, class Npy>
+LayerJob<T> make_layer_job(Npy& in, T scale) {
+  auto take = [](auto& a) {
+    std::vector<T> out = values<T>(a);
+    if constexpr (!std::is_const_v<Npy>) std::vector<std::byte>().swap(a.data);
+    return out;
+  };
   LayerJob<T> job;
   kda::LayerData<T>& data = job.data;
   data.shape = kda::Shape{in.q.shape[0], in.q.shape[1], in.q.shape[2], in.v.shape[2], in.q.shape[3], in.v.shape[3]};
-  data.q = values<T>(in.q);
-  data.k = values<T>(in.k);
-  data.v = values<T>(in.v);
-  data.g = values<T>(in.g);
-  data.beta = values<T>(in.beta);
   kda::validate(data.shape);
+  data.q = take(in.q);
+  data.k = take(in.k);
+  data.v = take(in.v);
+  data.g = take(in.g);
+  data.beta = take(in.beta);
   job.scale = scale;
   job.cu_seqlens = in.cu_seqlens;
-  if (in.h0) job.h0 = values<T>(*in.h0);
-  if (in.d_o) job.d_o = values<T>(*in.d_o);
-  if (in.dht) job.dht = values<T>(*in.dht);
+  if (in.h0) job.h0 = take(*in.h0);
+  if (in.d_o) job.d_o = take(*in.d_o);
+  if (in.dht) job.dht = take(*in.dht);
   job.final_states = true;
   return job;
+}
+
+}  // namespace
+
+template <class T>
+LayerJob<T> layer_job(const LayerNpy& in, T scale) {
+  return make_layer_job<T>(in, scale);
+}
+
+template <class T>
+LayerJob<T> take_layer_job(LayerNpy& in, T scale) {
+  return make_layer_job<T>(in, scale);
 }
 
 namespace {
@@ -354,6 +377,8 @@ template void admit_layer_job<double>(const LayerNpy&, const LayerJob<double>&, 
                                       double, const std::string&, bool);
 template LayerJob<float> layer_job<float>(const LayerNpy&, float);
 template LayerJob<double> layer_job<double>(const LayerNpy&, double);
+template LayerJob<float> take_layer_job<float>(LayerNpy&, float);
+template LayerJob<double> take_layer_job<double>(LayerNpy&, double);
 template void write_layer_outputs_npy<float>(const std::string&, const LayerNpy&, const LayerOutputs<float>&);
 template void write_layer_outputs_npy<double>(const std::string&, const LayerNpy&, const LayerOutputs<double>&);
 template <class T>

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <type_traits>
@@ -102,6 +103,19 @@ void put_parts(const T* local, std::size_t batch, std::size_t tokens, std::size_
 // own messages are all complete by then.
 constexpr int kOutputsTag = 7411;
 
+// Where rank `rank`'s local tokens start in the whole stream when they are
+// one range of it that a pointer can stand for: [B,T_local,inner] at
+// full + offset·inner is then the rank's local tensor (B = 1, or the rank
+// holds every token in place). nullopt otherwise (zigzag, B > 1 on P > 1).
+std::optional<std::size_t> in_place_offset(const kda::Shape& s, const kda::Layout& layout, std::size_t rank) {
+  const std::vector<kda::Part> parts = layout.local_parts(rank);
+  const std::size_t offset = parts.empty() ? 0 : parts.front().begin - parts.front().local_begin;
+  for (const kda::Part& p : parts)
+    if (p.begin - p.local_begin != offset) return std::nullopt;
+  if (s.batch != 1 && (offset != 0 || layout.local_tokens(rank) != s.tokens)) return std::nullopt;
+  return offset;
+}
+
 }  // namespace
 
 template <class T>
@@ -189,7 +203,8 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
 
 template <class T>
 std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Communicator>& world,
-                                                    const LayerJob<T>& job, const LayerRunOptions& options) {
+                                                    const LayerJob<T>& job, const LayerRunOptions& options,
+                                                    LayerOutputs<T>* shared) {
   Communicator& comm = *world;
   const std::size_t ranks = comm.size(), rank = comm.rank();
   const kda::Shape& s = job.data.shape;
@@ -216,17 +231,18 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   kda::Shape ls = s;
   ls.tokens = layout.local_tokens(rank);
   const bool grads = job.grads();
-  // A rank that holds every token where the whole stream has it (one rank)
-  // computes on the job's arrays and hands its outputs over as they are: a
-  // copy of each would be fresh pages to fault in on every run.
-  const bool whole = ls.tokens == s.tokens && std::all_of(parts.begin(), parts.end(), [](const kda::Part& p) {
-                       return p.local_begin == p.begin;
-                     });
+  const std::size_t states = job.final_states ? job.state_elems() : 0;
+  // Where this rank's tokens are one range of the stream (one rank; B = 1
+  // with a contiguous layout), it reads the job's arrays and writes the
+  // whole outputs in place: a copy of each would be as much memory again,
+  // and fresh pages to fault in on every run.
+  const std::optional<std::size_t> offset = in_place_offset(s, layout, rank);
   // Otherwise a copy of this rank's parts, which cover its local tokens
   // exactly: take_parts writes every element, so none is zeroed first.
   std::vector<std::unique_ptr<T[]>> copies;
   auto local = [&](const std::vector<T>& full, std::size_t inner) -> const T* {
-    if (whole || full.empty()) return full.data();
+    if (full.empty()) return full.data();
+    if (offset) return full.data() + *offset * inner;
     copies.emplace_back(new T[s.batch * ls.tokens * inner]);
     take_parts(full.data(), s.batch, s.tokens, inner, parts, ls.tokens, copies.back().get());
     return copies.back().get();
@@ -240,7 +256,25 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   // the job's, the others zero, so the sum is the job's dht bit for bit.
   const std::vector<T> dht = job.dht.empty() || rank == 0 ? job.dht : std::vector<T>(job.dht.size());
 
-  LayerOutputs<T> lr = outputs_for<T>(ls, grads, job.final_states ? job.state_elems() : 0);
+  // The whole outputs: the caller's (in-process ranks), else rank 0's own,
+  // allocated before the run so that its tokens are written in place.
+  LayerOutputs<T> gathered;
+  if (!shared && rank == 0) gathered = allocate_outputs(job);
+  LayerOutputs<T>* whole = shared ? shared : rank == 0 ? &gathered : nullptr;
+  const bool in_place = offset && whole != nullptr;
+  // This rank's ht and dh0 (every rank's are the stream's: the layer shares
+  // them), and its token outputs where they are not written in place.
+  kda::Shape held = ls;
+  if (in_place) held.tokens = 0;
+  LayerOutputs<T> lr = outputs_for<T>(held, grads, states);
+  const std::vector<std::size_t> inners = output_inners(s, grads);
+  std::vector<T*> fields;  // o, dq, dk, dv, dg, dbeta: this rank's [B,T_local,inner]
+  if (in_place) {
+    const std::vector<std::vector<T>*> full = token_outputs(*whole);
+    for (std::size_t i = 0; i < inners.size(); ++i) fields.push_back(full[i]->data() + *offset * inners[i]);
+  } else {
+    for (std::vector<T>* f : token_outputs(lr)) fields.push_back(f->data());
+  }
 
   const kda::Stream stream{seqs, layout};
   // forward, backward, their exchanges, the summary, the G pass.
@@ -250,7 +284,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
     comm.barrier();
     auto t0 = std::chrono::steady_clock::now();
     const kda::Saved saved =
-        layer.forward(in, stream, states_of(job.h0, seqs, ls), lr.o.data(), states_of(lr.ht, seqs, ls));
+        layer.forward(in, stream, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
     times[0] = since(t0);
     times[2] = layer.forward_times().exchange;
     times[4] = layer.forward_times().summary;
@@ -258,60 +292,63 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
       comm.barrier();
       t0 = std::chrono::steady_clock::now();
       layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
-                     kda::Grads<T>{lr.dq.data(), lr.dk.data(), lr.dv.data(), lr.dg.data(), lr.dbeta.data(),
-                                   nullptr},
+                     kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
                      states_of(lr.dh0, seqs, ls));
       times[1] = since(t0);
       times[3] = layer.backward_times().exchange;
       times[5] = layer.backward_times().summary;
     }
   }
+  copies.clear();  // the input copies are done with
 
-  // The slowest rank's times, then every rank's outputs to rank 0.
+  // The slowest rank's times, then every rank's outputs into the whole ones.
   std::vector<double> all_times(kTimes * ranks);
   std::copy_n(times, kTimes, all_times.begin() + static_cast<std::ptrdiff_t>(kTimes * rank));
   comm.all_gather(std::as_writable_bytes(std::span(all_times)));
-  const std::vector<std::size_t> inners = output_inners(s, grads);
-  auto packed_elems = [&](std::size_t r) {
-    std::size_t n = 0;
-    for (std::size_t inner : inners) n += s.batch * layout.local_tokens(r) * inner;
-    return n;
-  };
-  std::vector<T*> fields;
-  for (std::vector<T>* f : token_outputs(lr)) fields.push_back(f->data());
-  if (rank != 0) {
-    std::vector<T> packed;
-    packed.reserve(packed_elems(rank));
-    for (std::size_t i = 0; i < inners.size(); ++i)
-      packed.insert(packed.end(), fields[i], fields[i] + s.batch * ls.tokens * inners[i]);
-    comm.isend(std::as_bytes(std::span(packed)), 0, kOutputsTag)->wait();
-    return std::nullopt;
-  }
-  LayerOutputs<T> r;
-  if (whole) {
-    r = std::move(lr);  // one rank: its outputs are the stream's, ht and dh0 included
-  } else {
-    r = allocate_outputs(job);
-    std::vector<std::vector<T>*> full = token_outputs(r);
+  if (whole != nullptr && !in_place) {
+    const std::vector<std::vector<T>*> full = token_outputs(*whole);
     for (std::size_t i = 0; i < inners.size(); ++i)
       put_parts(fields[i], s.batch, s.tokens, inners[i], parts, ls.tokens, full[i]->data());
+    for (std::vector<T>* f : token_outputs(lr)) std::vector<T>().swap(*f);  // in the whole outputs now
+  }
+  if (shared) {
+    comm.barrier();  // every rank's tokens are in *shared
+    if (rank != 0) return std::nullopt;
+  } else if (rank != 0) {
+    auto packed_elems = [&] {
+      std::size_t n = 0;
+      for (std::size_t inner : inners) n += s.batch * ls.tokens * inner;
+      return n;
+    };
+    std::vector<T> packed;
+    packed.reserve(packed_elems());
+    for (std::size_t i = 0; i < inners.size(); ++i)
+      packed.insert(packed.end(), fields[i], fields[i] + s.batch * ls.tokens * inners[i]);
+    for (std::vector<T>* f : token_outputs(lr)) std::vector<T>().swap(*f);  // packed holds them now
+    comm.isend(std::as_bytes(std::span(packed)), 0, kOutputsTag)->wait();
+    return std::nullopt;
+  } else {
+    const std::vector<std::vector<T>*> full = token_outputs(*whole);
     for (std::size_t from = 1; from < ranks; ++from) {
-      // Filled whole by the message: rank `from` packs exactly packed_elems(from)
-      // elements of the same layout.
-      const std::size_t n = packed_elems(from);
-      const std::unique_ptr<T[]> packed(new T[n]);
-      comm.irecv(std::as_writable_bytes(std::span(packed.get(), n)), from, kOutputsTag)->wait();
       const std::vector<kda::Part> their = layout.local_parts(from);
       const std::size_t lt = layout.local_tokens(from);
+      std::size_t n = 0;
+      for (std::size_t inner : inners) n += s.batch * lt * inner;
+      // Filled whole by the message: rank `from` packs exactly n elements
+      // of the same layout.
+      const std::unique_ptr<T[]> packed(new T[n]);
+      comm.irecv(std::as_writable_bytes(std::span(packed.get(), n)), from, kOutputsTag)->wait();
       const T* at = packed.get();
       for (std::size_t i = 0; i < inners.size(); ++i) {
         put_parts(at, s.batch, s.tokens, inners[i], their, lt, full[i]->data());
         at += s.batch * lt * inners[i];
       }
     }
-    r.ht = std::move(lr.ht);
-    r.dh0 = std::move(lr.dh0);
   }
+  LayerOutputs<T>& r = *whole;
+  r.ht = std::move(lr.ht);
+  r.dh0 = std::move(lr.dh0);
+  r.forward_seconds = r.backward_seconds = r.exchange_seconds = r.summary_seconds = 0;
   double slowest = -1;
   for (std::size_t q0 = 0; q0 < ranks; ++q0) {
     const double* t = &all_times[kTimes * q0];
@@ -328,18 +365,23 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   r.exact = layer.exchange().exact();
   r.backend = comm.backend();
   r.ranks = ranks;
-  return r;
+  if (shared) return std::nullopt;
+  return gathered;
 }
 
 template <class T>
 LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
                                      double timeout_s) {
-  LayerOutputs<T> result;
+  // One whole outputs that every rank writes its tokens into: it outlives
+  // the ranks' threads, which run_in_process joins even when one fails.
+  // The job is checked first (as every rank checks it), so that no shape
+  // it refuses is allocated.
+  job.sequences();
+  LayerOutputs<T> result = allocate_outputs(job);
   InProcessOptions opts;
   opts.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
   run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
-    // Only rank 0 returns outputs, and only it writes `result`.
-    if (auto r = run_context_parallel(comm, job, options)) result = std::move(*r);
+    run_context_parallel(comm, job, options, &result);
   }, opts);
   return result;
 }
@@ -375,15 +417,23 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
   return tensors + states + sequence_states + rank_exchange_bytes;
 }
 
+bool layer_in_place(const kda::Shape& s, const kda::Layout& layout) {
+  for (std::size_t r = 0; r < layout.ranks(); ++r)
+    if (!in_place_offset(s, layout, r)) return false;
+  return true;
+}
+
 double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
-                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts) {
+                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts, bool in_place) {
   const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
   const double state = double(s.batch) * kv;
   // The ranks' slices of the inputs (as large as the gradients) and of the
-  // outputs, the outputs, checkpoints every 64 tokens, per rank S, M, the
-  // incoming state and G, and per rank its dht, ht and dh0 [N,HV,K,V] beside
-  // the job's h0 and dht.
-  const double tensors = layer_output_bytes(s, true, elem_bytes) + 2 * layer_output_bytes(s, grads, elem_bytes);
+  // outputs unless in place, the outputs, checkpoints every 64 tokens, per
+  // rank S, M, the incoming state and G, and per rank its dht, ht and dh0
+  // [N,HV,K,V] beside the job's h0 and dht.
+  const double slices =
+      in_place ? 0.0 : layer_output_bytes(s, true, elem_bytes) + layer_output_bytes(s, grads, elem_bytes);
+  const double tensors = slices + layer_output_bytes(s, grads, elem_bytes);
   const double states = state * (double(s.tokens) / 64 + 5 * double(parts ? parts : ranks)) * double(elem_bytes);
   const double sequence_states = double(sequences) * kv * (3 * double(ranks) + 2) * double(elem_bytes);
   return tensors + states + sequence_states + double(ranks) * rank_exchange_bytes;
@@ -507,6 +557,16 @@ double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::siz
   return double(s.batch) * double(s.value_heads) * per_pair * double(elem_bytes);
 }
 
+double layer_backward_records_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens,
+                                    std::size_t pieces, std::size_t elem_bytes, bool keep_forward,
+                                    std::size_t threads) {
+  const double cache = layer_cache_bytes(s, algorithm, tokens, pieces, elem_bytes);
+  if (keep_forward) return cache;
+  // One record per (row, value head) in flight: a thread's scratch.
+  const double pairs = double(s.batch) * double(s.value_heads);
+  return cache * std::min(double(std::max<std::size_t>(threads, 1)), pairs) / pairs;
+}
+
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, const kda::Layout& layout,
                                bool one_rank_per_process, bool keep_forward) {
   const std::size_t ranks = layout.ranks();
@@ -543,10 +603,12 @@ template LayerOutputs<float> run_single<float>(const LayerJob<float>&, std::size
 template LayerOutputs<double> run_single<double>(const LayerJob<double>&, std::size_t);
 template std::optional<LayerOutputs<float>> run_context_parallel<float>(const std::shared_ptr<Communicator>&,
                                                                         const LayerJob<float>&,
-                                                                        const LayerRunOptions&);
+                                                                        const LayerRunOptions&,
+                                                                        LayerOutputs<float>*);
 template std::optional<LayerOutputs<double>> run_context_parallel<double>(const std::shared_ptr<Communicator>&,
                                                                           const LayerJob<double>&,
-                                                                          const LayerRunOptions&);
+                                                                          const LayerRunOptions&,
+                                                                          LayerOutputs<double>*);
 template LayerOutputs<float> run_context_parallel<float>(const LayerJob<float>&, std::size_t,
                                                          const LayerRunOptions&, double);
 template LayerOutputs<double> run_context_parallel<double>(const LayerJob<double>&, std::size_t,

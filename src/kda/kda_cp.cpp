@@ -261,14 +261,9 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, Elem<T>* o) {
 }
 
 template <class T>
-std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache(const Inputs<T>& /*in*/) {
+std::shared_ptr<ForwardCache<Elem<T>>> ContextParallelLayer<T>::next_cache() {
   if (!keep_forward_ || exec_.algorithm != Algorithm::chunk) return nullptr;
-  for (const auto& c : caches_)
-    if (c.use_count() == 1) {  // no Saved holds it: reuse its buffers
-      c->clear();
-      return c;
-    }
-  return caches_.emplace_back(std::make_shared<ForwardCache<Elem<T>>>());
+  return caches_.acquire();
 }
 
 template <class T>
@@ -280,9 +275,7 @@ ForwardCache<Elem<T>>* ContextParallelLayer<T>::kept_of(const Saved& saved) {
 
 template <class T>
 std::size_t ContextParallelLayer<T>::forward_cache_bytes() const {
-  std::size_t n = 0;
-  for (const auto& c : caches_) n += c->bytes();
-  return n;
+  return caches_.bytes();
 }
 
 template <class T>
@@ -385,7 +378,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<State> incoming = exchange_->forward(summaries);
   fwd_.exchange = since(t0);
   t0 = std::chrono::steady_clock::now();
-  const auto cache = next_cache(in);
+  const auto cache = next_cache();
   for (std::size_t i = 0; i < parts.size(); ++i)
     part_forward(in, seqs, parts[i], infos[i].starts_sequence ? nullptr : incoming[i].data<T>(),
                  h0, o, ht, exec_, cache.get());

@@ -290,6 +290,23 @@ void ForwardCache<T>::release() {
 }
 
 template <class T>
+std::shared_ptr<ForwardCache<T>> ForwardCachePool<T>::acquire() {
+  for (const auto& c : caches_)
+    if (c.use_count() == 1) {
+      c->clear();
+      return c;
+    }
+  return caches_.emplace_back(std::make_shared<ForwardCache<T>>());
+}
+
+template <class T>
+std::size_t ForwardCachePool<T>::bytes() const {
+  std::size_t n = 0;
+  for (const auto& c : caches_) n += c->bytes();
+  return n;
+}
+
+template <class T>
 T* ForwardCache<T>::append(std::size_t elems) {
   if (used_ == records_.size()) records_.emplace_back();
   Record& r = records_[used_++];
@@ -359,6 +376,7 @@ void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
   template T default_scale<T>(std::size_t);                                                  \
   template void chunk_summary<T>(const Inputs<T>&, T*, T*, const ExecPolicy&);               \
   template class ForwardCache<T>;                                                            \
+  template class ForwardCachePool<T>;                                                        \
   template void forward<T>(const Inputs<T>&, const T*, T*, T*, const ExecPolicy&,            \
                            ForwardCache<T>*);                                                \
   template void backward<T>(const Inputs<T>&, const T*, const T*, const T*, const Grads<T>&, \

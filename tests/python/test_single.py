@@ -119,6 +119,45 @@ def test_kda_keep_forward_changes_no_bit(dtype):
         assert torch.equal(got, want), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kda_retain_graph_second_backward_same_bits(dtype):
+    """The first backward hands the forward cache back to the layer's pool; a
+    second backward through the same graph (retain_graph=True) recomputes
+    what it held, with the same bits: the gradients accumulate to exactly
+    twice the first's (x + x is exact)."""
+    cu = [0, 70, 71, 140, 150]
+    inputs = make_inputs(1, 150, 2, 4, 16, 32, dtype, seed=10, n_states=4)
+    xs = _leaves(inputs)
+    o, ht = kt.kda(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                   keep_forward=True, threads=2)
+    gen = torch.Generator().manual_seed(11)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=dtype)).sum() + \
+        (ht * torch.randn(ht.shape, generator=gen, dtype=dtype)).sum()
+    loss.backward(retain_graph=True)
+    first = [x.grad.clone() for x in xs]
+    loss.backward()
+    for name, x, g1 in zip("q k v g beta h0".split(), xs, first):
+        assert torch.equal(x.grad, 2 * g1), name
+
+
+def test_kda_training_loop_reuses_one_forward_cache():
+    """A training loop keeps the previous step's output (and so its graph)
+    alive while the next forward runs; the layer still holds one forward
+    cache, not one per graph alive: the backward lets its cache go."""
+    from kdacp import _layer
+    inputs = make_inputs(1, 200, 2, 4, 16, 32, torch.float32, seed=12)
+    held = []
+    for step in range(4):
+        xs = _leaves(inputs)
+        o, _ = kt.kda(*xs, keep_forward=True, threads=3)
+        o.sum().backward()
+        layers = [l for key, l in _layer._LAYERS.items() if key[0] == "single" and key[2] == 3]
+        assert len(layers) == 1
+        held.append(layers[0].forward_cache_bytes)
+        prev = o  # noqa: F841 (the previous step's graph, alive during the next forward)
+    assert held[0] > 0 and held == [held[0]] * 4, held
+
+
 def test_kda_default_scale_and_no_final_state():
     q, k, v, g, beta, _ = make_inputs(1, 8, 1, 2, 16, 16, torch.float64, seed=4)
     o, ht = kt.kda(q, k, v, g, beta)

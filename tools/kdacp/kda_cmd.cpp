@@ -51,13 +51,15 @@ job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in, 
   return opts;
 }
 
+// `shared`: in-process, the whole outputs every rank writes into.
 template <class T>
 void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, const job::LayerNpy& in,
-              const job::LayerJob<T>& job, const job::LayerRunOptions& opts) {
+              const job::LayerJob<T>& job, const job::LayerRunOptions& opts, job::LayerOutputs<T>* shared) {
   const kda::Shape& s = job.data.shape;
   const std::size_t ranks = world->size();
-  const auto out = job::run_context_parallel(world, job, opts);
-  if (!out) return;  // rank 0 writes and reports
+  auto out = job::run_context_parallel(world, job, opts, shared);
+  if (world->rank() != 0) return;  // rank 0 writes and reports
+  if (shared) out = std::move(*shared);
   job::save_layer_outputs(cfg.out, in, *out);
   const std::string dtype = in.q.half ? in.q.file_dtype() + " (computed in float32)"
                                       : std::is_same_v<T, double> ? "float64" : "float32";
@@ -71,22 +73,31 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
 }
 
 template <class T>
-void run_typed(const KdaConfig& cfg, const job::LayerNpy& in, double input_bytes) {
+void run_typed(const KdaConfig& cfg, job::LayerNpy& in, double input_bytes) {
   const T scale = cfg.scale > 0 ? static_cast<T>(cfg.scale) : kda::default_scale<T>(in.q.shape[3]);
-  job::LayerJob<T> job = job::layer_job<T>(in, scale);
+  const bool in_process = resolved_backend(cfg.backend) == "inprocess";
+  // Under a launcher each process read the whole job itself: the layer's
+  // construction compares what they read, hashed before the job takes it.
+  const Fingerprint agree = in_process ? Fingerprint{} : job::layer_npy_fingerprint(in);
+  job::LayerJob<T> job = job::take_layer_job<T>(in, scale);
   job.algorithm = cfg.algorithm;
   job.keep_forward = !cfg.recompute && job.grads();
   job.sequences();  // every check of the job before any rank starts
   // In-process, P is known here: check once before the ranks start. Under a
   // launcher every process checks with its world's P before any message.
+  // In-process, the ranks share one whole outputs (run_context_parallel's
+  // `shared`), which outlives their threads.
   std::optional<job::LayerRunOptions> opts;
-  if (resolved_backend(cfg.backend) == "inprocess") opts = run_options(cfg, in, job, cfg.backend.ranks, input_bytes);
+  job::LayerOutputs<T> shared;
+  if (in_process) {
+    opts = run_options(cfg, in, job, cfg.backend.ranks, input_bytes);
+    shared = job::allocate_outputs(job);
+  }
   run_ranks(cfg.backend, [&](const std::shared_ptr<Communicator>& world) {
-    if (opts) return run_rank<T>(cfg, world, in, job, *opts);
+    if (opts) return run_rank<T>(cfg, world, in, job, *opts, &shared);
     job::LayerRunOptions mine = run_options(cfg, in, job, world->size(), input_bytes);
-    // Each process read the whole job itself: the layer's construction compares what they read.
-    mine.agree = job::layer_npy_fingerprint(in);
-    run_rank<T>(cfg, world, in, job, mine);
+    mine.agree = agree;
+    run_rank<T>(cfg, world, in, job, mine, nullptr);
   });
 }
 
@@ -96,7 +107,7 @@ void run(const KdaConfig& cfg) {
   const double input_bytes = job::layer_npy_bytes(cfg.inputs);
   require_memory(input_bytes, max_memory_bytes(cfg.max_memory), "reading the inputs of " + cfg.inputs,
                  max_memory_name(cfg.max_memory));
-  const job::LayerNpy in = job::read_layer_npy(cfg.inputs);
+  job::LayerNpy in = job::read_layer_npy(cfg.inputs);
   if (in.q.dtype == DType::f64) {
     run_typed<double>(cfg, in, input_bytes);
   } else {
