@@ -183,6 +183,7 @@ json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::ve
               {"target", res.peak.target}, {"fraction_of_peak", r.peak_fraction},
               {"speedup", r.speedup}, {"repeats", lc.repeats},
               {"warmup_steps", lc.warmup_steps}, {"keep_forward", lc.keep_forward},
+              {"docs", lc.docs > 0 ? json(lc.docs) : json(nullptr)},
               {"max_rel_error", number(r.max_rel_error)}, {"tolerance", r.tolerance}};
     for (std::size_t i = 0; i < r.rel_errors.size() && i < 6; ++i)
       j["rel_error_" + job::kLayerErrorNames[i]] = number(r.rel_errors[i]);
@@ -259,6 +260,8 @@ void print_layer_bench(const json& recs) {
               size(r0["chunk_size"]), size(r0["repeats"]), size(r0["warmup_steps"]),
               size(r0["warmup_steps"]) == 1 ? "" : "s",
               r0["keep_forward"].get<bool>() ? "kept for the backward (kda::ForwardCache)" : "recomputed (--recompute)");
+  if (r0.contains("docs") && !r0["docs"].is_null())
+    std::printf("packed: the T tokens are %zu documents of random lengths (--docs, cu_seqlens)\n\n", size(r0["docs"]));
   t.print();
   std::printf("\nGFLOP/s: 34*B*T*HV*K*V flops (the recurrent algorithm's count on one device, %.2f GFLOP) per "
               "forward+backward wall time,\nthe same count for every algorithm and run; %% peak: of the FP32 FMA "

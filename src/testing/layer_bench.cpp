@@ -8,6 +8,7 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
+#include "kdacp/testing/packing.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 
@@ -43,6 +44,7 @@ void check(const LayerBenchConfig& c) {
          << " tokens, expected at most one rank per token";
     throw InvalidArgument(what.str());
   }
+  packed_sequences(Packing{{}, c.docs}, c.shape.batch, c.shape.tokens);
 }
 
 std::size_t cp_threads(const LayerBenchConfig& c) {
@@ -61,6 +63,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
   job.final_states = false;
   job.keep_forward = c.keep_forward;
   job.warmup_steps = c.warmup_steps;
+  if (c.docs > 0) job.cu_seqlens = packed_cu_seqlens(Packing{{}, c.docs}, s.batch, s.tokens, c.seed);
   job.sequences();
 
   const std::size_t hw = ThreadPool::default_threads(1);
@@ -164,18 +167,19 @@ double layer_bench_bytes(const LayerBenchConfig& c) {
   // The job: q, k, v, g, beta (as large as their gradients) and d_o.
   const double job = out + double(s.batch) * double(s.tokens) * double(s.value_heads) * double(s.value_dim) * 4;
   const double kept = double(c.algorithms.size() + 1) * out;
-  double run = c.single ? job::layer_run_bytes(s, s.batch, 1, true, sizeof(float), 0) : 0.0;
+  const std::size_t sequences = c.docs > 0 ? c.docs : s.batch;
+  double run = c.single ? job::layer_run_bytes(s, sequences, 1, true, sizeof(float), 0) : 0.0;
   if (c.ranks > 0) {
     ExchangeOptions eo = c.exchange;
     if (!eo.expected_shape) eo.expected_shape = job::layer_summary_shape(s);
     const ProblemShape ps{c.ranks, s.batch * s.value_heads, s.key_dim, s.value_dim, sizeof(float)};
     const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
-    run = std::max(run, job::layer_run_bytes(s, s.batch, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
+    run = std::max(run, job::layer_run_bytes(s, sequences, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
   }
   // One forward cache at a time (the largest: the one-rank run's whole stream).
   const bool chunk = std::find(c.algorithms.begin(), c.algorithms.end(), kda::Algorithm::chunk) != c.algorithms.end();
   const double cache = c.keep_forward && chunk
-                           ? job::layer_cache_bytes(s, kda::Algorithm::chunk, s.tokens, s.batch + c.ranks, sizeof(float))
+                           ? job::layer_cache_bytes(s, kda::Algorithm::chunk, s.tokens, sequences + c.ranks, sizeof(float))
                            : 0.0;
   return job + kept + run + cache;
 }

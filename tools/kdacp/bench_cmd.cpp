@@ -114,6 +114,11 @@ void add_layer_command(CLI::App& bench) {
   cmd->add_flag("--phases", c.phases,
                 "also report where each run's time goes: the slowest rank's summary, G pass, exchange, forward and "
                 "backward (with --cold, cold and warm and their difference)");
+  add_int(*cmd, "--docs", c.docs,
+          "pack the T tokens into this many documents of random lengths (each >= 1, seeded by --seed; B = 1), "
+          "as kdacp run --docs, and run the layer over them with cu_seqlens",
+          IntRange{1, 1 << 24})
+      ->default_str("none");
   add_int(*cmd, "--seed", c.seed, "input seed", IntRange{});
   add_max_memory(*cmd, a->max_memory);
   cmd->add_flag("--json", a->json, "print one JSON array of flat records instead of a table");

@@ -46,6 +46,10 @@ struct LayerBenchConfig {
   bool cold = false;
   // `--phases`: the report adds where each run's time went (LayerBenchRecord::phases).
   bool phases = false;
+  // Pack the T tokens into this many documents (0: none, each row one
+  // sequence): B = 1 and cu_seqlens of a random packing seeded by `seed`,
+  // the one `kdacp run --docs` draws (testing::packed_cu_seqlens).
+  std::size_t docs = 0;
 };
 
 struct LayerBenchRecord {
@@ -89,10 +93,11 @@ struct LayerBenchResult {
 using LayerBenchProgress =
     std::function<void(const std::string& mode, kda::Algorithm, double seconds, std::size_t done, std::size_t total)>;
 
-// Runs the sweep in float32 (no packed sequences, zero h0 and dht): every
-// algorithm on the same synthetic inputs and d_o. Throws InvalidArgument for
-// a bad shape, no algorithms, repeats = 0, neither mode, or a P larger than
-// T, before anything runs; what the layer throws otherwise.
+// Runs the sweep in float32 (packed sequences only with config.docs, zero h0
+// and dht): every algorithm on the same synthetic inputs and d_o. Throws
+// InvalidArgument for a bad shape, no algorithms, repeats = 0, neither mode,
+// a P larger than T, or docs with B > 1 or more documents than tokens, before
+// anything runs; what the layer throws otherwise.
 LayerBenchResult bench_layer(const LayerBenchConfig& config, const LayerBenchProgress& progress = {});
 
 // The records whose errors are NaN or above their tolerance, one line each:
