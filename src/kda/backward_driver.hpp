@@ -3,6 +3,7 @@
 // algorithms, which differ only in how they compute one pair.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 
@@ -10,6 +11,38 @@
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda::detail {
+
+// dq, dk of every (b, key head h) at tokens [lo, lo + count) of the
+// [B,T,H,K] gradients: the sum of its value heads' partials
+// ([B·HV][count][K] each) in value-head order, per token, so the bits do not
+// depend on the thread count. Split over (b, h, block of tokens).
+template <class T>
+void sum_group_partials(const Shape& s, const Grads<T>& grads, std::size_t lo, std::size_t count,
+                        const T* partial_dq, const T* partial_dk, ThreadPool* pool) {
+  constexpr std::size_t kBlock = 256;
+  const std::size_t group = s.group(), head_qk = count * s.key_dim;
+  const std::size_t blocks = (count + kBlock - 1) / kBlock;
+  parallel_ranges(pool, s.batch * s.heads * blocks,
+                  [&](std::size_t begin, std::size_t end, std::size_t) {
+    for (std::size_t p = begin; p < end; ++p) {
+      const std::size_t b = p / (s.heads * blocks), h = p / blocks % s.heads;
+      const std::size_t t0 = p % blocks * kBlock, t1 = std::min(count, t0 + kBlock);
+      for (std::size_t t = t0; t < t1; ++t) {
+        T* dq = grads.dq + ((b * s.tokens + lo + t) * s.heads + h) * s.key_dim;
+        T* dk = grads.dk + ((b * s.tokens + lo + t) * s.heads + h) * s.key_dim;
+        for (std::size_t i = 0; i < s.key_dim; ++i) dq[i] = dk[i] = 0;
+        for (std::size_t j = h * group; j < (h + 1) * group; ++j) {
+          const T* pq = partial_dq + (b * s.value_heads + j) * head_qk + t * s.key_dim;
+          const T* pk = partial_dk + (b * s.value_heads + j) * head_qk + t * s.key_dim;
+          for (std::size_t i = 0; i < s.key_dim; ++i) {
+            dq[i] += pq[i];
+            dk[i] += pk[i];
+          }
+        }
+      }
+    }
+  });
+}
 
 // Runs head(in_head, out, d_o_head, p, scratch) for every pair p = b·HV + j
 // on exec.pool, with `out` pointing at that pair's gradients and one Scratch
@@ -50,26 +83,7 @@ void backward_over_heads(const Inputs<T>& in, const T* d_o, const Grads<T>& grad
       head(head_inputs(in, b, j), out, d_o + token_major_offset(s, b, j, s.value_dim), p, scratch);
     }
   });
-  if (group == 1) return;
-  parallel_ranges(exec.pool, s.batch * s.heads,
-                  [&](std::size_t begin, std::size_t end, std::size_t) {
-    for (std::size_t p = begin; p < end; ++p) {
-      const std::size_t b = p / s.heads, h = p % s.heads;
-      for (std::size_t t = 0; t < s.tokens; ++t) {
-        T* dq = grads.dq + ((b * s.tokens + t) * s.heads + h) * s.key_dim;
-        T* dk = grads.dk + ((b * s.tokens + t) * s.heads + h) * s.key_dim;
-        for (std::size_t i = 0; i < s.key_dim; ++i) dq[i] = dk[i] = 0;
-        for (std::size_t j = h * group; j < (h + 1) * group; ++j) {
-          const T* pq = partial_dq.data() + (b * s.value_heads + j) * head_qk + t * s.key_dim;
-          const T* pk = partial_dk.data() + (b * s.value_heads + j) * head_qk + t * s.key_dim;
-          for (std::size_t i = 0; i < s.key_dim; ++i) {
-            dq[i] += pq[i];
-            dk[i] += pk[i];
-          }
-        }
-      }
-    }
-  });
+  if (group > 1) sum_group_partials(s, grads, 0, s.tokens, partial_dq.data(), partial_dk.data(), exec.pool);
 }
 
 }  // namespace kdacp::kda::detail

@@ -14,6 +14,7 @@
 // into them), never copies.
 #include "kda/sequences.hpp"
 
+#include "kda/backward_driver.hpp"
 #include "kda/chunk.hpp"
 #include "kda/kda_kernels.hpp"
 #include "kda/parts.hpp"
@@ -274,31 +275,9 @@ void backward_runs(const Inputs<T>& local, const std::vector<BackwardRun<T>>& ru
                         ws);
         });
   }
-  if (group == 1) return;
-  // dq, dk of (b, h) = the sum of its value heads' partials in value-head
-  // order, per token: split over (b, h, block of tokens).
-  constexpr std::size_t kBlock = 256;
-  const std::size_t blocks = (whole.count + kBlock - 1) / kBlock;
-  parallel_ranges(exec.pool, s.batch * s.heads * blocks,
-                  [&](std::size_t begin, std::size_t end, std::size_t) {
-    for (std::size_t p = begin; p < end; ++p) {
-      const std::size_t b = p / (s.heads * blocks), h = p / blocks % s.heads;
-      const std::size_t t0 = p % blocks * kBlock, t1 = std::min(whole.count, t0 + kBlock);
-      for (std::size_t t = t0; t < t1; ++t) {
-        T* dq = grads.dq + ((b * s.tokens + whole.lo + t) * s.heads + h) * s.key_dim;
-        T* dk = grads.dk + ((b * s.tokens + whole.lo + t) * s.heads + h) * s.key_dim;
-        for (std::size_t i = 0; i < s.key_dim; ++i) dq[i] = dk[i] = 0;
-        for (std::size_t j = h * group; j < (h + 1) * group; ++j) {
-          const T* pq = partial_dq.data() + (b * s.value_heads + j) * head_qk + t * s.key_dim;
-          const T* pk = partial_dk.data() + (b * s.value_heads + j) * head_qk + t * s.key_dim;
-          for (std::size_t i = 0; i < s.key_dim; ++i) {
-            dq[i] += pq[i];
-            dk[i] += pk[i];
-          }
-        }
-      }
-    }
-  });
+  if (group > 1)
+    detail::sum_group_partials(s, grads, whole.lo, whole.count, partial_dq.data(), partial_dk.data(),
+                               exec.pool);
 }
 
 template <class T>
