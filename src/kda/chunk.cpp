@@ -118,16 +118,12 @@ template <class T>
 void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T* incoming,
                       const T* d_o, const T* d_final, const Grads<T>& grads,
                       const ExecPolicy& exec, const T* kept) {
-  struct Scratch {
-    ChunkWork<T> w;
-    ChunkBackWork<T> bw;
-  };
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   const std::size_t rec = chunk_saved_layout(s.tokens, s.key_dim, s.value_dim).total;
-  backward_over_heads<Scratch>(in, d_o, grads, exec,
+  backward_over_heads<ChunkBackScratch<T>>(in, d_o, grads, exec,
                                [&](const HeadInputs<T>& head, const HeadGrads<T>& out, const T* head_do,
-                                   std::size_t p, Scratch& scratch) {
+                                   std::size_t p, ChunkBackScratch<T>& scratch) {
     kern.backward(head, s.tokens, s.key_dim, s.value_dim, in.scale, incoming ? incoming + p * kv : nullptr,
                   head_do, s.value_heads * s.value_dim, d_final ? d_final + p * kv : nullptr, out, scratch.w,
                   scratch.bw, kept ? kept + p * rec : nullptr);

@@ -126,6 +126,14 @@ struct ChunkBackWork {
   }
 };
 
+// One thread's scratch for chunk backward calls: the forward's and the
+// backward's own.
+template <class T>
+struct ChunkBackScratch {
+  ChunkWork<T> w;
+  ChunkBackWork<T> bw;
+};
+
 // The per-head chunk kernels of one target, for one element type.
 template <class T>
 struct ChunkKernels {

@@ -125,12 +125,6 @@ void run_items(const ExecPolicy& exec, const std::vector<Item>& items, Fn&& fn) 
 }
 
 template <class T>
-struct ChunkScratch {
-  detail::ChunkWork<T> w;
-  detail::ChunkBackWork<T> bw;
-};
-
-template <class T>
 struct SummaryScratch {
   detail::SweepScratch<T> sweep;
   std::vector<T> vecs;
@@ -253,7 +247,8 @@ void backward_runs(const Inputs<T>& local, const std::vector<BackwardRun<T>>& ru
   const std::size_t do_stride = s.value_heads * s.value_dim;
   if (exec.algorithm == Algorithm::chunk) {
     const detail::ChunkKernels<T>& kern = detail::chosen_chunk_kernels<T>();
-    run_items<ChunkScratch<T>>(exec, items, [&](const Item& it, ChunkScratch<T>& sc) {
+    using Scratch = detail::ChunkBackScratch<T>;
+    run_items<Scratch>(exec, items, [&](const Item& it, Scratch& sc) {
       const BackwardRun<T>& r = runs[it.piece];
       const std::size_t b = it.pair / s.value_heads, j = it.pair % s.value_heads;
       kern.backward(head_at(local, b, j, r.span.lo), r.span.count, s.key_dim, s.value_dim,
@@ -450,7 +445,7 @@ PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const
   };
   if (chunk) {
     struct Scratch {
-      ChunkScratch<T> kernel;
+      detail::ChunkBackScratch<T> kernel;
       Unused unused;
     };
     const detail::ChunkKernels<T>& kern = detail::chosen_chunk_kernels<T>();
