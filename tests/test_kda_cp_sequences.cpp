@@ -25,6 +25,7 @@
 #include "kdacp/inprocess.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/protocol.hpp"
+#include "kda_cp_stream_runner.hpp"
 #include "kda_sequence_reference.hpp"
 
 namespace kdacp::kda {
@@ -37,6 +38,12 @@ using test::make_problem;
 using test::reference;
 using test::rel_error;
 using test::shape_of;
+using test::CpRun;
+using Method = test::RowConfig;
+using test::cast_all;
+using test::run_layer;
+using test::same_bits;
+using test::stream_sequences;
 
 // T = 48. Even splits: P = 4 parts of 12, P = 8 of 6, P = 3 of 16. Sequences
 // inside one rank ([0,5)), of one token ([5,6), [40,41)), ending at a rank
@@ -55,23 +62,6 @@ const Case* const kCases[] = {&kMixed, &kLong, &kTokens, &kRows};
 
 template <class T>
 constexpr double kTolerance = std::is_same_v<T, double> ? 1e-12 : 2e-5;
-
-// A protocol configuration of the registry.
-struct Method {
-  ProtocolConfig config;
-  bool exact = true;
-  double bound = 0;  // the documented error bound of a reassociating row
-};
-
-std::vector<Method> methods_for(std::size_t p, const Shape& s) {
-  std::vector<Method> out;
-  for (const ProtocolDescriptor* row : protocol_registry()) {
-    if (row->chooser()) continue;
-    for (const ProtocolConfig& c : valid_configs(*row, p, s.value_dim))
-      out.push_back({c, row->exact(), error_bound(*row, p, s.key_dim)});
-  }
-  return out;
-}
 
 // Per-rank token counts: empty (the default ⌈T/P⌉/⌊T/P⌋ split) or uneven.
 std::vector<std::vector<std::size_t>> splits_for(std::size_t tokens, std::size_t p) {
@@ -96,108 +86,6 @@ std::string counts_name(const std::vector<std::size_t>& counts) {
   return n.str();
 }
 
-// What the P ranks of one layer call produce: token outputs assembled from
-// the ranks' ranges, and every rank's copy of ht and dh0.
-template <class T>
-struct CpRun {
-  Result<T> r;
-  std::vector<std::vector<T>> ht, dh0;
-  explicit CpRun(const Case& c) : r(c) {}
-};
-
-// A rank's parts of a [B,T,inner] tensor, concatenated in token order into
-// its local [B,T_local,inner] tensor, and back.
-template <class T>
-std::vector<T> gather_parts(const std::vector<T>& full, std::size_t batch, std::size_t tokens,
-                            std::size_t inner, const std::vector<Part>& parts,
-                            std::size_t local_tokens) {
-  std::vector<T> local(batch * local_tokens * inner);
-  for (std::size_t b = 0; b < batch; ++b)
-    for (const Part& part : parts)
-      std::copy_n(full.begin() + (b * tokens + part.begin) * inner, (part.end - part.begin) * inner,
-                  local.begin() + (b * local_tokens + part.local_begin) * inner);
-  return local;
-}
-
-template <class T>
-void scatter_parts(const std::vector<T>& local, std::size_t batch, std::size_t tokens,
-                   std::size_t inner, const std::vector<Part>& parts, std::size_t local_tokens,
-                   std::vector<T>& full) {
-  for (std::size_t b = 0; b < batch; ++b)
-    for (const Part& part : parts)
-      std::copy_n(local.begin() + (b * local_tokens + part.local_begin) * inner,
-                  (part.end - part.begin) * inner,
-                  full.begin() + (b * tokens + part.begin) * inner);
-}
-
-Sequences stream_sequences(const Case& c) {
-  return c.cu.empty() ? Sequences(c.shape.batch, c.shape.tokens)
-                      : Sequences(c.shape.batch, c.shape.tokens, std::span(c.cu));
-}
-
-// One forward + backward through the layer. dht[r] is rank r's loss's
-// gradient on ht (empty: none). Without a layout, the layer of the plain
-// constructor over contiguous_stream(counts); with one, the layer built for it.
-template <class T>
-CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, std::size_t ranks,
-                   const std::vector<std::size_t>& counts, const Method& m,
-                   const std::optional<Layout>& layout = std::nullopt) {
-  const Case& c = p.c;
-  const Shape& s = c.shape;
-  CpRun<T> out(c);
-  out.ht.assign(ranks, std::vector<T>(c.states()));
-  out.dh0.assign(ranks, std::vector<T>(c.states()));
-  run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t rank = comm->rank();
-    auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
-    ExchangeOptions options;
-    options.segments = m.config.segments;
-    const auto group = static_cast<long long>(m.config.group_size);
-    std::optional<ContextParallelLayer<T>> built;
-    if (layout)
-      built.emplace(mesh, m.config.method, *layout, group, options);
-    else
-      built.emplace(mesh, m.config.method, group, options);
-    ContextParallelLayer<T>& layer = *built;
-    const Stream stream =
-        layout ? Stream{stream_sequences(c), *layout}
-               : layer.contiguous_stream(s.batch, s.tokens, std::span(c.cu), counts);
-    const std::vector<Part> parts = stream.layout.local_parts(rank);
-    Shape ls = s;
-    ls.tokens = stream.layout.local_tokens(rank);
-    const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim,
-                      gk = s.value_heads * s.key_dim, bh = s.value_heads;
-    auto local = [&](const std::vector<T>& full, std::size_t inner) {
-      return gather_parts(full, s.batch, s.tokens, inner, parts, ls.tokens);
-    };
-    const std::vector<T> q = local(p.q, qk), k = local(p.k, qk), v = local(p.v, vv),
-                         g = local(p.g, gk), beta = local(p.beta, bh), d_o = local(p.d_o, vv);
-    const Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, p.scale};
-    std::vector<T> o(ls.v_elems()), dq(ls.qk_elems()), dk(ls.qk_elems()), dv(ls.v_elems()),
-        dg(ls.g_elems()), dbeta(ls.beta_elems());
-    const Sequences& seqs = stream.sequences;
-    const Saved saved = layer.forward(in, stream, p.states(p.h0), o.data(),
-                                      sequence_states(out.ht[rank].data(), seqs, ls));
-    layer.backward(in, saved, p.states(p.h0), d_o.data(),
-                   dht.empty() ? SequenceStates<const T>{} : p.states(dht[rank]),
-                   Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data()},
-                   sequence_states(out.dh0[rank].data(), seqs, ls));
-    // Disjoint token ranges: ranks write their own parts of the outputs.
-    auto put = [&](const std::vector<T>& x, std::size_t inner, std::vector<T>& full) {
-      scatter_parts(x, s.batch, s.tokens, inner, parts, ls.tokens, full);
-    };
-    put(o, vv, out.r.o);
-    put(dq, qk, out.r.dq);
-    put(dk, qk, out.r.dk);
-    put(dv, vv, out.r.dv);
-    put(dg, gk, out.r.dg);
-    put(dbeta, bh, out.r.dbeta);
-  });
-  out.r.ht = out.ht.front();
-  out.r.dh0 = out.dh0.front();
-  return out;
-}
-
 // Rank r's dht: random, and their sum in rank order for the reference.
 std::vector<std::vector<double>> dht_by_rank(const Case& c, std::size_t ranks, std::uint64_t seed,
                                              std::vector<double>& sum) {
@@ -208,25 +96,6 @@ std::vector<std::vector<double>> dht_by_rank(const Case& c, std::size_t ranks, s
   for (auto& d : out)
     for (std::size_t i = 0; i < d.size(); ++i) sum[i] += d[i] = dist(rng);
   return out;
-}
-
-template <class T>
-std::vector<std::vector<T>> cast_all(const std::vector<std::vector<double>>& x) {
-  std::vector<std::vector<T>> out;
-  for (const auto& e : x) out.emplace_back(e.begin(), e.end());
-  return out;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-template <class T>
-bool same_bits(const Result<T>& a, const Result<T>& b) {
-  return same_bits(a.o, b.o) && same_bits(a.ht, b.ht) && same_bits(a.dq, b.dq) &&
-         same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv) && same_bits(a.dg, b.dg) &&
-         same_bits(a.dbeta, b.dbeta) && same_bits(a.dh0, b.dh0);
 }
 
 template <class T>
@@ -252,7 +121,7 @@ void check_ranks(std::size_t ranks) {
     const std::vector<std::vector<T>> local_dht = cast_all<T>(dht);
     for (const std::vector<std::size_t>& counts : splits_for(c->shape.tokens, ranks)) {
       std::optional<CpRun<T>> chain;
-      for (const Method& m : methods_for(ranks, c->shape)) {
+      for (const Method& m : test::row_configs(ranks, c->shape)) {
         const std::string what = c->name + ", P=" + std::to_string(ranks) + ", " +
                                  counts_name(counts) + ", " + protocol_label(m.config);
         const CpRun<T> got = run_layer(p, local_dht, ranks, counts, m);
@@ -421,7 +290,7 @@ void matches_plain_layer(std::size_t ranks) {
   const Case c{"plain", shape_of(2, 30, 1, 2, 16, 32), {}};
   const Problem<T> p = make_problem(c, 21).cast<T>();
   const Shape& s = c.shape;
-  for (const Method& m : methods_for(ranks, s)) {
+  for (const Method& m : test::row_configs(ranks, s)) {
     std::vector<std::vector<T>> plain(ranks), stream(ranks);
     run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
       const std::size_t rank = comm->rank();

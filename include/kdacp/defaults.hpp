@@ -39,6 +39,13 @@ inline constexpr kda::Algorithm kAlgorithm = kda::Algorithm::chunk;
 // keep_forward=False).
 inline constexpr bool kKeepForward = true;
 
+// Off: the layer's exchange composes each rank's summary (fast, the bits
+// depend on P and the layout). On (ExecPolicy::deterministic, the CLI's
+// --deterministic, kdacp.torch's deterministic=True): the state walks from
+// rank to rank in chain order, every output the same bytes for every CP
+// degree, layout and protocol (docs/determinism.md has the rule and cost).
+inline constexpr bool kDeterministic = false;
+
 // How long any rank waits for a peer before failing the job (the
 // communicators' bound on every blocking wait; under mpirun also MPI
 // start-up). A peer may be computing its own part before it sends: at the

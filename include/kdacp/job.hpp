@@ -47,6 +47,9 @@ struct LayerJob {
   // (kda::ForwardCache; ContextParallelLayer::keep_forward), for a faster
   // backward at ≈ 1.25× the inputs' memory (layer_cache_bytes).
   bool keep_forward = defaults::kKeepForward;
+  // The CP layer's deterministic mode (ExecPolicy::deterministic,
+  // docs/determinism.md): outputs the same bytes for every P and layout.
+  bool deterministic = defaults::kDeterministic;
   // Untimed forward+backward steps before the timed one, on the same layer
   // and buffers (a training loop's steady state: no fresh pages, the
   // forward cache reused); the outputs are the same bits either way.

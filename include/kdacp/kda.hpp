@@ -157,6 +157,9 @@ class ForwardCache {
   }
   void release();
   void rewind() { next_ = 0; }
+  // The next take() reads record `record` (<= records(); the layer's
+  // deterministic backward runs its parts in reverse).
+  void seek(std::size_t record);
 
   // kda::forward's and kda::backward's side (any caller may pass a cache
   // through; these two are what they call).

@@ -54,6 +54,9 @@ struct Saved {
   // otherwise): one record per sequence piece of every part, in order.
   std::shared_ptr<ForwardCache<float>> kept_f32;
   std::shared_ptr<ForwardCache<double>> kept_f64;
+  // The forward ran the deterministic mode (ExecPolicy::deterministic):
+  // its backward does too, and `transfer` is empty.
+  bool deterministic = false;
 
   // kept_f32 or kept_f64, by element type.
   template <class T>
@@ -195,6 +198,22 @@ class ContextParallelLayer {
   void algorithm(Algorithm a) { exec_.algorithm = a; }
   Algorithm algorithm() const { return exec_.algorithm; }
 
+  // The deterministic mode of the following forwards (ExecPolicy::
+  // deterministic; the constructor's exec sets it first; a backward runs in
+  // its forward's mode). On, the exchange is not used: each part receives
+  // its incoming state from the part before it in chain order, computed by
+  // that part's own forward from its incoming state (and the backward's
+  // state gradient likewise in reverse), so o, ht, dq, dk, dv, dg, dbeta,
+  // dh0 and d_incoming are the same bytes for every P, layout, method and
+  // thread count, and equal kda::forward_sequences / backward_sequences on
+  // one process. With Algorithm::chunk every part that continues a sequence
+  // must start a multiple of kChunkSize tokens into it (else InvalidArgument
+  // naming the part). The price: the parts' walks run one after another
+  // (docs/determinism.md measures it). dht is still summed over ranks in
+  // rank order: the bytes are P-invariant when one rank gives it.
+  void deterministic(bool on) { exec_.deterministic = on; }
+  bool deterministic() const { return exec_.deterministic; }
+
   // LayerChecks::check_finite, for the following calls.
   void check_finite(bool on) { check_finite_ = on; }
   bool checks_finite() const { return check_finite_; }
@@ -219,6 +238,19 @@ class ContextParallelLayer {
   // Runs `checks` (this rank's argument checks), then agree() over comm_
   // with `fields` and their error, if any: every rank throws or none.
   void agree_on(const char* op, const Fingerprint& fields, const std::function<void()>& checks) const;
+  // The deterministic mode's chain (see deterministic()): the parts' forwards
+  // in chain order, each from the state its predecessor hands on; returns
+  // each part's incoming state. The backward: in reverse, each part's
+  // d_end from its successor's gradient w.r.t. its incoming state.
+  std::vector<State> chain_forward(const Inputs<T>& in, const Stream& stream,
+                                   const std::vector<Part>& parts, const std::vector<PartInfo>& infos,
+                                   SequenceStates<const Elem<T>> h0, Elem<T>* o,
+                                   SequenceStates<Elem<T>> ht, ForwardCache<Elem<T>>* cache);
+  void chain_backward(const Inputs<T>& in, const Saved& saved, const std::vector<Part>& parts,
+                      const std::vector<PartInfo>& infos, SequenceStates<const Elem<T>> h0,
+                      const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
+                      const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0,
+                      ForwardCache<Elem<T>>* kept);
   // Both constructors: the agreement at construction, then the exchange.
   void build(const DeviceMesh& mesh, const std::string& method, long long allgather_group_size,
              ExchangeOptions options, const Layout* layout, const Fingerprint& caller);

@@ -35,6 +35,10 @@ struct ExecPolicy {
   KernelKind kernel = KernelKind::best;
   // How the KDA math computes (kda.hpp); the exchange ignores it.
   kda::Algorithm algorithm = defaults::kAlgorithm;
+  // kda::ContextParallelLayer's deterministic mode (docs/determinism.md):
+  // the same bytes for every CP degree, layout and protocol; the exchange
+  // ignores it, single-rank calls are that mode's P = 1 already.
+  bool deterministic = defaults::kDeterministic;
 };
 
 // One slab step: C[K×V] = op(M)[K×K]·X[K×V] + S[K×V]; leading dimensions in

@@ -224,7 +224,8 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   kda::LayerChecks checks;
   checks.agree = options.agree;
   kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
-                                     ExecPolicy{&pool, eo.exec.kernel, job.algorithm}, checks);
+                                     ExecPolicy{&pool, eo.exec.kernel, job.algorithm, job.deterministic},
+                                     checks);
   layer.keep_forward(job.keep_forward && job.grads());
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);

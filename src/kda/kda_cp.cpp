@@ -97,7 +97,9 @@ void share_rows(Communicator& comm, const SequenceStates<T>& st,
 }
 
 // The sum over ranks of their dht: all-gathered, then added in rank order,
-// so every rank gets the same bits.
+// so every rank gets the same bits. An exact zero is not added: x + 0 is x
+// but for x = -0, so one rank's dht with zeros elsewhere is that dht bit for
+// bit, whatever P (the deterministic mode relies on it).
 template <class T>
 std::vector<T> summed_over_ranks(Communicator& comm, const SequenceStates<const T>& dht) {
   const std::size_t n = dht.sequences * dht.value_heads * dht.key_dim * dht.value_dim;
@@ -107,8 +109,37 @@ std::vector<T> summed_over_ranks(Communicator& comm, const SequenceStates<const 
   comm.all_gather(std::as_writable_bytes(std::span<T>(slots)));
   std::vector<T> sum(slots.begin(), slots.begin() + n);
   for (std::size_t r = 1; r < ranks; ++r)
-    for (std::size_t i = 0; i < n; ++i) sum[i] += slots[r * n + i];
+    for (std::size_t i = 0; i < n; ++i)
+      if (const T x = slots[r * n + i]; x != T(0)) sum[i] += x;
   return sum;
+}
+
+// The deterministic mode with Algorithm::chunk: one device runs a sequence's
+// chunks from its first token, so a part continuing a sequence must start on
+// one of those chunk boundaries for its walk to be the same bits. Checks
+// every part of the layout (each rank the same), naming the first offender.
+void check_chunk_boundaries(const Stream& stream) {
+  const std::vector<std::size_t>& bounds = stream.sequences.boundaries();
+  for (const LayoutPart& p : stream.layout.parts()) {
+    const std::size_t start = *(std::upper_bound(bounds.begin(), bounds.end(), p.begin) - 1);
+    if ((p.begin - start) % kChunkSize != 0)
+      throw InvalidArgument(fmt::format(
+          "deterministic mode with algorithm chunk: the part [{}, {}) on rank {} starts {} tokens "
+          "into its sequence (tokens [{}, ...)), expected a multiple of {} (the chunk size): a "
+          "cut inside a sequence must fall on a {}-token boundary of that sequence "
+          "(docs/determinism.md), or use algorithm recurrent",
+          p.begin, p.end, p.rank, p.begin - start, start, kChunkSize, kChunkSize));
+  }
+}
+
+// A state's bytes, for a message.
+std::span<std::byte> bytes_of(const State& st) {
+  return {reinterpret_cast<std::byte*>(st.data<unsigned char>()), st.bytes()};
+}
+
+// The chain's message tags: the receiving part's chain position, direction.
+int chain_tag(std::size_t position, bool forward) {
+  return 64 + 2 * static_cast<int>(position) + (forward ? 0 : 1);
 }
 }  // namespace
 
@@ -159,6 +190,13 @@ Fingerprint call_fields(const char* call, const Inputs<T>& in, Algorithm algorit
   f.add_bytes("shape B,H,HV,K,V", std::as_bytes(std::span(dims)), list_text(std::span<const std::size_t>(dims)));
   f.add_real("scale", in.scale);
   f.add_text("algorithm", algorithm_name(algorithm));
+  return f;
+}
+
+template <class T>
+Fingerprint call_fields(const char* call, const Inputs<T>& in, const ExecPolicy& exec) {
+  Fingerprint f = call_fields(call, in, exec.algorithm);
+  f.add_flag("deterministic", exec.deterministic);
   return f;
 }
 
@@ -336,7 +374,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<PartInfo> infos;
   std::vector<State> offsets, transfers;
   std::vector<PartSummary> summaries;
-  Fingerprint fields = call_fields("forward (stream)", in, exec_.algorithm);
+  Fingerprint fields = call_fields("forward (stream)", in, exec_);
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("ht requested", ht.data != nullptr);
@@ -348,7 +386,34 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     check::pointer(o, "", "o");
     check::states(h0, seqs, in.shape, "", "h0");
     check::states(ht, seqs, in.shape, "", "ht");
+    if (exec_.deterministic && exec_.algorithm == Algorithm::chunk) check_chunk_boundaries(stream);
   });
+  // After the ht broadcasts, so that no rank stops before its peers' last
+  // message; ht is the same bits on every rank, so every rank throws for it.
+  const auto check_forward_finite = [&] {
+    const Shape& s = in.shape;
+    std::vector<Named<T>> inputs = input_tensors(in);
+    inputs.push_back({"h0", h0.data, states_shape(h0)});
+    require_finite_results<T>(where(comm_->rank(), "forward"),
+                              {{"ht", ht.data, states_shape(ht)},
+                               {"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
+                              inputs, exec_.pool);
+  };
+  if (exec_.deterministic) {
+    for (const Part& part : parts) infos.push_back(part_info(seqs, part));
+    fwd_ = {};
+    const auto cache = next_cache();
+    std::vector<State> incoming = chain_forward(in, stream, parts, infos, h0, o, ht, cache.get());
+    if (ht.data != nullptr) {
+      t0 = std::chrono::steady_clock::now();
+      share_rows(*comm_, ht, rows_by_part(stream, true));
+      fwd_.exchange += since(t0);
+    }
+    if (check_finite_) check_forward_finite();
+    Saved saved{{}, std::move(incoming), stream, nullptr, nullptr, true};
+    saved.kept<T>() = cache;
+    return saved;
+  }
   on_rank(rank, "forward", [&] {
     const Shape& s = in.shape;
     for (const Part& part : parts) {
@@ -388,17 +453,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     share_rows(*comm_, ht, rows_by_part(stream, true));
     fwd_.exchange += since(t0);
   }
-  // After the ht broadcasts, so that no rank stops before its peers' last
-  // message; ht is the same bits on every rank, so every rank throws for it.
-  if (check_finite_) {
-    const Shape& s = in.shape;
-    std::vector<Named<T>> inputs = input_tensors(in);
-    inputs.push_back({"h0", h0.data, states_shape(h0)});
-    require_finite_results<T>(where(comm_->rank(), "forward"),
-                              {{"ht", ht.data, states_shape(ht)},
-                               {"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
-                              inputs, exec_.pool);
-  }
+  if (check_finite_) check_forward_finite();
   Saved saved{std::move(transfers), std::move(incoming), stream, nullptr, nullptr};
   saved.kept<T>() = cache;
   return saved;
@@ -413,6 +468,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   std::vector<Part> parts;
   std::vector<PartInfo> infos;
   Fingerprint fields = call_fields("backward (stream)", in, exec_.algorithm);
+  fields.add_flag("deterministic (the forward's)", saved.deterministic);
   if (saved.stream) add_stream(fields, *saved.stream);
   else fields.add_text("stream", "none (not a Saved of forward)");
   fields.add_flag("h0 given", h0.data != nullptr);
@@ -445,6 +501,10 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
     dht_total.data = dht_sum.data();
   }
   bwd_.exchange = since(t0);
+  if (saved.deterministic) {
+    bwd_.local = bwd_.summary = 0;
+    chain_backward(in, saved, parts, infos, h0, d_o, dht_total, grads, dh0, kept_of(saved));
+  } else {
   t0 = std::chrono::steady_clock::now();
   std::vector<State> gs;
   std::vector<PartSummary> summaries;
@@ -470,6 +530,7 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
                   kept);
   }
   bwd_.local += since(t0);
+  }
   if (dh0.data != nullptr) {
     t0 = std::chrono::steady_clock::now();
     share_rows(*comm_, dh0, rows_by_part(stream, false));
@@ -485,6 +546,104 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
     inputs.push_back({"dht", dht.data, states_shape(dht)});
     require_finite_results<T>(where(comm_->rank(), "backward"), outputs, inputs, exec_.pool);
   }
+}
+
+// The deterministic chain. Each rank runs its parts in chain order; a part
+// that continues a sequence first receives its incoming state from the part
+// before it (a message, or the rank's own previous part), and a part whose
+// last sequence goes on hands its final state to the next. Every part's
+// walk is then the one-device walk over the same tokens from the same bits.
+template <class T>
+std::vector<State> ContextParallelLayer<T>::chain_forward(
+    const Inputs<T>& in, const Stream& stream, const std::vector<Part>& parts,
+    const std::vector<PartInfo>& infos, SequenceStates<const Elem<T>> h0, Elem<T>* o,
+    SequenceStates<Elem<T>> ht, ForwardCache<Elem<T>>* cache) {
+  const std::size_t rank = comm_->rank();
+  const Shape& s = in.shape;
+  const std::vector<LayoutPart>& layout = stream.layout.parts();
+  const std::vector<std::size_t> chain = stream.layout.owners().parts_of(rank);
+  std::vector<State> incoming, outgoing;
+  std::vector<std::unique_ptr<Request>> sends;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const std::size_t at = chain[i];
+    incoming.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+    auto t0 = std::chrono::steady_clock::now();
+    if (!infos[i].starts_sequence) {
+      if (i > 0 && chain[i - 1] == at - 1)  // the rank's own previous part
+        std::copy_n(outgoing.back().data<T>(), s.state_elems(), incoming.back().data<T>());
+      else
+        comm_->irecv(bytes_of(incoming.back()), layout[at - 1].rank, chain_tag(at, true))->wait();
+    }
+    fwd_.exchange += since(t0);
+    t0 = std::chrono::steady_clock::now();
+    outgoing.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+    part_forward(in, stream.sequences, parts[i],
+                 infos[i].starts_sequence ? nullptr : incoming.back().data<T>(), h0, o, ht, exec_,
+                 cache, infos[i].ends_sequence ? nullptr : outgoing.back().data<T>());
+    fwd_.local += since(t0);
+    if (!infos[i].ends_sequence && layout[at + 1].rank != rank)
+      sends.push_back(comm_->isend(bytes_of(outgoing.back()), layout[at + 1].rank, chain_tag(at + 1, true)));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& send : sends) send->wait();
+  fwd_.exchange += since(t0);
+  return incoming;
+}
+
+template <class T>
+void ContextParallelLayer<T>::chain_backward(
+    const Inputs<T>& in, const Saved& saved, const std::vector<Part>& parts,
+    const std::vector<PartInfo>& infos, SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
+    SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0,
+    ForwardCache<Elem<T>>* kept) {
+  const std::size_t rank = comm_->rank();
+  const Shape& s = in.shape;
+  const Stream& stream = *saved.stream;
+  const std::vector<LayoutPart>& layout = stream.layout.parts();
+  const std::vector<std::size_t> chain = stream.layout.owners().parts_of(rank);
+  // Where each part's records start in the forward's cache (one per piece).
+  std::vector<std::size_t> first_record(parts.size() + 1, 0);
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    first_record[i + 1] = first_record[i] + kdacp::pieces(stream.sequences, parts[i]).size();
+  std::vector<State> d_start(parts.size());
+  std::vector<std::unique_ptr<Request>> sends;
+  for (std::size_t i = parts.size(); i-- > 0;) {
+    const std::size_t at = chain[i];
+    State d_end(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+    auto t0 = std::chrono::steady_clock::now();
+    if (!infos[i].ends_sequence) {
+      if (i + 1 < parts.size() && chain[i + 1] == at + 1)  // the rank's own next part
+        std::copy_n(d_start[i + 1].data<T>(), s.state_elems(), d_end.data<T>());
+      else
+        comm_->irecv(bytes_of(d_end), layout[at + 1].rank, chain_tag(at, false))->wait();
+    }
+    bwd_.exchange += since(t0);
+    t0 = std::chrono::steady_clock::now();
+    // The gradient w.r.t. the part's incoming state: the predecessor's d_end.
+    Grads<Elem<T>> part_grads = grads;
+    part_grads.d_incoming = nullptr;
+    if (!infos[i].starts_sequence) {
+      d_start[i] = State(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+      part_grads.d_incoming = d_start[i].data<T>();
+    } else if (i == 0) {
+      part_grads.d_incoming = grads.d_incoming;  // dh0's rows, copied
+    }
+    if (kept) kept->seek(first_record[i]);
+    part_backward(in, stream.sequences, parts[i],
+                  infos[i].starts_sequence ? nullptr : saved.incoming[i].data<T>(), h0, d_o,
+                  infos[i].ends_sequence ? nullptr : d_end.data<T>(), dht, part_grads, dh0, exec_,
+                  kDefaultCheckpointInterval, kept);
+    bwd_.local += since(t0);
+    if (!infos[i].starts_sequence) {
+      if (i == 0 && grads.d_incoming != nullptr)
+        std::copy_n(d_start[i].data<T>(), s.state_elems(), grads.d_incoming);
+      if (layout[at - 1].rank != rank)
+        sends.push_back(comm_->isend(bytes_of(d_start[i]), layout[at - 1].rank, chain_tag(at - 1, false)));
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& send : sends) send->wait();
+  bwd_.exchange += since(t0);
 }
 
 template <class T>

@@ -323,6 +323,14 @@ T* ForwardCache<T>::append(std::size_t elems) {
 }
 
 template <class T>
+void ForwardCache<T>::seek(std::size_t record) {
+  if (record > used_)
+    throw InvalidArgument(
+        fmt::format("kda::ForwardCache::seek: record {} of {} kept", record, used_));
+  next_ = record;
+}
+
+template <class T>
 const T* ForwardCache<T>::take(std::size_t elems, const char* op) {
   if (next_ >= used_)
     throw InvalidArgument(fmt::format(

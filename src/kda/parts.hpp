@@ -35,11 +35,15 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
 // sequences ending in the part (ht.data null: none), each exactly the state
 // after the sequence's last token. `incoming` (the state entering the part's
 // first token) is required unless the part starts a sequence, then unused.
+// `outgoing` (null: not produced): the state after the part's last token
+// when that token does not end a sequence (unused otherwise), the bits the
+// walk carries on there on one device when the part starts on a chunk
+// boundary of its sequence: the deterministic mode's chain (docs/determinism.md).
 template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {},
-                      ForwardCache<Elem<T>>* keep = nullptr);
+                      ForwardCache<Elem<T>>* keep = nullptr, Elem<T>* outgoing = nullptr);
 
 // G for the backward exchange: the gradient w.r.t. the part's incoming state
 // of the loss on the part's own outputs (o of its tokens, given by d_o, and ht

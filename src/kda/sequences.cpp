@@ -278,7 +278,8 @@ void backward_runs(const Inputs<T>& local, const std::vector<BackwardRun<T>>& ru
 template <class T>
 PartInfo forward_impl(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const T* incoming, SequenceStates<const T> h0, T* o,
-                      SequenceStates<T> ht, const ExecPolicy& exec, ForwardCache<T>* keep) {
+                      SequenceStates<T> ht, const ExecPolicy& exec, ForwardCache<T>* keep,
+                      T* outgoing = nullptr) {
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
   const Shape& s = local.shape;
@@ -289,7 +290,8 @@ PartInfo forward_impl(const Inputs<T>& local, const Sequences& seqs, const Part&
     ForwardRun<T> r;
     r.span = span_of(part, piece);
     r.incoming = piece.starts ? slot(h0, s, *piece.starts) : incoming;
-    r.final_state = piece.ends ? slot(ht, s, *piece.ends) : nullptr;
+    r.final_state = piece.ends ? slot(ht, s, *piece.ends)
+                    : &piece == &pieces.back() ? outgoing : nullptr;
     if (records) {
       r.record = keep->append(
           ForwardCache<T>::record_elems(piece_shape(s, r.span.count), exec.algorithm));
@@ -383,8 +385,9 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
-  return forward_impl(local, seqs, part, incoming, h0, o, ht, exec, keep);
+                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep,
+                      Elem<T>* outgoing) {
+  return forward_impl(local, seqs, part, incoming, h0, o, ht, exec, keep, outgoing);
 }
 
 template <class T>
@@ -529,7 +532,7 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                                     SequenceStates<const T>, T*, T*, const ExecPolicy&);        \
   template PartInfo part_forward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*,  \
                                     SequenceStates<const T>, T*, SequenceStates<T>,             \
-                                    const ExecPolicy&, ForwardCache<T>*);                       \
+                                    const ExecPolicy&, ForwardCache<T>*, T*);                   \
   template PartInfo part_incoming_grad<T>(const Inputs<T>&, const Sequences&, const Part&,      \
                                           const T*, SequenceStates<const T>, T*,                \
                                           const ExecPolicy&);                                   \

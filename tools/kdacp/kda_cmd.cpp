@@ -32,6 +32,7 @@ struct KdaConfig {
   double scale = 0;  // 0: 1/sqrt(K)
   std::size_t threads = 0;
   bool recompute = !defaults::kKeepForward;
+  bool deterministic = defaults::kDeterministic;
 };
 
 // What every rank runs with on `ranks` ranks, after the memory admission
@@ -82,6 +83,7 @@ void run_typed(const KdaConfig& cfg, job::LayerNpy& in, double input_bytes) {
   job::LayerJob<T> job = job::take_layer_job<T>(in, scale);
   job.algorithm = cfg.algorithm;
   job.keep_forward = !cfg.recompute && job.grads();
+  job.deterministic = cfg.deterministic;
   job.sequences();  // every check of the job before any rank starts
   // In-process, P is known here: check once before the ranks start. Under a
   // launcher every process checks with its world's P before any message.
@@ -145,6 +147,7 @@ void add_kda_command(CLI::App& app) {
   add_layout_flags(*cmd, cfg->layout);
   add_algorithm_flag(*cmd, cfg->algorithm);
   add_recompute_flag(*cmd, cfg->recompute);
+  add_deterministic_flag(*cmd, cfg->deterministic);
   add_real(*cmd, "--scale", cfg->scale, "output scale (default 1/sqrt(K))", kPositive)->default_str("1/sqrt(K)");
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

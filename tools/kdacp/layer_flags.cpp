@@ -58,6 +58,14 @@ CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute) {
                           std::string(recompute ? "on" : "off (the forward keeps them)"));
 }
 
+CLI::Option* add_deterministic_flag(CLI::App& cmd, bool& deterministic) {
+  return cmd.add_flag("--deterministic", deterministic,
+                      "every output the same bytes for every P, --layout, --split, --method and --threads "
+                      "(equal to P = 1): the state walks from part to part in chain order instead of the "
+                      "exchange composing summaries (slower in CP; docs/determinism.md). With --algorithm "
+                      "chunk a cut inside a sequence must fall on a multiple of 64 tokens of that sequence");
+}
+
 void check_layout_flags(const LayoutFlags& flags) {
   if (flags.layout == "zigzag" && !flags.split.empty())
     throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");

@@ -26,6 +26,7 @@ CLI::Option* add_algorithm_flag(CLI::App& cmd, kda::Algorithm& algorithm);
 // defaults::kKeepForward); --recompute keeps only the incoming states (less
 // memory, a slower backward). The results are the same bits either way.
 CLI::Option* add_recompute_flag(CLI::App& cmd, bool& recompute);
+CLI::Option* add_deterministic_flag(CLI::App& cmd, bool& deterministic);
 
 // Parses an --algorithm value as add_algorithm_flag does (for commands that
 // take several, e.g. `kdacp bench layer --algorithms`).

@@ -36,6 +36,7 @@ struct RunConfig {
   std::uint64_t seed = 0;
   std::size_t threads = 0;
   bool json = false, recompute = !defaults::kKeepForward;
+  bool deterministic = defaults::kDeterministic;
   std::string max_memory;
 };
 
@@ -76,6 +77,7 @@ void run(RunConfig& cfg) {
         shape, testing::packed_cu_seqlens(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
     job.algorithm = cfg.algorithm;
     job.keep_forward = !cfg.recompute;
+    job.deterministic = cfg.deterministic;
     // Steady state: every configuration (one device, each protocol) times
     // its second step, as `kdacp bench layer` does; the first faults in
     // pages and fills the forward cache.
@@ -112,6 +114,7 @@ void add_run_command(CLI::App& app) {
   add_layout_flags(*cmd, cfg->layout);
   add_algorithm_flag(*cmd, cfg->algorithm);
   add_recompute_flag(*cmd, cfg->recompute);
+  add_deterministic_flag(*cmd, cfg->deterministic);
   add_int(*cmd, "--seed", cfg->seed, "input seed", IntRange{});
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);
