@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <utility>
 
 #include <fmt/format.h>
@@ -126,6 +127,21 @@ void print(const kda::Shape& shape, const LayerRunSetup& setup, const Report& re
 
 }  // namespace
 
+namespace {
+// Every output's bytes equal (o, ht, the gradients, dh0).
+bool same_bytes(const job::LayerOutputs<float>& a, const job::LayerOutputs<float>& b) {
+  for (auto field : {&job::LayerOutputs<float>::o, &job::LayerOutputs<float>::dq, &job::LayerOutputs<float>::dk,
+                     &job::LayerOutputs<float>::dv, &job::LayerOutputs<float>::dg, &job::LayerOutputs<float>::dbeta,
+                     &job::LayerOutputs<float>::ht, &job::LayerOutputs<float>::dh0}) {
+    const std::vector<float>& x = a.*field;
+    const std::vector<float>& y = b.*field;
+    if (x.size() != y.size() || (!x.empty() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) != 0))
+      return false;
+  }
+  return true;
+}
+}  // namespace
+
 job::LayerJob<float> synthetic_layer_job(const kda::Shape& shape, std::vector<std::int64_t> cu_seqlens,
                                          std::uint64_t seed) {
   job::LayerJob<float> job;
@@ -177,6 +193,17 @@ void run_layer_comparison(const std::shared_ptr<Communicator>& world, const job:
                             "reassociating protocol's bound); {}",
                             job::kLayerFloat32Tolerance, fmt::join(failures, "; ")));
   if (!cmp->all_bitwise) throw Error("exact protocols disagree bitwise");
+  if (!job.deterministic) return;
+  // The deterministic mode's promise: every configuration is the single-rank
+  // layer's bytes, whatever the protocol (exact or not).
+  std::vector<std::string> differ;
+  for (const auto& r : cmp->runs)
+    if (r.skipped.empty() && !same_bytes(r.out, single)) differ.push_back(r.label);
+  if (!json)
+    std::printf("deterministic mode: outputs and gradients bitwise equal to the single-rank layer: %s\n",
+                differ.empty() ? "yes (every configuration)" : fmt::format("NO ({})", fmt::join(differ, ", ")).c_str());
+  if (!differ.empty())
+    throw Error(fmt::format("--deterministic: {} not bitwise equal to the single-rank layer", fmt::join(differ, ", ")));
 }
 
 }  // namespace kdacp::testing
