@@ -132,17 +132,22 @@ void add_layer_phases(json& j, const LayerBenchRecord& r, bool cold) {
   j["allocation_seconds"] = cold ? json(r.cold_phases.total() - r.phases.total()) : json(nullptr);
 }
 
+// A layer record's run as the tables name it.
+std::string run_label(const json& r) {
+  return r["run"] == "single" ? "one rank" : r["run"] == "cp" ? "context-parallel" : "deterministic CP";
+}
+
 // The --phases table: a row per run and step (warm; cold with --cold).
 void print_layer_phases(const json& recs) {
   Table t({"run", "algorithm", "step", "rank", "summary", "G pass", "exchange", "forward", "backward", "total",
            "cold - warm"});
   for (const auto& r : recs) {
-    const bool cp = r["run"] == "cp";
+    const bool cp = r["run"] != "single";
     for (const std::string prefix : {"phase_", "cold_phase_"}) {
       if (!r.contains(prefix + "rank")) continue;
       const bool cold = prefix == "cold_phase_";
       const auto f = [&](const char* name) { return ms(r[prefix + name]); };
-      t.add({cp ? "context-parallel" : "one rank", r["algorithm"].get<std::string>(), cold ? "cold" : "warm",
+      t.add({run_label(r), r["algorithm"].get<std::string>(), cold ? "cold" : "warm",
              fmt::format("{} of {}", size(r[prefix + "rank"]), size(r["P"])), cp ? f("summary_seconds") : "-",
              cp ? f("g_seconds") : "-", cp ? f("exchange_seconds") : "-", f("forward_seconds"),
              f("backward_seconds"), f("total_seconds"), cold ? ms(r["allocation_seconds"]) : "-"});
@@ -163,7 +168,8 @@ json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::ve
   if (show_progress)
     progress = [](const std::string& mode, kda::Algorithm a, double seconds, std::size_t done, std::size_t total) {
       std::fprintf(stderr, "kdacp bench: [%zu/%zu] %s %s: forward+backward %.1f ms\n", done, total,
-                   mode == "cp" ? "context-parallel" : "one rank", kda::algorithm_name(a), seconds * 1e3);
+                   mode == "single" ? "one rank" : mode == "cp" ? "context-parallel" : "deterministic CP",
+                   kda::algorithm_name(a), seconds * 1e3);
     };
   const LayerBenchResult res = bench_layer(lc, progress);
   const kda::Shape& s = lc.shape;
@@ -232,7 +238,7 @@ void print_layer_bench(const json& recs) {
   Table t({"run", "algorithm", "P x threads", "protocol", "fwd ms", "bwd ms", "fwd+bwd ms", "cold / warm",
            "summary+G", "exchange", "GFLOP/s", "% peak", "speed-up", "err o", "err grads"});
   for (const auto& r : recs) {
-    const bool base = r["algorithm"] == r["baseline"], cp = r["run"] == "cp";
+    const bool base = r["algorithm"] == r["baseline"], cp = r["run"] != "single";
     double grads = 0;
     bool nan = false;
     for (const char* f : {"rel_error_dq", "rel_error_dk", "rel_error_dv", "rel_error_dg", "rel_error_dbeta"}) {
@@ -240,7 +246,7 @@ void print_layer_bench(const json& recs) {
       else grads = std::max(grads, real(r[f]));
     }
     const json& o = r["rel_error_o"];
-    t.add({cp ? "context-parallel" : "one rank", r["algorithm"].get<std::string>(),
+    t.add({run_label(r), r["algorithm"].get<std::string>(),
            fmt::format("{} x {}", size(r["P"]), size(r["threads_per_rank"])), r["protocol"].get<std::string>(),
            ms(r["forward_seconds"]), ms(r["backward_seconds"]), ms(r["seconds"]),
            r["cold_seconds"].is_null() ? "-"

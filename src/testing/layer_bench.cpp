@@ -75,10 +75,12 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
   std::vector<std::string> modes;
   if (c.single) modes.emplace_back("single");
   if (c.ranks > 0) modes.emplace_back("cp");
+  if (c.ranks > 0 && c.deterministic) modes.emplace_back("cp deterministic");
   const std::size_t total = modes.size() * c.repeats * c.algorithms.size() * (c.cold ? 2 : 1);
   std::size_t done = 0;
   for (const std::string& mode : modes) {
-    const bool cp = mode == "cp";
+    const bool cp = mode != "single";
+    job.deterministic = mode == "cp deterministic";
     LayerRunOptions opts;
     opts.method = c.method;
     opts.group_size = c.group_size;
@@ -155,7 +157,7 @@ std::vector<std::string> layer_bench_failures(const LayerBenchResult& result) {
     std::string what;
     for (const std::string& e : job::errors_above(r.rel_errors, r.tolerance)) what += (what.empty() ? "" : ", ") + e;
     if (!what.empty())
-      out.push_back(std::string(r.mode == "cp" ? "context-parallel " : "one rank ") + kda::algorithm_name(r.algorithm) +
+      out.push_back(std::string(r.mode == "cp" ? "context-parallel " : r.mode == "single" ? "one rank " : "context-parallel deterministic ") + kda::algorithm_name(r.algorithm) +
                     " vs " + baseline + ": " + what);
   }
   return out;

@@ -114,6 +114,9 @@ void add_layer_command(CLI::App& bench) {
   cmd->add_flag("--phases", c.phases,
                 "also report where each run's time goes: the slowest rank's summary, G pass, exchange, forward and "
                 "backward (with --cold, cold and warm and their difference)");
+  cmd->add_flag("--deterministic", c.deterministic,
+                "also run the context-parallel runs in the deterministic mode (kdacp kda --deterministic), the "
+                "'deterministic CP' rows: the cost of P-invariant bytes beside the default mode");
   add_int(*cmd, "--docs", c.docs,
           "pack the T tokens into this many documents of random lengths (each >= 1, seeded by --seed; B = 1), "
           "as kdacp run --docs, and run the layer over them with cu_seqlens",

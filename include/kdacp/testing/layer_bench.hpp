@@ -46,6 +46,10 @@ struct LayerBenchConfig {
   bool cold = false;
   // `--phases`: the report adds where each run's time went (LayerBenchRecord::phases).
   bool phases = false;
+  // `--deterministic`: after the context-parallel runs, the same in the
+  // deterministic mode (LayerJob::deterministic), run "cp deterministic",
+  // its cost beside the default (errors against the first algorithm, as every run).
+  bool deterministic = false;
   // Pack the T tokens into this many documents (0: none, each row one
   // sequence): B = 1 and cu_seqlens of a random packing seeded by `seed`,
   // the one `kdacp run --docs` draws (testing::packed_cu_seqlens).
