@@ -209,7 +209,9 @@ class ContextParallelLayer {
   // one process. With Algorithm::chunk every part that continues a sequence
   // must start a multiple of kChunkSize tokens into it (else InvalidArgument
   // naming the part). The price: the parts' walks run one after another
-  // (docs/determinism.md measures it). dht is still summed over ranks in
+  // (docs/determinism.md measures it), so a rank may wait up to about one
+  // device's forward for its incoming state: the communicator's timeout
+  // must exceed that. dht is still summed over ranks in
   // rank order: the bytes are P-invariant when one rank gives it.
   void deterministic(bool on) { exec_.deterministic = on; }
   bool deterministic() const { return exec_.deterministic; }
