@@ -1,6 +1,6 @@
 """`kdacp kda --deterministic` (issue 22, docs/determinism.md): the files of every
 CP degree, layout, protocol and thread count are the one-rank run's, byte for
-byte; in-process P = 2, 3, 4, 8 and, with MPIEXEC, mpirun -np 2, 3, 4
+byte; in-process P = 2, 3, 4, 8 and, with MPIEXEC, mpirun -np 1, 2, 3, 4
 (--backend mpi). Packed sequences (one of one token) with h0, dht and do,
 float32 and float64, both algorithms; the recurrent algorithm with cuts
 anywhere. A chunk cut off its sequence's 64-token grid is refused naming the
@@ -87,7 +87,8 @@ def main():
                     assert not differ, (np.dtype(dtype).name, algorithm, p, layout, proto, differ)
                     runs += 1
                 if mpi:
-                    for p, layout in ((2, ()), (3, ("--split", "320,384,320")), (4, ("--layout", "zigzag"))):
+                    for p, layout in ((1, ()), (2, ()), (3, ("--split", "320,384,320")),
+                                      (4, ("--layout", "zigzag"))):
                         out = os.path.join(d, f"{algorithm}_mpi{p}")
                         kda(kdacp, "--inputs", d, "--out", out, "--backend", "mpi", *layout, *det,
                             prefix=(mpi[0], "-np", str(p), *mpi[1:]))
