@@ -193,4 +193,19 @@ inline Result<double> reference(const Problem<double>& p) {
 }
 
 
+// The single-rank path (forward_sequences / backward_sequences) over the
+// problem's stream with `exec`: o, ht, the gradients and dh0.
+template <class T>
+Result<T> single_rank_path(const Problem<T>& p, const ExecPolicy& exec) {
+  const Case& c = p.c;
+  Result<T> r(c);
+  const Sequences seqs = c.sequences();
+  forward_sequences(p.inputs(), seqs, p.states(p.h0), r.o.data(),
+                    sequence_states(r.ht.data(), seqs, c.shape), exec);
+  backward_sequences(p.inputs(), seqs, p.states(p.h0), p.d_o.data(), p.states(p.dht),
+                     Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data()},
+                     sequence_states(r.dh0.data(), seqs, c.shape), exec);
+  return r;
+}
+
 }  // namespace kdacp::kda::test

@@ -56,16 +56,7 @@ Problem<T> problem(const Case& c) {
 // process, what every CP run must reproduce.
 template <class T>
 Result<T> single(const Problem<T>& p, Algorithm algorithm) {
-  const Case& c = p.c;
-  Result<T> r(c);
-  const Sequences seqs = c.sequences();
-  const ExecPolicy exec{nullptr, KernelKind::best, algorithm};
-  forward_sequences(p.inputs(), seqs, p.states(p.h0), r.o.data(),
-                    sequence_states(r.ht.data(), seqs, c.shape), exec);
-  backward_sequences(p.inputs(), seqs, p.states(p.h0), p.d_o.data(), p.states(p.dht),
-                     Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data()},
-                     sequence_states(r.dh0.data(), seqs, c.shape), exec);
-  return r;
+  return test::single_rank_path(p, ExecPolicy{nullptr, KernelKind::best, algorithm});
 }
 
 // Rank 0 gives the loss's dht, the others zeros: the sum over ranks is dht.

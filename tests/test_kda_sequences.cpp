@@ -58,17 +58,8 @@ const Case* const kCases[] = {&kMixed, &kLong, &kWhole, &kTokens, &kRows};
 
 template <class T>
 Result<T> single_rank(const Problem<T>& p, std::size_t threads) {
-  const Case& c = p.c;
-  Result<T> r(c);
-  const Sequences seqs = c.sequences();
   ThreadPool pool(threads);
-  const ExecPolicy exec{&pool, KernelKind::best, Algorithm::recurrent};
-  forward_sequences(p.inputs(), seqs, p.states(p.h0), r.o.data(),
-                    sequence_states(r.ht.data(), seqs, c.shape), exec);
-  backward_sequences(p.inputs(), seqs, p.states(p.h0), p.d_o.data(), p.states(p.dht),
-                     Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data()},
-                     sequence_states(r.dh0.data(), seqs, c.shape), exec);
-  return r;
+  return test::single_rank_path(p, ExecPolicy{&pool, KernelKind::best, Algorithm::recurrent});
 }
 
 template <class T>
