@@ -288,6 +288,21 @@ TEST(KdaChunk, ForwardCachePoolHandsOutOnlyCachesNobodyHolds) {
   EXPECT_EQ(pool.caches(), 2u);
 }
 
+// A record of 2 MiB or more starts on a huge page boundary, so that its
+// first 2 MiB can be a transparent huge page too (a 4 KiB-aligned start left
+// up to 511 small pages to fault in on the first forward).
+TEST(KdaChunk, ForwardCacheLargeRecordStartsOnAHugePage) {
+  ForwardCache<float> cache;
+  const std::size_t large = (std::size_t{5} << 20) / sizeof(float) + 3;
+  const float* big = cache.append(large);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big) % (std::size_t{2} << 20), 0u);
+  const float* small = cache.append(1000);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small) % 64, 0u);
+  EXPECT_EQ(cache.bytes(), (large + 1000) * sizeof(float));
+  cache.release();
+  EXPECT_EQ(cache.bytes(), 0u);
+}
+
 template <class T>
 void compare_backward(const Shape& s, double g_min, double tol, unsigned seed) {
   const Data<T> d(s, seed, g_min);

@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -169,8 +170,15 @@ class ForwardCache {
   const T* take(std::size_t elems, const char* op);
 
  private:
+  // A record's storage: from 2 MiB on it starts on a huge page boundary
+  // (append), so that every 2 MiB of it, its first included, can be one huge
+  // page; a 4 KiB-aligned start left up to 511 small pages to fault in.
+  struct Free {
+    std::size_t align = alignof(T);
+    void operator()(T* p) const noexcept { ::operator delete(p, std::align_val_t{align}); }
+  };
   struct Record {
-    std::unique_ptr<T[]> data;
+    std::unique_ptr<T[], Free> data;
     std::size_t elems = 0, capacity = 0;
   };
   std::vector<Record> records_;  // [0, used_) in use

@@ -14,7 +14,8 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
 from kdacp._autograd import cu_list, first_order
 from kdacp._comm import check_group
 from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _compute_dtype,
-                           _from_numpy, _group_size, _options, _require_finite_result, _threads, _timeout)
+                           _contiguous_cached, _from_numpy, _group_size, _options,
+                           _require_finite_result, _threads, _timeout)
 
 _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
@@ -101,7 +102,7 @@ class _KdaFunction(torch.autograd.Function):
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         if d_o is None:
             d_o = torch.zeros(ctx.shape[0], ctx.shape[1], ctx.shape[3], ctx.shape[5], dtype=v.dtype)
-        d_o = d_o.contiguous()
+        d_o = _contiguous_cached(d_o)
         _check_input(d_o, "the gradient of o", "finite")
         dht_ptr = 0
         if ctx.want_ht:

@@ -17,6 +17,12 @@ writes without it, over gloo on localhost (one process per rank).
    training dtype: widened to float32 in C++, results narrowed back).
 
 Times are medians over --iters iterations, the slowest rank's.
+
+--cold instead times a process's first kdacp.torch.kda call (one process, no
+group: forward + o.sum().backward(), or o.backward(d_o) with --given-grad)
+against its warm calls: --processes fresh interpreters, each timing --calls
+calls (wall, CPU and system time, minor page faults from getrusage); warm is
+the median of calls 3 on (call 2 may still meet torch's allocator growing).
 """
 
 import argparse
@@ -184,18 +190,110 @@ def _threads(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _cold_child(args):
+    """One process: --calls kda calls at B = 1, T = --tokens, H = HV = --bh,
+    K, V; one JSON line of per-call seconds and faults."""
+    import json
+    import resource
+
+    gen = torch.Generator().manual_seed(0)
+    t, h, k, v = args.tokens, args.bh, args.key_dim, args.value_dim
+    q = torch.randn(1, t, h, k, generator=gen)
+    kk = torch.nn.functional.normalize(torch.randn(1, t, h, k, generator=gen), dim=-1)
+    vv = torch.randn(1, t, h, v, generator=gen)
+    g = -0.1 * torch.rand(1, t, h, k, generator=gen)
+    beta = torch.rand(1, t, h, generator=gen)
+    leaves = [x.requires_grad_(True) for x in (q, kk, vv, g, beta)]
+    d_o = torch.randn(1, t, h, v, generator=gen)
+
+    def sample():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt
+
+    calls = []
+    for _ in range(args.calls):
+        a = sample()
+        o, _ = kt.kda(*leaves, **({} if args.threads is None else {"threads": args.threads}))
+        if args.given_grad:
+            o.backward(d_o)
+        else:
+            o.sum().backward()
+        b = sample()
+        for x in leaves:
+            x.grad = None
+        del o
+        calls.append([y - x for x, y in zip(a, b)])
+    print(json.dumps(calls))
+
+
+def _cold(args):
+    """--processes fresh interpreters of _cold_child; per process the first
+    call against the median warm call, then the medians."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kdacp.bench", "--cold-child", "--tokens", str(args.tokens),
+           "--bh", str(args.bh), "--key-dim", str(args.key_dim), "--value-dim",
+           str(args.value_dim), "--calls", str(args.calls)]
+    if args.threads is not None:
+        cmd += ["--threads", str(args.threads)]
+    if args.given_grad:
+        cmd.append("--given-grad")
+    print(f"kdacp.torch.kda first call vs warm: T={args.tokens} H=HV={args.bh} K={args.key_dim} "
+          f"V={args.value_dim} float32 chunk, threads={args.threads or 'default'}, "
+          f"{'o.backward(d_o)' if args.given_grad else 'o.sum().backward()'}, "
+          f"{args.processes} processes")
+    ratios, cpu_ratios = [], []
+    for i in range(args.processes):
+        calls = json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                          text=True).stdout)
+        first, warm = calls[0], calls[2:]
+        wall = statistics.median(c[0] for c in warm)
+        cpu = statistics.median(c[1] for c in warm)
+        ratios.append(first[0] / wall)
+        cpu_ratios.append(first[1] / cpu)
+        print(f"  process {i}: first {first[0] * 1e3:8.1f} ms (CPU {first[1] * 1e3:.1f}, system "
+              f"{first[2] * 1e3:.1f}, {first[3]} faults), warm {wall * 1e3:8.1f} ms (CPU "
+              f"{cpu * 1e3:.1f}, {statistics.median(c[3] for c in warm):.0f} faults): "
+              f"{ratios[-1]:.2f}x wall, {cpu_ratios[-1]:.2f}x CPU", flush=True)
+    print(f"  median first/warm: {statistics.median(ratios):.2f}x wall "
+          f"({min(ratios):.2f}-{max(ratios):.2f}), {statistics.median(cpu_ratios):.2f}x CPU")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m kdacp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--bh", type=int, default=16, help="B*H (B = 1)")
+    p.add_argument("--bh", type=int, default=None, help="B*H (B = 1; 16, with --cold H = HV = 4)")
     p.add_argument("--key-dim", type=int, default=128)
     p.add_argument("--value-dim", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank for the kda test")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per rank for the kda test (256; with --cold 8192, the CLI's default)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=_threads, default=1, help="threads per rank (torch and kdacp)")
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="threads per rank (torch and kdacp; 1, with --cold kda's default)")
+    p.add_argument("--cold", action="store_true",
+                   help="time a process's first kda call against warm ones (see above)")
+    p.add_argument("--processes", type=int, default=7, help="--cold: fresh processes")
+    p.add_argument("--calls", type=int, default=6, help="--cold: calls per process (>= 3)")
+    p.add_argument("--given-grad", action="store_true",
+                   help="--cold: o.backward(d_o) instead of o.sum().backward()")
+    p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    cold = args.cold or args.cold_child
+    args.bh = args.bh if args.bh is not None else (4 if cold else 16)
+    args.tokens = args.tokens if args.tokens is not None else (8192 if cold else 256)
+    if cold:
+        if args.calls < 3:
+            p.error("--calls must be >= 3 (the first, then warm calls from the third)")
+        if args.cold_child:
+            _cold_child(args)
+        else:
+            _cold(args)
+        return
+    args.threads = args.threads if args.threads is not None else 1
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result")

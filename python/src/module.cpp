@@ -209,6 +209,13 @@ void bind_checks(py::module_& m) {
   m.attr("threads_range") = py::make_tuple(kThreadsRange.min, kThreadsRange.max);
   // pipelined_p2p's column segments: at most V / 16 (the CLI's --segments).
   m.attr("segments_range") = py::make_tuple(0, kMaxDim / kDimMultiple);
+  // An uninitialised uint8 array of `bytes` from the buffer cache (huge pages
+  // from 2 MiB, reused by the next call of the size): kdacp.torch copies a
+  // non-contiguous gradient into it (_common.contiguous_cached) instead of
+  // into a fresh torch allocation faulted in 4 KiB pages on every call.
+  m.def(
+      "cached_bytes", [](std::size_t bytes) { return cached_array<std::uint8_t>({bytes}); },
+      py::arg("bytes"));
   // kdacp/defaults.hpp: the defaults kdacp.torch uses, the library's and the CLI's.
   m.def("defaults", [] {
     py::dict d;

@@ -76,6 +76,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include <cmath>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -314,8 +315,12 @@ T* ForwardCache<T>::append(std::size_t elems) {
     r.data.reset();
     // Uninitialised: the forward writes the whole record before backward
     // takes it. Huge pages: the first forward faults it in whole.
-    r.data.reset(new T[elems]);
-    kdacp::detail::advise_huge_pages(r.data.get(), elems * sizeof(T));
+    const std::size_t bytes = elems * sizeof(T);
+    const std::size_t align =
+        bytes >= kdacp::detail::kHugePageBytes ? kdacp::detail::kHugePageBytes : std::size_t{64};
+    r.data = std::unique_ptr<T[], Free>(static_cast<T*>(::operator new(bytes, std::align_val_t{align})),
+                                        Free{align});
+    kdacp::detail::advise_huge_pages(r.data.get(), bytes);
     r.capacity = elems;
   }
   r.elems = elems;

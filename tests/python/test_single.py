@@ -140,6 +140,32 @@ def test_kda_retain_graph_second_backward_same_bits(dtype):
         assert torch.equal(x.grad, 2 * g1), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_kda_non_contiguous_gradient_same_bits(dtype):
+    """A gradient of o that is not contiguous (o.sum()'s expanded ones, a
+    transposed tensor) is copied into a buffer from kdacp's cache before the
+    C++ backward reads it: the gradients are bitwise those of the same values
+    passed contiguous, and a second call (reusing that buffer) agrees too."""
+    inputs = make_inputs(1, 70, 2, 4, 16, 32, torch.float64, seed=13)
+    inputs = [x.to(dtype) for x in inputs[:5]]
+    gen = torch.Generator().manual_seed(14)
+    weights = torch.randn(1, 4, 70, 32, generator=gen).to(dtype)
+
+    def grads(backward):
+        xs = _leaves(inputs)
+        o, _ = kt.kda(*xs)
+        backward(o)
+        return [x.grad for x in xs]
+
+    cases = [(lambda o: o.sum().backward(), lambda o: o.backward(torch.ones_like(o))),
+             (lambda o: o.backward(weights.transpose(1, 2)),
+              lambda o: o.backward(weights.transpose(1, 2).contiguous()))]
+    for strided, dense in cases:
+        for _ in range(2):
+            for name, a, b in zip("q k v g beta".split(), grads(strided), grads(dense)):
+                assert a.dtype == dtype and torch.equal(a, b), name
+
+
 def test_kda_training_loop_reuses_one_forward_cache():
     """A training loop keeps the previous step's output (and so its graph)
     alive while the next forward runs; the layer still holds one forward
