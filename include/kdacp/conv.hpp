@@ -16,8 +16,10 @@
 // a part needs the W-1 tokens before its first token (its halo), which one or
 // more earlier parts hold (a part shorter than W-1 tokens passes the halo on
 // from the parts before it); a sequence start in between cuts the halo. The
-// forward receives them from their owners, the backward sends their gradient
-// back, where it is added to the owners' dx.
+// forward receives them from their owners; the backward sends the owners the
+// pre-activation gradients of the tokens that read them, whose terms the
+// owners add in token order, so y, the final state, dx and dinitial_state
+// are one device's bits for every layout.
 //
 // Module `conv`: includes layout, comm and core only.
 #pragma once
@@ -111,8 +113,8 @@ class CausalConv {
   // [B,T_local,D]; d_final_state [N,D,W] (null: zero; given on all ranks or
   // none): this rank's loss's gradient of the final state; the ranks' are
   // summed in rank order, so its gradient is the sum over ranks. dx: this
-  // rank's tokens, including the gradient of its tokens in later parts'
-  // halos; dweight and dbias: this rank's tokens' share (their sum over the
+  // rank's tokens, including the terms of the later parts' tokens that read
+  // them (one device's bits); dweight and dbias: this rank's tokens' share (their sum over the
   // ranks is the one-device gradient); dinitial_state complete and the same
   // bits on every rank (the ranks' shares summed in rank order).
   template <class T>

@@ -139,7 +139,7 @@ def _lower_bound(lower_bound):
 # value but the default raises NotImplementedError naming it.
 _UNSUPPORTED_FLAGS = ("allow_neg_eigval", "return_intermediate_states", "state_v_first")
 # kdacp's extras chunk_kda accepts in **kwargs.
-_CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads")
+_CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads", "deterministic")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -166,7 +166,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     rank's tokens of its layout, and no agreement message is sent per call.
     allow_neg_eigval, return_intermediate_states, state_v_first (other than
     their defaults) and any other keyword raise NotImplementedError naming
-    them; kdacp extras: algorithm, keep_forward, threads.
+    them; kdacp extras: algorithm, keep_forward, threads, deterministic (kda's:
+    with a cp_context every output and every gradient of q, k, v, g, beta
+    and initial_state, the raw g's with use_gate_in_kernel too, is the same
+    bytes as one process, for every world size and layout; A_log's and
+    dt_bias's gradients are this rank's tokens' sums: docs/python.md).
     """
     flags = {"allow_neg_eigval": allow_neg_eigval,
              "return_intermediate_states": return_intermediate_states,
@@ -196,6 +200,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     elif cu_seqlens_cpu is not None and cu_list(cu_seqlens) != cu_list(cu_seqlens_cpu):
         raise ValueError("cu_seqlens and cu_seqlens_cpu differ, expected the same boundaries")
     algorithm = kwargs.get("algorithm", _DEFAULTS["algorithm"])
+    deterministic = kwargs.get("deterministic", _DEFAULTS["deterministic"])
     keep_forward = kwargs.get("keep_forward", _DEFAULTS["keep_forward"])
     if disable_recompute:
         keep_forward = True
@@ -230,11 +235,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     options = {"threads": kwargs["threads"]} if "threads" in kwargs else {}
     if cp_context is None:
         return kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                   algorithm=algorithm, keep_forward=keep_forward, **options)
+                   algorithm=algorithm, keep_forward=keep_forward, deterministic=deterministic,
+                   **options)
     if not isinstance(cp_context, CpContext):
         raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
                          "kdacp.torch.CpContext (build_cp_context)")
     if options:
         raise ValueError("threads with a cp_context: pass it to build_cp_context")
     return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                           algorithm, keep_forward, signature)
+                           algorithm, keep_forward, signature, deterministic)

@@ -20,7 +20,8 @@ _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
                   "A_log given": False, "dt_bias given": False}
 _CONTEXT_FIELDS = ("layout", "world size", "cu_seqlens length", "cu_seqlens", "split",
                    "conv1d_kernel_size") + _OPTION_FIELDS
-_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "initial_state given",
+_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic",
+                "initial_state given",
                 "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                 "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
 
@@ -62,10 +63,12 @@ class CpContext:
     def local_tokens(self):
         return self.layout.local_tokens(self.rank)
 
-    def _call_row(self, shape, dtype, scale, algorithm, h0_given, want_ht, signature):
+    def _call_row(self, shape, dtype, scale, algorithm, deterministic, h0_given, want_ht,
+                  signature):
         b, _, h, hv, kd, vd = shape
         row = {"B": b, "H": h, "HV": hv, "K": kd, "V": vd, "dtype": dtype, "scale": scale,
-               "algorithm": algorithm, "initial_state given": h0_given,
+               "algorithm": algorithm, "deterministic": deterministic,
+               "initial_state given": h0_given,
                "output_final_state": want_ht}
         row.update(signature)
         return row
@@ -91,14 +94,16 @@ class CpContext:
         self._signature = row
 
     def _kda(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-             algorithm, keep_forward, signature):
+             algorithm, keep_forward, signature, deterministic):
         """kda over the context's layout. Only the first call sends an
-        agreement (of the per-call arguments); later calls compare theirs
-        with it locally and send nothing but the exchange."""
+        agreement (of the per-call arguments, deterministic among them);
+        later calls compare theirs with it locally and send nothing but the
+        exchange."""
         if self.backend is None:
             return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
                        self.cu_seqlens if cu_seqlens is None else cu_seqlens,
-                       algorithm=algorithm, keep_forward=keep_forward, **self.options)
+                       algorithm=algorithm, keep_forward=keep_forward,
+                       deterministic=deterministic, **self.options)
         error = None
         row = None
         try:
@@ -107,13 +112,13 @@ class CpContext:
                                  f"cp_context's {self.cu_seqlens} (pass None or the same)")
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
-                self.layout_name, algorithm, keep_forward, self.options)
+                self.layout_name, algorithm, keep_forward, self.options, deterministic)
             want = self.local_tokens
             if shape[1] != want:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
                                  f"{want}: this rank's part of the cp_context's layout "
                                  f"{self.layout}")
-            row = self._call_row(shape, dtype, scale, algorithm, h0 is not None,
+            row = self._call_row(shape, dtype, scale, algorithm, deterministic, h0 is not None,
                                  output_final_state, signature)
         except (ValueError, TypeError) as e:
             error = e
@@ -141,7 +146,7 @@ class CpContext:
             layer.agree_per_call(False)
             self._layers[key] = layer
         o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
-                                   keep_forward, *tensors, h0)
+                                   keep_forward, deterministic, *tensors, h0)
         return o, (ht if output_final_state else None)
 
 
@@ -162,8 +167,11 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
     options as build_kda_state_cp. Checked at build, in the agreement: the
     layout, world size, cu_seqlens, split, conv1d_kernel_size, protocol,
     allgather_group_size, options and timeout. Checked at the first chunk_kda
-    call (its one agreement): B, H, HV, K, V, dtype, scale, algorithm, the
-    flags and which of initial_state, A_log, dt_bias are given; later calls
+    call (its one agreement): B, H, HV, K, V, dtype, scale, algorithm,
+    deterministic, the flags and which of initial_state, A_log, dt_bias are
+    given (deterministic is per call, as algorithm: chunk_kda's and kda's
+    keyword, the layout's cuts checked against its 64-token rule at that
+    call when algorithm is "chunk"); later calls
     must pass the same (a rank that does not raises ValueError before sending;
     its peers time out naming it) and send only the exchange's messages.
     """

@@ -17,7 +17,7 @@ from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _c
                            _contiguous_cached, _from_numpy, _group_size, _options,
                            _require_finite_result, _threads, _timeout)
 
-_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "layout",
+_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
                "cu_seqlens") + _OPTION_FIELDS
 
@@ -64,13 +64,14 @@ class _KdaFunction(torch.autograd.Function):
     gradient as its input), or all float64; states in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, q, k, v, g, beta, h0):
+    def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, deterministic,
+                q, k, v, g, beta, h0):
         tensors = (q, k, v, g, beta)
         inputs = [t.data_ptr() for t in tensors]
         dtypes = [_DTYPES[t.dtype] for t in tensors]
         h0_ptr = 0 if h0 is None else h0.data_ptr()
         o, ht, saved = layer.forward(inputs, dtypes, shape, scale, cu, h0_ptr, want_ht, algorithm,
-                                     keep_forward)
+                                     keep_forward, deterministic)
         ctx.layer, ctx.shape, ctx.scale, ctx.cu, ctx.want_ht = layer, shape, scale, cu, want_ht
         ctx.algorithm = algorithm
         ctx.kdacp_saved = saved  # the layer's Saved: M and the incoming state per part
@@ -94,7 +95,7 @@ class _KdaFunction(torch.autograd.Function):
         # a backward through these gradients raises instead of silently
         # dropping kda's second-order part.
         grads = first_order("kda", grads, (q, k, v, g, beta, h0))
-        return (None, None, None, None, None, None, None) + tuple(grads)
+        return (None,) * 8 + tuple(grads)
 
     @staticmethod
     def _backward(ctx, q, k, v, g, beta, h0, d_o, d_ht):
@@ -166,7 +167,7 @@ _LAYOUTS = ("contiguous", "zigzag")
 
 
 def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                     layout, algorithm, keep_forward, options):
+                     layout, algorithm, keep_forward, options, deterministic=False):
     """Every local check of kda's arguments (no message sent): the shapes,
     the options, then the values (finite inputs, g <= 0, beta in [0, 1], by
     the C++ validator the CLI uses). Returns what kda runs with."""
@@ -189,6 +190,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
         raise ValueError(f"keep_forward={keep_forward!r}, expected True or False")
     if not isinstance(output_final_state, bool):
         raise ValueError(f"output_final_state={output_final_state!r}, expected True or False")
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic={deterministic!r}, expected True or False")
     _options(options)
     _timeout(options)
     threads = _threads(options)
@@ -210,7 +213,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
         allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
-        keep_forward=_DEFAULTS["keep_forward"], cp_context=None, **options):
+        keep_forward=_DEFAULTS["keep_forward"], cp_context=None,
+        deterministic=_DEFAULTS["deterministic"], **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -243,6 +247,19 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     cp_context: a CpContext (build_cp_context) instead of group, layout,
     protocol, allgather_group_size and options: no agreement message per
     call (chunk_kda's path, without its transforms).
+    deterministic (default False, as kdacp.defaults() says): on a group, the
+    state walks from part to part in chain order instead of the exchange
+    composing the ranks' summaries, so o, ht and the gradients of q, k, v,
+    g, beta and initial_state are the same bytes for every group size,
+    layout, protocol and thread count: those of one process (the one-process
+    path is this mode at P = 1 whatever the flag; it only checks the
+    value). With algorithm "chunk" every cut inside a sequence must fall on
+    a multiple of 64 tokens of that sequence (ValueError on every rank
+    naming the part and the rule otherwise). ht's gradient is summed over
+    the ranks in rank order: the bytes are the same for every P when one
+    rank gives it (or the sum is the same). Slower on a group: the parts run
+    one after another (docs/determinism.md). A value other than True or
+    False raises ValueError naming it.
     """
     if cp_context is not None:
         from kdacp._context import _NO_TRANSFORMS, CpContext  # it imports this module
@@ -254,11 +271,12 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             raise ValueError("kda: cp_context given with group, layout, protocol, "
                              "allgather_group_size or options: the context holds them")
         return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
-                               cu_seqlens, algorithm, keep_forward, dict(_NO_TRANSFORMS))
+                               cu_seqlens, algorithm, keep_forward, dict(_NO_TRANSFORMS),
+                               deterministic)
     if group is SINGLE_PROCESS:
         shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
-            algorithm, keep_forward, options)
+            algorithm, keep_forward, options, deterministic)
         if layout != "contiguous":
             raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
         key = ("single", dtype, threads)
@@ -286,7 +304,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             width = _group_size(allgather_group_size)
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
-                algorithm, keep_forward, options)
+                algorithm, keep_forward, options, deterministic)
             b, t_local, h, hv, kd, vd = shape
             for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
                 fp.add(name, n)
@@ -294,6 +312,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                    lambda x: "float64" if x == 8 else "float32")
             fp.add("scale", _float_bits(scale), lambda x: repr(_bits_float(x)))
             fp.add("algorithm", _ALGORITHMS.index(algorithm), lambda x: _ALGORITHMS[x])
+            fp.add("deterministic", int(deterministic), lambda x: str(bool(x)))
             fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
             fp.add("initial_state given", int(h0 is not None), lambda x: str(bool(x)))
             fp.add("output_final_state", int(output_final_state), lambda x: str(bool(x)))
@@ -315,5 +334,5 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             layer = _layer(backend, key, protocol, width, _layout(layout, counts), dtype,
                            options, summary_shape=(b, hv, kd, vd))
     o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
-                               keep_forward, *tensors, h0)
+                               keep_forward, deterministic, *tensors, h0)
     return o, (ht if output_final_state else None)

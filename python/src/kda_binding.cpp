@@ -91,16 +91,21 @@ class KdaLayer {
 
   // `algorithm`: kda::Algorithm by name ("recurrent" or "chunk"), per call.
   // keep_forward: the chunk forward keeps what its backward would recompute
-  // (kda::ForwardCache) in the returned saved object.
+  // (kda::ForwardCache) in the returned saved object. deterministic: the CP
+  // layer's deterministic mode for this forward (and its backward,
+  // kda::ContextParallelLayer::deterministic); one process ignores it: its
+  // forward_sequences / backward_sequences are that mode's bytes (P = 1).
   // `dtypes`: the storage of q, k, v, g, beta (o is stored as v); the
   // states are in the layer's dtype (float32 for 16-bit inputs).
   py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::string>& dtypes,
                     const std::vector<std::size_t>& shape, double scale,
                     const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0,
-                    bool want_ht, const std::string& algorithm, bool keep_forward) {
+                    bool want_ht, const std::string& algorithm, bool keep_forward, bool deterministic) {
     const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
-    return f64_ ? forward_t<double>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward)
-                : forward_t<float>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward);
+    return f64_ ? forward_t<double>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward,
+                                    deterministic)
+                : forward_t<float>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, a, keep_forward,
+                                   deterministic);
   }
 
   // The gradients of q, k, v, g, beta are stored as those inputs; d_o as
@@ -213,7 +218,7 @@ class KdaLayer {
   py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes,
                       const std::vector<std::size_t>& shape, double scale,
                       const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p, bool want_ht,
-                      kda::Algorithm algorithm, bool keep_forward) {
+                      kda::Algorithm algorithm, bool keep_forward, bool deterministic) {
     const kda::Shape s = to_shape(shape);
     Tensors<T> tensors(p, dtypes, s);
     // Shape, pointers and scale, before any widening reads the memory.
@@ -240,6 +245,7 @@ class KdaLayer {
       if (auto* l = layer<T>()) {
         l->keep_forward(keep_forward);
         l->algorithm(algorithm);
+        l->deterministic(deterministic);
         box->saved = l->forward(in, kda::Stream{seqs, *layout_}, h0, o.get(), hts);
       } else {
         std::shared_ptr<kda::ForwardCache<T>> cache;
@@ -448,7 +454,8 @@ void bind_kda(py::module_& m) {
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("dtypes"), py::arg("shape"), py::arg("scale"),
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
-           py::arg("keep_forward") = defaults::kKeepForward)
+           py::arg("keep_forward") = defaults::kKeepForward,
+           py::arg("deterministic") = defaults::kDeterministic)
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("dtypes"),
            py::arg("shape"), py::arg("scale"), py::arg("cu_seqlens"), py::arg("h0"), py::arg("d_o"),
            py::arg("d_o_dtype"), py::arg("dht"),

@@ -221,6 +221,7 @@ void bind_checks(py::module_& m) {
     py::dict d;
     d["algorithm"] = kda::algorithm_name(defaults::kAlgorithm);
     d["keep_forward"] = defaults::kKeepForward;
+    d["deterministic"] = defaults::kDeterministic;
     d["timeout"] = defaults::kTimeoutSeconds;
     return d;
   });

@@ -8,7 +8,12 @@
 // sequence inside the part, the initial state alone. Sums run in double for
 // float32 and float64 in one fixed order (row, piece, token, tap), so results
 // do not depend on the thread count (there is one thread) and a halo token's
-// value is the bits its owner holds.
+// value is the bits its owner holds. The backward keeps that order across
+// cuts: a part continuing a sequence hands the parts before it the gradient
+// of its first W-1 tokens' pre-activations (g, double), and each owner adds
+// their terms to its last rows after its own, as one device does; so every
+// result but dweight and dbias (each rank's share) is one device's bits
+// whatever the layout.
 #include "kdacp/conv.hpp"
 
 #include <algorithm>
@@ -193,63 +198,85 @@ struct CausalConv::Impl {
   }
 
   // The halo exchange, one plan for both directions. Transfer t carries
-  // tokens [begin, end) between part `from` (their x rows) and part `to`
-  // (its history rows). Forward: x rows into the history, copied. Backward:
-  // the history rows' gradient back into dx, added in transfer order.
+  // tokens [begin, end) of part `from` into the history rows of part `to`.
+  // Forward: part `from`'s x rows, copied into `to`'s history. Backward
+  // (g_rows): part `to` hands `from` the g (double) of its first g_count(t)
+  // tokens, those within W-1 tokens after `from`'s end, into `from`'s
+  // rows of `next` at their offset from its end.
   enum Dir : int { kForward = 0, kBackward = 1 };  // also the tag's last bit
-  template <Dir dir, class T>
-  void exchange(std::conditional_t<dir == kForward, const T*, T*> x,
-                std::vector<T>& hist) const {
+  template <Dir dir, class E, class Src, class Dst>
+  void exchange(const Src& src_rows, const Dst& dst_rows) const {
     constexpr bool fwd = dir == kForward;
     const std::size_t d = dim;
     auto src_part = [](const Transfer& t) { return fwd ? t.from : t.to; };
     auto dst_part = [](const Transfer& t) { return fwd ? t.to : t.from; };
-    auto x_rows = [&](const Transfer& t, std::size_t b) {
-      return x + (b * tokens_local + local_pos(t.from, t.begin)) * d;
-    };
-    auto halo_rows = [&](const Transfer& t, std::size_t b) {
-      return hist_row(hist, local_of[t.to], b, t.begin);
-    };
-    auto src_rows = [&](const Transfer& t, std::size_t b) -> const T* {
-      if constexpr (fwd)
-        return x_rows(t, b);
-      else
-        return halo_rows(t, b);
-    };
-    std::vector<std::vector<T>> bufs(transfers.size());
+    auto count = [&](const Transfer& t) { return fwd ? t.end - t.begin : g_count(t); };
+    std::vector<std::vector<E>> bufs(transfers.size());
     std::vector<std::unique_ptr<Request>> reqs;
     for (std::size_t q = 0; q < transfers.size(); ++q) {
       const Transfer& t = transfers[q];
       if (owner(dst_part(t)) != rank || owner(src_part(t)) == rank) continue;
-      bufs[q].resize(batch * (t.end - t.begin) * d);
+      bufs[q].resize(batch * count(t) * d);
       reqs.push_back(comm->irecv(bytes(bufs[q]), owner(src_part(t)), tag(t, dir)));
     }
     for (std::size_t q = 0; q < transfers.size(); ++q) {
       const Transfer& t = transfers[q];
       if (owner(src_part(t)) != rank || owner(dst_part(t)) == rank) continue;
-      const std::size_t n = t.end - t.begin;
+      const std::size_t n = count(t);
       bufs[q].resize(batch * n * d);
       for (std::size_t b = 0; b < batch; ++b)
-        std::memcpy(bufs[q].data() + b * n * d, src_rows(t, b), n * d * sizeof(T));
-      reqs.push_back(comm->isend(std::as_bytes(std::span<const T>(bufs[q])),
+        std::memcpy(bufs[q].data() + b * n * d, src_rows(t, b), n * d * sizeof(E));
+      reqs.push_back(comm->isend(std::as_bytes(std::span<const E>(bufs[q])),
                                  owner(dst_part(t)), tag(t, dir)));
     }
     for (auto& r : reqs) r->wait();
     for (std::size_t q = 0; q < transfers.size(); ++q) {
       const Transfer& t = transfers[q];
       if (owner(dst_part(t)) != rank) continue;
-      const std::size_t n = t.end - t.begin;
+      const std::size_t n = count(t);
       for (std::size_t b = 0; b < batch; ++b) {
-        const T* src =
+        const E* src =
             owner(src_part(t)) == rank ? src_rows(t, b) : bufs[q].data() + b * n * d;
-        if constexpr (fwd) {
-          std::memcpy(halo_rows(t, b), src, n * d * sizeof(T));
-        } else {
-          T* dst = x_rows(t, b);
-          for (std::size_t k = 0; k < n * d; ++k) dst[k] += src[k];
-        }
+        std::memcpy(dst_rows(t, b), src, n * d * sizeof(E));
       }
     }
+  }
+
+  // Forward: x rows into the history.
+  template <class T>
+  void exchange_x(const T* x, std::vector<T>& hist) const {
+    exchange<kForward, T>(
+        [&](const Transfer& t, std::size_t b) {
+          return x + (b * tokens_local + local_pos(t.from, t.begin)) * dim;
+        },
+        [&](const Transfer& t, std::size_t b) {
+          return hist_row(hist, local_of[t.to], b, t.begin);
+        });
+  }
+
+  // The tokens of part t.to whose g part t.from's last rows need: from its
+  // first token to W-1 after t.from's end, within its first piece.
+  std::size_t g_count(const Transfer& t) const {
+    const LayoutPart& to = parts[t.to];
+    const std::vector<std::size_t>& c = seqs.boundaries();
+    const std::size_t seq_end =
+        *std::upper_bound(c.begin(), c.end(), to.begin);  // the sequence's end
+    return std::min({to.end, seq_end, parts[t.from].end + hist_rows()}) - to.begin;
+  }
+
+  // Backward: `first` [local part][b][W-1][D] holds g of each part's first
+  // tokens (a part continuing a sequence); `next` [local part][b][W-1][D]
+  // receives g of the W-1 tokens after each part's end.
+  void exchange_g(const std::vector<double>& first, std::vector<double>& next) const {
+    const std::size_t h = hist_rows();
+    exchange<kBackward, double>(
+        [&](const Transfer& t, std::size_t b) {
+          return first.data() + (local_of[t.to] * batch + b) * h * dim;
+        },
+        [&](const Transfer& t, std::size_t b) {
+          const std::size_t at = parts[t.to].begin - parts[t.from].end;
+          return next.data() + ((local_of[t.from] * batch + b) * h + at) * dim;
+        });
   }
 
   // Sums `mine` (N*D*W doubles) over the ranks in rank order, on every rank.
@@ -316,7 +343,7 @@ Saved<T> CausalConv::forward(const Tensors<T>& in, std::type_identity_t<T>* y,
   Saved<T> saved;
   saved.history.assign(m.local.size() * B * h * d, T(0));
   m.fill_initial(in.initial_state, saved.history);
-  m.exchange<Impl::kForward>(in.x, saved.history);
+  m.exchange_x(in.x, saved.history);
 
   std::vector<double> wt(w * d);  // weight transposed: [W][D]
   for (std::size_t c = 0; c < d; ++c)
@@ -407,47 +434,69 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
   std::vector<double> dh0(in.initial_state ? N * d * w : 0, 0.0);
   for (std::size_t c = 0; c < d; ++c)
     for (std::size_t k = 0; k < w; ++k) wt[k * d + c] = static_cast<double>(in.weight[c * w + k]);
-  std::vector<T> dhist(saved.history.size(), T(0));
   std::vector<T> scratch;
   // Blocks of kBlock tokens: g (the gradient of the pre-activation z) of
   // the block, and the gradient of the extended row [history; tokens] over
   // the block's ext rows plus the W-1 after it (carried to the next block).
   constexpr std::size_t kBlock = 64;
   std::vector<double> g(kBlock * d), dext((kBlock + h) * d);
+  // Across cuts: g of the first W-1 tokens of each part that continues a
+  // sequence (sent to the parts before it), the last W-1 ext rows of each
+  // part whose last piece continues into a later part (finished once the g
+  // of the W-1 tokens after it, `next`, arrived).
+  const std::size_t rows = m.local.size() * B * h * d;
+  std::vector<double> first(rows, 0.0), next(rows, 0.0), carry(rows, 0.0);
+  const std::vector<std::size_t>& bounds = m.seqs.boundaries();
+  // Piece pi of local part li, row b: where its ext rows' gradients go.
+  struct Target {
+    T* dx;               // the piece's first token's dx
+    std::size_t len;     // its tokens
+    std::size_t seq;     // its sequence (state row)
+    std::size_t seq_end;  // that sequence's end (global token)
+    std::size_t end;      // the piece's end (global token)
+    bool continues_in;    // it continues a sequence from an earlier part
+    bool continues_out;   // its sequence goes on in a later part
+  };
+  auto target = [&](std::size_t li, std::size_t b, std::size_t pi) {
+    const LocalPart& lp = m.local[li];
+    const Piece& pc = lp.pieces[pi];
+    const std::size_t pos = lp.part.local_begin + (pc.begin - lp.part.begin);
+    const std::size_t seq = pi == 0 ? m.state_row(lp, b) : m.seq_index(pc.starts, b);
+    const std::size_t seq_end = m.seqs.packed() ? bounds[seq + 1] : m.seqs.tokens();
+    return Target{grads.dx + (b * m.tokens_local + pos) * d, pc.end - pc.begin, seq, seq_end,
+                  pc.end, pi == 0 && lp.part.begin > lp.seq_start,
+                  pi + 1 == lp.pieces.size() && !pc.ends};
+  };
+  // The final gradient of ext row e of a piece: its final-state term (the
+  // last W rows of a sequence), then into dx (a token of the piece), dh0 (a
+  // history row of a piece that starts its sequence) or nowhere (history
+  // rows of a continuing piece: their owners, or the sequence's first part
+  // for initial-state columns, have all their terms).
+  auto emit = [&](const Target& tg, std::size_t e, double* de) {
+    if (!dht.empty() && tg.end + e + 1 >= tg.seq_end + tg.len) {
+      const std::size_t col = tg.end + e + 1 - tg.seq_end - tg.len;  // e + 1 - len at the end
+      for (std::size_t c = 0; c < d; ++c) de[c] += dht[(tg.seq * d + c) * w + col];
+    }
+    if (e >= h) {
+      T* dst = tg.dx + (e - h) * d;
+      for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
+    } else if (!tg.continues_in && !dh0.empty()) {
+      const std::size_t col = w - h + e;
+      for (std::size_t c = 0; c < d; ++c) dh0[(tg.seq * d + c) * w + col] += de[c];
+    }
+  };
   for (std::size_t li = 0; li < m.local.size(); ++li) {
     const LocalPart& lp = m.local[li];
     for (std::size_t b = 0; b < B; ++b) {
       for (std::size_t pi = 0; pi < lp.pieces.size(); ++pi) {
         const Piece& pc = lp.pieces[pi];
-        const std::size_t len = pc.end - pc.begin;
+        const Target tg = target(li, b, pi);
+        const std::size_t len = tg.len;
         const std::size_t pos = lp.part.local_begin + (pc.begin - lp.part.begin);
         const T* hist = m.piece_history(in.initial_state, saved.history, li, pi, b, scratch);
         const T* xs = in.x + (b * m.tokens_local + pos) * d;
         auto ext = [&](std::size_t e) { return e < h ? hist + e * d : xs + (e - h) * d; };
         const T* dys = dy + (b * m.tokens_local + pos) * d;
-        T* dxs = grads.dx + (b * m.tokens_local + pos) * d;
-        // The sequence whose final state this piece's end gives, or npos.
-        const std::size_t ends = !dht.empty() && pc.ends ? m.seq_index(pc.ends, b) : npos;
-        // History rows: halo tokens (first piece, after the sequence start)
-        // go back to their owners; rows before the sequence start are
-        // initial-state columns.
-        const std::size_t real = pi == 0 ? std::min(h, lp.part.begin - lp.seq_start) : 0;
-        const std::size_t n0 = pi == 0 ? m.state_row(lp, b) : m.seq_index(pc.starts, b);
-        // The final gradient of ext row e (its dht term added here).
-        auto emit = [&](std::size_t e, double* de) {
-          if (ends != npos && e + 1 >= len)
-            for (std::size_t c = 0; c < d; ++c) de[c] += dht[(ends * d + c) * w + (e + 1 - len)];
-          if (e >= h) {
-            T* dst = dxs + (e - h) * d;
-            for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
-          } else if (e + real >= h) {
-            T* dst = dhist.data() + ((li * B + b) * h + e) * d;
-            for (std::size_t c = 0; c < d; ++c) dst[c] = static_cast<T>(de[c]);
-          } else if (!dh0.empty()) {
-            const std::size_t col = w - (h - real) + e;
-            for (std::size_t c = 0; c < d; ++c) dh0[(n0 * d + c) * w + col] += de[c];
-          }
-        };
         std::fill(dext.begin(), dext.begin() + static_cast<std::ptrdiff_t>(h * d), 0.0);
         for (std::size_t p0 = 0; p0 < len; p0 += kBlock) {
           const std::size_t nb = std::min(kBlock, len - p0);
@@ -472,6 +521,8 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
             } else {
               for (std::size_t c = 0; c < d; ++c) gp[c] = static_cast<double>(dys[p * d + c]);
             }
+            if (tg.continues_in && p < h)
+              std::copy_n(gp, d, first.data() + ((li * B + b) * h + p) * d);
             for (std::size_t c = 0; c < d; ++c) db[c] += gp[c];
             for (std::size_t k = 0; k < w; ++k) {
               const T* src = ext(p + k);
@@ -485,16 +536,37 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
             }
           }
           // Ext rows p0 .. p0+nb-1 have all their terms (from tokens <= them).
-          for (std::size_t i = 0; i < nb; ++i) emit(p0 + i, dext.data() + i * d);
+          for (std::size_t i = 0; i < nb; ++i) emit(tg, p0 + i, dext.data() + i * d);
           std::copy(dext.begin() + static_cast<std::ptrdiff_t>(nb * d),
                     dext.begin() + static_cast<std::ptrdiff_t>((nb + h) * d), dext.begin());
         }
-        // The last W-1 ext rows (the piece's last tokens).
-        for (std::size_t i = 0; i < h; ++i) emit(len + i, dext.data() + i * d);
+        // The last W-1 ext rows (the piece's last tokens): complete, or
+        // waiting for the terms of the tokens after the part.
+        if (tg.continues_out)
+          std::copy_n(dext.begin(), h * d, carry.begin() + static_cast<std::ptrdiff_t>((li * B + b) * h * d));
+        else
+          for (std::size_t i = 0; i < h; ++i) emit(tg, len + i, dext.data() + i * d);
       }
     }
   }
-  m.exchange<Impl::kBackward>(grads.dx, dhist);
+  m.exchange_g(first, next);
+  for (std::size_t li = 0; li < m.local.size(); ++li) {
+    for (std::size_t b = 0; b < B; ++b) {
+      const Target tg = target(li, b, m.local[li].pieces.size() - 1);
+      if (!tg.continues_out) continue;
+      double* rows_b = carry.data() + (li * B + b) * h * d;
+      const double* gn = next.data() + (li * B + b) * h * d;
+      // Token j after the part reads ext rows len + j + k: carry row j + k.
+      const std::size_t after = std::min(h, tg.seq_end - tg.end);
+      for (std::size_t j = 0; j < after; ++j)
+        for (std::size_t k = 0; j + k < h; ++k) {
+          const double* wk = wt.data() + k * d;
+          double* de = rows_b + (j + k) * d;
+          for (std::size_t c = 0; c < d; ++c) de[c] += gn[j * d + c] * wk[c];
+        }
+      for (std::size_t i = 0; i < h; ++i) emit(tg, tg.len + i, rows_b + i * d);
+    }
+  }
   for (std::size_t c = 0; c < d; ++c) {
     for (std::size_t k = 0; k < w; ++k) grads.dweight[c * w + k] = static_cast<T>(dw[k * d + c]);
     if (grads.dbias && in.bias) grads.dbias[c] = static_cast<T>(db[c]);

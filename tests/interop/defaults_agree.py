@@ -38,10 +38,11 @@ def shown_default(text, flag, command):
 
 
 d = kdacp.defaults()
-check("kdacp.defaults() keys", sorted(d), ["algorithm", "keep_forward", "timeout"])
+check("kdacp.defaults() keys", sorted(d), ["algorithm", "deterministic", "keep_forward", "timeout"])
 check("C++ default algorithm", d["algorithm"], "chunk")
 check("C++ default keep_forward", d["keep_forward"], True)
 check("C++ default timeout", d["timeout"], 120.0)
+check("C++ default deterministic", d["deterministic"], False)
 
 # The CLI: --algorithm and --recompute where the layer runs, --timeout wherever ranks run.
 for command in ("run", "kda"):
@@ -64,12 +65,23 @@ params = inspect.signature(kt.kda).parameters
 check("kdacp.torch.kda algorithm", params["algorithm"].default, d["algorithm"])
 check("kdacp.torch.kda keep_forward", params["keep_forward"].default, d["keep_forward"])
 check("kdacp.torch timeout", _common._timeout({}), d["timeout"])
+check("kdacp.torch.kda deterministic", params["deterministic"].default, d["deterministic"])
 doc = re.sub(r"\s+", " ", kdacp._kdacp.KdaLayer.forward.__doc__)
 check("KdaLayer.forward algorithm", re.search(r"algorithm: str = '(\w+)'", doc).group(1), d["algorithm"])
 check("KdaLayer.forward keep_forward", re.search(r"keep_forward: bool = (\w+)", doc).group(1),
       str(d["keep_forward"]))
+check("KdaLayer.forward deterministic", re.search(r"deterministic: bool = (\w+)", doc).group(1),
+      str(d["deterministic"]))
+# The CLI's --deterministic is a flag: off unless given, i.e. the default.
+for command in ("run", "kda"):
+    if "--deterministic" not in help_text(command):
+        failures.append(f"kdacp {command} --help has no --deterministic")
+    elif d["deterministic"]:
+        failures.append(f"kdacp {command} --deterministic is a flag (off by default), but "
+                        "kdacp/defaults.hpp turns the mode on")
 
 if failures:
     print("defaults disagree:\n  " + "\n  ".join(failures))
     sys.exit(1)
-print(f"defaults agree: algorithm {d['algorithm']}, keep_forward {d['keep_forward']}, timeout {d['timeout']} s")
+print(f"defaults agree: algorithm {d['algorithm']}, keep_forward {d['keep_forward']}, "
+      f"deterministic {d['deterministic']}, timeout {d['timeout']} s")
