@@ -36,8 +36,9 @@ namespace hn = hwy::HWY_NAMESPACE;
 using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gemm-inl.h
 
 // backward of one head. Pass 1 runs the chunks forward from `incoming` and
-// keeps the record of chunk_saved_layout (the state entering each chunk, R,
-// Δ, L and P), unless the forward kept it (`kept`: the same bits); pass 2
+// keeps the record of chunk_saved_layout (the state entering each chunk
+// after the first, R, Δ, L and P), unless the forward kept it (`kept`: the
+// same bits; the first chunk's state is `incoming` either way); pass 2
 // walks the chunks backwards with the state gradient dS, recomputing each
 // chunk's element-wise factors (decays, Kg, Qg, Kr), and applies the adjoint of every line of the forward (chunk-inl.h's header):
 //   dΔ = scale Pᵀ dO + Kr dS,   dP = scale dO Δᵀ,   dQg = scale dO S_0ᵀ,
@@ -68,7 +69,6 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
                        static_cast<T*>(nullptr), w, bw.record.data());
     kept = bw.record.data();
   }
-  const T* states = kept + lay.states;
   const T* rs = kept + lay.r;
   const T* deltas = kept + lay.delta;
 
@@ -77,10 +77,14 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
   for (std::size_t ci = n_chunks; ci-- > 0;) {
     const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
     chunk_prepare(h, t0, c, kd, vd, 0, 0, w, static_cast<const T*>(nullptr), Factors::none);
-    const T* lp = kept + lay.factors + ci * 2 * kChunk * kChunk;
-    std::copy_n(lp, c * kChunk, w.L.data());
-    std::copy_n(lp + kChunk * kChunk, c * kChunk, w.P.data());
-    const T* s0 = states + ci * kv;
+    const T* lp = kept + lay.factors_at(ci);
+    for (std::size_t t = 0; t < c; ++t) {
+      std::copy_n(lp + t * c, c, w.L.data() + t * kChunk);
+      std::copy_n(lp + (c + t) * c, c, w.P.data() + t * kChunk);
+    }
+    // The state entering the chunk: the incoming one (zero when null) for
+    // the first, which the record does not hold.
+    const T* s0 = ci > 0 ? kept + lay.state_at(ci, kv) : incoming ? incoming : bw.zero.data();
     const T* k = w.k.data();
     const T* q = w.q.data();
     const T* al = w.alpha.data();

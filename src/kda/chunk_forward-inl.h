@@ -324,7 +324,8 @@ void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, 
 
 // forward of one head: o (when set) and, when set, the final state. keep
 // (or null): the head's record of chunk_saved_layout, what the backward's
-// first pass would recompute (the record is written in whole).
+// first pass would recompute (the record is written in whole; the state
+// entering the first chunk, `incoming`, is not part of it).
 template <class T>
 void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
                         std::size_t vd, T scale, const T* incoming, T* o, std::size_t o_stride,
@@ -340,10 +341,15 @@ void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
     T* keep_r = nullptr;
     T* keep_delta = nullptr;
     if (keep) {
-      std::copy_n(st, kd * vd, keep + lay.states + ci * kd * vd);
-      T* lp = keep + lay.factors + ci * 2 * kChunk * kChunk;
-      std::copy_n(w.L.data(), c * kChunk, lp);
-      std::copy_n(w.P.data(), c * kChunk, lp + kChunk * kChunk);
+      // The first chunk's state is the incoming one: not kept.
+      if (ci > 0) std::copy_n(st, kd * vd, keep + lay.state_at(ci, kd * vd));
+      // L and P: rows [0, c), columns [0, c) (the rest of w.L's rows is
+      // never read), c×c each.
+      T* lp = keep + lay.factors_at(ci);
+      for (std::size_t t = 0; t < c; ++t) {
+        std::copy_n(w.L.data() + t * kChunk, c, lp + t * c);
+        std::copy_n(w.P.data() + t * kChunk, c, lp + (c + t) * c);
+      }
       keep_r = keep + lay.r + t0 * vd;
       keep_delta = keep + lay.delta + t0 * vd;
     }
