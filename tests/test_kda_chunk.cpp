@@ -481,6 +481,119 @@ TEST(KdaChunk, PackedSequencesMatchRecurrent) {
   EXPECT_LE(rel_error(got.dh0, want.dh0), 1e-10) << "dh0";
 }
 
+// Packed streams of few-token documents (1, 2, 3 tokens ... and longer
+// ones around the chunk size): the chunk path equals the recurrent one, and
+// its shortcuts give no other bits: the forward's record (sized by each
+// piece's real tokens, without the first chunk's state) against the
+// backward's recomputed one, a reused cache, states given as zeros against
+// none (the products on a +0 state are skipped), dh0 wanted or not, one
+// thread or three.
+template <class T>
+struct DocRun {
+  std::vector<T> o, ht, dq, dk, dv, dg, dbeta, dh0;
+  bool operator==(const DocRun& b) const {
+    const auto same = [](const std::vector<T>& x, const std::vector<T>& y) {
+      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0;
+    };
+    return same(o, b.o) && same(ht, b.ht) && same(dq, b.dq) && same(dk, b.dk) && same(dv, b.dv) &&
+           same(dg, b.dg) && same(dbeta, b.dbeta) && same(dh0, b.dh0);
+  }
+};
+
+template <class T>
+void check_few_token_documents(const Data<T>& d, const Sequences& seqs, double tol, ThreadPool* pool,
+                               const std::string& what) {
+  const Shape& s = d.shape;
+  const std::size_t n_state = seqs.count() * s.value_heads * s.key_dim * s.value_dim;
+  std::mt19937_64 rng(77);
+  const auto cast = [](const std::vector<double>& x) { return std::vector<T>(x.begin(), x.end()); };
+  const std::vector<T> h0 = cast(test::uniform(n_state, -1, 1, rng));
+  const std::vector<T> dht = cast(test::uniform(n_state, -1, 1, rng));
+  const std::vector<T> zeros(n_state, T(0));
+  // h0, dht: null or data; dh0 wanted or not; cache: null, or the forward's.
+  const auto run = [&](Algorithm a, const T* h0p, const T* dhtp, bool want_dh0, ForwardCache<T>* cache,
+                       ThreadPool* threads) {
+    DocRun<T> r{std::vector<T>(s.v_elems()),  std::vector<T>(n_state),
+                std::vector<T>(s.qk_elems()), std::vector<T>(s.qk_elems()),
+                std::vector<T>(s.v_elems()),  std::vector<T>(s.g_elems()),
+                std::vector<T>(s.beta_elems()), std::vector<T>(want_dh0 ? n_state : 0)};
+    const Inputs<T> in = d.inputs();
+    forward_sequences(in, seqs, sequence_states(h0p, seqs, s), r.o.data(),
+                      sequence_states(r.ht.data(), seqs, s), on(a, threads), cache);
+    backward_sequences(in, seqs, sequence_states(h0p, seqs, s), d.d_o.data(),
+                       sequence_states(dhtp, seqs, s),
+                       Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), nullptr},
+                       sequence_states(want_dh0 ? r.dh0.data() : static_cast<T*>(nullptr), seqs, s),
+                       on(a, threads), kDefaultCheckpointInterval, cache);
+    return r;
+  };
+  for (const bool with_h0 : {true, false})
+    for (const bool with_dht : {true, false}) {
+      const std::string w = what + (with_h0 ? " h0" : " no h0") + (with_dht ? " dht" : " no dht");
+      const T* h0p = with_h0 ? h0.data() : nullptr;
+      const T* dhtp = with_dht ? dht.data() : nullptr;
+      const DocRun<T> want = run(Algorithm::recurrent, h0p, dhtp, true, nullptr, nullptr);
+      const DocRun<T> got = run(Algorithm::chunk, h0p, dhtp, true, nullptr, pool);
+      EXPECT_LE(rel_error(got.o, want.o), tol) << w << " o";
+      EXPECT_LE(rel_error(got.ht, want.ht), tol) << w << " ht";
+      EXPECT_LE(rel_error(got.dq, want.dq), tol) << w << " dq";
+      EXPECT_LE(rel_error(got.dk, want.dk), tol) << w << " dk";
+      EXPECT_LE(rel_error(got.dv, want.dv), tol) << w << " dv";
+      EXPECT_LE(rel_error(got.dg, want.dg), tol) << w << " dg";
+      EXPECT_LE(rel_error(got.dbeta, want.dbeta), tol) << w << " dbeta";
+      EXPECT_LE(rel_error(got.dh0, want.dh0), tol) << w << " dh0";
+      ForwardCache<T> cache;
+      EXPECT_TRUE(run(Algorithm::chunk, h0p, dhtp, true, &cache, pool) == got) << w << " forward cache";
+      EXPECT_EQ(cache.records(), seqs.count()) << w;
+      cache.clear();
+      EXPECT_TRUE(run(Algorithm::chunk, h0p, dhtp, true, &cache, pool) == got) << w << " reused cache";
+      EXPECT_TRUE(run(Algorithm::chunk, h0p, dhtp, true, nullptr, nullptr) == got) << w << " one thread";
+      // Zeros given as states: the same bits as none.
+      EXPECT_TRUE(run(Algorithm::chunk, with_h0 ? h0p : zeros.data(), with_dht ? dhtp : zeros.data(), true,
+                      nullptr, pool) == got)
+          << w << " zeros given";
+      // dh0 not wanted: the same gradients.
+      DocRun<T> no_dh0 = run(Algorithm::chunk, h0p, dhtp, false, nullptr, pool);
+      no_dh0.dh0 = got.dh0;
+      EXPECT_TRUE(no_dh0 == got) << w << " without dh0";
+      cache.clear();
+      no_dh0 = run(Algorithm::chunk, h0p, dhtp, false, &cache, pool);
+      no_dh0.dh0 = got.dh0;
+      EXPECT_TRUE(no_dh0 == got) << w << " without dh0, forward cache";
+    }
+}
+
+TEST(KdaChunk, FewTokenDocumentsMatchRecurrentWithAndWithoutTheCache) {
+  // 1..7-token documents around a chunk, one and two chunks, ragged or not.
+  const std::vector<std::size_t> lengths{1, 1, 2, 3, 1, 7, 5, kC, 1, kC + 1, 16, 17, 2 * kC + 9, 4, 1};
+  std::vector<std::int64_t> cu{0};
+  for (std::size_t n : lengths) cu.push_back(cu.back() + static_cast<std::int64_t>(n));
+  const Shape s{1, static_cast<std::size_t>(cu.back()), 1, 2, 16, 32};
+  const Sequences seqs(1, s.tokens, cu);
+  ThreadPool pool(3);
+  for (const double g_min : {-4.0, -30.0}) {
+    const std::string what = " g_min=" + std::to_string(g_min);
+    check_few_token_documents(Data<double>(s, 61, g_min), seqs, 1e-10, &pool, "double" + what);
+    check_few_token_documents(Data<float>(s, 62, g_min), seqs, 2e-4, &pool, "float" + what);
+  }
+}
+
+// The record of one head is sized by its tokens: R and Δ (T×V each), L and P
+// (c×c each per chunk of c tokens), and the state entering every chunk
+// after the first (the first is the incoming state, not kept).
+TEST(KdaChunk, ForwardCacheRecordIsSizedByTheTokens) {
+  const std::size_t hv = 3, k = 16, v = 32;
+  const auto elems = [&](std::size_t tokens) {
+    return ForwardCache<float>::record_elems(Shape{2, tokens, 1, hv, k, v}, Algorithm::chunk);
+  };
+  const std::size_t pairs = 2 * hv;
+  EXPECT_EQ(elems(1), pairs * (2 * v + 2));
+  EXPECT_EQ(elems(5), pairs * (2 * 5 * v + 2 * 25));
+  EXPECT_EQ(elems(kC), pairs * (2 * kC * v + 2 * kC * kC));
+  EXPECT_EQ(elems(kC + 3), pairs * (k * v + 2 * (kC + 3) * v + 2 * kC * kC + 2 * 9));
+  EXPECT_EQ(elems(3 * kC), pairs * (2 * k * v + 2 * 3 * kC * v + 3 * 2 * kC * kC));
+}
+
 // The summary's defining property on the chunk path itself:
 // forward(h).final = M·h + S.
 TEST(KdaChunk, SummaryComposes) {

@@ -12,6 +12,7 @@
 //     the step's operation); the tile GEMM is, per element, the fused chain
 //     over the inner index in order, for every operation and triangular
 //     variant, both layouts of A, sizes around the vector and tile widths;
+//     gemm_zero_b is gemm on a B of +0 (signed zeros in A and C included);
 //     exp_row is exp_vec's operation sequence (and within a few ulp of
 //     std::exp); lane_dot and transpose are their definitions.
 #include "kernels/hwy_targets.hpp"
@@ -281,6 +282,56 @@ void GemmMatchesItsDefinition() {
   ExpectGemmSweep<double>();
 }
 
+// gemm_zero_b<Op> gives gemm<Op>'s bits on a B of +0 without reading it:
+// C +0 (set), C + 0 (add: a -0 of C becomes +0), C (sub: -0 stays), for A
+// of either sign and both layouts; with an infinite or NaN entry in A it
+// writes nothing and returns false (the product is NaN there).
+template <GemmOp Op, class T>
+void ExpectGemmZeroB(std::size_t m, std::size_t nc, std::size_t p, bool a_transposed) {
+  const std::size_t lda = (a_transposed ? m : p) + 3, ldc = nc + 1;
+  const std::uint64_t seed = (m * 100 + nc) * 100 + p + 7;
+  std::vector<T> a = uniform_values<T>((a_transposed ? p : m) * lda, -1, 1, seed);
+  std::vector<T> c0 = uniform_values<T>(m * ldc, -1, 1, seed + 1);
+  for (std::size_t i = 0; i < c0.size(); i += 3) c0[i] = i % 2 ? T(0) : -T(0);  // signed zeros in C
+  if (!a.empty()) a[0] = -T(0);
+  const std::vector<T> b(p * nc, T(0));
+  const std::size_t ars = a_transposed ? 1 : lda, acs = a_transposed ? lda : 1;
+  std::vector<T> want = c0, got = c0;
+  gemm<Op>(m, nc, p, a.data(), ars, acs, b.data(), nc, want.data(), ldc);
+  EXPECT_TRUE(gemm_zero_b<Op>(m, nc, p, a.data(), ars, acs, got.data(), ldc));
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < nc; ++j)
+      EXPECT_TRUE(same_bits(got[i * ldc + j], want[i * ldc + j]))
+          << hwy::TargetName(HWY_TARGET) << " op " << int(Op) << " m=" << m << " n=" << nc << " p=" << p
+          << " at " << i << "," << j << ": " << got[i * ldc + j] << " vs " << want[i * ldc + j];
+  for (T bad : {std::numeric_limits<T>::infinity(), -std::numeric_limits<T>::infinity(),
+                std::numeric_limits<T>::quiet_NaN()}) {
+    std::vector<T> a_bad = a;
+    a_bad[(m - 1) * ars + (p - 1) * acs] = bad;
+    std::vector<T> untouched = c0;
+    EXPECT_FALSE(gemm_zero_b<Op>(m, nc, p, a_bad.data(), ars, acs, untouched.data(), ldc));
+    EXPECT_EQ(0, std::memcmp(untouched.data(), c0.data(), c0.size() * sizeof(T)))
+        << "op " << int(Op) << ": written despite a non-finite A";
+  }
+}
+
+template <class T>
+void ExpectGemmZeroBSweep() {
+  for (std::size_t m : {1, 8, 13})
+    for (std::size_t nc : {1, 16, 37})
+      for (std::size_t p : {1, 21})
+        for (bool a_transposed : {false, true}) {
+          ExpectGemmZeroB<GemmOp::set, T>(m, nc, p, a_transposed);
+          ExpectGemmZeroB<GemmOp::add, T>(m, nc, p, a_transposed);
+          ExpectGemmZeroB<GemmOp::sub, T>(m, nc, p, a_transposed);
+        }
+}
+
+void GemmZeroBIsTheProductOnZeros() {
+  ExpectGemmZeroBSweep<float>();
+  ExpectGemmZeroBSweep<double>();
+}
+
 template <class T>
 void ExpectExpRow() {
   constexpr bool kF32 = sizeof(T) == 4;
@@ -347,6 +398,7 @@ HWY_EXPORT_AND_TEST_P(StepTargets, StepMatchesItsDefinition);
 HWY_BEFORE_TEST(SimdTargets);
 HWY_EXPORT_AND_TEST_P(SimdTargets, FusedMulAddIsStdFma);
 HWY_EXPORT_AND_TEST_P(SimdTargets, GemmMatchesItsDefinition);
+HWY_EXPORT_AND_TEST_P(SimdTargets, GemmZeroBIsTheProductOnZeros);
 HWY_EXPORT_AND_TEST_P(SimdTargets, ExpRowMatchesItsDefinition);
 HWY_EXPORT_AND_TEST_P(SimdTargets, LaneDotAndTransposeMatchTheirDefinitions);
 

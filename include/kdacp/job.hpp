@@ -187,9 +187,10 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
                         std::size_t elem_bytes, double rank_exchange_bytes);
 
 // Bytes of the forward caches (kda::ForwardCache) a keep_forward job holds
-// for `tokens` tokens of `s` cut into at most `pieces` sequence pieces (each
-// piece may add a partial chunk): B·HV·((⌈tokens/C⌉ + pieces)·(K·V + 2·C² +
-// C/16) + 2·tokens·V) elements. 0 for the recurrent algorithm.
+// for `tokens` tokens of `s` cut into at most `pieces` sequence pieces: at
+// most B·HV·(⌈tokens/C⌉·K·V + 2·C·tokens + 2·tokens·V) elements however
+// many pieces (a record is sized by its piece's tokens; `pieces` no longer
+// changes the bound). 0 for the recurrent algorithm.
 double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens, std::size_t pieces,
                          std::size_t elem_bytes);
 

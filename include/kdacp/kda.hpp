@@ -134,8 +134,11 @@ void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
 // (same inputs, same incoming state), so that the backward skips its first
 // pass over the chunks (recomputing the state entering every chunk, R, Δ, L
 // and P: a quarter of its time at K = V = 128); the gradients are bitwise
-// the same. Memory for a record: B·HV·(⌈T/C⌉·(K·V + 2·C²) + 2·T·V)
-// elements, C = kChunkSize (record_elems); Algorithm::recurrent keeps nothing.
+// the same. Memory for a record: B·HV·((⌈T/C⌉ - 1)·K·V + 2·Σ_i c_i² + 2·T·V)
+// elements, C = kChunkSize, c_i the tokens of chunk i (C for all but the
+// last) (record_elems); the state entering the first chunk is the incoming
+// state, which backward is given, and is not kept. Algorithm::recurrent
+// keeps nothing.
 // forward appends one record per call; backward takes the records in the
 // order they were appended (a layer over several parts or sequence pieces
 // runs its backward calls in its forward's order); rewind() lets a second
@@ -236,7 +239,8 @@ inline constexpr std::size_t kDefaultCheckpointInterval = 64;
 // Algorithm::chunk ignores it: it computes the record of one head
 // (ForwardCache::record_elems / (B·HV) elements per busy thread), unless
 // `kept` (optional) holds the forward's record of this call, taken in order
-// (then `incoming` is not read again); the gradients are bitwise the same.
+// (`incoming` must then be the forward's: the record does not hold the
+// first chunk's state); the gradients are bitwise the same.
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
               const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec = {},

@@ -551,10 +551,12 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
 double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens, std::size_t pieces,
                          std::size_t elem_bytes) {
   if (algorithm != kda::Algorithm::chunk) return 0;
+  // A piece of t tokens keeps ⌈t/C⌉ - 1 < t/C states and L, P of c×c per
+  // chunk of c ≤ C tokens (≤ 2·C·t in all): however the tokens are cut.
+  (void)pieces;
   const double c = double(kda::kChunkSize);
-  const double chunks = std::ceil(double(tokens) / c) + double(pieces);
-  const double per_pair = chunks * (double(s.key_dim) * double(s.value_dim) + 2 * c * c) +
-                          2 * double(tokens) * double(s.value_dim);
+  const double per_pair = std::ceil(double(tokens) / c) * double(s.key_dim) * double(s.value_dim) +
+                          2 * c * double(tokens) + 2 * double(tokens) * double(s.value_dim);
   return double(s.batch) * double(s.value_heads) * per_pair * double(elem_bytes);
 }
 

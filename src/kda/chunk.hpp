@@ -77,22 +77,33 @@ struct ChunkWork {
 
 // What the forward keeps of one head for its backward (and what the
 // backward's first pass computes otherwise), offsets in elements of one
-// record: the state entering every chunk (n_chunks×K×V), R = V - Kg S_0 and
-// Δ of every token (tokens×V each), L and P of every chunk
-// (n_chunks×2×kChunk×kChunk, rows < c written). Which channels took the
-// exact path is not kept: the backward recomputes the same decay products.
+// record: the state entering every chunk but the first ((n_chunks - 1)×K×V;
+// the first chunk's is the head's incoming state, which the backward is
+// given), R = V - Kg S_0 and Δ of every token (tokens×V each), and L and P
+// of every chunk, c×c each for a chunk of c tokens (rows of stride c; every
+// chunk but the last has kChunk tokens, so chunk i's pair is at
+// factors + i·2·kChunk²). Sized by the real token count, so a piece of a few
+// tokens (a short document) keeps a few rows, not a whole chunk's state and
+// factors. Which channels took the exact path is not kept: the backward
+// recomputes the same decay products.
 struct ChunkSavedLayout {
   std::size_t states = 0, r = 0, delta = 0, factors = 0, total = 0;
+
+  // Offset of chunk ci's L (its P follows c×c further on), and of the state
+  // entering chunk ci ≥ 1.
+  std::size_t factors_at(std::size_t ci) const { return factors + ci * 2 * kChunk * kChunk; }
+  std::size_t state_at(std::size_t ci, std::size_t kv) const { return states + (ci - 1) * kv; }
 };
 
 inline ChunkSavedLayout chunk_saved_layout(std::size_t tokens, std::size_t key_dim,
                                            std::size_t value_dim) {
   const std::size_t n = (tokens + kChunk - 1) / kChunk;
+  const std::size_t last = tokens - (n > 0 ? (n - 1) * kChunk : 0);  // tokens of the last chunk
   ChunkSavedLayout l;
-  l.r = n * key_dim * value_dim;
+  l.r = (n > 0 ? n - 1 : 0) * key_dim * value_dim;
   l.delta = l.r + tokens * value_dim;
   l.factors = l.delta + tokens * value_dim;
-  l.total = l.factors + n * 2 * kChunk * kChunk;
+  l.total = l.factors + (n > 0 ? (n - 1) * 2 * kChunk * kChunk + 2 * last * last : 0);
   return l;
 }
 
@@ -101,7 +112,8 @@ inline ChunkSavedLayout chunk_saved_layout(std::size_t tokens, std::size_t key_d
 template <class T>
 struct ChunkBackWork {
   ScratchVec<T> record;                                   // chunk_saved_layout(...).total
-  std::vector<T> ds, s0t, dst, t2;                        // K×V
+  std::vector<T> ds, s0t, dst;                            // K×V
+  std::vector<T> zero;  // K×V zeros: S_0 of the first chunk when the incoming state is zero
   std::vector<T> dob, dd, dlt;                            // kChunk×V
   std::vector<T> dP, dL, m1, lb;                          // kChunk×kChunk
   std::vector<T> dqg, dkr, dkg, gk, gq, gg, bmr, fac, dbm;  // kChunk×K
@@ -115,7 +127,7 @@ struct ChunkBackWork {
     kd = key_dim;
     vd = value_dim;
     const std::size_t kv = kd * vd, cv = kChunk * vd, cc = kChunk * kChunk, ck = kChunk * kd;
-    for (auto* v : {&ds, &s0t, &dst, &t2}) v->assign(kv, T(0));
+    for (auto* v : {&ds, &s0t, &dst, &zero}) v->assign(kv, T(0));
     for (auto* v : {&dob, &dd, &dlt}) v->assign(cv, T(0));
     for (auto* v : {&dP, &dL, &m1, &lb}) v->assign(cc, T(0));
     for (auto* v : {&dqg, &dkr, &dkg, &gk, &gq, &gg, &bmr, &fac, &dbm}) v->assign(ck, T(0));

@@ -36,8 +36,9 @@ namespace hn = hwy::HWY_NAMESPACE;
 using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gemm-inl.h
 
 // backward of one head. Pass 1 runs the chunks forward from `incoming` and
-// keeps the record of chunk_saved_layout (the state entering each chunk, R,
-// Δ, L and P), unless the forward kept it (`kept`: the same bits); pass 2
+// keeps the record of chunk_saved_layout (the state entering each chunk
+// after the first, R, Δ, L and P), unless the forward kept it (`kept`: the
+// same bits; the first chunk's state is `incoming` either way); pass 2
 // walks the chunks backwards with the state gradient dS, recomputing each
 // chunk's element-wise factors (decays, Kg, Qg, Kr), and applies the adjoint of every line of the forward (chunk-inl.h's header):
 //   dΔ = scale Pᵀ dO + Kr dS,   dP = scale dO Δᵀ,   dQg = scale dO S_0ᵀ,
@@ -68,7 +69,6 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
                        static_cast<T*>(nullptr), w, bw.record.data());
     kept = bw.record.data();
   }
-  const T* states = kept + lay.states;
   const T* rs = kept + lay.r;
   const T* deltas = kept + lay.delta;
 
@@ -77,10 +77,19 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
   for (std::size_t ci = n_chunks; ci-- > 0;) {
     const std::size_t t0 = ci * kChunk, c = std::min(kChunk, tokens - t0);
     chunk_prepare(h, t0, c, kd, vd, 0, 0, w, static_cast<const T*>(nullptr), Factors::none);
-    const T* lp = kept + lay.factors + ci * 2 * kChunk * kChunk;
-    std::copy_n(lp, c * kChunk, w.L.data());
-    std::copy_n(lp + kChunk * kChunk, c * kChunk, w.P.data());
-    const T* s0 = states + ci * kv;
+    const T* lp = kept + lay.factors_at(ci);
+    for (std::size_t t = 0; t < c; ++t) {
+      std::copy_n(lp + t * c, c, w.L.data() + t * kChunk);
+      std::copy_n(lp + (c + t) * c, c, w.P.data() + t * kChunk);
+    }
+    // The state entering the chunk: the incoming one (zero when null) for
+    // the first, which the record does not hold.
+    const T* s0 = ci > 0 ? kept + lay.state_at(ci, kv) : incoming ? incoming : bw.zero.data();
+    // Known +0 operands (gemm_zero_b): S_0 of the first chunk without an
+    // incoming state, dS after the last without d_final (a short
+    // document's one chunk has both).
+    const bool s0_zero = ci == 0 && incoming == nullptr;
+    const bool ds_zero = ci + 1 == n_chunks && d_final == nullptr;
     const T* k = w.k.data();
     const T* q = w.q.data();
     const T* al = w.alpha.data();
@@ -90,10 +99,20 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     for (std::size_t t = 0; t < c; ++t)
       for (std::size_t j = 0; j < vd; ++j) dob[t * vd + j] = d_o[(t0 + t) * do_stride + j];
     // Transposes: S_0ᵀ, dSᵀ (V×K), Δᵀ (V×c).
+    // (Each made when a product below reads it.)
     T* HWY_RESTRICT s0t = bw.s0t.data();
     T* HWY_RESTRICT dst = bw.dst.data();
-    transpose(s0, kd, vd, vd, s0t, kd);
-    transpose(ds, kd, vd, vd, dst, kd);
+    bool s0t_made = false, dst_made = false;
+    const auto s0_t = [&] {
+      if (!s0t_made) transpose(s0, kd, vd, vd, s0t, kd);
+      s0t_made = true;
+      return static_cast<const T*>(s0t);
+    };
+    const auto ds_t = [&] {
+      if (!dst_made) transpose(ds, kd, vd, vd, dst, kd);
+      dst_made = true;
+      return static_cast<const T*>(dst);
+    };
     T* HWY_RESTRICT dlt = bw.dlt.data();
     transpose(dl, c, vd, vd, dlt, c);
 
@@ -102,19 +121,23 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
     gemm<GemmOp::set, Tri::upper_a>(c, vd, c, w.P.data(), std::size_t{1}, kChunk, dob, vd, dd,
                                      vd);
     for (std::size_t i = 0; i < c * vd; ++i) dd[i] = scale * dd[i];
-    gemm<GemmOp::add>(c, vd, kd, w.kr.data(), kd, std::size_t{1}, ds, vd, dd, vd);
+    if (!(ds_zero && gemm_zero_b<GemmOp::add>(c, vd, kd, w.kr.data(), kd, std::size_t{1}, dd, vd)))
+      gemm<GemmOp::add>(c, vd, kd, w.kr.data(), kd, std::size_t{1}, ds, vd, dd, vd);
     // dP = scale dO Δᵀ (lower, incl. the diagonal), dQg = scale dO S_0ᵀ, dKr = Δ dSᵀ.
     T* dP = bw.dP.data();  // c×c
     gemm<GemmOp::set, Tri::lower_c>(c, c, vd, dob, vd, std::size_t{1}, dlt, c, dP, c);
     for (std::size_t i = 0; i < c * c; ++i) dP[i] = scale * dP[i];
     T* HWY_RESTRICT dqg = bw.dqg.data();
-    gemm<GemmOp::set>(c, kd, vd, dob, vd, std::size_t{1}, s0t, kd, dqg, kd);
+    if (!(s0_zero && gemm_zero_b<GemmOp::set>(c, kd, vd, dob, vd, std::size_t{1}, dqg, kd)))
+      gemm<GemmOp::set>(c, kd, vd, dob, vd, std::size_t{1}, s0_t(), kd, dqg, kd);
     for (std::size_t i = 0; i < c * kd; ++i) dqg[i] = scale * dqg[i];
     T* HWY_RESTRICT dkr = bw.dkr.data();
-    gemm<GemmOp::set>(c, kd, vd, dl, vd, std::size_t{1}, dst, kd, dkr, kd);
-    // da_c.
+    if (!(ds_zero && gemm_zero_b<GemmOp::set>(c, kd, vd, dl, vd, std::size_t{1}, dkr, kd)))
+      gemm<GemmOp::set>(c, kd, vd, dl, vd, std::size_t{1}, ds_t(), kd, dkr, kd);
+    // da_c (+0 when both are +0: each lane sums +0 · +0 onto +0).
     T* dac = bw.dac.data();
-    for (std::size_t i = 0; i < kd; ++i) dac[i] = lane_dot(ds + i * vd, s0 + i * vd, vd);
+    for (std::size_t i = 0; i < kd; ++i)
+      dac[i] = s0_zero && ds_zero ? T(0) : lane_dot(ds + i * vd, s0 + i * vd, vd);
     // Z = (I + Diag(β) L)⁻ᵀ dΔ (chunk_solve_adjoint); then dR = Diag(β) Z.
     T* Z = bw.z.data();  // c×V
     for (std::size_t i = 0; i < c * vd; ++i) Z[i] = dd[i];
@@ -136,7 +159,8 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
       for (std::size_t j = 0; j < vd; ++j) dvt[j] = dR[t * vd + j] = bt * zt[j];
       for (std::size_t s2 = 0; s2 < c; ++s2) dL[t * c + s2] = s2 < t ? -bt * m1[t * c + s2] : T(0);
     }
-    gemm<GemmOp::set>(c, kd, vd, dR, vd, std::size_t{1}, s0t, kd, dkg, kd);
+    if (!(s0_zero && gemm_zero_b<GemmOp::set>(c, kd, vd, dR, vd, std::size_t{1}, dkg, kd)))
+      gemm<GemmOp::set>(c, kd, vd, dR, vd, std::size_t{1}, s0_t(), kd, dkg, kd);
     for (std::size_t i = 0; i < c * kd; ++i) dkg[i] = -dkg[i];
 
     // Gradients of the decay factors: dk, dq, dγ (c×K each).
@@ -381,7 +405,9 @@ void chunk_backward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t
           });
     }
 
-    // dS ← scale Qgᵀ dO + Diag(a_c) dS - Wᵀ dΔ.
+    // dS ← scale Qgᵀ dO + Diag(a_c) dS - Wᵀ dΔ, unless nothing reads it
+    // (the first chunk when d_incoming is not wanted).
+    if (ci == 0 && out.d_incoming == nullptr) break;
     T* t2 = w.kv.data();
     gemm<GemmOp::set>(kd, vd, c, w.qg.data(), std::size_t{1}, kd, dob, vd, t2, vd);
     for (std::size_t i = 0; i < kd; ++i) {

@@ -263,19 +263,24 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
 
 // The end of one prepared chunk given Δ (c rows of stride ldd, n columns):
 // when o is set, o_t = scale (Qg S_0 + P Δ)_t on the first V columns (at
-// o + t·o_stride); then S ← Diag(a_c) S + Krᵀ Δ (state: K×n).
+// o + t·o_stride); then, when `advance`, S ← Diag(a_c) S + Krᵀ Δ (state:
+// K×n; a caller that reads no state after the chunk skips it). zero_state:
+// S_0 is known to be +0 (gemm_zero_b).
 template <class T>
 void chunk_finish(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n, T* state, const T* dl,
-                  std::size_t ldd, T* o, std::size_t o_stride, T scale, ChunkWork<T>& w) {
+                  std::size_t ldd, T* o, std::size_t o_stride, T scale, ChunkWork<T>& w,
+                  bool zero_state = false, bool advance = true) {
   if (o != nullptr) {
     T* tmp = w.tmp.data();  // c×V
-    gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, n, tmp, vd);
+    if (!(zero_state && gemm_zero_b<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, tmp, vd)))
+      gemm<GemmOp::set>(c, vd, kd, w.qg.data(), kd, std::size_t{1}, state, n, tmp, vd);
     gemm<GemmOp::add, Tri::lower_a>(c, vd, c, w.P.data(), kChunk, std::size_t{1}, dl, ldd, tmp, vd);
     for (std::size_t t = 0; t < c; ++t) {
       T* ot = o + t * o_stride;
       for (std::size_t j = 0; j < vd; ++j) ot[j] = scale * tmp[t * vd + j];
     }
   }
+  if (!advance) return;
   for (std::size_t i = 0; i < kd; ++i) {
     const T a = w.ac[i];
     T* row = state + i * n;
@@ -304,10 +309,12 @@ void chunk_advance(std::size_t c, std::size_t kd, std::size_t vd, std::size_t n,
 // solving for W (K columns fewer). Needs chunk_prepare's factors only
 // (x_lo = x_hi). o as in chunk_finish. keep_r / keep_delta (c×V each, or
 // null): where R = V - Kg S_0 and Δ are kept (the same bits either way).
+// zero_state, advance: as in chunk_finish.
 template <class T>
 void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
                          std::size_t vd, T* state, T* o, std::size_t o_stride, T scale,
-                         ChunkWork<T>& w, T* keep_r = nullptr, T* keep_delta = nullptr) {
+                         ChunkWork<T>& w, T* keep_r = nullptr, T* keep_delta = nullptr,
+                         bool zero_state = false, bool advance = true) {
   T* X = keep_delta ? keep_delta : w.x.data();
   const std::size_t ldx = keep_delta ? vd : vd + kd;
   for (std::size_t t = 0; t < c; ++t) {
@@ -315,16 +322,18 @@ void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, 
     T* xr = X + t * ldx;
     for (std::size_t j = 0; j < vd; ++j) xr[j] = vt[j];
   }
-  gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, state, vd, X, ldx);
+  if (!(zero_state && gemm_zero_b<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, X, ldx)))
+    gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, state, vd, X, ldx);
   if (keep_r)
     for (std::size_t t = 0; t < c; ++t) std::copy_n(X + t * ldx, vd, keep_r + t * vd);
   chunk_solve(c, X, ldx, vd, w);
-  chunk_finish(c, kd, vd, vd, state, X, ldx, o, o_stride, scale, w);
+  chunk_finish(c, kd, vd, vd, state, X, ldx, o, o_stride, scale, w, zero_state, advance);
 }
 
 // forward of one head: o (when set) and, when set, the final state. keep
 // (or null): the head's record of chunk_saved_layout, what the backward's
-// first pass would recompute (the record is written in whole).
+// first pass would recompute (the record is written in whole; the state
+// entering the first chunk, `incoming`, is not part of it).
 template <class T>
 void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd,
                         std::size_t vd, T scale, const T* incoming, T* o, std::size_t o_stride,
@@ -340,15 +349,23 @@ void chunk_forward_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
     T* keep_r = nullptr;
     T* keep_delta = nullptr;
     if (keep) {
-      std::copy_n(st, kd * vd, keep + lay.states + ci * kd * vd);
-      T* lp = keep + lay.factors + ci * 2 * kChunk * kChunk;
-      std::copy_n(w.L.data(), c * kChunk, lp);
-      std::copy_n(w.P.data(), c * kChunk, lp + kChunk * kChunk);
+      // The first chunk's state is the incoming one: not kept.
+      if (ci > 0) std::copy_n(st, kd * vd, keep + lay.state_at(ci, kd * vd));
+      // L and P: rows [0, c), columns [0, c) (the rest of w.L's rows is
+      // never read), c×c each.
+      T* lp = keep + lay.factors_at(ci);
+      for (std::size_t t = 0; t < c; ++t) {
+        std::copy_n(w.L.data() + t * kChunk, c, lp + t * c);
+        std::copy_n(w.P.data() + t * kChunk, c, lp + (c + t) * c);
+      }
       keep_r = keep + lay.r + t0 * vd;
       keep_delta = keep + lay.delta + t0 * vd;
     }
+    // The state entering the first chunk is +0 when there is no incoming
+    // one; the state after the last is read only as the final state.
+    const bool last = t0 + c == tokens;
     chunk_advance_delta(h, t0, c, kd, vd, st, o ? o + t0 * o_stride : nullptr, o_stride, scale, w, keep_r,
-                        keep_delta);
+                        keep_delta, ci == 0 && incoming == nullptr, !last || final_state != nullptr);
   }
   if (final_state)
     for (std::size_t i = 0; i < kd * vd; ++i) final_state[i] = st[i];

@@ -141,6 +141,34 @@ void gemm(std::size_t m, std::size_t n_cols, std::size_t p, const T* a, std::siz
   for (; j < n_cols; ++j) gemm_panel<Op, kTri, 0>(m, j, p, a, ars, acs, b, ldb, c, ldc);
 }
 
+// gemm<Op>(m, n_cols, p, a, ars, acs, b, ...) when every element of B is
+// +0 (a zero state), without reading B: if every a(i,k) is finite, each
+// chain fma(a, +0, ... fma(a, +0, +0)) is +0 (a finite times +0 is ±0, and
+// ±0 + +0 is +0), so C becomes +0 (set), C + 0 (add: a -0 becomes +0) or
+// stays as it is (sub: C - +0 is C, -0 included): the same bits as the
+// product. Returns false, having written nothing, when A holds a non-finite
+// value (inf · 0 is NaN): the caller runs the product then.
+template <GemmOp Op, class T>
+bool gemm_zero_b(std::size_t m, std::size_t n_cols, std::size_t p, const T* a, std::size_t ars,
+                 std::size_t acs, T* c, std::size_t ldc) {
+  bool finite = true;
+  for (std::size_t i = 0; i < m; ++i) {
+    const T* ai = a + i * ars;
+    if (acs == 1) {
+      for (std::size_t k = 0; k < p; ++k) finite &= ai[k] - ai[k] == T(0);  // false for ±inf, NaN
+    } else {
+      for (std::size_t k = 0; k < p; ++k) finite &= ai[k * acs] - ai[k * acs] == T(0);
+    }
+  }
+  if (!finite) return false;
+  if constexpr (Op != GemmOp::sub)
+    for (std::size_t i = 0; i < m; ++i) {
+      T* ci = c + i * ldc;
+      for (std::size_t j = 0; j < n_cols; ++j) ci[j] = Op == GemmOp::set ? T(0) : ci[j] + T(0);
+    }
+  return true;
+}
+
 }  // namespace kdacp::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
