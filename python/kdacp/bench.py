@@ -64,6 +64,18 @@ def _plain_torch(s, m, g, rank, world):
     return x, y
 
 
+def _layer_inputs(seed, t, h, k, v):
+    """Leaves q, k (unit rows), v, g in [-0.1, 0), beta [1,T,H,...] and a d_o."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, t, h, k, generator=gen)
+    kk = torch.nn.functional.normalize(torch.randn(1, t, h, k, generator=gen), dim=-1)
+    vv = torch.randn(1, t, h, v, generator=gen)
+    g = -0.1 * torch.rand(1, t, h, k, generator=gen)
+    beta = torch.rand(1, t, h, generator=gen)
+    leaves = [x.requires_grad_(True) for x in (q, kk, vv, g, beta)]
+    return leaves, torch.randn(1, t, h, v, generator=gen)
+
+
 def _worker(rank, world, init_file, args, out_file):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
@@ -106,15 +118,8 @@ def _worker(rank, world, init_file, args, out_file):
 
     # kt.kda vs the C++ layer's own time for the same calls.
     t_local = args.tokens
-    gen = torch.Generator().manual_seed(100 + rank)
     hv = args.bh
-    q = torch.randn(1, t_local, hv, k, generator=gen)
-    kk = torch.nn.functional.normalize(torch.randn(1, t_local, hv, k, generator=gen), dim=-1)
-    vv = torch.randn(1, t_local, hv, v, generator=gen)
-    gg = -0.1 * torch.rand(1, t_local, hv, k, generator=gen)
-    beta = torch.rand(1, t_local, hv, generator=gen)
-    leaves = [x_.requires_grad_(True) for x_ in (q, kk, vv, gg, beta)]
-    d_o = torch.randn(1, t_local, hv, v, generator=gen)
+    leaves, d_o = _layer_inputs(100 + rank, t_local, hv, k, v)
     layer_times = []
 
     def kda_step():
@@ -196,15 +201,7 @@ def _cold_child(args):
     import json
     import resource
 
-    gen = torch.Generator().manual_seed(0)
-    t, h, k, v = args.tokens, args.bh, args.key_dim, args.value_dim
-    q = torch.randn(1, t, h, k, generator=gen)
-    kk = torch.nn.functional.normalize(torch.randn(1, t, h, k, generator=gen), dim=-1)
-    vv = torch.randn(1, t, h, v, generator=gen)
-    g = -0.1 * torch.rand(1, t, h, k, generator=gen)
-    beta = torch.rand(1, t, h, generator=gen)
-    leaves = [x.requires_grad_(True) for x in (q, kk, vv, g, beta)]
-    d_o = torch.randn(1, t, h, v, generator=gen)
+    leaves, d_o = _layer_inputs(0, args.tokens, args.bh, args.key_dim, args.value_dim)
 
     def sample():
         r = resource.getrusage(resource.RUSAGE_SELF)

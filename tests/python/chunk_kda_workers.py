@@ -2,33 +2,23 @@
 spawn): chunk_kda with a CpContext equals one process, and a call on a
 context sends no agreement message."""
 
-import datetime
-import faulthandler
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import dist_workers
 import kdacp.torch as kt
-from kdacp import _layer
 
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
 
 
 def init(rank, world, init_file):
-    faulthandler.enable()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    dist_workers.init(rank, world, init_file, timeout_s=30)
 
 
-def finish():
-    dist.barrier()
-    _layer._LAYERS.clear()
-    dist.destroy_process_group()
-    time.sleep(0.2)
+finish = dist_workers.finish
 
 
 def make(t, n, dtype, seed):

@@ -4,15 +4,11 @@ world of 1, 2 or 4, the same bytes as one process for every output and
 every gradient; the default mode does not at world 4; a cut off the
 64-token grid with algorithm "chunk" raises on every rank naming the rule."""
 
-import datetime
-import faulthandler
-import time
-
 import torch
 import torch.distributed as dist
 
+import dist_workers
 import kdacp.torch as kt
-from kdacp import _agreement, _layer
 
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
@@ -23,18 +19,10 @@ RULE = "a cut inside a sequence must fall on a 64-token boundary of that sequenc
 
 
 def init(rank, world, init_file):
-    faulthandler.enable()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist_workers.init(rank, world, init_file, timeout_s=60)
 
 
-def finish():
-    dist.barrier()
-    _layer._LAYERS.clear()
-    _agreement._BACKENDS.clear()
-    dist.destroy_process_group()
-    time.sleep(0.2)
+finish = dist_workers.finish
 
 
 def make(t, n, dtype, seed, raw):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import kdacp
 import kdacp.torch as kt
-from kdacp import _comm, _common, _layer
+from kdacp import _agreement, _comm, _common, _layer
 from kda_oracle import make_inputs
 
 EXACT = ["p2p", "pipelined_p2p", "allgather", "grouped_allgather_p2p"]
@@ -34,6 +34,7 @@ def finish():
     one takes the GIL during interpreter finalization)."""
     dist.barrier()
     _layer._LAYERS.clear()
+    _agreement._BACKENDS.clear()
     dist.destroy_process_group()
     time.sleep(0.2)
 
