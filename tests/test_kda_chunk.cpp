@@ -121,7 +121,7 @@ void expect_close(const Outputs<T>& got, const Outputs<T>& want, double tol,
 
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 template <class T>
@@ -493,7 +493,7 @@ struct DocRun {
   std::vector<T> o, ht, dq, dk, dv, dg, dbeta, dh0;
   bool operator==(const DocRun& b) const {
     const auto same = [](const std::vector<T>& x, const std::vector<T>& y) {
-      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0;
+      return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
     };
     return same(o, b.o) && same(ht, b.ht) && same(dq, b.dq) && same(dk, b.dk) && same(dv, b.dv) &&
            same(dg, b.dg) && same(dbeta, b.dbeta) && same(dh0, b.dh0);
