@@ -9,7 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   libhwy-dev libopenblas-dev
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin libsimgrid-dev
   gnuplot-nox python3 python3-numpy
   python3-dev python3-pybind11 pybind11-dev python3-pytest python3-torch
   python3-venv python3-pip python3-setuptools python3-wheel

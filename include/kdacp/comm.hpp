@@ -68,6 +68,13 @@ class Communicator {
 
   virtual std::chrono::milliseconds timeout() const = 0;
   virtual CommStats stats() const = 0;
+
+  // Seconds on the clock this backend's timeouts follow, for timing calls:
+  // steady wall time, or the simulated time of a simulator (the SMPI build,
+  // docs/scale.md). Only differences mean anything.
+  virtual double now_seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
 };
 
 }  // namespace kdacp

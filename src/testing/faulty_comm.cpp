@@ -79,6 +79,7 @@ class FaultyComm final : public Communicator {
   std::string backend() const override { return inner_->backend(); }
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
   CommStats stats() const override { return inner_->stats(); }
+  double now_seconds() const override { return inner_->now_seconds(); }
 
   void all_gather(std::span<std::byte> buffer) override {
     strike(FaultOp::collective, "all_gather");

@@ -20,6 +20,15 @@
 // Point-to-point sizes are checked on the receiver from the status
 // (MPI_ERR_TRUNCATE when longer, MPI_Get_elements_x when shorter).
 //
+// Simulation (the SMPI build, KDACP_SMPI; docs/scale.md): the same code runs
+// on SimGrid's SMPI, where ranks are simulated actors and time is simulated.
+// There the deadlines follow MPI_Wtime (simulated seconds) and a wait is one
+// MPI_Waitall: polling would charge SMPI's per-MPI_Test cost to the
+// simulated clock and blur every completion time. A wait that ends after its
+// deadline is the same Timeout as on a real cluster; a wait that can never
+// end is a deadlock, which the simulator detects at once and reports with
+// every blocked rank before it stops the run.
+//
 // Large buffers: MPI counts are int. A buffer over max_message_bytes
 // (INT_MAX by default) is described as ONE element of a derived datatype
 // (q chunks of max_message_bytes, then the remainder), resized to the exact
@@ -43,7 +52,19 @@ namespace kdacp {
 
 namespace {
 
+#if defined(KDACP_SMPI)
+// Simulated seconds, as a std::chrono clock so that deadlines read the same.
+struct Clock {
+  using duration = std::chrono::duration<double>;
+  using rep = duration::rep;
+  using period = duration::period;
+  using time_point = std::chrono::time_point<Clock, duration>;
+  static constexpr bool is_steady = true;
+  static time_point now() { return time_point(duration(MPI_Wtime())); }
+};
+#else
 using Clock = std::chrono::steady_clock;
+#endif
 
 std::string error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -59,19 +80,31 @@ bool mpi_running() {
   return initialized && !finalized;
 }
 
-// Calls done() until it returns true or `deadline` passes; returns false at
-// the deadline. Large messages move in pipelined fragments that advance only
+// Completes `count` requests or gives up at `deadline`; returns false then
+// (the requests may still be active), true with the MPI return code in `rc`
+// otherwise. Large messages move in pipelined fragments that advance only
 // while a process is inside MPI, so the first 20 ms poll continuously,
 // yielding the core between tests (with more ranks than cores the peer we
 // wait for needs it). Only a wait longer than that (a peer that is far
 // behind) backs off to sleeps doubling up to 1 ms, so idle ranks stop burning
 // CPU, at the price of at most ~1 ms added latency for such long waits.
-template <class Done>
-bool poll_until(Clock::time_point deadline, Done done) {
-  const auto busy_until = Clock::now() + std::chrono::milliseconds(20);
+// Simulated (KDACP_SMPI): one MPI_Waitall, then the deadline on the
+// simulated clock (see the top of this file).
+// One request goes through MPI_Test / MPI_Wait, whose return code is the
+// request's own error (MPI_ERR_TRUNCATE...), not MPI_ERR_IN_STATUS.
+bool complete(int count, MPI_Request* requests, MPI_Status* statuses, Clock::time_point deadline, int* rc) {
+#if defined(KDACP_SMPI)
+  *rc = count == 1 ? MPI_Wait(requests, statuses == MPI_STATUSES_IGNORE ? MPI_STATUS_IGNORE : statuses)
+                   : MPI_Waitall(count, requests, statuses);
+  return *rc != MPI_SUCCESS || Clock::now() <= deadline;
+#else
+  const auto busy_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   std::chrono::microseconds pause{20};
   for (;;) {
-    if (done()) return true;
+    int flag = 0;
+    *rc = count == 1 ? MPI_Test(requests, &flag, statuses == MPI_STATUSES_IGNORE ? MPI_STATUS_IGNORE : statuses)
+                     : MPI_Testall(count, requests, &flag, statuses);
+    if (*rc != MPI_SUCCESS || flag) return true;
     const auto now = Clock::now();
     if (now >= deadline) return false;
     if (now < busy_until) {
@@ -81,17 +114,12 @@ bool poll_until(Clock::time_point deadline, Done done) {
       pause = std::min(pause * 2, std::chrono::microseconds(1000));
     }
   }
+#endif
 }
 
-// Polls `req` until it completes or `deadline` passes. Returns false at the
-// deadline (the request is still active); true with the MPI return code in
-// `rc` otherwise.
+// Completes one request (see complete()).
 bool poll(MPI_Request* req, MPI_Status* status, Clock::time_point deadline, int* rc) {
-  return poll_until(deadline, [&] {
-    int flag = 0;
-    *rc = MPI_Test(req, &flag, status);
-    return *rc != MPI_SUCCESS || flag;
-  });
+  return complete(1, req, status == MPI_STATUS_IGNORE ? MPI_STATUSES_IGNORE : status, deadline, rc);
 }
 
 // `bytes` contiguous bytes as (count, datatype) within MPI's int counts.
@@ -206,6 +234,9 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   std::string backend() const override { return "mpi"; }
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
   CommStats stats() const override { return stats_; }
+#if defined(KDACP_SMPI)
+  double now_seconds() const override { return MPI_Wtime(); }
+#endif
 
   void all_gather(std::span<std::byte> buffer) override {
     const std::size_t n = size_;
@@ -309,12 +340,8 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
       ++i;
     }
     int rc = MPI_SUCCESS;
-    const bool done = poll_until(Clock::now() + options_.timeout, [&] {
-      int flag = 0;
-      rc = MPI_Testall(static_cast<int>(pending->requests.size()), pending->requests.data(), &flag,
-                       MPI_STATUSES_IGNORE);
-      return rc != MPI_SUCCESS || flag;
-    });
+    const bool done = complete(static_cast<int>(pending->requests.size()), pending->requests.data(),
+                               MPI_STATUSES_IGNORE, Clock::now() + options_.timeout, &rc);
     if (!done) {
       std::vector<std::size_t> missing;
       for (std::size_t q = 0, i = 0; q < size_; ++q) {
@@ -411,12 +438,14 @@ class MpiRequest final : public Request {
     if (req_ == MPI_REQUEST_NULL || !mpi_running()) return;
     // Dropped before completion (an exception unwound past it). A receive
     // can be cancelled; a send cannot portably, so it is left to complete.
+#if !defined(KDACP_SMPI)  // simulated: a wait on a cancelled receive could block for good
     if (is_recv_) {
       MPI_Cancel(&req_);
       int rc = MPI_SUCCESS;
       if (poll(&req_, MPI_STATUS_IGNORE, Clock::now() + std::chrono::milliseconds(100), &rc))
         return;
     }
+#endif
     MPI_Request_free(&req_);
   }
   MpiRequest(const MpiRequest&) = delete;
@@ -450,8 +479,16 @@ class MpiRequest final : public Request {
       throw RemoteError(comm_->who() + describe() + ": " + error_text(rc));
     }
     if (is_recv_) {
+#if defined(KDACP_SMPI)
+      // SMPI lacks MPI_Get_elements_x; its statuses count bytes, and a
+      // simulated message never needs a count beyond int.
+      int received = 0;
+      MPI_Get_count(&status, MPI_BYTE, &received);
+      const MPI_Count elements = received;
+#else
       MPI_Count elements = 0;
       MPI_Get_elements_x(&status, type_.type(), &elements);
+#endif
       if (elements != static_cast<MPI_Count>(bytes_))
         throw RemoteError(fmt::format("{}{}: message of {} bytes from rank {}, expected {}", comm_->who(), describe(),
                                       elements, comm_->globals()[peer_], bytes_));
@@ -509,6 +546,11 @@ std::shared_ptr<Communicator> mpi_world(MpiOptions options) {
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   // Our own context: kdacp's tags can never match the application's.
   MPI_Comm dup = MPI_COMM_NULL;
+#if defined(KDACP_SMPI)
+  // SMPI lacks MPI_Comm_idup; a simulated rank that never arrives is a
+  // deadlock the simulator reports.
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+#else
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
   if (rc == MPI_SUCCESS) {
@@ -517,6 +559,7 @@ std::shared_ptr<Communicator> mpi_world(MpiOptions options) {
                                 "other {} processes",
                                 world_rank, options.timeout.count(), world_size - 1));
   }
+#endif
   if (rc != MPI_SUCCESS)
     throw Error(fmt::format("rank {}: mpi_world: MPI_Comm_idup failed: {}", world_rank, error_text(rc)));
   return std::make_shared<MpiComm>(dup, options, static_cast<std::size_t>(world_size));

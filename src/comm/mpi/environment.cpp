@@ -5,8 +5,13 @@
 
 #include "kdacp/mpi.hpp"
 
+#if defined(KDACP_SMPI)
+#include <mpi.h>
+#endif
+
 namespace kdacp {
 
+#if !defined(KDACP_SMPI)
 namespace {
 
 // Variables every supported launcher exports to its processes: Open MPI's
@@ -27,7 +32,19 @@ std::optional<std::size_t> parse_count(std::string_view text) {
 }
 
 }  // namespace
+#endif
 
+#if defined(KDACP_SMPI)
+// The SMPI build (docs/scale.md) only ever runs under smpirun, which starts
+// every simulated rank itself and exports no launcher variables.
+bool launched_by_mpirun() { return true; }
+
+std::optional<std::size_t> mpi_world_size_from_env() {
+  const int size = smpi_global_size();
+  if (size < 0) return std::nullopt;
+  return static_cast<std::size_t>(size);
+}
+#else
 bool launched_by_mpirun() {
   for (const char* name : kLaunchVars)
     if (std::getenv(name) != nullptr) return true;
@@ -39,5 +56,6 @@ std::optional<std::size_t> mpi_world_size_from_env() {
     if (const char* value = std::getenv(name)) return parse_count(value);
   return std::nullopt;
 }
+#endif
 
 }  // namespace kdacp
