@@ -20,8 +20,6 @@
 namespace kdacp::testing {
 namespace {
 
-using clock = std::chrono::steady_clock;
-
 // pipelined_p2p's column segments in this bench (at most V/16).
 constexpr std::size_t kBenchSegments = 4;
 
@@ -98,74 +96,97 @@ std::vector<bool> document_cuts(std::size_t parts, std::size_t part_tokens, std:
   return cuts;
 }
 
+RankTimes time_rank(const std::shared_ptr<Communicator>& comm, const ProtocolConfig& var, const SummaryShape& shape,
+                    const PartOwners& part_owners, const std::vector<bool>& cuts, ExchangeOptions options,
+                    std::size_t warmup, std::size_t calls, double min_time) {
+  const std::size_t p = comm->size();
+  options.part_owners = part_owners;
+  const DeviceMesh mesh = DeviceMesh::create(comm, {p}, {"cp"});
+  auto ex = make_state_exchange(mesh, var.method, static_cast<long long>(var.group_size), options);
+  RankTimes out;
+  out.method = ex->method();
+  // This rank's parts (one without a layout), their summaries and flags.
+  std::vector<SyntheticSummary> sm, gm;
+  std::vector<PartSummary> fparts, bparts;
+  for (std::size_t j : ex->own_parts()) {
+    sm.push_back(synthetic_summary(shape, 0, j, false));
+    gm.push_back(synthetic_summary(shape, 0, j, true));
+  }
+  for (std::size_t i = 0; i < sm.size(); ++i) {
+    const PartFlags flags{!cuts.empty() && cuts[ex->own_parts()[i]]};
+    fparts.push_back({sm[i].offset.view(), sm[i].transfer.view(), flags});
+    bparts.push_back({gm[i].offset.view(), sm[i].transfer.view(), flags});
+  }
+  auto once = [&](bool record) {
+    comm->barrier();
+    const double t0 = comm->now_seconds();
+    ex->forward(fparts);
+    const double t1 = comm->now_seconds();
+    out.forward_peak = std::max(out.forward_peak, ex->last_stats().peak_extra_bytes);
+    out.forward_received = ex->last_stats().bytes_received;
+    comm->barrier();
+    const double t2 = comm->now_seconds();
+    ex->backward(bparts);
+    const double t3 = comm->now_seconds();
+    out.backward_peak = std::max(out.backward_peak, ex->last_stats().peak_extra_bytes);
+    out.backward_received = ex->last_stats().bytes_received;
+    if (record) out.forward.push_back(t1 - t0), out.backward.push_back(t3 - t2);
+    return (t1 - t0) + (t3 - t2);
+  };
+  double last = 0;
+  for (std::size_t it = 0; it < std::max<std::size_t>(warmup, calls == 0 ? 1 : 0); ++it) last = once(false);
+  // Every rank must make the same number of collective calls: rank 0 decides.
+  std::uint64_t iters = calls;
+  if (calls == 0) {
+    if (comm->rank() == 0) iters = std::clamp<std::uint64_t>(std::uint64_t(min_time / std::max(last, 1e-6)), 3, 200);
+    comm->broadcast(std::as_writable_bytes(std::span(&iters, 1)), 0);
+  }
+  for (std::uint64_t it = 0; it < iters; ++it) once(true);
+  return out;
+}
+
+ProtocolTiming slowest_rank(Communicator& comm, const RankTimes& mine) {
+  const std::size_t p = comm.size(), calls = mine.forward.size();
+  // Per rank: its calls' forward and backward times, then peaks and bytes.
+  const std::size_t row = 2 * calls + 4;
+  std::vector<double> all(p * row);
+  double* me = all.data() + comm.rank() * row;
+  std::copy(mine.forward.begin(), mine.forward.end(), me);
+  std::copy(mine.backward.begin(), mine.backward.end(), me + calls);
+  me[2 * calls] = double(mine.forward_peak), me[2 * calls + 1] = double(mine.backward_peak);
+  me[2 * calls + 2] = double(mine.forward_received), me[2 * calls + 3] = double(mine.backward_received);
+  comm.all_gather(std::as_writable_bytes(std::span(all)));
+  ProtocolTiming m;
+  std::vector<double> slow_f(calls), slow_b(calls);
+  for (std::size_t r = 0; r < p; ++r) {
+    const double* x = all.data() + r * row;
+    for (std::size_t it = 0; it < calls; ++it) {
+      slow_f[it] = std::max(slow_f[it], x[it]);
+      slow_b[it] = std::max(slow_b[it], x[calls + it]);
+    }
+    m.forward_peak = std::max(m.forward_peak, std::size_t(x[2 * calls]));
+    m.backward_peak = std::max(m.backward_peak, std::size_t(x[2 * calls + 1]));
+    m.forward_received_all += std::size_t(x[2 * calls + 2]);
+    m.backward_received_all += std::size_t(x[2 * calls + 3]);
+  }
+  m.forward_seconds = median(slow_f);
+  m.backward_seconds = median(slow_b);
+  return m;
+}
+
 ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const SummaryShape& shape, double min_time,
                              const PartOwners& part_owners, const std::vector<bool>& cuts) {
-  std::vector<std::vector<double>> fwd(p), bwd(p);
-  std::vector<std::size_t> peak_f(p), peak_b(p), recv_f(p), recv_b(p);
+  ProtocolTiming m;
   const std::size_t threads = ThreadPool::default_threads(p);
   run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t r = comm->rank();
     ThreadPool pool(threads);
     ExchangeOptions opts;
     opts.exec.pool = &pool;
     opts.segments = var.segments;
-    opts.part_owners = part_owners;
-    const DeviceMesh mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    auto ex = make_state_exchange(mesh, var.method, static_cast<long long>(var.group_size), opts);
-    // This rank's parts (one without a layout), their summaries and flags.
-    std::vector<SyntheticSummary> sm, gm;
-    std::vector<PartSummary> fparts, bparts;
-    for (std::size_t j : ex->own_parts()) {
-      sm.push_back(synthetic_summary(shape, 0, j, false));
-      gm.push_back(synthetic_summary(shape, 0, j, true));
-    }
-    for (std::size_t i = 0; i < sm.size(); ++i) {
-      const PartFlags flags{!cuts.empty() && cuts[ex->own_parts()[i]]};
-      fparts.push_back({sm[i].offset.view(), sm[i].transfer.view(), flags});
-      bparts.push_back({gm[i].offset.view(), sm[i].transfer.view(), flags});
-    }
-    auto call = [&](Direction dir) {
-      std::vector<State> out = dir == Direction::forward ? ex->forward(fparts) : ex->backward(bparts);
-      return out.size();
-    };
-    auto once = [&](bool record) {
-      comm->barrier();
-      const auto t0 = clock::now();
-      call(Direction::forward);
-      const auto t1 = clock::now();
-      peak_f[r] = std::max(peak_f[r], ex->last_stats().peak_extra_bytes);
-      recv_f[r] = ex->last_stats().bytes_received;
-      comm->barrier();
-      const auto t2 = clock::now();
-      call(Direction::backward);
-      const auto t3 = clock::now();
-      peak_b[r] = std::max(peak_b[r], ex->last_stats().peak_extra_bytes);
-      recv_b[r] = ex->last_stats().bytes_received;
-      const double f = std::chrono::duration<double>(t1 - t0).count();
-      const double b = std::chrono::duration<double>(t3 - t2).count();
-      if (record) fwd[r].push_back(f), bwd[r].push_back(b);
-      return f + b;
-    };
-    // Rank 0 sizes the run from a warm-up call; every rank must make the
-    // same number of collective calls.
-    std::uint64_t iters = 0;
-    const double warm = once(false);
-    if (r == 0) iters = std::clamp<std::uint64_t>(std::uint64_t(min_time / std::max(warm, 1e-6)), 3, 200);
-    comm->broadcast(std::as_writable_bytes(std::span(&iters, 1)), 0);
-    for (std::uint64_t it = 0; it < iters; ++it) once(true);
+    const RankTimes mine = time_rank(comm, var, shape, part_owners, cuts, opts, 1, 0, min_time);
+    const ProtocolTiming all = slowest_rank(*comm, mine);
+    if (comm->rank() == 0) m = all;
   });
-  ProtocolTiming m;
-  std::vector<double> slow_f(fwd[0].size()), slow_b(bwd[0].size());
-  for (std::size_t it = 0; it < slow_f.size(); ++it)
-    for (std::size_t r = 0; r < p; ++r) {
-      slow_f[it] = std::max(slow_f[it], fwd[r][it]);
-      slow_b[it] = std::max(slow_b[it], bwd[r][it]);
-    }
-  m.forward_seconds = median(slow_f);
-  m.backward_seconds = median(slow_b);
-  m.forward_peak = *std::max_element(peak_f.begin(), peak_f.end());
-  m.backward_peak = *std::max_element(peak_b.begin(), peak_b.end());
-  for (std::size_t r = 0; r < p; ++r) m.forward_received_all += recv_f[r], m.backward_received_all += recv_b[r];
   return m;
 }
 

@@ -163,6 +163,7 @@ void add_bench_command(CLI::App& app) {
   add_int(*prot, "--key-dim,-K", args->protocols.key_dim, "K = V", kDimRange);
   prot->callback([args] { run("protocols", *args); });
   add_layer_command(*bench);
+  add_bench_exchange_command(*bench);
 }
 
 }  // namespace kdacp::cli

@@ -31,9 +31,12 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <vector>
 
+#include "kdacp/comm.hpp"
 #include "kdacp/cost_model.hpp"
+#include "kdacp/exchange.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/summary.hpp"
 
@@ -105,5 +108,30 @@ struct ProtocolTiming {
 // part in chain order.
 ProtocolTiming time_protocol(const ProtocolConfig& config, std::size_t ranks, const SummaryShape& shape,
                              double min_time, const PartOwners& part_owners, const std::vector<bool>& cuts = {});
+
+// One rank's share of timing one configuration on any backend (the in-process
+// sweep above; `kdacp bench exchange` on MPI or simulated by SMPI): the rank
+// makes its own parts' synthetic summaries (the same values on every backend),
+// runs `warmup` untimed forward+backward pairs, then timed pairs, each call
+// after a barrier and timed on the communicator's clock
+// (Communicator::now_seconds: simulated seconds under SMPI). `calls` timed
+// pairs, or with calls = 0 as many as fill `min_time` (3..200, sized by rank
+// 0 from the last untimed pair; warmup is then at least 1). `options` are the
+// factory's (exec, segments, cost parameters...); its part_owners are
+// replaced by `part_owners`. Collective over `comm`.
+struct RankTimes {
+  std::vector<double> forward, backward;  // per timed call
+  std::size_t forward_peak = 0, backward_peak = 0;
+  std::size_t forward_received = 0, backward_received = 0;  // bytes, last call
+  std::string method;                                         // what ran (auto: its choice)
+};
+RankTimes time_rank(const std::shared_ptr<Communicator>& comm, const ProtocolConfig& config,
+                    const SummaryShape& shape, const PartOwners& part_owners, const std::vector<bool>& cuts,
+                    ExchangeOptions options, std::size_t warmup, std::size_t calls, double min_time);
+
+// The configuration's timing over all ranks of `comm` from each rank's
+// time_rank(): per call the slowest rank, median over calls. Collective;
+// every rank gets the result.
+ProtocolTiming slowest_rank(Communicator& comm, const RankTimes& mine);
 
 }  // namespace kdacp::testing
