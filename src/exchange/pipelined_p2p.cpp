@@ -117,10 +117,20 @@ class PipelinedExchange final : public CommExchange {
       if (out_buf[i].size() == 0) out_buf[i] = make_state(shape, kWhole);
       return out_buf[i];
     };
+    // A part's segments leave one after the other: each send waits for the
+    // part's previous one. Posted together, segments that are ready at once
+    // (the chain's first part, a cut) share the link and all arrive at the
+    // end, so the next rank could not start before the whole state was there
+    // and the pipeline fell back to store-and-forward (the simulated clusters
+    // of docs/scale.md showed c = 2 no faster than c = 1).
     std::vector<std::unique_ptr<Request>> sends;
+    std::vector<Request*> last_send(m, nullptr);
     auto hand_on = [&](std::size_t i, const StateView& out) {
       const std::size_t next = *chain_next(own[i], n, dir);
-      if (owner(next) != rank_) sends.push_back(comm_->isend(block_bytes(out), owner(next), part_tag(next, dir)));
+      if (owner(next) == rank_) return;
+      if (last_send[i] != nullptr) last_send[i]->wait();
+      sends.push_back(comm_->isend(block_bytes(out), owner(next), part_tag(next, dir)));
+      last_send[i] = sends.back().get();
     };
     std::vector<std::size_t> order(m);
     for (std::size_t i = 0; i < m; ++i) order[i] = dir == Direction::forward ? i : m - 1 - i;
@@ -171,8 +181,18 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   const std::size_t p = s.ranks, c = config.segments;
   const ChainProfile chain = chain_profile(s, 1);
   if (chain.parts <= 1) return t;
-  t.messages = chain.relays > 0 ? dbl(chain.relays + c - 1) : 0;
-  t.bytes = t.messages * dbl(state_bytes(s)) / dbl(c);
+  // Every hop once, then c - 1 more segments at the pace of the slowest hop
+  // (on nodes: the network's when any hop crosses it).
+  if (const std::size_t node = node_width(s); node > 0 && chain.relays > 0) {
+    const double crossings = node_crossings(dbl(chain.relays), 1, node);
+    const double segment = dbl(state_bytes(s)) / dbl(c);
+    add_messages(t, false, crossings, segment);
+    add_messages(t, true, dbl(chain.relays) - crossings, segment);
+    add_messages(t, crossings == 0, dbl(c - 1), segment);
+  } else {
+    t.messages = chain.relays > 0 ? dbl(chain.relays + c - 1) : 0;
+    t.bytes = t.messages * dbl(state_bytes(s)) / dbl(c);
+  }
   t.folds = (stretch_folds(chain.steps) + (chain.steps >= 2 ? dbl(c - 1) : 0)) / dbl(c);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {
