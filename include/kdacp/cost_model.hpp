@@ -38,11 +38,18 @@ struct CostParams {
   // of a prediction becomes max(critical-path folds, all ranks' fold work /
   // concurrent_ranks): the cores are then the bound, not the dependency chain.
   std::size_t concurrent_ranks = 0;
+  // Ranks per node, the island the group α/β describe (8 GPUs on NVLink):
+  // with it the model prices each message by where its two ranks are, nodes
+  // holding consecutive ranks (one part per rank; docs/scale.md measured
+  // what it changes). 0: unknown, every message crosses the network except
+  // inside an all-gather group.
+  std::size_t node_ranks = 0;
 };
 
 // JSON object {"source", "alpha_s", "beta_s_per_byte", "gflops",
-// "group_alpha_s", "group_beta_s_per_byte", "concurrent_ranks"}; missing keys
-// keep their defaults. Invalid values (non-positive α/β/γ, negative group
+// "group_alpha_s", "group_beta_s_per_byte", "concurrent_ranks",
+// "node_ranks"}; missing keys keep their defaults (node_ranks is written only
+// when set). Invalid values (non-positive α/β/γ, negative group
 // values, a negative or fractional concurrent_ranks) throw InvalidArgument
 // naming the key; unreadable files throw IoError.
 std::string to_json(const CostParams& params);
@@ -65,6 +72,9 @@ struct ProblemShape {
   // none. A chain does not wait across a cut and a gather folds only from the
   // last cut before a part, so cuts shorten the predicted critical path.
   std::vector<bool> part_cuts{};
+  // Ranks per node (CostParams::node_ranks; predict() fills it from the
+  // parameters when 0 here). 0: unknown.
+  std::size_t ranks_per_node = 0;
 };
 
 // The shape's part owners, explicit. Throws InvalidArgument when they span

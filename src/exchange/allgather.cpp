@@ -104,8 +104,13 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
   // The gather crosses the network: its terms count as network terms. With
   // a layout every rank contributes k slots to the one collective.
   if (s.ranks > 1) {
-    t.messages = dbl(ceil_log2(s.ranks));
-    t.bytes = dbl(s.ranks - 1) * dbl(chain.per_rank) * dbl(packed_bytes(s));
+    if (const std::size_t node = node_width(s)) {
+      // On nodes: the slots of the node's ranks over it, the others across.
+      add_group_all_gather(t, s.ranks, packed_bytes(s), node);
+    } else {
+      t.messages = dbl(ceil_log2(s.ranks));
+      t.bytes = dbl(s.ranks - 1) * dbl(chain.per_rank) * dbl(packed_bytes(s));
+    }
   }
   // Folds start at the last cut before a part: the longest stretch between
   // cuts (the first step a copy). Without cuts rank r folds r-1.

@@ -56,6 +56,7 @@ std::string to_json(const CostParams& c) {
   j["group_alpha_s"] = c.group_alpha_s;
   j["group_beta_s_per_byte"] = c.group_beta_s_per_byte;
   j["concurrent_ranks"] = c.concurrent_ranks;
+  if (c.node_ranks > 0) j["node_ranks"] = c.node_ranks;
   return j.dump(2);
 }
 
@@ -83,6 +84,13 @@ CostParams cost_params_from_json(const std::string& text) {
       throw InvalidArgument(
           fmt::format("cost parameter concurrent_ranks is {}, expected an integer >= 0 (0: every rank)", v.dump()));
     c.concurrent_ranks = v.get<std::size_t>();
+  }
+  if (j.contains("node_ranks")) {
+    const nlohmann::json& v = j["node_ranks"];
+    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<long long>() >= 0))
+      throw InvalidArgument(
+          fmt::format("cost parameter node_ranks is {}, expected an integer >= 0 (0: unknown)", v.dump()));
+    c.node_ranks = v.get<std::size_t>();
   }
   check_params(c);
   return c;
@@ -212,10 +220,12 @@ const ProtocolDescriptor& checked_row(const ProtocolConfig& config, const Proble
 
 }  // namespace
 
-std::size_t best_segments(const CostParams& params, const ProblemShape& shape,
+std::size_t best_segments(const CostParams& params, const ProblemShape& given,
                           const std::string& method) {
   check_params(params);
-  check_shape(shape);
+  check_shape(given);
+  ProblemShape shape = given;
+  if (shape.ranks_per_node == 0) shape.ranks_per_node = params.node_ranks;
   ProtocolConfig config;
   const ProtocolDescriptor& row = checked_row({method, 1, 0}, shape, config);
   if (!row.takes_segments) return 0;
@@ -229,10 +239,12 @@ std::size_t best_segments(const CostParams& params, const ProblemShape& shape,
   return best;
 }
 
-Prediction predict(const CostParams& params, const ProblemShape& shape,
+Prediction predict(const CostParams& params, const ProblemShape& given,
                    const ProtocolConfig& config) {
   check_params(params);
-  check_shape(shape);
+  check_shape(given);
+  ProblemShape shape = given;
+  if (shape.ranks_per_node == 0) shape.ranks_per_node = params.node_ranks;
   Prediction out;
   const ProtocolDescriptor& row = checked_row(config, shape, out.config);
   if (row.takes_segments && out.config.segments == 0)

@@ -2,6 +2,8 @@
 // in counts of messages, bytes and steps. docs/protocols.md derives them.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 
 #include "kdacp/protocol.hpp"
@@ -40,28 +42,77 @@ inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps -
 // has_layout (cost_model.hpp): a layout call runs the layout algorithm, whose buffers
 // the memory terms count; one part per rank runs the plain call.
 
-// A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
-// a group (Bruck / recursive doubling, what MPI picks for these sizes).
-inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n) {
-  if (m <= 1) return;
-  t.group_messages += dbl(ceil_log2(m));
-  t.group_bytes += dbl(m - 1) * dbl(n);
+// Nodes (CostParams::node_ranks, carried by ProblemShape::ranks_per_node):
+// a message between two ranks of one node goes at the group α/β (NVLink), any
+// other at α/β. The rows split their messages by node only for one part per
+// rank in rank order (nodes hold consecutive ranks); node_width() is then the
+// node's width in ranks (P itself when one node holds every rank), else 0:
+// every message a network one, an all-gather group's own at the group α/β.
+inline std::size_t node_width(const ProblemShape& s) {
+  const std::size_t n = std::min(s.ranks_per_node, s.ranks);
+  return n > 1 && !has_layout(s) && s.ranks % n == 0 ? n : 0;
 }
-// A binomial broadcast of n bytes over m members of a group.
-inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n) {
-  t.group_messages += dbl(ceil_log2(m));
-  t.group_bytes += dbl(ceil_log2(m)) * dbl(n);
+
+// `count` messages of `bytes_each`, inside a node (group terms) or not.
+inline void add_messages(CostTerms& t, bool inside_node, double count, double bytes_each) {
+  if (inside_node) {
+    t.group_messages += count;
+    t.group_bytes += count * bytes_each;
+  } else {
+    t.messages += count;
+    t.bytes += count * bytes_each;
+  }
+}
+
+// Of `hops` chain hops between positions `stride` ranks apart, the ones that
+// cross a node boundary (nodes of `node` ranks; 0: all of them).
+inline double node_crossings(double hops, std::size_t stride, std::size_t node) {
+  if (node == 0 || stride >= node) return hops;
+  return std::floor(hops * dbl(stride) / dbl(node));
+}
+
+// A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
+// a group (Bruck / recursive doubling, what MPI picks for these sizes). On
+// nodes (node > 0) a group wider than a node gathers inside each node first,
+// then across the m/node nodes.
+inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0) {
+  if (m <= 1) return;
+  if (node == 0 || m <= node) {
+    t.group_messages += dbl(ceil_log2(m));
+    t.group_bytes += dbl(m - 1) * dbl(n);
+    return;
+  }
+  t.group_messages += dbl(ceil_log2(node));
+  t.group_bytes += dbl(node - 1) * dbl(n);
+  t.messages += dbl(ceil_log2(m / node));
+  t.bytes += dbl(m - node) * dbl(n);
+}
+// A binomial broadcast of n bytes over m members of a group (on nodes: the
+// steps between nodes first, then inside them).
+inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0) {
+  if (node == 0 || m <= node) {
+    t.group_messages += dbl(ceil_log2(m));
+    t.group_bytes += dbl(ceil_log2(m)) * dbl(n);
+    return;
+  }
+  add_messages(t, true, dbl(ceil_log2(node)), dbl(n));
+  add_messages(t, false, dbl(ceil_log2(m / node)), dbl(n));
 }
 
 // Recursive doubling over m positions (affine_pairs.hpp): round 0 moves a
 // packed pair and computes nothing; the middle rounds compose two full pairs
 // each (the outgoing aggregate and the received prefix); the last round moves
 // and folds states only, because its receivers need no transfer any more.
-inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m) {
+// On nodes (node > 0) with positions `stride` ranks apart, round k's partner
+// is 2^k·stride ranks away: inside the node while 2^(k+1)·stride <= node.
+inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m, std::size_t stride = 1,
+                                   std::size_t node = 0) {
   const std::size_t rounds = ceil_log2(m);
   if (rounds == 0) return;
-  t.messages += dbl(rounds);
-  t.bytes += dbl(rounds - 1) * dbl(packed_bytes(s)) + dbl(state_bytes(s));
+  for (std::size_t k = 0; k < rounds; ++k) {
+    const bool inside = node > 0 && (std::size_t{2} << k) * stride <= node;
+    add_messages(t, inside, 1, dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s)));
+  }
   if (rounds >= 3) {
     t.folds += dbl(rounds - 2) * 2;
     t.products += dbl(rounds - 2) * 2;

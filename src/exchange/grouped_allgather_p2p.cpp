@@ -69,12 +69,14 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     }
     return t;
   }
-  add_group_all_gather(t, w, packed_bytes(s));
+  const std::size_t node = node_width(s);
+  add_group_all_gather(t, w, packed_bytes(s), node);
   // The owners' relay: one state per block boundary, each owner folding its
-  // whole block before it sends.
-  t.messages = dbl(blocks - 1);
-  t.bytes = dbl(blocks - 1) * dbl(state_bytes(s));
-  if (blocks > 1) add_group_broadcast(t, w, state_bytes(s));
+  // whole block before it sends (on nodes: owners w ranks apart).
+  const double crossings = node_crossings(dbl(blocks - 1), w, node);
+  add_messages(t, false, crossings, dbl(state_bytes(s)));
+  add_messages(t, true, dbl(blocks - 1) - crossings, dbl(state_bytes(s)));
+  if (blocks > 1) add_group_broadcast(t, w, state_bytes(s), node);
   t.folds = dbl(blocks - 1) * dbl(w) + dbl(w - 1);
   // Local position l of the first block folds l-1 slots, of a later block
   // l+1 (its incoming state first); the owners of every block but the last

@@ -57,12 +57,13 @@ CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config) {
     add_layout_doubling(t, s, chain_profile(s, w), w);
     return t;
   }
-  add_group_all_gather(t, w, packed_bytes(s));
+  const std::size_t node = node_width(s);
+  add_group_all_gather(t, w, packed_bytes(s), node);
   if (blocks > 1) {
     t.folds += dbl(w - 1);
     t.products += dbl(w - 1);
-    add_recursive_doubling(t, s, blocks);
-    add_group_broadcast(t, w, state_bytes(s));
+    add_recursive_doubling(t, s, blocks, w, node);
+    add_group_broadcast(t, w, state_bytes(s), node);
     t.work_folds += dbl(blocks) * dbl(w - 1);
     t.work_products += dbl(blocks) * dbl(w - 1);
   }

@@ -78,8 +78,10 @@ class P2PExchange final : public CommExchange {
 CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
   CostTerms t;
   const ChainProfile chain = chain_profile(s, 1);
-  t.messages = dbl(chain.relays);
-  t.bytes = dbl(chain.relays) * dbl(state_bytes(s));
+  // On nodes, the hops between consecutive ranks of one node go over it.
+  const double crossings = node_crossings(dbl(chain.relays), 1, node_width(s));
+  add_messages(t, false, crossings, dbl(state_bytes(s)));
+  add_messages(t, true, dbl(chain.relays) - crossings, dbl(state_bytes(s)));
   t.folds = stretch_folds(chain.steps);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {

@@ -1,0 +1,112 @@
+// The cost model on nodes (CostParams::node_ranks, docs/scale.md): messages
+// between ranks of one node are priced at the group α/β, the others at α/β;
+// without nodes every prediction is what it was.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "kdacp/cost_model.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/protocol.hpp"
+
+namespace kdacp {
+namespace {
+
+constexpr std::size_t kSlabs = 32, kDim = 128;
+constexpr double kState = double(kSlabs * kDim * kDim * 4);
+constexpr double kPacked = double(kSlabs * kDim * 2 * kDim * 4 + 64);
+
+ProblemShape shape(std::size_t p, std::size_t node) {
+  ProblemShape s{p, kSlabs, kDim, kDim, 4};
+  s.ranks_per_node = node;
+  return s;
+}
+
+CostTerms terms(const std::string& method, const ProblemShape& s, std::size_t w = 1, std::size_t c = 0) {
+  return find_protocol(method).cost(s, {method, w, c});
+}
+
+TEST(CostNodes, ChainHopsInsideNodesGoOverTheNode) {
+  // P = 16 on nodes of 8: one of the 15 hops crosses the network.
+  const CostTerms t = terms("p2p", shape(16, 8));
+  EXPECT_DOUBLE_EQ(t.messages, 1);
+  EXPECT_DOUBLE_EQ(t.bytes, kState);
+  EXPECT_DOUBLE_EQ(t.group_messages, 14);
+  EXPECT_DOUBLE_EQ(t.group_bytes, 14 * kState);
+  // Unknown nodes: every hop a network one, as before.
+  const CostTerms u = terms("p2p", shape(16, 0));
+  EXPECT_DOUBLE_EQ(u.messages, 15);
+  EXPECT_DOUBLE_EQ(u.group_messages, 0);
+  // One node holds every rank: nothing crosses.
+  EXPECT_DOUBLE_EQ(terms("p2p", shape(4, 8)).messages, 0);
+}
+
+TEST(CostNodes, RecursiveDoublingRoundsSplitByPartnerDistance) {
+  // P = 64 on nodes of 8: rounds at distances 1, 2, 4 stay inside a node,
+  // 8, 16, 32 cross; the last round moves states only.
+  const CostTerms t = terms("recursive_doubling", shape(64, 8));
+  EXPECT_DOUBLE_EQ(t.group_messages, 3);
+  EXPECT_DOUBLE_EQ(t.group_bytes, 3 * kPacked);
+  EXPECT_DOUBLE_EQ(t.messages, 3);
+  EXPECT_DOUBLE_EQ(t.bytes, 2 * kPacked + kState);
+  const CostTerms u = terms("recursive_doubling", shape(64, 0));
+  EXPECT_DOUBLE_EQ(u.messages, 6);
+  EXPECT_DOUBLE_EQ(u.bytes, 5 * kPacked + kState);
+  // Grouped (w = 4): the carriers' rounds are 4, 8, 16, 32 ranks apart.
+  const CostTerms g = terms("grouped_allgather_rd", shape(64, 8), 4);
+  const CostTerms g0 = terms("grouped_allgather_rd", shape(64, 0), 4);
+  EXPECT_DOUBLE_EQ(g.messages + g.group_messages, g0.messages + g0.group_messages);
+  EXPECT_GT(g.group_messages, g0.group_messages);
+}
+
+TEST(CostNodes, AllGatherAcrossNodesGathersInsideThenAcross) {
+  const CostTerms t = terms("allgather", shape(64, 8));
+  EXPECT_DOUBLE_EQ(t.group_bytes, 7 * kPacked);
+  EXPECT_DOUBLE_EQ(t.bytes, 56 * kPacked);
+  EXPECT_DOUBLE_EQ(t.group_messages, 3);
+  EXPECT_DOUBLE_EQ(t.messages, 3);
+  // A group of 16 on nodes of 8 spans two nodes.
+  const CostTerms g = terms("grouped_allgather_p2p", shape(64, 8), 16);
+  EXPECT_DOUBLE_EQ(g.bytes - 3 * kState, 8 * kPacked + kState);  // 3 relays, the broadcast's step across
+  // A group inside a node: its gather and broadcast stay there, and of the
+  // 15 relays between owners 4 ranks apart, the 7 at node boundaries cross.
+  const CostTerms h = terms("grouped_allgather_p2p", shape(64, 8), 4);
+  EXPECT_DOUBLE_EQ(h.messages, 7);
+  EXPECT_DOUBLE_EQ(h.group_messages, 2 + 8 + 2);
+}
+
+TEST(CostNodes, PipelineAtTheSlowestHopsPace) {
+  // c segments: every hop once, then c - 1 at the network's pace when a hop
+  // crosses it.
+  const CostTerms t = terms("pipelined_p2p", shape(16, 8), 1, 4);
+  EXPECT_DOUBLE_EQ(t.messages, 1 + 3);
+  EXPECT_DOUBLE_EQ(t.group_messages, 14);
+  EXPECT_DOUBLE_EQ(t.bytes, 4 * kState / 4);
+  const CostTerms in_node = terms("pipelined_p2p", shape(8, 8), 1, 4);
+  EXPECT_DOUBLE_EQ(in_node.messages, 0);
+  EXPECT_DOUBLE_EQ(in_node.group_messages, 7 + 3);
+}
+
+TEST(CostNodes, PredictUsesTheParametersNodesAndJsonKeepsThem) {
+  CostParams c;
+  c.group_alpha_s = 3e-6;
+  c.group_beta_s_per_byte = 1 / 370e9;
+  const ProblemShape s = shape(16, 0);
+  const double flat = predict(c, s, {"p2p", 1, 0}).seconds;
+  c.node_ranks = 8;
+  const double nodes = predict(c, s, {"p2p", 1, 0}).seconds;
+  EXPECT_LT(nodes, flat / 2);  // 14 of 15 hops at NVLink speed
+  const CostParams back = cost_params_from_json(to_json(c));
+  EXPECT_EQ(back.node_ranks, 8u);
+  EXPECT_EQ(to_json(CostParams{}).find("node_ranks"), std::string::npos);
+  try {
+    cost_params_from_json(R"({"node_ranks": -2})");
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("node_ranks"), std::string::npos);
+  }
+  EXPECT_THROW(cost_params_from_json(R"({"node_ranks": 1.5})"), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kdacp
