@@ -1,6 +1,6 @@
 # Entry points. `make run` and `make test` work on a fresh Debian machine:
 # they install the Debian packages kdacp needs, build, and run.
-.PHONY: deps build build-sanitize build-tsan run test test-release test-sanitize test-tsan fuzz clean
+.PHONY: deps build build-sanitize build-tsan run test test-release test-sanitize test-tsan fuzz simulate clean
 
 JOBS ?= $(shell nproc)
 
@@ -25,6 +25,13 @@ run: build
 
 test-release: build
 	ctest --preset release
+
+# The state exchange on simulated clusters (SimGrid SMPI; docs/scale.md):
+# every protocol configuration at P = 8..1024 on platforms/, beside the cost
+# model; table, JSON and plot in build/simulate/. A benchmark: about an hour.
+SIMULATE_ARGS ?=
+simulate: build
+	/usr/bin/python3 scripts/simulate.py --out build/simulate $(SIMULATE_ARGS)
 
 # The in-process suite under ASan + UBSan, and each libFuzzer target (.npy
 # reader, calibration JSON, numeric flag parser) for 30 s each plus a replay

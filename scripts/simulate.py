@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""kdacp's state exchange on simulated clusters (SimGrid SMPI; docs/scale.md).
+
+For each platform in platforms/ and each P, runs every configuration the cost
+model weighs (the rows of `kdacp plan` with the platform's cost parameters:
+every registry row, every group width, the model's segments) plus `auto`, as
+`kdacp-smpi bench exchange` under smpirun: the real protocol and communicator
+code, one simulated rank per process of the job, the compute bursts measured
+on this host's core and scaled to the platform's speed. It writes
+results.json, table.md (time beside the model, their ratio, auto's pick and
+its rank) and plot.svg into --out.
+
+--check runs the small simulation of `make test` instead: for each platform
+and protocol, the SMPI run's incoming states and final-state gradients must
+be byte-identical to the in-process backend's, and the simulated time within
+--tolerance of the model; the exit status says whether they were.
+
+Standard library only; run it with any Python 3 (the build's kdacp and
+kdacp-smpi do the work).
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# SMPI settings of every run (docs/scale.md says why each):
+# - no privatization, one thread per simulated rank: kdacp keeps no per-rank
+#   globals, and its per-thread state (memory accounting) needs real threads;
+# - bandwidth and latency factors 1: the platform files state end-to-end
+#   numbers; SMPI's default piecewise factors were fitted to one 2009
+#   Ethernet cluster;
+# - no cross-traffic: the α-β model has none, and InfiniBand/NVLink carry
+#   acknowledgements out of band.
+SMPI_OPTIONS = [
+    "-no-privatize",
+    "--cfg=contexts/factory:thread",
+    "--cfg=smpi/bw-factor:0:1",
+    "--cfg=smpi/lat-factor:0:1",
+    "--cfg=network/crosstraffic:0",
+    "--log=root.thres:warning",
+]
+
+
+def fail(msg):
+    print(f"simulate.py: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def platform_facts(name, platform_dir):
+    """A platform's cost parameters (platforms/<name>.json) and, from their
+    "simulation" object, its file (platforms/<name>.xml, or the .so CMake
+    builds from platforms/<name>.cpp into --platform-dir), hosts, ranks per
+    host and host names."""
+    cost = ROOT / "platforms" / f"{name}.json"
+    if not cost.is_file():
+        fail(f"platform '{name}': expected platforms/{name}.json")
+    sim = json.loads(cost.read_text()).get("simulation")
+    if not isinstance(sim, dict) or not all(k in sim for k in ("file", "hosts", "ranks_per_host", "host_prefix")):
+        fail(f"platforms/{name}.json: expected a \"simulation\" object with file, hosts, ranks_per_host, host_prefix")
+    path = ROOT / "platforms" / sim["file"]
+    if sim["file"].endswith(".so"):
+        path = Path(platform_dir) / sim["file"]
+    if not path.is_file():
+        fail(f"platform '{name}': {path} not found (the .so platforms are built with kdacp-smpi)")
+    return {"name": name, "xml": path, "cost": cost, "prefix": sim["host_prefix"], "hosts": int(sim["hosts"]),
+            "per_host": int(sim["ranks_per_host"])}
+
+
+def hostfile(facts, ranks, folder):
+    per = facts["per_host"]
+    nodes = math.ceil(ranks / per)
+    if nodes > facts["hosts"]:
+        raise ValueError(f"P = {ranks} needs {nodes} hosts, platform {facts['name']} has {facts['hosts']}")
+    path = Path(folder) / f"hosts-{facts['name']}-{ranks}"
+    lines = [f"{facts['prefix']}{i}:{min(per, ranks - i * per)}" for i in range(nodes)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+BYTES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def plan_rows(kdacp, facts, ranks, heads):
+    """The configurations `kdacp plan` weighs, with the model's time and
+    memory, and auto's exact pick."""
+    out = subprocess.run([str(kdacp), "plan", "-P", str(ranks), "-H", str(heads),
+                          "--calibration", str(facts["cost"])], capture_output=True, text=True)
+    if out.returncode != 0:
+        fail(f"kdacp plan failed: {out.stderr.strip()}")
+    rows, auto = [], None
+    for line in out.stdout.splitlines():
+        m = re.match(r"^(\w+)((?: [wc]=\d+)?)\s+(yes|no)\s+([\d.]+) (ns|us|ms|s)\s+[\d.]+x\s+([\d.]+) (B|KiB|MiB|GiB|TiB)",
+                     line)
+        if m:
+            knob = m.group(2).strip()
+            rows.append({"method": m.group(1), "knob": knob, "label": (m.group(1) + " " + knob).strip(),
+                         "exact": m.group(3) == "yes", "model_s": float(m.group(4)) * UNITS[m.group(5)],
+                         "model_peak": float(m.group(6)) * BYTES[m.group(7)]})
+        m = re.match(r"^auto \(exact\): (\w+(?: [wc]=\d+)?),", line)
+        if m:
+            auto = m.group(1)
+    if not rows or auto is None:
+        fail(f"could not read kdacp plan's table:\n{out.stdout}")
+    return rows, auto
+
+
+def host_speed(kdacp, heads):
+    """This core's fold speed (GFLOP/s) at the sweep's shape, one thread."""
+    out = subprocess.run([str(kdacp), "bench", "kernels", "--dims", "128", "--chains", "4", "--threads", "1",
+                          "--bh", str(heads), "--direction", "forward", "--json", "-q", "--min-time", "0.5"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["gflops"]
+
+
+def smpirun(facts, ranks, folder, speed_gf, argv, timeout):
+    hosts = hostfile(facts, ranks, folder)
+    cmd = ["smpirun", *SMPI_OPTIONS, f"--cfg=smpi/host-speed:{speed_gf:.6g}Gf", "-platform", str(facts["xml"]),
+           "-hostfile", str(hosts), "-np", str(ranks), *map(str, argv)]
+    t0 = time.monotonic()
+    try:
+        # In the temporary folder: smpirun leaves its unrolled hostfile in
+        # the working directory when a run fails.
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder)
+    except subprocess.TimeoutExpired:
+        return None, time.monotonic() - t0, f"took over {timeout} s of real time"
+    wall = time.monotonic() - t0
+    if out.returncode != 0:
+        tail = "\n".join(out.stderr.strip().splitlines()[-6:])
+        return None, wall, f"smpirun exited {out.returncode}: {tail}"
+    return out.stdout, wall, None
+
+
+def bench_args(row, heads, cost, repeat, warmup):
+    args = ["bench", "exchange", "--backend", "mpi", "--protocol", row["method"], "--heads", heads,
+            "--calibration", cost, "--repeat", repeat, "--warmup", warmup, "--threads", 1, "--timeout", 86400,
+            "--json"]
+    if row["knob"].startswith("w="):
+        args += ["--group-size", row["knob"][2:]]
+    if row["knob"].startswith("c="):
+        args += ["--segments", row["knob"][2:]]
+    return args
+
+
+def input_bytes(ranks, heads):
+    # Per rank: S, M, G and the two returned states, H·K·V floats each.
+    return ranks * 5 * heads * 128 * 128 * 4
+
+
+def sweep(a):
+    kdacp, smpi = Path(a.kdacp), Path(a.kdacp_smpi)
+    speed = a.host_speed or host_speed(kdacp, a.heads)
+    print(f"simulate: this core folds at {speed:.1f} GFLOP/s (smpi/host-speed)", file=sys.stderr)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = a.max_memory * (1 << 30)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in a.ranks:
+            for name in a.platforms:
+                facts = platform_facts(name, a.platform_dir)
+                rows, auto_pick = plan_rows(kdacp, facts, p, a.heads)
+                rows.append({"method": "auto", "knob": "", "label": "auto", "exact": True, "model_s": None,
+                             "model_peak": 0})
+                for row in rows:
+                    if a.protocols and row["method"] not in a.protocols:
+                        continue
+                    rec = {"platform": name, "ranks": p, "heads": a.heads, **row, "auto_pick": auto_pick}
+                    need = input_bytes(p, a.heads) + p * row["model_peak"]
+                    rec["memory_need_bytes"] = need
+                    if need > budget:
+                        rec["skipped"] = (f"needs ~{need / (1 << 30):.0f} GiB (P x (inputs + model peak)), over "
+                                          f"--max-memory {a.max_memory:g} GiB")
+                    else:
+                        stdout, wall, err = smpirun(facts, p, tmp, speed,
+                                                    [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat,
+                                                                       a.warmup)], a.timeout)
+                        rec["real_seconds"] = wall
+                        if err:
+                            rec["skipped"] = err
+                        else:
+                            r = json.loads(stdout.strip().splitlines()[-1])
+                            rec.update(sim_forward_s=r["forward_seconds"], sim_backward_s=r["backward_seconds"],
+                                       model_s=r["predicted_seconds"], ran=r["label"],
+                                       peak_bytes=max(r["forward_peak_bytes"], r["backward_peak_bytes"]))
+                            rec["ratio"] = rec["sim_forward_s"] / rec["model_s"]
+                    records.append(rec)
+                    shown = (f"{rec['sim_forward_s'] * 1e3:9.3f} ms sim, model {rec['model_s'] * 1e3:9.3f} ms, "
+                             f"ratio {rec['ratio']:.2f} ({rec['real_seconds']:.0f} s real)") \
+                        if "ratio" in rec else f"skipped: {rec['skipped']}"
+                    print(f"simulate: {name} P={p} {row['label']}: {shown}", file=sys.stderr, flush=True)
+                    (out / "results.json").write_text(json.dumps(meta(a, speed, records), indent=1))
+    write_table(out, meta(a, speed, records))
+    write_plot(out, records)
+    return 0
+
+
+def meta(a, speed, records):
+    return {"date": datetime.date.today().isoformat(), "heads": a.heads, "repeat": a.repeat, "warmup": a.warmup,
+            "host_speed_gflops": speed, "smpi_options": SMPI_OPTIONS, "records": records}
+
+
+def summarize(records):
+    """Per (platform, P): agreement counts and auto against the simulated best."""
+    out = []
+    keys = sorted({(r["platform"], r["ranks"]) for r in records}, key=lambda k: (k[0], k[1]))
+    for plat, p in keys:
+        rs = [r for r in records if r["platform"] == plat and r["ranks"] == p and "ratio" in r]
+        rows = [r for r in rs if r["method"] != "auto"]
+        auto = next((r for r in rs if r["method"] == "auto"), None)
+        within = sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.3)
+        s = {"platform": plat, "ranks": p, "rows": len(rows), "within_30": within,
+             "skipped": sum(1 for r in records if r["platform"] == plat and r["ranks"] == p and "skipped" in r)}
+        exact = [r for r in rows if r["exact"]]
+        if exact and auto:
+            best = min(exact, key=lambda r: r["sim_forward_s"])
+            order = sorted(r["sim_forward_s"] for r in exact)
+            s.update(auto=auto["ran"], auto_s=auto["sim_forward_s"], best=best["label"],
+                     best_s=best["sim_forward_s"], auto_over_best=auto["sim_forward_s"] / best["sim_forward_s"],
+                     auto_rank=1 + sum(1 for t in order if t < auto["sim_forward_s"] * (1 - 1e-9)),
+                     ranked=len(order))
+        out.append(s)
+    return out
+
+
+def write_table(out, m):
+    recs = m["records"]
+    lines = [f"Simulated {m['date']}: H = {m['heads']}, K = V = 128, {m['repeat']} timed calls after "
+             f"{m['warmup']} untimed; this core folds at {m['host_speed_gflops']:.0f} GFLOP/s.", "",
+             "| platform | P | configuration | simulated fwd | simulated bwd | model | sim/model | peak/rank |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in recs:
+        if "ratio" in r:
+            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label'] if r['method'] != 'auto' else 'auto -> ' + r['ran']} "
+                         f"| {r['sim_forward_s'] * 1e3:.3f} ms | {r['sim_backward_s'] * 1e3:.3f} ms "
+                         f"| {r['model_s'] * 1e3:.3f} ms | {r['ratio']:.2f} | {r['peak_bytes'] / (1 << 20):.0f} MiB |")
+        else:
+            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label']} | not run: {r['skipped']} | | "
+                         f"{'' if r['model_s'] is None else format(r['model_s'] * 1e3, '.3f') + ' ms'} | | |")
+    lines += ["", "| platform | P | rows within ±30 % | not run | auto's pick | auto sim | best sim (exact) | auto/best | auto's rank |",
+              "|---|---:|---:|---:|---|---:|---|---:|---:|"]
+    for s in summarize(recs):
+        if "auto" in s:
+            lines.append(f"| {s['platform']} | {s['ranks']} | {s['within_30']} of {s['rows']} | {s['skipped']} | "
+                         f"{s['auto']} | {s['auto_s'] * 1e3:.3f} ms | {s['best']} {s['best_s'] * 1e3:.3f} ms | "
+                         f"{s['auto_over_best']:.2f} | {s['auto_rank']} of {s['ranked']} |")
+        else:
+            lines.append(f"| {s['platform']} | {s['ranks']} | {s['within_30']} of {s['rows']} | {s['skipped']} | | | | | |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+
+
+def write_plot(out, records):
+    """Simulated forward time (points, solid) and the model (dashed) per
+    configuration family against P, one panel per platform (gnuplot)."""
+    if shutil.which("gnuplot") is None:
+        print("simulate: gnuplot not found, no plot", file=sys.stderr)
+        return
+    plats = sorted({r["platform"] for r in records})
+    fams = sorted({r["method"] for r in records if "ratio" in r and r["method"] != "auto"})
+    data = out / "plot.dat"
+    with open(data, "w") as f:
+        for plat in plats:
+            for fam in fams:
+                # The fastest simulated configuration of the family at each P.
+                f.write(f"# {plat} {fam}\n")
+                for p in sorted({r["ranks"] for r in records}):
+                    rs = [r for r in records if r["platform"] == plat and r["method"] == fam and r["ranks"] == p
+                          and "ratio" in r]
+                    if rs:
+                        b = min(rs, key=lambda r: r["sim_forward_s"])
+                        f.write(f"{p} {b['sim_forward_s'] * 1e3:.6g} {b['model_s'] * 1e3:.6g}\n")
+                f.write("\n\n")
+    script = [f"set terminal svg size 1100,450 dynamic", f"set output '{out / 'plot.svg'}'",
+              f"set multiplot layout 1,{len(plats)}", "set logscale xy", "set xlabel 'P (ranks)'",
+              "set ylabel 'forward ms (best configuration of each protocol)'", "set key top left font ',9'",
+              "set grid"]
+    for i, plat in enumerate(plats):
+        script.append(f"set title '{plat}: simulated (solid) and model (dashed)'")
+        plots = []
+        for j, fam in enumerate(fams):
+            idx = i * len(fams) + j
+            plots.append(f"'{data}' index {idx} using 1:2 with linespoints lw 2 lc {j + 1} title '{fam}'")
+            plots.append(f"'{data}' index {idx} using 1:3 with lines dt 2 lc {j + 1} notitle")
+        script.append("plot " + ", ".join(plots))
+    script.append("unset multiplot")
+    (out / "plot.gp").write_text("\n".join(script) + "\n")
+    subprocess.run(["gnuplot", str(out / "plot.gp")], check=False)
+
+
+def check(a):
+    """make test's small simulation: bitwise equality with the in-process
+    backend and agreement with the model (see the module docstring)."""
+    kdacp, smpi = Path(a.kdacp), Path(a.kdacp_smpi)
+    speed = a.host_speed or host_speed(kdacp, a.heads)
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.platforms:
+            facts = platform_facts(name, a.platform_dir)
+            for p in a.ranks:
+                for proto in a.protocols:
+                    base = ["--protocol", proto, "--heads", str(a.heads), "--seed", "7", "--repeat", "1"]
+                    ref, sim = Path(tmp) / f"ref-{name}-{p}-{proto}", Path(tmp) / f"sim-{name}-{p}-{proto}"
+                    r = subprocess.run([str(kdacp), "exchange", "--backend", "inprocess", "-P", str(p), *base,
+                                        "--out", str(ref)], capture_output=True, text=True)
+                    if r.returncode != 0:
+                        problems.append(f"in-process {proto} P={p} failed: {r.stderr.strip()}")
+                        continue
+                    _, _, err = smpirun(facts, p, tmp, speed, [smpi, "exchange", "--backend", "mpi", *base,
+                                                               "--timeout", 86400, "--out", sim], a.timeout)
+                    if err:
+                        problems.append(f"{name} {proto} P={p}: kdacp-smpi exchange: {err}")
+                        continue
+                    for f in ("incoming.npy", "final_grad.npy"):
+                        if (ref / f).read_bytes() != (sim / f).read_bytes():
+                            problems.append(f"{name} {proto} P={p}: {f} differs from the in-process backend's")
+                    row = {"method": proto, "knob": ""}
+                    stdout, _, err = smpirun(facts, p, tmp, speed,
+                                             [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat, a.warmup)],
+                                             a.timeout)
+                    if err:
+                        problems.append(f"{name} {proto} P={p}: kdacp-smpi bench exchange: {err}")
+                        continue
+                    res = json.loads(stdout.strip().splitlines()[-1])
+                    ratio = res["forward_over_predicted"]
+                    verdict = "ok" if abs(ratio - 1) <= a.tolerance else "OUTSIDE"
+                    print(f"check: {name} P={p} {proto}: bytes equal to in-process: "
+                          f"{'no' if any(name in x and proto in x for x in problems) else 'yes'}; simulated "
+                          f"{res['forward_seconds'] * 1e3:.4f} ms, model {res['predicted_seconds'] * 1e3:.4f} ms, "
+                          f"ratio {ratio:.3f} ({verdict})")
+                    if verdict != "ok":
+                        problems.append(f"{name} {proto} P={p}: simulated/model = {ratio:.3f}, expected within "
+                                        f"±{a.tolerance:g}")
+    for x in problems:
+        print(f"check: FAIL: {x}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    build = ROOT / "build" / "release" / "tools"
+    ap.add_argument("--kdacp", default=str(build / "kdacp"), help="the kdacp program (plan, the reference runs)")
+    ap.add_argument("--kdacp-smpi", default=str(build / "kdacp-smpi"), help="the SMPI build of kdacp")
+    ap.add_argument("--platform-dir", default=str(ROOT / "build" / "release" / "platforms"),
+                    help="where the build put the .so platforms")
+    ap.add_argument("--platforms", nargs="+", default=["nvlink-ib", "ethernet"], help="names in platforms/")
+    ap.add_argument("--ranks", "-P", nargs="+", type=int, default=[8, 64, 256, 1024])
+    ap.add_argument("--heads", "-H", type=int, default=32)
+    ap.add_argument("--protocols", nargs="*", default=[], help="only these methods (default: every row and auto)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed calls per run (median of the slowest rank)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    ap.add_argument("--max-memory", type=float, default=16, help="GiB a run may need (P x (inputs + peak))")
+    ap.add_argument("--timeout", type=float, default=1800, help="real seconds one smpirun may take")
+    ap.add_argument("--host-speed", type=float, default=0, help="GFLOP/s of this core (default: measured)")
+    ap.add_argument("--out", default="build/simulate", help="folder of results.json, table.md, plot.svg")
+    ap.add_argument("--check", action="store_true", help="the test mode (module docstring)")
+    ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
+    a = ap.parse_args()
+    for p in a.ranks:
+        if p < 1 or p > 4096:
+            fail(f"--ranks {p}: expected 1..4096")
+    if a.heads < 1 or a.repeat < 1 or a.warmup < 0 or a.max_memory <= 0 or a.timeout <= 0:
+        fail("--heads and --repeat must be >= 1, --warmup >= 0, --max-memory and --timeout > 0")
+    if shutil.which("smpirun") is None:
+        fail("smpirun not found: install libsimgrid-dev (scripts/install-deps.sh)")
+    # Absolute: smpirun runs in a temporary folder.
+    a.kdacp, a.kdacp_smpi = str(Path(a.kdacp).resolve()), str(Path(a.kdacp_smpi).resolve())
+    a.platform_dir = str(Path(a.platform_dir).resolve())
+    for prog in (a.kdacp, a.kdacp_smpi):
+        if not Path(prog).is_file():
+            fail(f"{prog} not found: build first (cmake --build --preset release)")
+    if a.check and not a.protocols:
+        fail("--check needs --protocols")
+    sys.exit(check(a) if a.check else sweep(a))
+
+
+if __name__ == "__main__":
+    main()
