@@ -318,6 +318,20 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   // what, by global rank. A member whose header does not arrive in time is a
   // Timeout naming it.
   void agree(Op op, std::size_t bytes, std::size_t root) {
+#if defined(KDACP_SMPI)
+    // Simulated: the members first compare their headers by an all-reduce of
+    // each word's minimum and maximum, O(log P) messages, and exchange them
+    // whole only to name who disagrees. The P - 1 headers per member of the
+    // real backend are O(P²) messages per collective in all, which made the
+    // simulation of P >= 256 take hours (docs/scale.md).
+    {
+      const std::uint64_t mine[kHeaderWords] = {static_cast<std::uint64_t>(op), bytes, root};
+      std::uint64_t low[kHeaderWords], high[kHeaderWords];
+      check(MPI_Allreduce(mine, low, kHeaderWords, MPI_UINT64_T, MPI_MIN, comm_), op_name(mine[0]));
+      check(MPI_Allreduce(mine, high, kHeaderWords, MPI_UINT64_T, MPI_MAX, comm_), op_name(mine[0]));
+      if (std::equal(low, low + kHeaderWords, high)) return;
+    }
+#endif
     const char* name = op_name(static_cast<std::uint64_t>(op));
     const std::string what =
         op == Op::barrier || op == Op::split ? std::string(name) : fmt::format("{} of {} bytes", name, bytes);
