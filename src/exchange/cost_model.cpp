@@ -324,17 +324,18 @@ std::vector<UlyssesPrediction> predict_ulysses(const CostParams& params, const P
   if (!shape_at && (shape.part_owners || !shape.part_cuts.empty()))
     throw InvalidArgument("Ulysses: a shape with a layout or cuts needs shape_at, its layout on P/U ranks");
   const double kv = static_cast<double>(shape.key_dim), vv = static_cast<double>(shape.value_dim);
-  // Elements per rank: T/P tokens of B*H heads.
-  const double elements = static_cast<double>(options.tokens_per_rank) * static_cast<double>(shape.slabs) *
-                          static_cast<double>(options.activation_bytes);
+  // What one element per head and token weighs on a rank: T/P tokens x B*H
+  // heads x a bytes (in double: the product can pass 2^64).
+  const double per_head_element = static_cast<double>(options.tokens_per_rank) * static_cast<double>(shape.slabs) *
+                                  static_cast<double>(options.activation_bytes);
   std::vector<UlyssesPrediction> out;
   for (std::size_t u = 1; u <= std::min(heads, shape.ranks); ++u) {
     if (heads % u != 0 || shape.ranks % u != 0) continue;
     UlyssesPrediction p;
     p.width = u;
     p.state_ranks = shape.ranks / u;
-    p.in_bytes = elements * (3 * kv + vv + 1);  // q, k, g: K each; v: V; beta: 1
-    p.out_bytes = elements * vv;                // o: V
+    p.in_bytes = per_head_element * (3 * kv + vv + 1);  // q, k, g: K each; v: V; beta: 1
+    p.out_bytes = per_head_element * vv;                // o: V
     p.all_to_all_seconds = all_to_all_seconds(params, u, p.in_bytes, options.node_size) +
                            all_to_all_seconds(params, u, p.out_bytes, options.node_size);
     ProblemShape sub = u == 1 ? shape : (shape_at ? shape_at(p.state_ranks) : shape);
