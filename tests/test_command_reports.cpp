@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "kdacp/admission.hpp"
 #include "kdacp/cost_model.hpp"
@@ -129,6 +131,56 @@ TEST(PlanReport, PrintsEveryRowAndAutosChoice) {
     }
   EXPECT_NE(out.find("auto (exact): "), std::string::npos) << out;
   EXPECT_NE(out.find("auto --allow-reassociation: "), std::string::npos) << out;
+}
+
+// With Ulysses asked for: a table row per U (U = 1 and every U >= 2 dividing
+// H and P) and the model's pick, in the text and in the JSON; without it,
+// neither mentions Ulysses.
+TEST(PlanReport, UlyssesTableAndJson) {
+  testing::PlanRequest r;
+  r.ranks = 1024;
+  r.heads = 32;
+  auto capture = [&](bool json) {
+    ::testing::internal::CaptureStdout();
+    testing::print_plan(r, CostParams{}, 0, "", json);
+    std::fflush(stdout);
+    return ::testing::internal::GetCapturedStdout();
+  };
+  const std::string plain_text = capture(false);
+  EXPECT_EQ(plain_text.find("Ulysses"), std::string::npos);
+  const auto plain_json = nlohmann::json::parse(capture(true));
+  EXPECT_FALSE(plain_json.contains("ulysses"));
+  const ProblemShape shape{1024, 32, 128, 128, 4};
+  EXPECT_EQ(plain_json["rows"].size(), predict_all(CostParams{}, shape, true).size());
+  EXPECT_EQ(plain_json["auto_exact"]["protocol"], protocol_label(choose_protocol(CostParams{}, shape, 0, false).config));
+
+  UlyssesOptions o;
+  o.tokens_per_rank = 1024;
+  r.ulysses = o;
+  o.heads = 32;
+  const auto widths = predict_ulysses(CostParams{}, shape, o);
+  const UlyssesPrediction pick = best_ulysses(widths);
+  ASSERT_GT(pick.width, 1u);
+  const std::string text = capture(false);
+  EXPECT_EQ(text.rfind(plain_text, 0), 0u) << "the plain plan comes first, unchanged";
+  EXPECT_NE(text.find("Ulysses x state CP: T/P=1024 tokens per rank, 2-byte activations, islands of 8 ranks"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find(fmt::format("Ulysses: the model picks U={} (state exchange over {} ranks)", pick.width,
+                                  pick.state_ranks)),
+            std::string::npos)
+      << text;
+  const auto json = nlohmann::json::parse(capture(true));
+  ASSERT_TRUE(json.contains("ulysses"));
+  const auto& u = json["ulysses"];
+  EXPECT_EQ(u["pick"], pick.width);
+  ASSERT_EQ(u["options"].size(), widths.size());
+  for (std::size_t i = 0; i < widths.size(); ++i) {
+    EXPECT_EQ(u["options"][i]["U"], widths[i].width);
+    EXPECT_EQ(u["options"][i]["exchange_protocol"], protocol_label(widths[i].exchange.config));
+    EXPECT_DOUBLE_EQ(u["options"][i]["seconds"].get<double>(), widths[i].seconds);
+    EXPECT_DOUBLE_EQ(u["options"][i]["speedup_vs_plain"].get<double>(), widths[0].seconds / widths[i].seconds);
+  }
 }
 
 // A layout that does not fit P fails before anything is printed.

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -153,5 +154,61 @@ std::vector<Prediction> best_per_protocol(const CostParams& params, const Proble
 Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
                            std::size_t memory_budget_bytes, bool allow_reassociation,
                            bool layouts_only = false);
+
+// Ulysses × state CP (docs/protocols.md, "Ulysses × state CP"): a head group
+// of U consecutive ranks trades, by one all-to-all, each rank's T/P tokens of
+// all H heads for U·T/P tokens of H/U heads (q, k, v, g, β in: 3K+V+1
+// elements per head and token), runs the state exchange over the C = P/U
+// ranks that hold the same heads (B·H/U slabs), and trades the output o (V
+// per head and token) back by a second all-to-all. U = 1 is plain state CP.
+// A backward moves the same bytes the other way (dO in; dq, dk, dv, dg, dβ
+// out) and its exchange costs what the forward's does, so the forward's
+// figures stand for both. The local attention's work is the same for every
+// U (U times the tokens of 1/U of the heads) and is not priced.
+struct UlyssesOptions {
+  std::size_t heads = 0;                // H, which U divides; 0: shape.slabs (B = 1)
+  std::size_t tokens_per_rank = 1;      // T/P of each batch row
+  std::size_t activation_bytes = 2;     // bytes per activation element (bf16)
+  // Ranks per NVLink island: the members of an all-to-all within one island
+  // talk at CostParams' group α/β, across islands at the network's.
+  std::size_t node_size = 8;
+  std::size_t memory_budget_bytes = 0;  // the state exchange's, as choose_protocol (0: none)
+};
+
+struct UlyssesPrediction {
+  std::size_t width = 1;        // U
+  std::size_t state_ranks = 1;  // C = P/U
+  // Bytes one rank holds of what the all-to-alls move: the activations in
+  // and the output back (each all-to-all keeps 1/U of them and sends the rest).
+  double in_bytes = 0, out_bytes = 0;
+  double all_to_all_seconds = 0;  // the forward's two all-to-alls
+  Prediction exchange;            // the fastest exact protocol over C ranks (choose_protocol)
+  double seconds = 0;             // all_to_all_seconds + exchange.seconds
+};
+
+// One all-to-all over a group of `width` consecutive ranks in which each rank
+// holds `bytes` (pairwise exchange: width−1 steps, each sending bytes/width
+// to one peer and receiving as much). Steps to a peer in the same island of
+// `node_size` ranks cost the group α/β, the others the network's; a group
+// that does not fit the islands evenly (width and node_size neither
+// dividing the other) is priced on the network alone.
+double all_to_all_seconds(const CostParams& params, std::size_t width, double bytes, std::size_t node_size);
+
+// One prediction per U in {1} ∪ {U ≥ 2 dividing both H and P}, ascending.
+// The exchange at C = P/U is choose_protocol's exact choice on
+// shape_at(C) with B·H/U slabs (shape_at: the layout and cuts of the stream
+// on C ranks; empty: `shape` with C ranks, which then must have no layout and
+// no cuts), with the group α/β kept only while U < node_size and U divides
+// it (the C ranks of one head slice are U apart, so from U = node_size on no
+// two of them share an island). At U = 1 the exchange is exactly
+// choose_protocol(params, shape, budget, false, has_layout(shape)). Throws
+// InvalidArgument for a zero option, heads that do not divide shape.slabs,
+// or a shape with a layout or cuts and no shape_at.
+std::vector<UlyssesPrediction> predict_ulysses(
+    const CostParams& params, const ProblemShape& shape, const UlyssesOptions& options,
+    const std::function<ProblemShape(std::size_t ranks)>& shape_at = {});
+
+// The fastest of predict_ulysses' list, ties to the smaller U.
+UlyssesPrediction best_ulysses(const std::vector<UlyssesPrediction>& options);
 
 }  // namespace kdacp

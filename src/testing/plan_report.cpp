@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "kdacp/admission.hpp"
 #include "kdacp/job_plan.hpp"
@@ -21,7 +22,7 @@ namespace {
 
 // Predicted time of each protocol's best configuration against P = 2, 4, ...
 void write_plot(const PlanRequest& request, const CostParams& params, const ProblemShape& base,
-                const std::string& plot) {
+                const std::string& plot, bool say) {
   PlotPanel panel{fmt::format("kdacp plan: B*H={} K={} V={} ({})", base.slabs, base.key_dim, base.value_dim,
                               params.source),
                   "P (ranks)", "predicted time (ms)", true, true, false, {}, NAN, ""};
@@ -29,7 +30,8 @@ void write_plot(const PlanRequest& request, const CostParams& params, const Prob
        job::plan_series(params, base.ranks, [&](std::size_t p) { return plan_shape_at(request, p); }))
     panel.series.push_back({s.method, std::move(s.points), false});
   draw_plot({panel}, plot, 900, 600, true);
-  std::printf("plot written to %s (gnuplot script with the data: %s.gp)\n", plot.c_str(), plot.c_str());
+  if (say)
+    std::printf("plot written to %s (gnuplot script with the data: %s.gp)\n", plot.c_str(), plot.c_str());
 }
 
 // The layout line: parts, parts per rank, cuts and the critical stretch.
@@ -44,6 +46,73 @@ void print_chain(const PlanRequest& request, const ProblemShape& shape) {
   fmt::print("layout: {}, {} parts (at most {} per rank){}; critical stretch {} steps (of {} without cuts)\n",
              request.zigzag ? "zigzag" : "contiguous", prof.parts, prof.per_rank, stream, prof.steps,
              prof.parts - 1);
+}
+
+// Ulysses × state CP for the request: every U with the model's pick.
+struct UlyssesPlan {
+  UlyssesOptions options;
+  std::vector<UlyssesPrediction> widths;
+  UlyssesPrediction pick;
+};
+
+std::optional<UlyssesPlan> ulysses_plan(const PlanRequest& request, const CostParams& params,
+                                        const ProblemShape& shape, std::size_t budget) {
+  if (!request.ulysses) return std::nullopt;
+  UlyssesPlan u{*request.ulysses, {}, {}};
+  u.options.heads = request.heads;
+  u.options.memory_budget_bytes = budget;
+  u.widths = predict_ulysses(params, shape, u.options,
+                             [&request](std::size_t ranks) { return plan_shape_at(request, ranks); });
+  u.pick = best_ulysses(u.widths);
+  return u;
+}
+
+void print_ulysses(const PlanRequest& request, const UlyssesPlan& u) {
+  const UlyssesPrediction& plain = u.widths.front();
+  std::printf("\nUlysses x state CP: T/P=%zu tokens per rank, %zu-byte activations, islands of %zu ranks; per forward "
+              "an all-to-all over U ranks in (q, k, v, g, beta: %s per rank) and one back (o: %s), a backward the same\n",
+              u.options.tokens_per_rank, u.options.activation_bytes, u.options.node_size,
+              format_bytes(plain.in_bytes).c_str(), format_bytes(plain.out_bytes).c_str());
+  Table t({"U", "state ranks", "heads/rank", "all-to-all", "state exchange", "protocol", "total", "vs U=1"});
+  for (const UlyssesPrediction& p : u.widths) {
+    t.add({fmt::format("{}", p.width), fmt::format("{}", p.state_ranks), fmt::format("{}", request.heads / p.width),
+           format_seconds(p.all_to_all_seconds), format_seconds(p.exchange.seconds),
+           protocol_label(p.exchange.config), format_seconds(p.seconds),
+           p.seconds > 0 ? fmt::format("{:.2f}x", plain.seconds / p.seconds) : "-"});
+  }
+  t.print();
+  if (u.pick.width == 1) {
+    std::printf("Ulysses: the model picks U=1 (plain state CP), predicted %s per forward\n",
+                format_seconds(u.pick.seconds).c_str());
+  } else {
+    std::printf("Ulysses: the model picks U=%zu (state exchange over %zu ranks), predicted %s per forward, %.2fx "
+                "faster than plain state CP (U=1)\n",
+                u.pick.width, u.pick.state_ranks, format_seconds(u.pick.seconds).c_str(),
+                u.pick.seconds > 0 ? plain.seconds / u.pick.seconds : 1.0);
+  }
+}
+
+nlohmann::ordered_json ulysses_json(const PlanRequest& request, const UlyssesPlan& u) {
+  using json = nlohmann::ordered_json;
+  const UlyssesPrediction& plain = u.widths.front();
+  json widths = json::array();
+  for (const UlyssesPrediction& p : u.widths)
+    widths.push_back({{"U", p.width},
+                      {"state_ranks", p.state_ranks},
+                      {"heads_per_rank", request.heads / p.width},
+                      {"all_to_all_seconds", p.all_to_all_seconds},
+                      {"exchange_seconds", p.exchange.seconds},
+                      {"exchange_protocol", protocol_label(p.exchange.config)},
+                      {"exchange_peak_extra_bytes", p.exchange.peak_extra_bytes},
+                      {"seconds", p.seconds},
+                      {"speedup_vs_plain", p.seconds > 0 ? json(plain.seconds / p.seconds) : json()}});
+  return {{"tokens_per_rank", u.options.tokens_per_rank},
+          {"activation_bytes", u.options.activation_bytes},
+          {"node_size", u.options.node_size},
+          {"in_bytes_per_rank", plain.in_bytes},
+          {"out_bytes_per_rank", plain.out_bytes},
+          {"options", widths},
+          {"pick", u.pick.width}};
 }
 
 }  // namespace
@@ -68,7 +137,13 @@ std::string format_seconds(double s) {
 }
 
 void print_plan(const PlanRequest& request, const CostParams& params, std::size_t budget,
-                const std::string& plot) {
+                const std::string& plot, bool json) {
+  if (json) {
+    const std::string text = plan_json(request, params, budget);
+    if (!plot.empty()) write_plot(request, params, plan_shape_at(request, request.ranks), plot, false);
+    std::printf("%s\n", text.c_str());
+    return;
+  }
   const ProblemShape shape = plan_shape_at(request, request.ranks);
   std::printf("cluster: P=%zu, B*H=%zu, K=%zu, V=%zu; alpha %s, bandwidth %.3g GB/s, %.6g GFLOP/s (%s)\n",
               shape.ranks, shape.slabs, shape.key_dim, shape.value_dim, format_seconds(params.alpha_s).c_str(),
@@ -94,7 +169,61 @@ void print_plan(const PlanRequest& request, const CostParams& params, std::size_
   if (plan.before_cuts)
     std::printf("note: in a run, auto (exact) chooses before the cuts are known: %s\n",
                 protocol_label(plan.before_cuts->config).c_str());
-  if (!plot.empty()) write_plot(request, params, shape, plot);
+  if (const auto u = ulysses_plan(request, params, shape, budget)) print_ulysses(request, *u);
+  if (!plot.empty()) write_plot(request, params, shape, plot, true);
+}
+
+std::string plan_json(const PlanRequest& request, const CostParams& params, std::size_t budget) {
+  using json = nlohmann::ordered_json;
+  const ProblemShape shape = plan_shape_at(request, request.ranks);
+  const ChainProfile prof = chain_profile(shape, 1);
+  const job::PlanPredictions plan = job::plan_predictions(params, shape, budget);
+  const double allgather = plan.allgather_seconds;
+  auto vs_allgather = [allgather](const Prediction& p) { return p.seconds > 0 ? json(allgather / p.seconds) : json(); };
+  json rows = json::array();
+  for (const Prediction& p : plan.rows)
+    rows.push_back({{"protocol", protocol_label(p.config)},
+                    {"method", p.config.method},
+                    {"group_size", p.config.group_size},
+                    {"segments", p.config.segments},
+                    {"exact", p.exact},
+                    {"seconds", p.seconds},
+                    {"vs_allgather", vs_allgather(p)},
+                    {"peak_extra_bytes", p.peak_extra_bytes},
+                    {"within_budget", budget == 0 || p.peak_extra_bytes <= budget}});
+  auto choice = [&](const Prediction& p) {
+    return json{{"protocol", protocol_label(p.config)}, {"seconds", p.seconds}, {"vs_allgather", vs_allgather(p)}};
+  };
+  json out = {
+      {"cluster",
+       {{"P", shape.ranks},
+        {"B", request.batch},
+        {"H", request.heads},
+        {"BH", shape.slabs},
+        {"K", shape.key_dim},
+        {"V", shape.value_dim},
+        {"alpha_s", params.alpha_s},
+        {"beta_s_per_byte", params.beta_s_per_byte},
+        {"gflops", params.gflops},
+        {"group_alpha_s", params.group_alpha_s},
+        {"group_beta_s_per_byte", params.group_beta_s_per_byte},
+        {"concurrent_ranks", params.concurrent_ranks},
+        {"source", params.source}}},
+      {"layout",
+       {{"zigzag", request.zigzag},
+        {"parts", prof.parts},
+        {"max_parts_per_rank", prof.per_rank},
+        {"tokens", request.tokens},
+        {"cuts", static_cast<std::size_t>(std::count(shape.part_cuts.begin(), shape.part_cuts.end(), true))},
+        {"critical_steps", prof.steps}}},
+      {"memory_budget_bytes", budget},
+      {"rows", rows},
+      {"not_listed", plan.without_layouts},
+      {"auto_exact", choice(plan.exact)},
+      {"auto_any", choice(plan.any)},
+      {"auto_before_cuts", plan.before_cuts ? choice(*plan.before_cuts) : json()}};
+  if (const auto u = ulysses_plan(request, params, shape, budget)) out["ulysses"] = ulysses_json(request, *u);
+  return out.dump(2);
 }
 
 }  // namespace kdacp::testing

@@ -30,6 +30,14 @@ struct PlanConfig {
   testing::Packing packing;
   std::size_t tokens = 0;  // 0: none given
   std::uint64_t seed = 0;
+  // Ulysses × state CP (--tokens-per-rank asks for it).
+  std::size_t tokens_per_rank = 0, activation_bytes = 2, node_size = 8;
+  bool json = false;
+};
+
+// Which of the flags that need another were given.
+struct PlanGiven {
+  bool tokens = false, tokens_per_rank = false, activation_bytes = false, node_size = false;
 };
 
 // The most tokens `kdacp plan` takes (a hypothetical stream, never allocated).
@@ -37,8 +45,23 @@ constexpr std::size_t kPlanMaxTokens = std::size_t{1} << 40;
 
 // What the flags say about the cluster and the stream, checked once: T (0:
 // none) and the packing's cu_seqlens (empty: one sequence per row).
-testing::PlanRequest plan_request(const PlanConfig& c, bool tokens_given) {
+testing::PlanRequest plan_request(const PlanConfig& c, const PlanGiven& given) {
+  const bool tokens_given = given.tokens;
   check_layout_flags(c.layout);
+  if (!given.tokens_per_rank) {
+    if (given.activation_bytes)
+      throw InvalidArgument("--activation-bytes needs --tokens-per-rank N, the activations it prices");
+    if (given.node_size) throw InvalidArgument("--node-size needs --tokens-per-rank N, the all-to-alls it prices");
+  } else {
+    if (!c.layout.split.empty())
+      throw InvalidArgument("--split describes P ranks, expected no --split with --tokens-per-rank (Ulysses' state "
+                            "exchange runs over P/U ranks)");
+    if (tokens_given && (c.tokens % c.ranks != 0 || c.tokens / c.ranks != c.tokens_per_rank))
+      // Both at most 2^40 and P at most 2^20: the product fits.
+      throw InvalidArgument(fmt::format("--tokens-per-rank {} with --tokens {} on P = {} ranks, expected --tokens {} "
+                                        "(or no --tokens)",
+                                        c.tokens_per_rank, c.tokens, c.ranks, c.tokens_per_rank * c.ranks));
+  }
   testing::PlanRequest r{c.ranks, c.batch, c.heads, c.key_dim, c.value_dim, c.layout.layout == "zigzag", 0, {}, {}};
   r.tokens = testing::packed_tokens(c.packing, c.tokens, tokens_given, kPlanMaxTokens);
   if (r.tokens == 0) {
@@ -49,6 +72,13 @@ testing::PlanRequest plan_request(const PlanConfig& c, bool tokens_given) {
   }
   if (r.tokens > 0) r.cu_seqlens = testing::packed_cu_seqlens(c.packing, c.batch, r.tokens, c.seed);
   r.layout_at = [layout = c.layout, tokens = r.tokens](std::size_t p) { return layout_of(layout, tokens, p); };
+  if (given.tokens_per_rank) {
+    UlyssesOptions u;
+    u.tokens_per_rank = c.tokens_per_rank;
+    u.activation_bytes = c.activation_bytes;
+    u.node_size = c.node_size;
+    r.ulysses = u;
+  }
   return r;
 }
 
@@ -64,11 +94,11 @@ CostParams params_of(const PlanConfig& c) {
   return p;
 }
 
-void run_plan(const PlanConfig& cfg, bool tokens_given) {
+void run_plan(const PlanConfig& cfg, const PlanGiven& given) {
   const CostParams params = params_of(cfg);
-  const testing::PlanRequest request = plan_request(cfg, tokens_given);
+  const testing::PlanRequest request = plan_request(cfg, given);
   const std::size_t budget = cfg.memory_budget.empty() ? 0 : parse_bytes(cfg.memory_budget, "--memory-budget");
-  testing::print_plan(request, params, budget, cfg.plot);
+  testing::print_plan(request, params, budget, cfg.plot, cfg.json);
 }
 
 }  // namespace
@@ -100,7 +130,20 @@ void add_plan_command(CLI::App& app) {
   add_layout_flags(*cmd, cfg->layout);
   add_packing_flags(*cmd, cfg->packing, kPlanMaxTokens, "; parts where one starts are cuts, which shorten the chain");
   add_int(*cmd, "--seed", cfg->seed, "seed of --docs' packing (as in kdacp run)", IntRange{});
-  cmd->callback([cfg, tokens] { run_plan(*cfg, tokens->count() > 0); });
+  auto* per_rank = add_int(*cmd, "--tokens-per-rank", cfg->tokens_per_rank,
+                           "T/P: also price Ulysses x state CP, an all-to-all over U ranks of a head group and the "
+                           "state exchange over P/U, for every U dividing H and P",
+                           IntRange{1, kPlanMaxTokens})
+                       ->default_str("none");
+  auto* act_bytes = add_int(*cmd, "--activation-bytes", cfg->activation_bytes,
+                            "bytes per activation element the all-to-alls move (bf16: 2)", IntRange{1, 8});
+  auto* node = add_int(*cmd, "--node-size", cfg->node_size,
+                       "ranks per NVLink island: all-to-all steps inside one cost --group-alpha/--group-bandwidth",
+                       IntRange{1, 1 << 20});
+  cmd->add_flag("--json", cfg->json, "print one JSON object instead of the tables");
+  cmd->callback([cfg, tokens, per_rank, act_bytes, node] {
+    run_plan(*cfg, {tokens->count() > 0, per_rank->count() > 0, act_bytes->count() > 0, node->count() > 0});
+  });
 }
 
 }  // namespace kdacp::cli

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,9 @@ struct PlanRequest {
   // The layout of `tokens` tokens on P ranks (called only with tokens > 0);
   // throws InvalidArgument for a layout that does not fit P.
   std::function<Layout(std::size_t ranks)> layout_at;
+  // Also price Ulysses × state CP (predict_ulysses) with these options
+  // (heads and memory budget are taken from the request and the budget).
+  std::optional<UlyssesOptions> ulysses{};
 };
 
 // The exchange's problem at P = `ranks`: the layout's part owners (as the
@@ -40,8 +44,25 @@ std::string format_seconds(double seconds);
 // `budget_bytes`; 0: no budget) and auto's choices (job::plan_predictions).
 // With a `plot` file name, also draws each protocol's best time against
 // P = 2, 4, ... up to request.ranks (job::plan_series) into it, keeping the
-// gnuplot script as `plot`.gp.
+// gnuplot script as `plot`.gp. With request.ulysses, a second table: per
+// head-group width U the all-to-alls' time, the state exchange's over P/U
+// ranks with its protocol, their total and the speed-up over U = 1, and the
+// U the model picks. With `json`, the same as one JSON object instead
+// (plan_json).
 void print_plan(const PlanRequest& request, const CostParams& params, std::size_t budget_bytes,
-                const std::string& plot);
+                const std::string& plot, bool json = false);
+
+// `kdacp plan --json`: {"cluster": {P, B, H, BH, K, V, alpha_s,
+// beta_s_per_byte, gflops, group_alpha_s, group_beta_s_per_byte,
+// concurrent_ranks, source}, "layout": {zigzag, parts, max_parts_per_rank,
+// tokens, cuts, critical_steps}, "memory_budget_bytes", "rows": [{protocol, method,
+// group_size, segments, exact, seconds, vs_allgather, peak_extra_bytes,
+// within_budget}], "not_listed": [...], "auto_exact", "auto_any" (each
+// {protocol, seconds, vs_allgather}), "auto_before_cuts" (or null), and with
+// request.ulysses "ulysses": {tokens_per_rank, activation_bytes, node_size,
+// in_bytes_per_rank, out_bytes_per_rank, "options": [{U, state_ranks,
+// heads_per_rank, all_to_all_seconds, exchange_seconds, exchange_protocol,
+// exchange_peak_extra_bytes, seconds, speedup_vs_plain}], "pick": U}.
+std::string plan_json(const PlanRequest& request, const CostParams& params, std::size_t budget_bytes);
 
 }  // namespace kdacp::testing
