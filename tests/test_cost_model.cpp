@@ -342,6 +342,30 @@ TEST(CostModel, UlyssesExchangeLeavesTheIslandsAtTheirSize) {
   EXPECT_LT(predict_ulysses(g, s, o)[2].exchange.seconds, predict_ulysses(network, s, o)[2].exchange.seconds);
 }
 
+// With nodes in the parameters (node_ranks) the exchange over P/U prices
+// each message by where its ranks are: a node holds node_size/U of one head
+// slice's ranks, or one of them from U = node_size on.
+TEST(CostModel, UlyssesExchangeOnNodes) {
+  CostParams g;
+  g.group_alpha_s = 3e-6;
+  g.group_beta_s_per_byte = 1 / 370e9;
+  g.node_ranks = 8;
+  CostParams network = g;
+  network.group_alpha_s = network.group_beta_s_per_byte = 0;
+  UlyssesOptions o;
+  o.tokens_per_rank = 1024;
+  o.node_size = 8;
+  const ProblemShape s{1024, 32, 128, 128, 4};
+  for (const UlyssesPrediction& u : predict_ulysses(g, s, o)) {
+    SCOPED_TRACE("U=" + std::to_string(u.width));
+    ProblemShape sub{s.ranks / u.width, 32 / u.width, 128, 128, 4};
+    if (u.width > 1) sub.ranks_per_node = u.width < 8 ? 8 / u.width : 1;
+    EXPECT_EQ(u.exchange.seconds, choose_protocol(u.width < 8 ? g : network, sub, 0, false).seconds);
+  }
+  o.node_size = 4;
+  EXPECT_THROW(predict_ulysses(g, s, o), InvalidArgument);
+}
+
 // Ulysses pays when the state exchange over P ranks costs more than the
 // all-to-alls: many ranks and few tokens per rank (P = 1024, T/P = 1024),
 // not few ranks and many tokens (P = 64, T/P = 16384).

@@ -333,6 +333,10 @@ std::vector<UlyssesPrediction> predict_ulysses(const CostParams& params, const P
   if (shape.slabs % heads != 0)
     throw InvalidArgument(fmt::format("Ulysses: H = {} does not divide B*H = {}, expected the heads of one row",
                                       heads, shape.slabs));
+  if (params.node_ranks > 0 && params.node_ranks != options.node_size)
+    throw InvalidArgument(fmt::format("Ulysses: node size {} with cost parameters of {} ranks per node (node_ranks), "
+                                      "expected the same",
+                                      options.node_size, params.node_ranks));
   if (!shape_at && (shape.part_owners || !shape.part_cuts.empty()))
     throw InvalidArgument("Ulysses: a shape with a layout or cuts needs shape_at, its layout on P/U ranks");
   const double kv = static_cast<double>(shape.key_dim), vv = static_cast<double>(shape.value_dim);
@@ -356,9 +360,12 @@ std::vector<UlyssesPrediction> predict_ulysses(const CostParams& params, const P
     CostParams sub_params = params;
     // One head slice's C ranks are U apart: islands of node_size ranks hold
     // node_size/U of them while U divides node_size and none together from
-    // U = node_size on.
-    if (u > 1 && !(u < options.node_size && options.node_size % u == 0))
-      sub_params.group_alpha_s = sub_params.group_beta_s_per_byte = 0;
+    // U = node_size on. With nodes in the parameters (node_ranks), the
+    // exchange prices each message by where its ranks are: a node holds
+    // node_size/U of the C ranks, or one.
+    const bool shared = u < options.node_size && options.node_size % u == 0;
+    if (u > 1 && !shared) sub_params.group_alpha_s = sub_params.group_beta_s_per_byte = 0;
+    if (u > 1 && params.node_ranks > 0) sub.ranks_per_node = shared ? options.node_size / u : 1;
     p.exchange = choose_protocol(sub_params, sub, options.memory_budget_bytes, false, has_layout(sub));
     p.seconds = p.all_to_all_seconds + p.exchange.seconds;
     out.push_back(std::move(p));

@@ -98,7 +98,11 @@ void run_plan(const PlanConfig& cfg, const PlanGiven& given) {
   const CostParams params = params_of(cfg);
   const testing::PlanRequest request = plan_request(cfg, given);
   const std::size_t budget = cfg.memory_budget.empty() ? 0 : parse_bytes(cfg.memory_budget, "--memory-budget");
-  testing::print_plan(request, params, budget, cfg.plot, cfg.json);
+  testing::PlanRequest priced = request;
+  // Nodes the cost parameters name (node_ranks) are the all-to-alls' islands
+  // unless --node-size says otherwise (then predict_ulysses refuses the mismatch).
+  if (priced.ulysses && !given.node_size && params.node_ranks > 0) priced.ulysses->node_size = params.node_ranks;
+  testing::print_plan(priced, params, budget, cfg.plot, cfg.json);
 }
 
 }  // namespace
