@@ -34,6 +34,9 @@
 // (q chunks of max_message_bytes, then the remainder), resized to the exact
 // byte extent, so the in-place all-gather still places slot i at i × slot.
 #include <mpi.h>
+#if defined(KDACP_SMPI)
+#include <simgrid/s4u/Actor.hpp>
+#endif
 
 #include <algorithm>
 #include <climits>
@@ -270,7 +273,13 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   }
 
   // Every member contributing its header proves every member arrived.
-  void barrier() override { agree(Op::barrier, 0, 0); }
+  // Simulated, every member also leaves at the same instant (below).
+  void barrier() override {
+    agree(Op::barrier, 0, 0);
+#if defined(KDACP_SMPI)
+    leave_together();
+#endif
+  }
 
   std::unique_ptr<Request> isend(std::span<const std::byte> data, std::size_t peer,
                                  int tag) override;
@@ -319,17 +328,20 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   // Timeout naming it.
   void agree(Op op, std::size_t bytes, std::size_t root) {
 #if defined(KDACP_SMPI)
-    // Simulated: the members first compare their headers by an all-reduce of
-    // each word's minimum and maximum, O(log P) messages, and exchange them
-    // whole only to name who disagrees. The P - 1 headers per member of the
-    // real backend are O(P²) messages per collective in all, which made the
-    // simulation of P >= 256 take hours (docs/scale.md).
+    // Simulated: the members first compare their headers by one all-reduce
+    // of each word's minimum and its complement's minimum (the maximum),
+    // O(log P) messages, and exchange them whole only to name who disagrees.
+    // The P - 1 headers per member of the real backend are O(P²) messages per
+    // collective in all, 3.5 s of real time per timed call at P = 64
+    // (docs/scale.md).
     {
-      const std::uint64_t mine[kHeaderWords] = {static_cast<std::uint64_t>(op), bytes, root};
-      std::uint64_t low[kHeaderWords], high[kHeaderWords];
-      check(MPI_Allreduce(mine, low, kHeaderWords, MPI_UINT64_T, MPI_MIN, comm_), op_name(mine[0]));
-      check(MPI_Allreduce(mine, high, kHeaderWords, MPI_UINT64_T, MPI_MAX, comm_), op_name(mine[0]));
-      if (std::equal(low, low + kHeaderWords, high)) return;
+      std::uint64_t mine[2 * kHeaderWords] = {static_cast<std::uint64_t>(op), bytes, root};
+      for (std::size_t i = 0; i < kHeaderWords; ++i) mine[kHeaderWords + i] = ~mine[i];
+      std::uint64_t low[2 * kHeaderWords];
+      check(MPI_Allreduce(mine, low, 2 * kHeaderWords, MPI_UINT64_T, MPI_MIN, comm_), op_name(mine[0]));
+      bool same = true;
+      for (std::size_t i = 0; i < kHeaderWords; ++i) same = same && low[i] == ~low[kHeaderWords + i];
+      if (same) return;
     }
 #endif
     const char* name = op_name(static_cast<std::uint64_t>(op));
@@ -409,6 +421,23 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     if (odd_one) throw InvalidArgument(text);
     throw RemoteError(text);
   }
+
+#if defined(KDACP_SMPI)
+  // A barrier lets its members go at different times (an all-reduce's last
+  // round reaches some before others), and a call timed after it would count
+  // that skew: simulated, each member learns the latest entry and the latest
+  // exit of an all-reduce, and all sleep until the same instant beyond the
+  // next one's end (twice that all-reduce's span later), so that timed calls
+  // start together, as the cost model assumes.
+  void leave_together() {
+    const double entry = MPI_Wtime();
+    double latest_entry = entry, latest_exit = entry;
+    check(MPI_Allreduce(&entry, &latest_entry, 1, MPI_DOUBLE, MPI_MAX, comm_), "barrier");
+    const double exit = MPI_Wtime();
+    check(MPI_Allreduce(&exit, &latest_exit, 1, MPI_DOUBLE, MPI_MAX, comm_), "barrier");
+    simgrid::s4u::this_actor::sleep_until(latest_exit + 2 * (latest_exit - latest_entry) + 1e-6);
+  }
+#endif
 
   // Completes a collective's data transfer within the deadline. Every member
   // joined (the header exchange proved it), so a timeout here means one
