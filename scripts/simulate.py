@@ -364,8 +364,17 @@ def main():
     ap.add_argument("--host-speed", type=float, default=0, help="GFLOP/s of this core (default: measured)")
     ap.add_argument("--out", default="build/simulate", help="folder of results.json, table.md, plot.svg")
     ap.add_argument("--check", action="store_true", help="the test mode (module docstring)")
+    ap.add_argument("--render", metavar="RESULTS", help="only write table.md and plot.svg into --out from a "
+                    "results.json (of an interrupted or merged sweep)")
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
     a = ap.parse_args()
+    if a.render:
+        m = json.loads(Path(a.render).read_text())
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_table(out, m)
+        write_plot(out, m["records"])
+        sys.exit(0)
     for p in a.ranks:
         if p < 1 or p > 4096:
             fail(f"--ranks {p}: expected 1..4096")
