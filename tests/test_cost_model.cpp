@@ -321,16 +321,28 @@ TEST(CostModel, UlyssesAllToAllByHand) {
 // One head slice's P/U ranks are U apart: below the island size some share
 // an island (the group alpha/beta stay for the grouped rows), from it on none
 // do (the exchange is priced on the network alone).
-TEST(CostModel, UlyssesExchangeLeavesTheIslandsAtTheirSize) {
-  CostParams g;
-  g.group_alpha_s = 3e-6;
-  g.group_beta_s_per_byte = 1 / 370e9;
-  CostParams network = g;
-  network.group_alpha_s = network.group_beta_s_per_byte = 0;
+// NVLink islands of 8 (with node_ranks when `nodes`), the same machine on
+// the network alone, and T/P = 1024 at P = 1024, H = 32.
+struct IslandCase {
+  CostParams g, network;
   UlyssesOptions o;
-  o.tokens_per_rank = 1024;
-  o.node_size = 8;
-  const ProblemShape s{1024, 32, 128, 128, 4};
+  ProblemShape s{1024, 32, 128, 128, 4};
+  explicit IslandCase(bool nodes) {
+    g.group_alpha_s = 3e-6;
+    g.group_beta_s_per_byte = 1 / 370e9;
+    if (nodes) g.node_ranks = 8;
+    network = g;
+    network.group_alpha_s = network.group_beta_s_per_byte = 0;
+    o.tokens_per_rank = 1024;
+    o.node_size = 8;
+  }
+};
+
+TEST(CostModel, UlyssesExchangeLeavesTheIslandsAtTheirSize) {
+  const IslandCase c(false);
+  const CostParams &g = c.g, &network = c.network;
+  const UlyssesOptions& o = c.o;
+  const ProblemShape& s = c.s;
   for (const UlyssesPrediction& u : predict_ulysses(g, s, o)) {
     SCOPED_TRACE("U=" + std::to_string(u.width));
     const ProblemShape sub{s.ranks / u.width, 32 / u.width, 128, 128, 4};
@@ -346,16 +358,10 @@ TEST(CostModel, UlyssesExchangeLeavesTheIslandsAtTheirSize) {
 // each message by where its ranks are: a node holds node_size/U of one head
 // slice's ranks, or one of them from U = node_size on.
 TEST(CostModel, UlyssesExchangeOnNodes) {
-  CostParams g;
-  g.group_alpha_s = 3e-6;
-  g.group_beta_s_per_byte = 1 / 370e9;
-  g.node_ranks = 8;
-  CostParams network = g;
-  network.group_alpha_s = network.group_beta_s_per_byte = 0;
-  UlyssesOptions o;
-  o.tokens_per_rank = 1024;
-  o.node_size = 8;
-  const ProblemShape s{1024, 32, 128, 128, 4};
+  const IslandCase c(true);
+  const CostParams &g = c.g, &network = c.network;
+  UlyssesOptions o = c.o;
+  const ProblemShape& s = c.s;
   for (const UlyssesPrediction& u : predict_ulysses(g, s, o)) {
     SCOPED_TRACE("U=" + std::to_string(u.width));
     ProblemShape sub{s.ranks / u.width, 32 / u.width, 128, 128, 4};
