@@ -147,30 +147,45 @@ RankTimes time_rank(const std::shared_ptr<Communicator>& comm, const ProtocolCon
 
 ProtocolTiming slowest_rank(Communicator& comm, const RankTimes& mine) {
   const std::size_t p = comm.size(), calls = mine.forward.size();
-  // Per rank: its calls' forward and backward times, then peaks and bytes.
+  // Per rank: its calls' forward and backward times, then peaks and bytes,
+  // gathered on rank 0 by point-to-point messages (an all-gather of P rows
+  // costs O(P²) in SMPI's simulation kernel: P = 256 did not finish), which
+  // broadcasts the result.
   const std::size_t row = 2 * calls + 4;
-  std::vector<double> all(p * row);
-  double* me = all.data() + comm.rank() * row;
-  std::copy(mine.forward.begin(), mine.forward.end(), me);
-  std::copy(mine.backward.begin(), mine.backward.end(), me + calls);
+  std::vector<double> me(row);
+  std::copy(mine.forward.begin(), mine.forward.end(), me.begin());
+  std::copy(mine.backward.begin(), mine.backward.end(), me.begin() + static_cast<std::ptrdiff_t>(calls));
   me[2 * calls] = double(mine.forward_peak), me[2 * calls + 1] = double(mine.backward_peak);
   me[2 * calls + 2] = double(mine.forward_received), me[2 * calls + 3] = double(mine.backward_received);
-  comm.all_gather(std::as_writable_bytes(std::span(all)));
-  ProtocolTiming m;
-  std::vector<double> slow_f(calls), slow_b(calls);
-  for (std::size_t r = 0; r < p; ++r) {
-    const double* x = all.data() + r * row;
-    for (std::size_t it = 0; it < calls; ++it) {
-      slow_f[it] = std::max(slow_f[it], x[it]);
-      slow_b[it] = std::max(slow_b[it], x[calls + it]);
+  constexpr int kTag = 1;
+  double result[6] = {0, 0, 0, 0, 0, 0};
+  if (comm.rank() != 0) {
+    comm.isend(std::as_bytes(std::span(me)), 0, kTag)->wait();
+  } else {
+    std::vector<double> slow_f(calls), slow_b(calls), x(row);
+    for (std::size_t r = 0; r < p; ++r) {
+      if (r == 0) x = me;
+      else comm.irecv(std::as_writable_bytes(std::span(x)), r, kTag)->wait();
+      for (std::size_t it = 0; it < calls; ++it) {
+        slow_f[it] = std::max(slow_f[it], x[it]);
+        slow_b[it] = std::max(slow_b[it], x[calls + it]);
+      }
+      result[2] = std::max(result[2], x[2 * calls]);
+      result[3] = std::max(result[3], x[2 * calls + 1]);
+      result[4] += x[2 * calls + 2];
+      result[5] += x[2 * calls + 3];
     }
-    m.forward_peak = std::max(m.forward_peak, std::size_t(x[2 * calls]));
-    m.backward_peak = std::max(m.backward_peak, std::size_t(x[2 * calls + 1]));
-    m.forward_received_all += std::size_t(x[2 * calls + 2]);
-    m.backward_received_all += std::size_t(x[2 * calls + 3]);
+    result[0] = median(slow_f);
+    result[1] = median(slow_b);
   }
-  m.forward_seconds = median(slow_f);
-  m.backward_seconds = median(slow_b);
+  comm.broadcast(std::as_writable_bytes(std::span(result)), 0);
+  ProtocolTiming m;
+  m.forward_seconds = result[0];
+  m.backward_seconds = result[1];
+  m.forward_peak = std::size_t(result[2]);
+  m.backward_peak = std::size_t(result[3]);
+  m.forward_received_all = std::size_t(result[4]);
+  m.backward_received_all = std::size_t(result[5]);
   return m;
 }
 
