@@ -391,6 +391,11 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     }
     for (auto& r : recvs)
       if (r) r->wait();
+    // The chain first: the relay leaves before the carrier broadcasts to its
+    // block, which would otherwise share the carrier's link with it (on one
+    // Ethernet port each, grouped_allgather_p2p ran 2x the model at P = 64
+    // on the simulated cluster of docs/scale.md).
+    for (auto& s : sends) s->wait();
   } else if (carrier) {
     // Each of the block's runs as one pair, in ascending chain order.
     const std::vector<std::size_t> ascending = runs.of_block(block, Direction::forward);
