@@ -34,7 +34,7 @@ simulate: build
 	/usr/bin/python3 scripts/simulate.py --out build/simulate $(SIMULATE_ARGS)
 
 # The in-process suite under ASan + UBSan, and each libFuzzer target (.npy
-# reader, calibration JSON, numeric flag parser) for 30 s each plus a replay
+# reader, calibration JSON, numeric flag parser) for 20 s each plus a replay
 # of fuzz/regressions.
 test-sanitize: build-sanitize
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --preset sanitize
