@@ -250,7 +250,8 @@ def write_table(out, m):
                          f"| {r['sim_forward_s'] * 1e3:.3f} ms | {r['sim_backward_s'] * 1e3:.3f} ms "
                          f"| {r['model_s'] * 1e3:.3f} ms | {r['ratio']:.2f} | {r['peak_bytes'] / (1 << 20):.0f} MiB |")
         else:
-            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label']} | not run: {r['skipped']} | | "
+            why = " ".join(str(r["skipped"]).split()).replace("|", "/")
+            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label']} | not run: {why} | | "
                          f"{'' if r['model_s'] is None else format(r['model_s'] * 1e3, '.3f') + ' ms'} | | |")
     lines += ["", "| platform | P | rows within ±30 % | not run | auto's pick | its sim | best sim (exact) | pick/best | pick's rank |",
               "|---|---:|---:|---:|---|---:|---|---:|---:|"]
@@ -285,7 +286,7 @@ def write_plot(out, records):
                         b = min(rs, key=lambda r: r["sim_forward_s"])
                         f.write(f"{p} {b['sim_forward_s'] * 1e3:.6g} {b['model_s'] * 1e3:.6g}\n")
                 f.write("\n\n")
-    script = [f"set terminal svg size 1100,450 dynamic", f"set output '{out / 'plot.svg'}'",
+    script = [f"set terminal svg size 1100,450 dynamic noenhanced", f"set output '{out / 'plot.svg'}'",
               f"set multiplot layout 1,{len(plats)}", "set logscale xy", "set xlabel 'P (ranks)'",
               "set ylabel 'forward ms (best configuration of each protocol)'", "set key top left font ',9'",
               "set grid"]
