@@ -128,11 +128,17 @@ def smpirun(facts, ranks, folder, speed_gf, argv, timeout):
     hosts = hostfile(facts, ranks, folder)
     cmd = ["smpirun", *SMPI_OPTIONS, f"--cfg=smpi/host-speed:{speed_gf:.6g}Gf", "-platform", str(facts["xml"]),
            "-hostfile", str(hosts), "-np", str(ranks), *map(str, argv)]
+    # The simulated ranks share this process's buffer cache (kdacp/memory.hpp),
+    # whose 1 GiB limit stands for one rank's: past P ~ 128 at H = 32 their idle
+    # blocks outgrew it, and the buffers allocated again on the chain's
+    # critical path faulted their pages in (pipelined_p2p at P = 256 on
+    # Ethernet: 1.37x the model, 1.03x with a cache per rank). A GiB per rank.
+    env = dict(os.environ, KDACP_BUFFER_CACHE_MB=str(1024 * ranks))
     t0 = time.monotonic()
     try:
         # In the temporary folder: smpirun leaves its unrolled hostfile in
         # the working directory when a run fails.
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder, env=env)
     except subprocess.TimeoutExpired:
         return None, time.monotonic() - t0, f"took over {timeout} s of real time"
     wall = time.monotonic() - t0
@@ -171,8 +177,10 @@ def sweep(a):
             for name in a.platforms:
                 facts = platform_facts(name, a.platform_dir)
                 rows, auto_pick = plan_rows(kdacp, facts, p, a.heads)
+                # auto runs its pick: it needs that configuration's memory.
+                pick_peak = next((r["model_peak"] for r in rows if r["label"] == auto_pick), 0)
                 rows.append({"method": "auto", "knob": "", "label": "auto", "exact": True, "model_s": None,
-                             "model_peak": 0})
+                             "model_peak": pick_peak})
                 for row in rows:
                     if a.protocols and row["method"] not in a.protocols:
                         continue
