@@ -389,7 +389,10 @@ def main():
             part = json.loads(Path(path).read_text())
             m = m or part
             for r in part["records"]:
-                merged[(r["platform"], r["ranks"], r["label"])] = r
+                key = (r["platform"], r["ranks"], r["label"])
+                # A run that did not happen never hides one that did.
+                if "ratio" in r or key not in merged or "ratio" not in merged[key]:
+                    merged[key] = r
         m["records"] = sorted(merged.values(), key=lambda r: (r["ranks"], r["platform"] != "nvlink-ib"))
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
