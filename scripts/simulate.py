@@ -57,6 +57,13 @@ def fail(msg):
     sys.exit(2)
 
 
+def write_atomic(path, text):
+    """Writes `path` whole or not at all: a temporary file beside it, renamed."""
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def platform_facts(name, platform_dir):
     """A platform's cost parameters (platforms/<name>.json) and, from their
     "simulation" object, its file (platforms/<name>.xml, or the .so CMake
@@ -208,7 +215,7 @@ def sweep(a):
                              f"ratio {rec['ratio']:.2f} ({rec['real_seconds']:.0f} s real)") \
                         if "ratio" in rec else f"skipped: {rec['skipped']}"
                     print(f"simulate: {name} P={p} {row['label']}: {shown}", file=sys.stderr, flush=True)
-                    (out / "results.json").write_text(json.dumps(meta(a, speed, records), indent=1))
+                    write_atomic(out / "results.json", json.dumps(meta(a, speed, records), indent=1))
     write_table(out, meta(a, speed, records))
     write_plot(out, records)
     return 0
@@ -270,7 +277,7 @@ def write_table(out, m):
                          f"{s['auto_over_best']:.2f} | {s['auto_rank']} of {s['ranked']} |")
         else:
             lines.append(f"| {s['platform']} | {s['ranks']} | {s['within_30']} of {s['rows']} | {s['skipped']} | | | | | |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "table.md", "\n".join(lines) + "\n")
 
 
 def write_plot(out, records):
@@ -386,9 +393,13 @@ def main():
     if a.render:
         m, merged = None, {}
         for path in a.render:
-            part = json.loads(Path(path).read_text())
+            try:
+                part = json.loads(Path(path).read_text())
+                records = part["records"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                fail(f"--render {path}: expected a results.json of this script ({e})")
             m = m or part
-            for r in part["records"]:
+            for r in records:
                 key = (r["platform"], r["ranks"], r["label"])
                 # A run that did not happen never hides one that did.
                 if "ratio" in r or key not in merged or "ratio" not in merged[key]:
