@@ -10,10 +10,18 @@ on this host's core and scaled to the platform's speed. It writes
 results.json, table.md (time beside the model, their ratio, auto's pick and
 its rank) and plot.svg into --out.
 
+A run whose ranks' memory exceeds --max-memory is folded (--fold auto;
+KDACP_SMPI_FOLD=1, src/comm/smpi/fold.hpp): every rank's large buffers map
+the same pages and each fold step is charged as its flops at the platform's
+speed instead of running, so only the messages and the clock are real. The
+records say which runs were folded.
+
 --check runs the small simulation of `make test` instead: for each platform
 and protocol, the SMPI run's incoming states and final-state gradients must
-be byte-identical to the in-process backend's, and the simulated time within
---tolerance of the model; the exit status says whether they were.
+be byte-identical to the in-process backend's and the simulated time within
+--tolerance of the model; the first protocol also runs folded, which must
+say so and time within --fold-tolerance of the real run. The exit status
+says whether all held.
 
 Standard library only; run it with any Python 3 (the build's kdacp and
 kdacp-smpi do the work).
@@ -48,6 +56,11 @@ SMPI_OPTIONS = [
     "--cfg=smpi/bw-factor:0:1",
     "--cfg=smpi/lat-factor:0:1",
     "--cfg=network/crosstraffic:0",
+    # The collectives' algorithms (kdacp-smpi calls the blocking ones,
+    # src/comm/mpi/communicator.cpp): recursive doubling and a binomial tree,
+    # what the cost model prices and Open MPI offers for these sizes.
+    "--cfg=smpi/allgather:rdb",
+    "--cfg=smpi/bcast:binomial_tree",
     "--log=root.thres:warning",
 ]
 
@@ -131,16 +144,27 @@ def host_speed(kdacp, heads):
     return json.loads(out.stdout)[0]["gflops"]
 
 
-def smpirun(facts, ranks, folder, speed_gf, argv, timeout):
+# Folded runs (KDACP_SMPI_FOLD=1, src/comm/smpi/fold.hpp): every large
+# buffer maps the same pages (SMPI's global shared malloc, in blocks of
+# 1 GiB so that a rank's buffers take few of the kernel's vm.max_map_count
+# mappings), each fold step is charged as its flops at the platform's speed,
+# and nothing else this host does is: the clock is the network's and the
+# fold steps', the same on every run (a real run's other host work, measured
+# and scaled, adds 3-10 % at P = 16 and varies with this host's load).
+FOLD_OPTIONS = ["--cfg=smpi/shared-malloc:global", "--cfg=smpi/shared-malloc-blocksize:1073741824",
+                "--cfg=smpi/simulate-computation:no"]
+
+
+def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False):
     hosts = hostfile(facts, ranks, folder)
-    cmd = ["smpirun", *SMPI_OPTIONS, f"--cfg=smpi/host-speed:{speed_gf:.6g}Gf", "-platform", str(facts["xml"]),
-           "-hostfile", str(hosts), "-np", str(ranks), *map(str, argv)]
+    cmd = ["smpirun", *SMPI_OPTIONS, *(FOLD_OPTIONS if folded else []), f"--cfg=smpi/host-speed:{speed_gf:.6g}Gf",
+           "-platform", str(facts["xml"]), "-hostfile", str(hosts), "-np", str(ranks), *map(str, argv)]
     # The simulated ranks share this process's buffer cache (kdacp/memory.hpp),
     # whose 1 GiB limit stands for one rank's: past P ~ 128 at H = 32 their idle
     # blocks outgrew it, and the buffers allocated again on the chain's
     # critical path faulted their pages in (pipelined_p2p at P = 256 on
     # Ethernet: 1.37x the model, 1.03x with a cache per rank). A GiB per rank.
-    env = dict(os.environ, KDACP_BUFFER_CACHE_MB=str(1024 * ranks))
+    env = dict(os.environ, KDACP_BUFFER_CACHE_MB=str(1024 * ranks), KDACP_SMPI_FOLD="1" if folded else "0")
     t0 = time.monotonic()
     try:
         # In the temporary folder: smpirun leaves its unrolled hostfile in
@@ -171,6 +195,12 @@ def input_bytes(ranks, heads):
     return ranks * 5 * heads * 128 * 128 * 4
 
 
+# A folded rank's own memory: its thread, small buffers and the simulator's
+# bookkeeping (measured: 1024 folded ranks of allgather at H = 32 peak at
+# about 6 GiB resident in all; 8 MiB per rank is the bound used here).
+FOLDED_RANK_BYTES = 8 << 20
+
+
 def sweep(a):
     kdacp, smpi = Path(a.kdacp), Path(a.kdacp_smpi)
     speed = a.host_speed or host_speed(kdacp, a.heads)
@@ -194,13 +224,18 @@ def sweep(a):
                     rec = {"platform": name, "ranks": p, "heads": a.heads, **row, "auto_pick": auto_pick}
                     need = input_bytes(p, a.heads) + p * row["model_peak"]
                     rec["memory_need_bytes"] = need
+                    folded = a.fold == "always" or (a.fold == "auto" and need > budget)
+                    if folded:
+                        need = p * FOLDED_RANK_BYTES
+                    rec["folded"] = folded
                     if need > budget:
-                        rec["skipped"] = (f"needs ~{need / (1 << 30):.0f} GiB (P x (inputs + model peak)), over "
+                        rec["skipped"] = (f"needs ~{need / (1 << 30):.0f} GiB ("
+                                          f"{'folded ranks' if folded else 'P x (inputs + model peak)'}), over "
                                           f"--max-memory {a.max_memory:g} GiB")
                     else:
                         stdout, wall, err = smpirun(facts, p, tmp, speed,
                                                     [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat,
-                                                                       a.warmup)], a.timeout)
+                                                                       a.warmup)], a.timeout, folded)
                         rec["real_seconds"] = wall
                         if err:
                             rec["skipped"] = err
@@ -212,7 +247,8 @@ def sweep(a):
                             rec["ratio"] = rec["sim_forward_s"] / rec["model_s"]
                     records.append(rec)
                     shown = (f"{rec['sim_forward_s'] * 1e3:9.3f} ms sim, model {rec['model_s'] * 1e3:9.3f} ms, "
-                             f"ratio {rec['ratio']:.2f} ({rec['real_seconds']:.0f} s real)") \
+                             f"ratio {rec['ratio']:.2f} ({rec['real_seconds']:.0f} s real"
+                             f"{', folded' if folded else ''})") \
                         if "ratio" in rec else f"skipped: {rec['skipped']}"
                     print(f"simulate: {name} P={p} {row['label']}: {shown}", file=sys.stderr, flush=True)
                     write_atomic(out / "results.json", json.dumps(meta(a, speed, records), indent=1))
@@ -223,7 +259,8 @@ def sweep(a):
 
 def meta(a, speed, records):
     return {"date": datetime.date.today().isoformat(), "heads": a.heads, "repeat": a.repeat, "warmup": a.warmup,
-            "host_speed_gflops": speed, "smpi_options": SMPI_OPTIONS, "records": records}
+            "host_speed_gflops": speed, "smpi_options": SMPI_OPTIONS, "fold_options": FOLD_OPTIONS,
+            "records": records}
 
 
 def summarize(records):
@@ -256,12 +293,14 @@ def summarize(records):
 def write_table(out, m):
     recs = m["records"]
     lines = [f"Simulated {m['date']}: H = {m['heads']}, K = V = 128, {m['repeat']} timed calls after "
-             f"{m['warmup']} untimed; this core folds at {m['host_speed_gflops']:.0f} GFLOP/s.", "",
+             f"{m['warmup']} untimed; this core folds at {m['host_speed_gflops']:.0f} GFLOP/s. "
+             "A configuration marked (folded) ran with folded memory and compute (scripts/simulate.py).", "",
              "| platform | P | configuration | simulated fwd | simulated bwd | model | sim/model | peak/rank |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in recs:
         if "ratio" in r:
-            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label'] if r['method'] != 'auto' else 'auto -> ' + r['ran']} "
+            mark = " (folded)" if r.get("folded") else ""
+            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label'] if r['method'] != 'auto' else 'auto -> ' + r['ran']}{mark} "
                          f"| {r['sim_forward_s'] * 1e3:.3f} ms | {r['sim_backward_s'] * 1e3:.3f} ms "
                          f"| {r['model_s'] * 1e3:.3f} ms | {r['ratio']:.2f} | {r['peak_bytes'] / (1 << 20):.0f} MiB |")
         else:
@@ -361,6 +400,30 @@ def check(a):
                     if verdict != "ok":
                         problems.append(f"{name} {proto} P={p}: simulated/model = {ratio:.3f}, expected within "
                                         f"±{a.tolerance:g}")
+                    # The first protocol's run folded: the messages are the
+                    # same, so the clock must be too, up to compute measured
+                    # vs charged; and the run must say it was folded.
+                    if proto != a.protocols[0]:
+                        continue
+                    if res.get("folded") is not False:
+                        problems.append(f"{name} {proto} P={p}: the real run says folded={res.get('folded')}")
+                    stdout, _, err = smpirun(facts, p, tmp, speed,
+                                             [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat, a.warmup)],
+                                             a.timeout, folded=True)
+                    if err:
+                        problems.append(f"{name} {proto} P={p}: folded kdacp-smpi bench exchange: {err}")
+                        continue
+                    fold = json.loads(stdout.strip().splitlines()[-1])
+                    if fold.get("folded") is not True:
+                        problems.append(f"{name} {proto} P={p}: KDACP_SMPI_FOLD=1 but the run says "
+                                        f"folded={fold.get('folded')}")
+                    fratio = fold["forward_seconds"] / res["forward_seconds"]
+                    fverdict = "ok" if abs(fratio - 1) <= a.fold_tolerance else "OUTSIDE"
+                    print(f"check: {name} P={p} {proto} folded: simulated {fold['forward_seconds'] * 1e3:.4f} ms, "
+                          f"{fratio:.3f} x the real run ({fverdict})")
+                    if fverdict != "ok":
+                        problems.append(f"{name} {proto} P={p}: folded/real simulated time = {fratio:.3f}, expected "
+                                        f"within ±{a.fold_tolerance:g}")
     for x in problems:
         print(f"check: FAIL: {x}", file=sys.stderr)
     return 1 if problems else 0
@@ -389,6 +452,10 @@ def main():
                     "partial sweeps); a later file's record replaces an earlier one of the same platform, P and "
                     "configuration")
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
+    ap.add_argument("--fold", choices=["auto", "always", "never"], default="auto",
+                    help="fold memory and compute: where a run would exceed --max-memory (auto), always, never")
+    ap.add_argument("--fold-tolerance", type=float, default=0.1,
+                    help="--check: allowed |folded/real - 1| of the simulated time")
     a = ap.parse_args()
     if a.render:
         m, merged = None, {}

@@ -21,6 +21,10 @@ struct LaunchOptions {
   std::size_t ranks = 4;     // in-process ranks (P)
   bool ranks_given = false;  // under a launcher, `ranks` must then equal its world size
   double timeout_s = defaults::kTimeoutSeconds;  // seconds any rank waits for a peer before failing
+  // The caller keeps only the run's timing, not its results (kdacp bench
+  // exchange): only then may the SMPI build run folded (KDACP_SMPI_FOLD=1,
+  // docs/scale.md), where results are meaningless; it refuses otherwise.
+  bool timing_only = false;
 };
 
 // A backend that runs one rank per process.

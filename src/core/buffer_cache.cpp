@@ -12,6 +12,7 @@
 #endif
 
 #include "core/buffer_allocator.hpp"
+#include "core/simulation.hpp"
 #include "kdacp/memory.hpp"
 
 #if defined(__has_feature)
@@ -35,6 +36,26 @@ constexpr std::size_t kAlign = 64;
 // 2 MiB of them can be one huge page.
 std::align_val_t alignment_of(std::size_t cls) {
   return std::align_val_t{cls >= detail::kHugePageBytes ? detail::kHugePageBytes : kAlign};
+}
+
+// Where the cache's blocks come from and go: the system, or a simulator's
+// allocator (core/simulation.hpp).
+void* system_allocate(std::size_t cls) {
+  if (const auto& sim = detail::simulation_hooks(); sim.allocate != nullptr) {
+    void* p = sim.allocate(cls);
+    if (p == nullptr) throw std::bad_alloc();
+    return p;
+  }
+  void* p = ::operator new(cls, alignment_of(cls));
+  detail::advise_huge_pages(p, cls);
+  return p;
+}
+void system_free(void* p, std::size_t cls) noexcept {
+  if (const auto& sim = detail::simulation_hooks(); sim.deallocate != nullptr) {
+    sim.deallocate(p, cls);
+    return;
+  }
+  ::operator delete(p, alignment_of(cls));
 }
 constexpr std::size_t kCachedFrom = 64 << 10;  // smaller blocks: plain operator new
 constexpr std::size_t kDefaultLimit = std::size_t{1} << 30;
@@ -81,9 +102,7 @@ class Cache {
       }
       ++misses_;
     }
-    void* p = ::operator new(cls, alignment_of(cls));
-    detail::advise_huge_pages(p, cls);
-    return p;
+    return system_allocate(cls);
   }
 
   void deallocate(void* p, std::size_t bytes) noexcept {
@@ -97,7 +116,7 @@ class Cache {
         return;
       }
     }
-    ::operator delete(p, alignment_of(cls));
+    system_free(p, cls);
   }
 
   void release() noexcept {
@@ -109,7 +128,7 @@ class Cache {
     }
     for (auto& [cls, p] : idle) {
       unpoison(p, cls);
-      ::operator delete(p, alignment_of(cls));
+      system_free(p, cls);
     }
   }
 

@@ -10,6 +10,7 @@
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/table.hpp"
 #include "kdacp/admission.hpp"
+#include "core/simulation.hpp"
 
 namespace kdacp::testing {
 
@@ -48,6 +49,7 @@ ExchangeBenchResult bench_exchange(const std::shared_ptr<Communicator>& world, c
   r.method_run = mine.method;
   r.calls = mine.forward.size();
   r.timing = slowest_rank(*world, mine);
+  r.folded = detail::simulation_hooks().compute != nullptr;
   return r;
 }
 
@@ -78,7 +80,8 @@ std::string to_json(const ExchangeBenchResult& r) {
          {"backward_received_bytes_all", r.timing.backward_received_all},
          {"predicted_seconds", pred.seconds},
          {"predicted_peak_bytes", pred.peak_extra_bytes},
-         {"cost_source", c.options.cost.source}};
+         {"cost_source", c.options.cost.source},
+         {"folded", r.folded}};
   j["forward_over_predicted"] = pred.seconds > 0 ? r.timing.forward_seconds / pred.seconds : 0.0;
   j["backward_over_predicted"] = pred.seconds > 0 ? r.timing.backward_seconds / pred.seconds : 0.0;
   return j.dump();
@@ -105,6 +108,9 @@ void print_exchange_bench(const ExchangeBenchResult& r) {
   std::printf("\ntimes: per call the slowest rank (each call starts after a barrier), median over the calls, on "
               "the backend's clock%s\n",
               r.backend == "mpi" ? " (simulated seconds under smpirun)" : "");
+  if (r.folded)
+    std::printf("folded (KDACP_SMPI_FOLD=1): every fold step charged as its flops at the platform's speed, no data "
+                "computed\n");
 }
 
 }  // namespace kdacp::testing

@@ -71,6 +71,8 @@ FILE_MODULE = {
 # Outside headers only their owners include (prefix of the <...> path).
 OUTSIDE = {
     "mpi.h": ["mpi"],
+    "smpi_helpers_internal.h": ["mpi"],
+    "simgrid/": ["mpi"],
     "pybind11/": ["python"],
     "torch/": ["python"],
     "CLI/": ["tools"],
@@ -95,7 +97,7 @@ def module_of(path):
         return "testing"
     if path.startswith("include/kdacp/"):
         return HEADER_MODULE.get(path[len("include/kdacp/"):])
-    if path.startswith("src/comm/mpi/"):
+    if path.startswith("src/comm/mpi/") or path.startswith("src/comm/smpi/"):
         return "mpi"
     if path.startswith("src/comm/"):
         return "comm"

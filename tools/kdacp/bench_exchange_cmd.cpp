@@ -28,6 +28,7 @@ struct Args {
 };
 
 void run(Args& a) {
+  a.backend.timing_only = true;  // only times are printed: a simulation may fold (docs/scale.md)
   a.bench.method = a.exchange.protocol;
   a.bench.group_size = a.exchange.group_size;
   a.bench.shape = SummaryShape{a.batch, a.heads, a.key_dim, a.value_dim};

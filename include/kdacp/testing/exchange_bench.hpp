@@ -41,6 +41,9 @@ struct ExchangeBenchResult {
   std::string method_run;  // the protocol that ran (auto: its choice)
   Prediction prediction;   // the model's, for the configuration that ran
   ProtocolTiming timing;   // slowest rank per call, median over calls
+  // A folded simulation (docs/scale.md): fold steps charged as flops, not
+  // computed; the times are the simulation's, the data were not computed.
+  bool folded = false;
 };
 
 // Collective over `world`; every rank returns the result.

@@ -36,6 +36,8 @@
 #include <mpi.h>
 #if defined(KDACP_SMPI)
 #include <simgrid/s4u/Actor.hpp>
+
+#include "comm/smpi/fold.hpp"
 #endif
 
 #include <algorithm>
@@ -55,6 +57,14 @@ namespace kdacp {
 
 namespace {
 
+// Folded simulation (comm/smpi/fold.hpp): the flops a rank's fold steps
+// charged since its last MPI call go on its clock before the next one.
+inline void charge_compute() {
+#if defined(KDACP_SMPI)
+  smpi::charge_pending_compute();
+#endif
+}
+
 #if defined(KDACP_SMPI)
 // Simulated seconds, as a std::chrono clock so that deadlines read the same.
 struct Clock {
@@ -63,7 +73,10 @@ struct Clock {
   using period = duration::period;
   using time_point = std::chrono::time_point<Clock, duration>;
   static constexpr bool is_steady = true;
-  static time_point now() { return time_point(duration(MPI_Wtime())); }
+  static time_point now() {
+    charge_compute();
+    return time_point(duration(MPI_Wtime()));
+  }
 };
 #else
 using Clock = std::chrono::steady_clock;
@@ -97,6 +110,7 @@ bool mpi_running() {
 // request's own error (MPI_ERR_TRUNCATE...), not MPI_ERR_IN_STATUS.
 bool complete(int count, MPI_Request* requests, MPI_Status* statuses, Clock::time_point deadline, int* rc) {
 #if defined(KDACP_SMPI)
+  charge_compute();
   *rc = count == 1 ? MPI_Wait(requests, statuses == MPI_STATUSES_IGNORE ? MPI_STATUS_IGNORE : statuses)
                    : MPI_Waitall(count, requests, statuses);
   return *rc != MPI_SUCCESS || Clock::now() <= deadline;
@@ -238,7 +252,10 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
   CommStats stats() const override { return stats_; }
 #if defined(KDACP_SMPI)
-  double now_seconds() const override { return MPI_Wtime(); }
+  double now_seconds() const override {
+    charge_compute();
+    return MPI_Wtime();
+  }
 #endif
 
   void all_gather(std::span<std::byte> buffer) override {
@@ -249,11 +266,21 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     const std::size_t slot = buffer.size() / n;
     agree(Op::all_gather, slot, 0);
     const ByteType type(slot, options_.max_message_bytes);
+#if defined(KDACP_SMPI)
+    // Simulated: the blocking collective, whose algorithm smpirun selects
+    // (scripts/simulate.py: recursive doubling, one of Open MPI's
+    // MPI_Iallgather algorithms and the one the cost model prices). SMPI's
+    // MPI_Iallgather posts all P - 1 sends at once, O(P²) simulated flows:
+    // 21 minutes of real time for one P = 256 sweep row (docs/scale.md).
+    check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(), type.type(), comm_),
+          "all_gather");
+#else
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(),
                          type.type(), comm_, &req),
           "all_gather");
     wait_collective(req, fmt::format("all_gather of {} bytes per slot", slot));
+#endif
     stats_.bytes_received += slot * (n - 1);
     stats_.bytes_sent += slot * (n - 1);
     ++stats_.messages_sent;
@@ -263,10 +290,17 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     check_peer(root, "broadcast");
     agree(Op::broadcast, buffer.size(), root);
     const ByteType type(buffer.size(), options_.max_message_bytes);
+#if defined(KDACP_SMPI)
+    // Simulated: the blocking collective, a binomial tree (smpirun's
+    // selection in scripts/simulate.py, what the model prices); SMPI's
+    // MPI_Ibcast sends from the root to every member in turn.
+    check(MPI_Bcast(buffer.data(), type.count(), type.type(), static_cast<int>(root), comm_), "broadcast");
+#else
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Ibcast(buffer.data(), type.count(), type.type(), static_cast<int>(root), comm_, &req),
           "broadcast");
     wait_collective(req, fmt::format("broadcast of {} bytes from rank {}", buffer.size(), global_[root]));
+#endif
     if (root == rank_) stats_.bytes_sent += buffer.size() * (size_ - 1);
     else stats_.bytes_received += buffer.size();
     ++stats_.messages_sent;
@@ -327,6 +361,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   // what, by global rank. A member whose header does not arrive in time is a
   // Timeout naming it.
   void agree(Op op, std::size_t bytes, std::size_t root) {
+    charge_compute();
 #if defined(KDACP_SMPI)
     // Simulated: the members first compare their headers by one all-reduce
     // of each word's minimum and its complement's minimum (the maximum),
@@ -495,6 +530,7 @@ class MpiRequest final : public Request {
   MpiRequest& operator=(const MpiRequest&) = delete;
 
   void post(const void* data) {
+    charge_compute();
     const int peer = static_cast<int>(peer_);
     const std::string op = describe();
     if (is_recv_)

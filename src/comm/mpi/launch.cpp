@@ -17,6 +17,10 @@
 #include "kdacp/finite.hpp"
 #include "kdacp/mpi.hpp"
 
+#if defined(KDACP_SMPI)
+#include "comm/smpi/fold.hpp"
+#endif
+
 namespace kdacp {
 
 namespace {
@@ -79,6 +83,14 @@ void run_mpi(const LaunchOptions& options, const RankFn& fn) {
   MpiSession session;
   std::shared_ptr<Communicator> world;
   try {
+#if defined(KDACP_SMPI)
+    // Before any message: a bad KDACP_SMPI_FOLD, or a folded run whose
+    // results would be kept.
+    if (smpi::folded() && !options.timing_only)
+      throw InvalidArgument(
+          "KDACP_SMPI_FOLD=1 folds memory and compute, so every result is meaningless bytes: only `bench "
+          "exchange` (a timing) runs folded");
+#endif
     MpiOptions mo;
     mo.timeout = std::chrono::milliseconds(static_cast<long long>(options.timeout_s * 1000));
     world = mpi_world(mo);

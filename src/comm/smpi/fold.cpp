@@ -1,0 +1,126 @@
+#include "comm/smpi/fold.hpp"
+
+#include <mpi.h>
+#include <simgrid/s4u/Actor.hpp>
+#include <smpi_helpers_internal.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+#include <cstdint>
+
+#include <fmt/format.h>
+
+#include "core/simulation.hpp"
+#include "kdacp/error.hpp"
+
+namespace kdacp::smpi {
+
+namespace {
+
+// The value of KDACP_SMPI_FOLD seen at load: 0 off, 1 on, -1 invalid.
+int g_setting = 0;
+std::string g_text;
+
+// Flops charged by each rank since its last MPI call. Ranks are actors
+// that the simulator runs one at a time, on one thread or several
+// (contexts/factory), so they are kept per actor, not per thread. The
+// actor's id, not MPI_Comm_rank: SMPI ends and restarts the measured burst
+// around every MPI call, whose cost on this host would be charged too.
+std::mutex g_mu;
+std::vector<double> g_pending;
+
+std::size_t actor() { return static_cast<std::size_t>(simgrid::s4u::this_actor::get_pid()); }
+
+// SMPI's global shared malloc maps one file that it creates in /tmp, and on
+// a disk file system every first write to a page after the kernel wrote it
+// back faults (dirty tracking): 15 % of a folded run's host time, charged
+// to the simulated clock (P = 16, nvlink-ib). The blocks are therefore
+// mapped again, in place, from one memory file (tmpfs, no write-back): SMPI
+// still knows them as shared (it skips copying them in messages and frees
+// them), their pages are memory. kFoldFileBytes equals the
+// smpi/shared-malloc-blocksize that scripts/simulate.py passes.
+constexpr std::size_t kFoldFileBytes = std::size_t{1} << 30;
+int g_memfd = -1;
+
+int memory_file() {
+  std::lock_guard lock(g_mu);
+  if (g_memfd < 0) {
+    const int fd = memfd_create("kdacp-fold", 0);
+    if (fd < 0) return -1;
+    if (ftruncate(fd, static_cast<off_t>(kFoldFileBytes)) != 0) {
+      close(fd);
+      return -1;
+    }
+    g_memfd = fd;
+  }
+  return g_memfd;
+}
+
+void* allocate(std::size_t bytes) {
+  void* p = smpi_shared_malloc(bytes, "kdacp-buffer", 0);
+  static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const int fd = memory_file();
+  if (p == nullptr || fd < 0 || reinterpret_cast<std::uintptr_t>(p) % page != 0) return p;
+  for (std::size_t at = 0; at < bytes; at += kFoldFileBytes) {
+    const std::size_t len = std::min(kFoldFileBytes, bytes - at);
+    if (mmap(static_cast<char*>(p) + at, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
+        MAP_FAILED)
+      break;  // the rest stays on SMPI's file: slower first writes, the same data
+  }
+  return p;
+}
+void deallocate(void* p, std::size_t) { smpi_shared_free(p); }
+
+void charge(double flops) {
+  const std::size_t r = actor();
+  std::lock_guard lock(g_mu);
+  if (g_pending.size() <= r) g_pending.resize(r + 1, 0.0);
+  g_pending[r] += flops;
+}
+
+// Installed when smpirun loads the program, before any rank allocates.
+const bool g_installed = [] {
+  const char* env = std::getenv("KDACP_SMPI_FOLD");
+  const std::string_view v = env ? env : "0";
+  g_text = std::string(v);
+  g_setting = v == "1" ? 1 : v == "0" ? 0 : -1;
+  if (g_setting == 1) {
+    detail::SimulationHooks hooks;
+    hooks.allocate = allocate;
+    hooks.deallocate = deallocate;
+    hooks.compute = charge;
+    detail::set_simulation_hooks(hooks);
+  }
+  return true;
+}();
+
+}  // namespace
+
+bool folded() {
+  (void)g_installed;
+  if (g_setting < 0)
+    throw InvalidArgument(fmt::format("KDACP_SMPI_FOLD is '{}', expected 0 (ranks compute real data) or 1 "
+                                      "(folded memory and compute, docs/scale.md)",
+                                      g_text));
+  return g_setting == 1;
+}
+
+void charge_pending_compute() {
+  if (g_setting != 1) return;
+  const std::size_t r = actor();
+  double flops = 0;
+  {
+    std::lock_guard lock(g_mu);
+    if (r < g_pending.size()) std::swap(flops, g_pending[r]);
+  }
+  if (flops > 0) smpi_execute_flops(flops);
+}
+
+}  // namespace kdacp::smpi
