@@ -292,14 +292,18 @@ def summarize(records):
 
 def write_table(out, m):
     recs = m["records"]
+    folded = sum(1 for r in recs if r.get("folded"))
+    speed = (f"this core folds at {m['host_speed_gflops']:.0f} GFLOP/s (smpi/host-speed of the runs not folded)"
+             if folded < len(recs) else "every run folded (the fold steps charged at the platform's speed)")
     lines = [f"Simulated {m['date']}: H = {m['heads']}, K = V = 128, {m['repeat']} timed calls after "
-             f"{m['warmup']} untimed; this core folds at {m['host_speed_gflops']:.0f} GFLOP/s. "
-             "A configuration marked (folded) ran with folded memory and compute (scripts/simulate.py).", "",
+             f"{m['warmup']} untimed; {speed}."
+             + (" A configuration marked (folded) ran with folded memory and compute (scripts/simulate.py)."
+                if 0 < folded < len(recs) else ""), "",
              "| platform | P | configuration | simulated fwd | simulated bwd | model | sim/model | peak/rank |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in recs:
         if "ratio" in r:
-            mark = " (folded)" if r.get("folded") else ""
+            mark = " (folded)" if r.get("folded") and folded < len(recs) else ""
             lines.append(f"| {r['platform']} | {r['ranks']} | {r['label'] if r['method'] != 'auto' else 'auto -> ' + r['ran']}{mark} "
                          f"| {r['sim_forward_s'] * 1e3:.3f} ms | {r['sim_backward_s'] * 1e3:.3f} ms "
                          f"| {r['model_s'] * 1e3:.3f} ms | {r['ratio']:.2f} | {r['peak_bytes'] / (1 << 20):.0f} MiB |")
