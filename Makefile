@@ -28,7 +28,9 @@ test-release: build
 
 # The state exchange on simulated clusters (SimGrid SMPI; docs/scale.md):
 # every protocol configuration at P = 8..1024 on platforms/, beside the cost
-# model; table, JSON and plot in build/simulate/. A benchmark: about an hour.
+# model, folded (memory shared, fold steps charged as flops); table, JSON and
+# plot in build/simulate/. A benchmark of several hours on 2 cores;
+# SIMULATE_ARGS='--knobs best' runs each protocol's best knob only.
 SIMULATE_ARGS ?=
 simulate: build
 	/usr/bin/python3 scripts/simulate.py --out build/simulate $(SIMULATE_ARGS)
