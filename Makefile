@@ -64,7 +64,10 @@ test-tsan: build-tsan
 # The sanitizer builds compile the SIMD kernels for the baseline target only
 # (HWY_COMPILE_ONLY_STATIC): they check memory and threads, not the per-target
 # arithmetic, which the release suite tests on every compiled target; it keeps
-# make test within its time on a 2-core machine.
+# make test within its time on a 2-core machine. They carry line tables only
+# (-gline-tables-only: file and line in every report, ~10 % less compile time
+# than full debug information), and kdacp_tests runs some sweeps on fewer
+# points there (KDACP_SANITIZER_BUILD, tests/CMakeLists.txt).
 
 # Every test: the release build (g++), then the in-process suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer
