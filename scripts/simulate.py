@@ -157,9 +157,20 @@ FOLD_OPTIONS = ["--cfg=smpi/shared-malloc:global", "--cfg=smpi/shared-malloc-blo
                 "--cfg=smpi/simulate-computation:no"]
 
 
-def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False):
+def allgather_algorithm(ranks, heads):
+    """SMPI's all-gather for a run: recursive doubling, unless its last round's
+    message (P/2 packed summaries) reaches 2 GiB, which SMPI 3.32 counts in an
+    int (it aborts allocating a negative size: P = 1024 at H = 32); then the
+    neighbour exchange (P/2 rounds of two slots), also one of Open MPI's."""
+    slot = heads * 128 * (128 + 128) * 4
+    return "ompi_neighborexchange" if (ranks // 2) * slot >= 2**31 else "rdb"
+
+
+def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgather="rdb"):
     hosts = hostfile(facts, ranks, folder)
-    cmd = ["smpirun", *SMPI_OPTIONS, *(FOLD_OPTIONS if folded else []), f"--cfg=smpi/host-speed:{speed_gf:.6g}Gf",
+    options = [o if not o.startswith("--cfg=smpi/allgather:") else f"--cfg=smpi/allgather:{allgather}"
+               for o in SMPI_OPTIONS]
+    cmd = ["smpirun", *options, *(FOLD_OPTIONS if folded else []), f"--cfg=smpi/host-speed:{speed_gf:.6g}Gf",
            "-platform", str(facts["xml"]), "-hostfile", str(hosts), "-np", str(ranks), *map(str, argv)]
     # The simulated ranks share this process's buffer cache (kdacp/memory.hpp),
     # whose 1 GiB limit stands for one rank's: past P ~ 128 at H = 32 their idle
@@ -239,6 +250,7 @@ def sweep(a):
                     if folded:
                         need = p * FOLDED_RANK_BYTES
                     rec["folded"] = folded
+                    rec["smpi_allgather"] = allgather_algorithm(p, a.heads)
                     if need > budget:
                         rec["skipped"] = (f"needs ~{need / (1 << 30):.0f} GiB ("
                                           f"{'folded ranks' if folded else 'P x (inputs + model peak)'}), over "
@@ -246,7 +258,8 @@ def sweep(a):
                     else:
                         stdout, wall, err = smpirun(facts, p, tmp, speed,
                                                     [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat,
-                                                                       a.warmup)], a.timeout, folded)
+                                                                       a.warmup)], a.timeout, folded,
+                                                    rec["smpi_allgather"])
                         rec["real_seconds"] = wall
                         if err:
                             rec["skipped"] = err
