@@ -211,8 +211,8 @@ def input_bytes(ranks, heads):
 # A folded rank's own memory: its thread, small buffers and the simulator's
 # bookkeeping. Measured for the P = 1024 chain at H = 32: the host's used
 # memory rose by about 1.3 GiB (ps counts 8.7 GiB resident, every mapping of
-# the shared pages once); 8 MiB per rank is the bound used here.
-FOLDED_RANK_BYTES = 8 << 20
+# the shared pages once), 1.3 MiB per rank; 4 MiB per rank is the bound used here.
+FOLDED_RANK_BYTES = 4 << 20
 
 
 def sweep(a):
