@@ -8,12 +8,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
-#include <cstdint>
 
 #include <fmt/format.h>
 
