@@ -108,5 +108,70 @@ TEST(CostNodes, PredictUsesTheParametersNodesAndJsonKeepsThem) {
   EXPECT_THROW(cost_params_from_json(R"({"node_ranks": 1.5})"), InvalidArgument);
 }
 
+// Leaves of 128 ranks with uplinks oversubscribed 2:1 (platforms/nvlink-ib).
+ProblemShape leafy(std::size_t p) {
+  ProblemShape s = shape(p, 8);
+  s.ranks_per_leaf = 128;
+  s.leaf_oversubscription = 2;
+  return s;
+}
+
+TEST(CostLeaves, EveryRankAcrossLeavesGoesAtOneOverO) {
+  // Recursive doubling over P = 1024: rounds at distances 128, 256 (packed
+  // pairs) and 512 (states only) cross leaves with every rank sending.
+  const CostTerms t = terms("recursive_doubling", leafy(1024));
+  EXPECT_DOUBLE_EQ(t.contention_bytes, 2 * kPacked + kState);
+  EXPECT_DOUBLE_EQ(t.bytes, terms("recursive_doubling", shape(1024, 8)).bytes);  // bytes moved: unchanged
+  // P = 128: one leaf, nothing crosses.
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", leafy(128)).contention_bytes, 0);
+  // The all-gather of 256: the 128 slots of the other leaf.
+  EXPECT_DOUBLE_EQ(terms("allgather", leafy(256)).contention_bytes, 128 * kPacked);
+  // Without nodes the model has no leaves either.
+  ProblemShape flat = leafy(1024);
+  flat.ranks_per_node = 0;
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", flat).contention_bytes, 0);
+}
+
+TEST(CostLeaves, FewerSendersThanTheUplinksCarryGoAtFullSpeed) {
+  // Grouped recursive doubling: only each group's carrier crosses, one rank
+  // in w. w = 2 with o = 2: the uplinks carry them all.
+  EXPECT_DOUBLE_EQ(terms("grouped_allgather_rd", leafy(1024), 2).contention_bytes, 0);
+  // o = 4: half of each crossing round's bytes again.
+  ProblemShape four = leafy(1024);
+  four.leaf_oversubscription = 4;
+  EXPECT_DOUBLE_EQ(terms("grouped_allgather_rd", four, 2).contention_bytes, 2 * kPacked + kState);
+  // The chain's hops are one flow each.
+  EXPECT_DOUBLE_EQ(terms("p2p", leafy(1024)).contention_bytes, 0);
+  EXPECT_DOUBLE_EQ(terms("pipelined_p2p", leafy(1024), 1, 8).contention_bytes, 0);
+}
+
+TEST(CostLeaves, PredictPricesTheContentionAndJsonChecksIt) {
+  CostParams c;
+  c.node_ranks = 8;
+  c.group_alpha_s = 3e-6;
+  c.group_beta_s_per_byte = 1 / 370e9;
+  const ProblemShape s = shape(1024, 0);
+  const double open = predict(c, s, {"recursive_doubling", 1, 0}).seconds;
+  c.leaf_ranks = 128;
+  c.oversubscription = 2;
+  const double blocked = predict(c, s, {"recursive_doubling", 1, 0}).seconds;
+  EXPECT_NEAR(blocked - open, (2 * kPacked + kState) * c.beta_s_per_byte, 1e-12);
+  const CostParams back = cost_params_from_json(to_json(c));
+  EXPECT_EQ(back.leaf_ranks, 128u);
+  EXPECT_EQ(back.oversubscription, 2.0);
+  EXPECT_EQ(to_json(CostParams{}).find("oversubscription"), std::string::npos);
+  for (const char* bad : {R"({"oversubscription": 0.5})", R"({"oversubscription": "2"})",
+                          R"({"leaf_ranks": -1})", R"({"node_ranks": 8, "leaf_ranks": 12})"}) {
+    try {
+      cost_params_from_json(bad);
+      ADD_FAILURE() << bad;
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(std::string(e.what()).find("oversubscription") != std::string::npos ||
+                  std::string(e.what()).find("leaf_ranks") != std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kdacp

@@ -45,13 +45,25 @@ struct CostParams {
   // what it changes). 0: unknown, every message crosses the network except
   // inside an all-gather group.
   std::size_t node_ranks = 0;
+  // A fat tree's leaf switch: the consecutive ranks under it (a multiple of
+  // node_ranks) and its oversubscription o >= 1, what its ranks can send over
+  // what its uplinks carry (2: half). With both (leaf_ranks > 0, o > 1) a
+  // round in which one rank in s sends across leaves at once moves those
+  // bytes at β·max(1, o/s): every rank at once gets 1/o of its bandwidth, a
+  // carrier per o ranks or fewer all of it (docs/scale.md measured it). 0 and
+  // 1: no leaf, every path non-blocking.
+  std::size_t leaf_ranks = 0;
+  double oversubscription = 1;
 };
 
 // JSON object {"source", "alpha_s", "beta_s_per_byte", "gflops",
 // "group_alpha_s", "group_beta_s_per_byte", "concurrent_ranks",
-// "node_ranks"}; missing keys keep their defaults (node_ranks is written only
-// when set). Invalid values (non-positive α/β/γ, negative group
-// values, a negative or fractional concurrent_ranks) throw InvalidArgument
+// "node_ranks", "leaf_ranks", "oversubscription"}; missing keys keep their
+// defaults (node_ranks, leaf_ranks and oversubscription are written only when
+// set). Invalid values (non-positive α/β/γ, negative group
+// values, a negative or fractional concurrent_ranks, node_ranks or
+// leaf_ranks, leaf_ranks not a multiple of node_ranks, an oversubscription
+// below 1) throw InvalidArgument
 // naming the key; unreadable files throw IoError.
 std::string to_json(const CostParams& params);
 CostParams cost_params_from_json(const std::string& text);
@@ -76,6 +88,10 @@ struct ProblemShape {
   // Ranks per node (CostParams::node_ranks; predict() fills it from the
   // parameters when 0 here). 0: unknown.
   std::size_t ranks_per_node = 0;
+  // The leaf switch (CostParams::leaf_ranks, oversubscription; predict()
+  // fills them from the parameters when 0 here). 0: none.
+  std::size_t ranks_per_leaf = 0;
+  double leaf_oversubscription = 0;
 };
 
 // The shape's part owners, explicit. Throws InvalidArgument when they span

@@ -33,6 +33,10 @@ struct CostTerms {
   double bytes = 0;           // network bytes on the critical path (β each)
   double group_messages = 0;  // messages inside an all-gather group (group α)
   double group_bytes = 0;     // bytes inside an all-gather group (group β)
+  // What congestion adds, in network bytes (β each): the bytes that cross an
+  // oversubscribed leaf switch with more senders than its uplinks carry,
+  // times how much slower they go, less one (CostParams::oversubscription).
+  double contention_bytes = 0;
   double folds = 0;           // K×V affine steps over all B·H slabs on the critical path
   double products = 0;        // K×K·K×K products over all slabs on the critical path
   double work_folds = 0;      // all ranks' fold steps together (bounds shared cores)

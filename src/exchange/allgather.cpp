@@ -106,7 +106,7 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
   if (s.ranks > 1) {
     if (const std::size_t node = node_width(s)) {
       // On nodes: the slots of the node's ranks over it, the others across.
-      add_group_all_gather(t, s.ranks, packed_bytes(s), node);
+      add_group_all_gather(t, s.ranks, packed_bytes(s), node, &s);
     } else {
       t.messages = dbl(ceil_log2(s.ranks));
       t.bytes = dbl(s.ranks - 1) * dbl(chain.per_rank) * dbl(packed_bytes(s));

@@ -36,6 +36,12 @@ void check_params(const CostParams& c) {
   positive(c.gflops, "gflops");
   non_negative(c.group_alpha_s, "group_alpha_s");
   non_negative(c.group_beta_s_per_byte, "group_beta_s_per_byte");
+  if (!(c.oversubscription >= 1) || !std::isfinite(c.oversubscription))
+    throw InvalidArgument(fmt::format(
+        "cost parameter oversubscription is {}, expected a finite number >= 1 (1: non-blocking)", c.oversubscription));
+  if (c.leaf_ranks > 0 && c.node_ranks > 0 && c.leaf_ranks % c.node_ranks != 0)
+    throw InvalidArgument(fmt::format("cost parameter leaf_ranks is {}, expected a multiple of node_ranks = {}",
+                                      c.leaf_ranks, c.node_ranks));
 }
 
 void check_shape(const ProblemShape& s) {
@@ -43,6 +49,13 @@ void check_shape(const ProblemShape& s) {
     throw InvalidArgument(fmt::format("cost model shape P={} B*H={} K={} V={}, expected every size positive",
                                       s.ranks, s.slabs, s.key_dim, s.value_dim));
   }
+}
+
+// The machine facts a shape leaves unset (0), from the parameters.
+void fill_machine(const CostParams& params, ProblemShape& shape) {
+  if (shape.ranks_per_node == 0) shape.ranks_per_node = params.node_ranks;
+  if (shape.ranks_per_leaf == 0) shape.ranks_per_leaf = params.leaf_ranks;
+  if (shape.leaf_oversubscription == 0) shape.leaf_oversubscription = params.oversubscription;
 }
 
 }  // namespace
@@ -57,6 +70,8 @@ std::string to_json(const CostParams& c) {
   j["group_beta_s_per_byte"] = c.group_beta_s_per_byte;
   j["concurrent_ranks"] = c.concurrent_ranks;
   if (c.node_ranks > 0) j["node_ranks"] = c.node_ranks;
+  if (c.leaf_ranks > 0) j["leaf_ranks"] = c.leaf_ranks;
+  if (c.oversubscription != 1) j["oversubscription"] = c.oversubscription;
   return j.dump(2);
 }
 
@@ -77,21 +92,18 @@ CostParams cost_params_from_json(const std::string& text) {
   number("gflops", c.gflops);
   number("group_alpha_s", c.group_alpha_s);
   number("group_beta_s_per_byte", c.group_beta_s_per_byte);
-  if (j.contains("concurrent_ranks")) {
-    const nlohmann::json& v = j["concurrent_ranks"];
-    if (!v.is_number_unsigned() &&
-        !(v.is_number_integer() && v.get<long long>() >= 0))
-      throw InvalidArgument(
-          fmt::format("cost parameter concurrent_ranks is {}, expected an integer >= 0 (0: every rank)", v.dump()));
-    c.concurrent_ranks = v.get<std::size_t>();
-  }
-  if (j.contains("node_ranks")) {
-    const nlohmann::json& v = j["node_ranks"];
+  auto count = [&j](const char* key, const char* zero, std::size_t& out) {
+    if (!j.contains(key)) return;
+    const nlohmann::json& v = j[key];
     if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<long long>() >= 0))
       throw InvalidArgument(
-          fmt::format("cost parameter node_ranks is {}, expected an integer >= 0 (0: unknown)", v.dump()));
-    c.node_ranks = v.get<std::size_t>();
-  }
+          fmt::format("cost parameter {} is {}, expected an integer >= 0 (0: {})", key, v.dump(), zero));
+    out = v.get<std::size_t>();
+  };
+  count("concurrent_ranks", "every rank", c.concurrent_ranks);
+  count("node_ranks", "unknown", c.node_ranks);
+  count("leaf_ranks", "no leaf switch", c.leaf_ranks);
+  number("oversubscription", c.oversubscription);
   check_params(c);
   return c;
 }
@@ -185,7 +197,7 @@ double seconds_of(const CostParams& c, const ProblemShape& s, const CostTerms& t
   const double t_fold = 2 * slabs * kk * static_cast<double>(s.value_dim) / flop_rate;
   const double t_mm = 2 * slabs * kk * static_cast<double>(s.key_dim) / flop_rate;
   const double path = t.folds * t_fold + t.products * t_mm;
-  double seconds = t.messages * c.alpha_s + t.bytes * c.beta_s_per_byte +
+  double seconds = t.messages * c.alpha_s + (t.bytes + t.contention_bytes) * c.beta_s_per_byte +
                    t.group_messages * group_alpha + t.group_bytes * group_beta + path;
   const std::size_t slots = c.concurrent_ranks;
   if (slots > 0 && slots < s.ranks) {
@@ -225,7 +237,7 @@ std::size_t best_segments(const CostParams& params, const ProblemShape& given,
   check_params(params);
   check_shape(given);
   ProblemShape shape = given;
-  if (shape.ranks_per_node == 0) shape.ranks_per_node = params.node_ranks;
+  fill_machine(params, shape);
   ProtocolConfig config;
   const ProtocolDescriptor& row = checked_row({method, 1, 0}, shape, config);
   if (!row.takes_segments) return 0;
@@ -244,7 +256,7 @@ Prediction predict(const CostParams& params, const ProblemShape& given,
   check_params(params);
   check_shape(given);
   ProblemShape shape = given;
-  if (shape.ranks_per_node == 0) shape.ranks_per_node = params.node_ranks;
+  fill_machine(params, shape);
   Prediction out;
   const ProtocolDescriptor& row = checked_row(config, shape, out.config);
   if (row.takes_segments && out.config.segments == 0)

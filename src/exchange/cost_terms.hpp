@@ -53,6 +53,21 @@ inline std::size_t node_width(const ProblemShape& s) {
   return n > 1 && !has_layout(s) && s.ranks % n == 0 ? n : 0;
 }
 
+// Leaf switches (CostParams::leaf_ranks and oversubscription, carried by
+// ProblemShape::ranks_per_leaf and leaf_oversubscription): under the same
+// conditions as node_width(), the leaf's width in ranks when its uplinks are
+// oversubscribed (o > 1), else 0.
+inline std::size_t leaf_width(const ProblemShape& s) {
+  const std::size_t n = std::min(s.ranks_per_leaf, s.ranks);
+  return n > 1 && s.leaf_oversubscription > 1 && !has_layout(s) && s.ranks % n == 0 ? n : 0;
+}
+// `bytes` that cross leaves in a round where one rank in `stride` sends across
+// at once: the uplinks give each 1/max(1, o/stride) of its bandwidth.
+inline void add_leaf_contention(CostTerms& t, const ProblemShape& s, double bytes, std::size_t stride) {
+  const double slower = std::max(1.0, s.leaf_oversubscription / dbl(stride));
+  t.contention_bytes += bytes * (slower - 1);
+}
+
 // `count` messages of `bytes_each`, inside a node (group terms) or not.
 inline void add_messages(CostTerms& t, bool inside_node, double count, double bytes_each) {
   if (inside_node) {
@@ -74,9 +89,16 @@ inline double node_crossings(double hops, std::size_t stride, std::size_t node) 
 // A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
 // a group (Bruck / recursive doubling, what MPI picks for these sizes). On
 // nodes (node > 0) a group wider than a node gathers inside each node first,
-// then across the m/node nodes.
-inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0) {
+// then across the m/node nodes. Every group gathers at once: with a shape
+// whose leaves are oversubscribed (leaf_width), a group wider than a leaf
+// moves m - leaf of its slots across leaves with every rank sending.
+inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0,
+                                 const ProblemShape* leaves = nullptr) {
   if (m <= 1) return;
+  if (leaves != nullptr) {
+    const std::size_t leaf = leaf_width(*leaves);
+    if (node > 0 && leaf > 0 && m > leaf) add_leaf_contention(t, *leaves, dbl(m - leaf) * dbl(n), 1);
+  }
   if (node == 0 || m <= node) {
     t.group_messages += dbl(ceil_log2(m));
     t.group_bytes += dbl(m - 1) * dbl(n);
@@ -104,14 +126,19 @@ inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n, std:
 // each (the outgoing aggregate and the received prefix); the last round moves
 // and folds states only, because its receivers need no transfer any more.
 // On nodes (node > 0) with positions `stride` ranks apart, round k's partner
-// is 2^k·stride ranks away: inside the node while 2^(k+1)·stride <= node.
+// is 2^k·stride ranks away: inside the node while 2^(k+1)·stride <= node, in
+// another leaf switch (leaf_width) from 2^k·stride >= leaf on, where one rank
+// in `stride` sends across at once (add_leaf_contention).
 inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m, std::size_t stride = 1,
                                    std::size_t node = 0) {
   const std::size_t rounds = ceil_log2(m);
   if (rounds == 0) return;
+  const std::size_t leaf = node > 0 ? leaf_width(s) : 0;
   for (std::size_t k = 0; k < rounds; ++k) {
     const bool inside = node > 0 && (std::size_t{2} << k) * stride <= node;
-    add_messages(t, inside, 1, dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s)));
+    const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
+    add_messages(t, inside, 1, bytes);
+    if (leaf > 0 && (std::size_t{1} << k) * stride >= leaf) add_leaf_contention(t, s, bytes, stride);
   }
   if (rounds >= 3) {
     t.folds += dbl(rounds - 2) * 2;

@@ -70,7 +70,7 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     return t;
   }
   const std::size_t node = node_width(s);
-  add_group_all_gather(t, w, packed_bytes(s), node);
+  add_group_all_gather(t, w, packed_bytes(s), node, &s);
   // The owners' relay: one state per block boundary, each owner folding its
   // whole block before it sends (on nodes: owners w ranks apart).
   const double crossings = node_crossings(dbl(blocks - 1), w, node);

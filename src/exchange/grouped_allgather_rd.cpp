@@ -58,7 +58,7 @@ CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config) {
     return t;
   }
   const std::size_t node = node_width(s);
-  add_group_all_gather(t, w, packed_bytes(s), node);
+  add_group_all_gather(t, w, packed_bytes(s), node, &s);
   if (blocks > 1) {
     t.folds += dbl(w - 1);
     t.products += dbl(w - 1);
