@@ -1,6 +1,6 @@
 # Entry points. `make run` and `make test` work on a fresh Debian machine:
 # they install the Debian packages kdacp needs, build, and run.
-.PHONY: deps build build-sanitize build-tsan run test test-release test-sanitize test-tsan fuzz simulate clean
+.PHONY: deps build build-sanitize build-tsan sanitizer-builds run test test-release test-sanitize test-tsan fuzz simulate clean
 
 JOBS ?= $(shell nproc)
 
@@ -36,7 +36,7 @@ simulate: build
 	/usr/bin/python3 scripts/simulate.py --out build/simulate $(SIMULATE_ARGS)
 
 # The in-process suite under ASan + UBSan, and each libFuzzer target (.npy
-# reader, calibration JSON, numeric flag parser) for 20 s each plus a replay
+# reader, calibration JSON, numeric flag parser) for 12 s each plus a replay
 # of fuzz/regressions.
 test-sanitize: build-sanitize
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --preset sanitize
@@ -66,13 +66,22 @@ test-tsan: build-tsan
 # arithmetic, which the release suite tests on every compiled target; it keeps
 # make test within its time on a 2-core machine. They carry line tables only
 # (-gline-tables-only: file and line in every report, ~10 % less compile time
-# than full debug information), and kdacp_tests runs some sweeps on fewer
-# points there (KDACP_SANITIZER_BUILD, tests/CMakeLists.txt).
+# than full debug information), the tests', the CLI's and the report writers'
+# own code compiles at -O0 there (the library stays -O2), and kdacp_tests
+# runs some sweeps on fewer points (KDACP_SANITIZER_BUILD, tests/CMakeLists.txt).
 
 # Every test: the release build (g++), then the in-process suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer
-# (clang).
-test: test-release test-sanitize test-tsan
+# (clang). The two sanitizer builds compile at low priority while the release
+# suite runs: its MPI and Python tests leave the cores idle while they wait on
+# their processes, and every test keeps its own timeout. Output is synced by
+# line.
+test: build
+	$(MAKE) --no-print-directory -j 2 --output-sync=line test-release sanitizer-builds
+	$(MAKE) --no-print-directory test-sanitize test-tsan
+
+sanitizer-builds: deps
+	nice -n 10 $(MAKE) --no-print-directory build-sanitize build-tsan
 
 clean:
 	rm -rf build

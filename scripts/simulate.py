@@ -114,10 +114,18 @@ UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 BYTES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
-def plan_rows(kdacp, facts, ranks, heads):
+# Tokens per rank of `kdacp bench exchange`'s stream (its --docs-mean cuts it
+# into documents): a plan with a layout needs the stream's length.
+BENCH_RANK_TOKENS = 4096
+
+
+def plan_rows(kdacp, facts, ranks, heads, layout="contiguous"):
     """The configurations `kdacp plan` weighs, with the model's time and
-    memory, and auto's exact pick."""
-    out = subprocess.run([str(kdacp), "plan", "-P", str(ranks), "-H", str(heads),
+    memory, and auto's exact pick, for `layout` without cuts (the sweep's
+    documents are bench exchange's, which plan does not draw; each run's model
+    time is bench's own, cuts included)."""
+    extra = [] if layout == "contiguous" else ["--layout", layout, "--tokens", str(ranks * BENCH_RANK_TOKENS)]
+    out = subprocess.run([str(kdacp), "plan", "-P", str(ranks), "-H", str(heads), *extra,
                           "--calibration", str(facts["cost"])], capture_output=True, text=True)
     if out.returncode != 0:
         fail(f"kdacp plan failed: {out.stderr.strip()}")
@@ -195,10 +203,10 @@ def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgath
     return out.stdout, wall, None
 
 
-def bench_args(row, heads, cost, repeat, warmup):
+def bench_args(row, heads, cost, repeat, warmup, layout="contiguous", docs_mean=0):
     args = ["bench", "exchange", "--backend", "mpi", "--protocol", row["method"], "--heads", heads,
             "--calibration", cost, "--repeat", repeat, "--warmup", warmup, "--threads", 1, "--timeout", 86400,
-            "--json"]
+            "--layout", layout, "--docs-mean", docs_mean, "--json"]
     if row["knob"].startswith("w="):
         args += ["--group-size", row["knob"][2:]]
     if row["knob"].startswith("c="):
@@ -230,7 +238,7 @@ def sweep(a):
         for p in a.ranks:
             for name in a.platforms:
                 facts = platform_facts(name, a.platform_dir)
-                rows, auto_pick = plan_rows(kdacp, facts, p, a.heads)
+                rows, auto_pick = plan_rows(kdacp, facts, p, a.heads, a.layout)
                 # auto runs its pick: it needs that configuration's memory.
                 pick_peak = next((r["model_peak"] for r in rows if r["label"] == auto_pick), 0)
                 rows.append({"method": "auto", "knob": "", "label": "auto", "exact": True, "model_s": None,
@@ -246,7 +254,8 @@ def sweep(a):
                 for row in rows:
                     if a.protocols and row["method"] not in a.protocols:
                         continue
-                    rec = {"platform": name, "ranks": p, "heads": a.heads, **row, "auto_pick": auto_pick}
+                    rec = {"platform": name, "ranks": p, "heads": a.heads, "layout": a.layout,
+                           "docs_mean": a.docs_mean, **row, "auto_pick": auto_pick}
                     need = input_bytes(p, a.heads) + p * row["model_peak"]
                     rec["memory_need_bytes"] = need
                     folded = a.fold == "always" or (a.fold == "auto" and need > budget)
@@ -268,7 +277,8 @@ def sweep(a):
                     else:
                         stdout, wall, err = smpirun(facts, p, tmp, speed,
                                                     [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat,
-                                                                       a.warmup)], a.timeout, folded,
+                                                                       a.warmup, a.layout, a.docs_mean)],
+                                                    a.timeout, folded,
                                                     rec["smpi_allgather"])
                         rec["real_seconds"] = wall
                         if err:
@@ -277,14 +287,16 @@ def sweep(a):
                             r = json.loads(stdout.strip().splitlines()[-1])
                             rec.update(sim_forward_s=r["forward_seconds"], sim_backward_s=r["backward_seconds"],
                                        model_s=r["predicted_seconds"], ran=r["label"],
-                                       peak_bytes=max(r["forward_peak_bytes"], r["backward_peak_bytes"]))
+                                       peak_bytes=max(r["forward_peak_bytes"], r["backward_peak_bytes"]),
+                                       parts=r.get("parts"), cuts=r.get("cuts"))
                             rec["ratio"] = rec["sim_forward_s"] / rec["model_s"]
                     records.append(rec)
                     shown = (f"{rec['sim_forward_s'] * 1e3:9.3f} ms sim, model {rec['model_s'] * 1e3:9.3f} ms, "
                              f"ratio {rec['ratio']:.2f} ({rec['real_seconds']:.0f} s real"
                              f"{', folded' if folded else ''})") \
                         if "ratio" in rec else f"skipped: {rec['skipped']}"
-                    print(f"simulate: {name} P={p} {row['label']}: {shown}", file=sys.stderr, flush=True)
+                    print(f"simulate: {name} P={p}{case_label(rec)} {row['label']}: {shown}", file=sys.stderr,
+                          flush=True)
                     write_atomic(out / "results.json", json.dumps(meta(a, speed, records), indent=1))
     write_table(out, meta(a, speed, records))
     write_plot(out, records)
@@ -297,17 +309,33 @@ def meta(a, speed, records):
             "records": records}
 
 
+def case_of(r):
+    """A record's layout and documents (records of older sweeps have neither:
+    contiguous, no cuts)."""
+    return r.get("layout", "contiguous"), r.get("docs_mean", 0)
+
+
+def case_label(r):
+    layout, docs = case_of(r)
+    parts = ([] if layout == "contiguous" else [layout]) + ([f"docs {docs}"] if docs else [])
+    return f" [{', '.join(parts)}]" if parts else ""
+
+
 def summarize(records):
-    """Per (platform, P): agreement counts and auto against the simulated best."""
+    """Per platform, P and case (layout, documents): agreement counts and auto
+    against the simulated best."""
     out = []
-    keys = sorted({(r["platform"], r["ranks"]) for r in records}, key=lambda k: (k[0], k[1]))
-    for plat, p in keys:
-        rs = [r for r in records if r["platform"] == plat and r["ranks"] == p and "ratio" in r]
+    keys = sorted({(r["platform"], r["ranks"], case_of(r)) for r in records}, key=lambda k: (k[0], k[1], k[2]))
+    for plat, p, case in keys:
+        rs = [r for r in records if r["platform"] == plat and r["ranks"] == p and case_of(r) == case
+              and "ratio" in r]
         rows = [r for r in rs if r["method"] != "auto"]
         auto = next((r for r in rs if r["method"] == "auto"), None)
         within = sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.3)
-        s = {"platform": plat, "ranks": p, "rows": len(rows), "within_30": within,
-             "skipped": sum(1 for r in records if r["platform"] == plat and r["ranks"] == p and "skipped" in r)}
+        s = {"platform": plat, "ranks": p, "case": case_label({"layout": case[0], "docs_mean": case[1]}),
+             "rows": len(rows), "within_30": within,
+             "skipped": sum(1 for r in records if r["platform"] == plat and r["ranks"] == p and case_of(r) == case
+                            and "skipped" in r)}
         exact = [r for r in rows if r["exact"]]
         if exact and auto:
             best = min(exact, key=lambda r: r["sim_forward_s"])
@@ -338,22 +366,22 @@ def write_table(out, m):
     for r in recs:
         if "ratio" in r:
             mark = " (folded)" if r.get("folded") and folded < len(recs) else ""
-            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label'] if r['method'] != 'auto' else 'auto -> ' + r['ran']}{mark} "
+            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label'] if r['method'] != 'auto' else 'auto -> ' + r['ran']}{case_label(r)}{mark} "
                          f"| {r['sim_forward_s'] * 1e3:.3f} ms | {r['sim_backward_s'] * 1e3:.3f} ms "
                          f"| {r['model_s'] * 1e3:.3f} ms | {r['ratio']:.2f} | {r['peak_bytes'] / (1 << 20):.0f} MiB |")
         else:
             why = " ".join(str(r["skipped"]).split()).replace("|", "/")
-            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label']} | not run: {why} | | "
+            lines.append(f"| {r['platform']} | {r['ranks']} | {r['label']}{case_label(r)} | not run: {why} | | "
                          f"{'' if r['model_s'] is None else format(r['model_s'] * 1e3, '.3f') + ' ms'} | | |")
     lines += ["", "| platform | P | rows within ±30 % | not run | auto's pick | its sim | best sim (exact) | pick/best | pick's rank |",
               "|---|---:|---:|---:|---|---:|---|---:|---:|"]
     for s in summarize(recs):
         if "auto" in s:
-            lines.append(f"| {s['platform']} | {s['ranks']} | {s['within_30']} of {s['rows']} | {s['skipped']} | "
+            lines.append(f"| {s['platform']} | {s['ranks']}{s['case']} | {s['within_30']} of {s['rows']} | {s['skipped']} | "
                          f"{s['auto']} | {s['auto_s'] * 1e3:.3f} ms | {s['best']} {s['best_s'] * 1e3:.3f} ms | "
                          f"{s['auto_over_best']:.2f} | {s['auto_rank']} of {s['ranked']} |")
         else:
-            lines.append(f"| {s['platform']} | {s['ranks']} | {s['within_30']} of {s['rows']} | {s['skipped']} | | | | | |")
+            lines.append(f"| {s['platform']} | {s['ranks']}{s['case']} | {s['within_30']} of {s['rows']} | {s['skipped']} | | | | | |")
     write_atomic(out / "table.md", "\n".join(lines) + "\n")
 
 
@@ -363,6 +391,8 @@ def write_plot(out, records):
     if shutil.which("gnuplot") is None:
         print("simulate: gnuplot not found, no plot", file=sys.stderr)
         return
+    # The plain case only (one part per rank, no cuts): the table has the rest.
+    records = [r for r in records if case_of(r) == ("contiguous", 0)]
     plats = sorted({r["platform"] for r in records})
     fams = sorted({r["method"] for r in records if "ratio" in r and r["method"] != "auto"})
     data = out / "plot.dat"
@@ -505,6 +535,11 @@ def main():
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
     ap.add_argument("--knobs", choices=["all", "best"], default="all",
                     help="every group width and segment count kdacp plan weighs, or each protocol's model-best one")
+    ap.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous",
+                    help="parts per rank of every run: one (contiguous) or two (zigzag: r and 2P-1-r)")
+    ap.add_argument("--docs-mean", type=int, default=0,
+                    help="cut every run's stream where documents of this mean length start (bench exchange's "
+                    f"--docs-mean, {BENCH_RANK_TOKENS} tokens per rank); 0: no cuts")
     ap.add_argument("--fold", choices=["auto", "always", "never"], default="always",
                     help="fold memory and compute: always (times independent of this host's load), where a run "
                     "would exceed --max-memory (auto), never")
@@ -519,11 +554,11 @@ def main():
                 fail(f"--render {path}: expected a results.json of this script ({e})")
             m = m or part
             for r in records:
-                key = (r["platform"], r["ranks"], r["label"])
+                key = (r["platform"], r["ranks"], case_of(r), r["label"])
                 # A run that did not happen never hides one that did.
                 if "ratio" in r or key not in merged or "ratio" not in merged[key]:
                     merged[key] = r
-        m["records"] = sorted(merged.values(), key=lambda r: (r["ranks"], r["platform"] != "nvlink-ib"))
+        m["records"] = sorted(merged.values(), key=lambda r: (r["ranks"], r["platform"] != "nvlink-ib", case_of(r)))
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         write_table(out, m)
@@ -532,8 +567,8 @@ def main():
     for p in a.ranks:
         if p < 1 or p > 4096:
             fail(f"--ranks {p}: expected 1..4096")
-    if a.heads < 1 or a.repeat < 1 or a.warmup < 0 or a.max_memory <= 0 or a.timeout <= 0:
-        fail("--heads and --repeat must be >= 1, --warmup >= 0, --max-memory and --timeout > 0")
+    if a.heads < 1 or a.repeat < 1 or a.warmup < 0 or a.max_memory <= 0 or a.timeout <= 0 or a.docs_mean < 0:
+        fail("--heads and --repeat must be >= 1, --warmup and --docs-mean >= 0, --max-memory and --timeout > 0")
     if shutil.which("smpirun") is None:
         fail("smpirun not found: install libsimgrid-dev (scripts/install-deps.sh)")
     # Absolute: smpirun runs in a temporary folder.

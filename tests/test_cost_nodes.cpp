@@ -7,6 +7,7 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/protocol.hpp"
 
 namespace kdacp {
@@ -106,6 +107,37 @@ TEST(CostNodes, PredictUsesTheParametersNodesAndJsonKeepsThem) {
     EXPECT_NE(std::string(e.what()).find("node_ranks"), std::string::npos);
   }
   EXPECT_THROW(cost_params_from_json(R"({"node_ranks": 1.5})"), InvalidArgument);
+}
+
+TEST(CostNodes, ZigzagHopsInsideNodesGoOverTheNode) {
+  // P = 16 zigzag on nodes of 8: the chain walks ranks 0..15 and back, 30
+  // hops (rank 15 holds parts 15 and 16: a local step), 2 of them between
+  // ranks 7 and 8.
+  ProblemShape z = shape(16, 8);
+  z.part_owners = PartOwners::zigzag(16);
+  const CostTerms t = terms("p2p", z);
+  EXPECT_DOUBLE_EQ(t.messages, 2);
+  EXPECT_DOUBLE_EQ(t.group_messages, 28);
+  EXPECT_EQ(chain_profile(z, 1).node_relays, 2u);
+  // Cuts: the worst stretch is what counts, its crossings with it.
+  z.part_cuts.assign(32, false);
+  z.part_cuts[4] = true;  // stretches 0-4 (inside node 0) and 4-31 (both crossings)
+  EXPECT_EQ(chain_profile(z, 1).relays, 26u);
+  EXPECT_EQ(chain_profile(z, 1).node_relays, 2u);
+  // The pipeline: every hop once, then c - 1 segments at the network's pace.
+  z.part_cuts.clear();
+  const CostTerms q = terms("pipelined_p2p", z, 1, 4);
+  EXPECT_DOUBLE_EQ(q.messages, 2 + 3);
+  EXPECT_DOUBLE_EQ(q.group_messages, 28);
+  // Groups of 4 relay between carriers 4 ranks apart: 6 relays, 2 across.
+  const CostTerms g = terms("grouped_allgather_p2p", z, 4);
+  EXPECT_DOUBLE_EQ(g.messages, 2);
+  EXPECT_EQ(chain_profile(z, 4).relays, 6u);
+  // Without nodes every relay is a network message, as before.
+  ProblemShape flat = z;
+  flat.ranks_per_node = 0;
+  EXPECT_DOUBLE_EQ(terms("p2p", flat).messages, 30);
+  EXPECT_DOUBLE_EQ(terms("p2p", flat).group_messages, 0);
 }
 
 // Leaves of 128 ranks with uplinks oversubscribed 2:1 (platforms/nvlink-ib).

@@ -143,9 +143,16 @@ TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
   EXPECT_GT(configs, 0u);
 }
 
+#if defined(KDACP_SANITIZER_BUILD)
+// Sanitizer builds stop at P = 16: P = 64 runs the same code on more ranks
+// (31 s under ASan, 22 s under TSan); the release suite keeps it.
+INSTANTIATE_TEST_SUITE_P(Registry, ProtocolMatrix, ::testing::Values(1, 2, 3, 4, 5, 7, 8, 16),
+                         [](const auto& info) { return "P" + std::to_string(info.param); });
+#else
 INSTANTIATE_TEST_SUITE_P(Registry, ProtocolMatrix,
                          ::testing::Values(1, 2, 3, 4, 5, 7, 8, 16, 64),
                          [](const auto& info) { return "P" + std::to_string(info.param); });
+#endif
 
 // The registry itself: names unique, knobs and classes consistent, and every
 // row reachable through the factory's and the model's public names.

@@ -114,6 +114,10 @@ struct ChainProfile {
   // (a message each), where runs are maximal stretches of consecutive parts
   // held by one block of `width` consecutive ranks (width 1: one rank).
   std::size_t relays = 0;
+  // Of those relays, the ones between ranks of different nodes
+  // (ProblemShape::ranks_per_node, nodes holding consecutive ranks, any
+  // layout); all of them when the nodes are unknown or do not divide P.
+  std::size_t node_relays = 0;
   std::size_t runs = 1;           // runs in the chain
   std::size_t runs_per_block = 1; // the most runs one block holds
   std::size_t longest_run = 1;    // parts in the longest run

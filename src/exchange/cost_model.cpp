@@ -167,14 +167,25 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   // next cut, which receives but need not wait (the backward chain has the
   // same stretches, mirrored).
   auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
-  std::size_t start = 0, relays = 0;
+  // Nodes as node_width (cost_terms.hpp) has them, for any layout.
+  const std::size_t node_ranks = std::min(s.ranks_per_node, p);
+  const std::size_t node = node_ranks > 1 && p % node_ranks == 0 ? node_ranks : 0;
+  auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
+  // The worst stretch: the most relays, then the most of them across nodes.
+  std::size_t start = 0, relays = 0, node_relays = 0;
   for (std::size_t j = 1; j < n; ++j) {
-    if (run_of[j] != run_of[j - 1]) ++relays;
+    if (run_of[j] != run_of[j - 1]) {
+      ++relays;
+      if (across(j)) ++node_relays;
+    }
     if (cut(j) || j + 1 == n) {
       out.steps = std::max(out.steps, j - start);
-      out.relays = std::max(out.relays, relays);
+      if (relays > out.relays || (relays == out.relays && node_relays > out.node_relays)) {
+        out.relays = relays;
+        out.node_relays = node_relays;
+      }
       start = j;
-      relays = 0;
+      relays = node_relays = 0;
     }
   }
   return out;

@@ -53,8 +53,9 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     // the block's runs' incoming states.
     const ChainProfile chain = chain_profile(s, w);
     add_group_all_gather(t, w, chain.per_rank * packed_bytes(s));
-    t.messages = dbl(chain.relays);
-    t.bytes = dbl(chain.relays) * dbl(state_bytes(s));
+    // On nodes, relays between carriers of one node go over it.
+    add_messages(t, false, dbl(chain.node_relays), dbl(state_bytes(s)));
+    add_messages(t, true, dbl(chain.relays - chain.node_relays), dbl(state_bytes(s)));
     if (chain.runs > 1) add_group_broadcast(t, w, chain.runs_per_block * state_bytes(s));
     t.folds = dbl(chain.steps);
     t.work_folds = dbl(chain.parts) * dbl(w) / 2 + dbl(chain.parts);

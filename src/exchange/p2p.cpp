@@ -78,8 +78,9 @@ class P2PExchange final : public CommExchange {
 CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
   CostTerms t;
   const ChainProfile chain = chain_profile(s, 1);
-  // On nodes, the hops between consecutive ranks of one node go over it.
-  const double crossings = node_crossings(dbl(chain.relays), 1, node_width(s));
+  // On nodes, the hops between two ranks of one node go over it (any
+  // layout: zigzag's hops are between neighbouring ranks too).
+  const double crossings = dbl(chain.node_relays);
   add_messages(t, false, crossings, dbl(state_bytes(s)));
   add_messages(t, true, dbl(chain.relays) - crossings, dbl(state_bytes(s)));
   t.folds = stretch_folds(chain.steps);

@@ -183,8 +183,8 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   if (chain.parts <= 1) return t;
   // Every hop once, then c - 1 more segments at the pace of the slowest hop
   // (on nodes: the network's when any hop crosses it).
-  if (const std::size_t node = node_width(s); node > 0 && chain.relays > 0) {
-    const double crossings = node_crossings(dbl(chain.relays), 1, node);
+  if (chain.node_relays < chain.relays) {
+    const double crossings = dbl(chain.node_relays);
     const double segment = dbl(state_bytes(s)) / dbl(c);
     add_messages(t, false, crossings, segment);
     add_messages(t, true, dbl(chain.relays) - crossings, segment);
