@@ -133,6 +133,21 @@ TEST(CostNodes, ZigzagHopsInsideNodesGoOverTheNode) {
   const CostTerms g = terms("grouped_allgather_p2p", z, 4);
   EXPECT_DOUBLE_EQ(g.messages, 2);
   EXPECT_EQ(chain_profile(z, 4).relays, 6u);
+  // A rank handles its parts in chain order (p2p.cpp). Cuts at 4 and 28:
+  // stretches 0-4, 4-28 (24 steps) and 28-31, whose parts 29-31 wait for
+  // ranks 2, 1, 0 to finish parts 2, 1, 0 (early): the middle stretch is
+  // the critical path.
+  ProblemShape w = shape(16, 8);
+  w.part_owners = PartOwners::zigzag(16);
+  w.part_cuts.assign(32, false);
+  w.part_cuts[4] = w.part_cuts[28] = true;
+  EXPECT_EQ(chain_profile(w, 1).steps, 24u);
+  // Cuts at 16 and 28: stretches of 16 and 12 steps, but rank 14 takes part
+  // 17 only after part 14 (step 14 of the first stretch), rank 13 part 18
+  // after part 13...: parts 17-28 finish 14 steps late, 26 steps in all.
+  w.part_cuts[4] = false;
+  w.part_cuts[16] = true;
+  EXPECT_EQ(chain_profile(w, 1).steps, 26u);
   // Without nodes every relay is a network message, as before.
   ProblemShape flat = z;
   flat.ranks_per_node = 0;

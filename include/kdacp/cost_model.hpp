@@ -107,12 +107,14 @@ inline bool has_layout(const ProblemShape& shape) {
 struct ChainProfile {
   std::size_t parts = 1;         // n
   std::size_t per_rank = 1;      // k: the most parts one rank holds
-  // The longest stretch the chain waits along, in chain steps: from a cut
-  // (or the chain's start) to the next cut (or its end). n-1 without cuts.
+  // The critical path in steps: the chain waits along stretches, from a cut
+  // (or the chain's start) to the next cut (or its end), and a block (a rank
+  // for width 1) handles its parts in chain order, so a stretch through a
+  // block also waits for the block's earlier parts. n-1 without cuts.
   std::size_t steps = 0;
-  // Along the worst stretch: the steps that cross from one run to the next
-  // (a message each), where runs are maximal stretches of consecutive parts
-  // held by one block of `width` consecutive ranks (width 1: one rank).
+  // Along the worst such path: the steps that cross from one run to the
+  // next (a message each), where runs are maximal stretches of consecutive
+  // parts held by one block of `width` consecutive ranks (width 1: one rank).
   std::size_t relays = 0;
   // Of those relays, the ones between ranks of different nodes
   // (ProblemShape::ranks_per_node, nodes holding consecutive ranks, any

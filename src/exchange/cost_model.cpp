@@ -7,6 +7,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -165,29 +166,55 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   out.runs_per_block = *std::max_element(block_runs.begin(), block_runs.end());
   // Stretches start at the chain's start and at every cut and end at the
   // next cut, which receives but need not wait (the backward chain has the
-  // same stretches, mirrored).
+  // same stretches, mirrored). A rank (a block, for width w) handles its
+  // parts one after the other in chain order, waiting for each part's state
+  // (p2p.cpp, layouts.cpp): a stretch that passes a rank also waits for that
+  // rank's earlier parts. The critical path is the longest path over both
+  // kinds of edges (chain order is a topological order of them): by relays,
+  // then relays across nodes; and, apart, by steps.
   auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
   // Nodes as node_width (cost_terms.hpp) has them, for any layout.
   const std::size_t node_ranks = std::min(s.ranks_per_node, p);
   const std::size_t node = node_ranks > 1 && p % node_ranks == 0 ? node_ranks : 0;
   auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
-  // The worst stretch: the most relays, then the most of them across nodes.
-  std::size_t start = 0, relays = 0, node_relays = 0;
-  for (std::size_t j = 1; j < n; ++j) {
-    if (run_of[j] != run_of[j - 1]) {
-      ++relays;
-      if (across(j)) ++node_relays;
+  struct Path {
+    std::size_t relays = 0, node_relays = 0;
+    bool operator<(const Path& o) const {
+      return relays != o.relays ? relays < o.relays : node_relays < o.node_relays;
     }
-    if (cut(j) || j + 1 == n) {
-      out.steps = std::max(out.steps, j - start);
-      if (relays > out.relays || (relays == out.relays && node_relays > out.node_relays)) {
-        out.relays = relays;
-        out.node_relays = node_relays;
-      }
-      start = j;
-      relays = node_relays = 0;
+  };
+  std::vector<Path> done(n);
+  std::vector<std::size_t> done_steps(n, 0);
+  std::vector<std::size_t> last_of_block(p / w + 1, n);  // n: none yet
+  Path worst;
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::size_t block = owners[j] / w;
+    const std::size_t before = last_of_block[block];
+    last_of_block[block] = j;
+    if (j == 0) continue;
+    // The step into j: its incoming state, a message when the run changes.
+    Path in = done[j - 1];
+    if (run_of[j] != run_of[j - 1]) {
+      ++in.relays;
+      if (across(j)) ++in.node_relays;
+    }
+    const std::size_t in_steps = done_steps[j - 1] + 1;
+    worst = std::max(worst, in);
+    out.steps = std::max(out.steps, in_steps);
+    // A cut hands its own offset on without waiting: a new stretch.
+    if (cut(j)) continue;
+    done[j] = in;
+    done_steps[j] = in_steps;
+    // The block's previous part, when it is not the chain's previous one.
+    if (before != n && before + 1 != j) {
+      done[j] = std::max(done[j], done[before]);
+      done_steps[j] = std::max(done_steps[j], done_steps[before] + 1);
+      worst = std::max(worst, done[j]);
+      out.steps = std::max(out.steps, done_steps[j]);
     }
   }
+  out.relays = worst.relays;
+  out.node_relays = worst.node_relays;
   return out;
 }
 
