@@ -148,6 +148,11 @@ TEST(CostNodes, ZigzagHopsInsideNodesGoOverTheNode) {
   w.part_cuts[4] = false;
   w.part_cuts[16] = true;
   EXPECT_EQ(chain_profile(w, 1).steps, 26u);
+  // A block of 16 spans two nodes of 8: with a layout too, its gather moves
+  // the other node's 8 ranks' slots over the network (it priced all 15 at
+  // NVLink speed: the simulated zigzag run took 3.56x the model).
+  const CostTerms wide = terms("grouped_allgather_p2p", z, 16);
+  EXPECT_DOUBLE_EQ(wide.bytes, 8 * 2 * kPacked);  // 2 parts per rank, no relay between the block's
   // Without nodes every relay is a network message, as before.
   ProblemShape flat = z;
   flat.ranks_per_node = 0;

@@ -52,6 +52,12 @@ inline std::size_t node_width(const ProblemShape& s) {
   const std::size_t n = std::min(s.ranks_per_node, s.ranks);
   return n > 1 && !has_layout(s) && s.ranks % n == 0 ? n : 0;
 }
+// The same for collectives over blocks of consecutive ranks (a group's
+// gather and broadcast), whatever the layout: their members are ranks.
+inline std::size_t rank_node_width(const ProblemShape& s) {
+  const std::size_t n = std::min(s.ranks_per_node, s.ranks);
+  return n > 1 && s.ranks % n == 0 ? n : 0;
+}
 
 // Leaf switches (CostParams::leaf_ranks and oversubscription, carried by
 // ProblemShape::ranks_per_leaf and leaf_oversubscription): under the same
@@ -172,7 +178,7 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const ChainProfile& chain,
                                 std::size_t w) {
   const std::size_t m = chain.runs_per_block;
-  add_group_all_gather(t, w, chain.per_rank * packed_bytes(s));
+  add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s));
   CostTerms scan;
   add_recursive_doubling(scan, s, chain.runs);
   t.messages += scan.messages;
@@ -181,7 +187,7 @@ inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const Chain
   t.products += scan.products * dbl(m) + dbl(chain.longest_run - 1);
   t.work_folds += scan.work_folds + dbl(chain.parts) * dbl(chain.longest_run);
   t.work_products += scan.work_products + dbl(chain.parts);
-  if (w > 1 && chain.runs > 1) add_group_broadcast(t, w, m * state_bytes(s));
+  if (w > 1 && chain.runs > 1) add_group_broadcast(t, w, m * state_bytes(s), rank_node_width(s));
   t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) + (4 * m + 1) * packed_bytes(s) +
                        (2 * m + 2) * state_bytes(s);
 }

@@ -52,11 +52,13 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     // stretch between cuts, each carrier folding its run, one broadcast of
     // the block's runs' incoming states.
     const ChainProfile chain = chain_profile(s, w);
-    add_group_all_gather(t, w, chain.per_rank * packed_bytes(s));
+    // The gather and broadcast are over the block's ranks (on nodes: a
+    // block wider than a node gathers inside each node, then across).
+    add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s));
     // On nodes, relays between carriers of one node go over it.
     add_messages(t, false, dbl(chain.node_relays), dbl(state_bytes(s)));
     add_messages(t, true, dbl(chain.relays - chain.node_relays), dbl(state_bytes(s)));
-    if (chain.runs > 1) add_group_broadcast(t, w, chain.runs_per_block * state_bytes(s));
+    if (chain.runs > 1) add_group_broadcast(t, w, chain.runs_per_block * state_bytes(s), rank_node_width(s));
     t.folds = dbl(chain.steps);
     t.work_folds = dbl(chain.parts) * dbl(w) / 2 + dbl(chain.parts);
     if (has_layout(s)) {
