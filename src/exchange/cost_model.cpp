@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "exchange/cost_terms.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
@@ -173,9 +174,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   // kinds of edges (chain order is a topological order of them): by relays,
   // then relays across nodes; and, apart, by steps.
   auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
-  // Nodes as node_width (cost_terms.hpp) has them, for any layout.
-  const std::size_t node_ranks = std::min(s.ranks_per_node, p);
-  const std::size_t node = node_ranks > 1 && p % node_ranks == 0 ? node_ranks : 0;
+  const std::size_t node = detail::rank_node_width(s);  // for any layout
   auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
   struct Path {
     std::size_t relays = 0, node_relays = 0;

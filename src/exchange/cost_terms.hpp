@@ -48,16 +48,14 @@ inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps -
 // rank in rank order (nodes hold consecutive ranks); node_width() is then the
 // node's width in ranks (P itself when one node holds every rank), else 0:
 // every message a network one, an all-gather group's own at the group α/β.
-inline std::size_t node_width(const ProblemShape& s) {
-  const std::size_t n = std::min(s.ranks_per_node, s.ranks);
-  return n > 1 && !has_layout(s) && s.ranks % n == 0 ? n : 0;
-}
-// The same for collectives over blocks of consecutive ranks (a group's
-// gather and broadcast), whatever the layout: their members are ranks.
+// rank_node_width() is the same for collectives over blocks of consecutive
+// ranks (a group's gather and broadcast), whatever the layout: their members
+// are ranks.
 inline std::size_t rank_node_width(const ProblemShape& s) {
   const std::size_t n = std::min(s.ranks_per_node, s.ranks);
   return n > 1 && s.ranks % n == 0 ? n : 0;
 }
+inline std::size_t node_width(const ProblemShape& s) { return has_layout(s) ? 0 : rank_node_width(s); }
 
 // Leaf switches (CostParams::leaf_ranks and oversubscription, carried by
 // ProblemShape::ranks_per_leaf and leaf_oversubscription): under the same
