@@ -79,8 +79,9 @@ std::string to_json(const CostParams& c) {
 
 CostParams cost_params_from_json(const std::string& text) {
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object())
-    throw InvalidArgument("cost parameters are not a JSON object");
+  if (j.is_discarded())
+    throw InvalidArgument("cost parameters are not valid JSON (or hold a number out of double's range)");
+  if (!j.is_object()) throw InvalidArgument("cost parameters are not a JSON object");
   CostParams c;
   auto number = [&j](const char* key, double& out) {
     if (!j.contains(key)) return;
