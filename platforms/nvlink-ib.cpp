@@ -13,22 +13,25 @@
 //   (450 GB/s per GPU and direction on paper, ~370 GB/s measured by NCCL's
 //   bus-bandwidth tests on H100 SXM nodes); 1.5 us, so that a small message
 //   between two GPUs of a node takes 3 us (NCCL / CUDA IPC, 2-4 us).
-// - A node's 8 NICs (one per GPU, as in DGX H100 and rail designs), each a
-//   400 Gb/s NDR InfiniBand port (50 GB/s raw, 45 GB/s at ~90 %
-//   efficiency), are one split-duplex link between the node's switch and
-//   its gateway into the tree: 8 x 45 = 360 GB/s shared by the flows that
-//   leave (or enter) the node. When all 8 ranks send, each gets its NIC's
-//   45 GB/s; a lone flow may use up to 360 GB/s (as NCCL stripes one
-//   transfer over several NICs). SimGrid cannot cap one flow at one NIC
-//   here: a FATPIPE limiter link was shared among the node's flows instead.
+// - Each rank's NIC (one per GPU, as in DGX H100 and rail designs): a
+//   400 Gb/s NDR InfiniBand port (50 GB/s raw, 45 GB/s at ~90 % efficiency),
+//   a split-duplex link between the rank and the node's gateway into the
+//   tree (on PCIe, not through NVLink), 1.5 us like the NVLink port. A flow
+//   that leaves or enters the node goes through its own rank's NIC: one flow
+//   gets 45 GB/s and eight get 45 each, as an MPI or NCCL point-to-point
+//   transfer between two GPUs does (one rail), which the cost model prices.
+//   The first version joined the 8 NICs into one 360 GB/s link shared by
+//   the node: a lone flow then ran at up to 360 GB/s (the chain at P = 1024
+//   simulated 0.70x the model), and recursive doubling's boundary messages
+//   (rank 7 to rank 8 in round 1) hid in it (docs/scale.md).
 // - The fat tree: 16 nodes per leaf switch, 32 leaves per spine, each leaf
 //   wired to 8 spines; every link 360 GB/s, shared by the flows crossing it.
 //   A leaf has 16 links down and 8 up: 2:1 oversubscription, the usual cost
 //   cut of large training clusters (1:1 ideal, 2:1 to 4:1 common beyond a
 //   few hundred nodes). 0.5 us per link: with the two NVLink hops, four
-//   tree links (node, leaf, spine, leaf, node) make the ~5 us of a small
-//   message between nodes across the spine (GPUDirect RDMA over NDR: 3-6
-//   us), 4 us under one leaf.
+//   tree links (node, leaf, spine, leaf, node) and the two NICs make the
+//   ~5 us of a small message between nodes across the spine (GPUDirect RDMA
+//   over NDR: 3-6 us), 4 us under one leaf.
 // - 40 TFLOP/s per rank: a GPU-class rank, the cost model's default
 //   (kdacp/cost_model.hpp); scripts/simulate.py sets smpi/host-speed to this
 //   host's measured fold speed so that a burst measured here is simulated as
@@ -47,26 +50,34 @@ constexpr int kNodes = 512;
 constexpr int kRanksPerNode = 8;
 constexpr double kRankFlops = 40e12;
 constexpr double kNvlinkBw = 370e9, kNvlinkLat = 1.5e-6;
-constexpr double kNicBw = 45e9;  // per rank
+constexpr double kNicBw = 45e9, kNicLat = 1.5e-6;  // per rank
 constexpr double kTreeBw = kRanksPerNode * kNicBw, kTreeLat = 0.5e-6;
 
-// Node `id`: its ranks around an NVSwitch, and the gateway to the tree.
+// Node `id`: its ranks around an NVSwitch, their NICs, and the gateway to
+// the tree. A full zone: every route is stated (rank to rank through their
+// two NVLink ports, rank to gateway through its NIC).
 std::pair<simgrid::kernel::routing::NetPoint*, simgrid::kernel::routing::NetPoint*> make_node(
     const sg4::NetZone* tree, unsigned long id) {
   const std::string name = "node-" + std::to_string(id);
-  sg4::NetZone* node = sg4::create_star_zone(name);
+  sg4::NetZone* node = sg4::create_full_zone(name);
   node->set_parent(tree);
+  simgrid::kernel::routing::NetPoint* gateway = node->create_router(name + "-gateway");
+  std::vector<simgrid::kernel::routing::NetPoint*> hosts;
+  std::vector<const sg4::Link*> ports;
   for (int r = 0; r < kRanksPerNode; ++r) {
     const std::string rank = std::to_string(id * kRanksPerNode + static_cast<unsigned long>(r));
-    const sg4::Host* host = node->create_host("rank-" + rank, kRankFlops)->seal();
-    const sg4::Link* port = node->create_split_duplex_link("nvlink-" + rank, kNvlinkBw)->set_latency(kNvlinkLat)->seal();
-    node->add_route(host->get_netpoint(), nullptr, nullptr, nullptr,
-                    {sg4::LinkInRoute(port, sg4::LinkInRoute::Direction::UP)}, true);
+    hosts.push_back(node->create_host("rank-" + rank, kRankFlops)->seal()->get_netpoint());
+    ports.push_back(node->create_split_duplex_link("nvlink-" + rank, kNvlinkBw)->set_latency(kNvlinkLat)->seal());
+    const sg4::Link* nic = node->create_split_duplex_link("nic-" + rank, kNicBw)->set_latency(kNicLat)->seal();
+    node->add_route(hosts.back(), gateway, nullptr, nullptr, {sg4::LinkInRoute(nic, sg4::LinkInRoute::Direction::UP)},
+                    true);
   }
-  simgrid::kernel::routing::NetPoint* gateway = node->create_router(name + "-gateway");
-  const sg4::Link* nics = node->create_split_duplex_link(name + "-nics", kTreeBw)->seal();
-  node->add_route(gateway, nullptr, nullptr, nullptr, {sg4::LinkInRoute(nics, sg4::LinkInRoute::Direction::UP)},
-                  true);
+  for (int a = 0; a < kRanksPerNode; ++a)
+    for (int b = a + 1; b < kRanksPerNode; ++b)
+      node->add_route(hosts[a], hosts[b], nullptr, nullptr,
+                      {sg4::LinkInRoute(ports[a], sg4::LinkInRoute::Direction::UP),
+                       sg4::LinkInRoute(ports[b], sg4::LinkInRoute::Direction::DOWN)},
+                      true);
   node->seal();
   return {node->get_netpoint(), gateway};
 }

@@ -42,22 +42,31 @@ TEST(CostNodes, ChainHopsInsideNodesGoOverTheNode) {
   EXPECT_DOUBLE_EQ(terms("p2p", shape(4, 8)).messages, 0);
 }
 
-TEST(CostNodes, RecursiveDoublingRoundsSplitByPartnerDistance) {
-  // P = 64 on nodes of 8: rounds at distances 1, 2, 4 stay inside a node,
-  // 8, 16, 32 cross; the last round moves states only.
+TEST(CostNodes, RecursiveDoublingCrossesANodeEveryRoundOnceItSpansTwo) {
+  // P = 64 on nodes of 8: position q sends to q + 2^k, so rank 7 sends to
+  // ranks 8, 9, 11, 15, 23 and 39 and waits for each before its next round:
+  // every round is a network one; the last moves states only.
   const CostTerms t = terms("recursive_doubling", shape(64, 8));
-  EXPECT_DOUBLE_EQ(t.group_messages, 3);
-  EXPECT_DOUBLE_EQ(t.group_bytes, 3 * kPacked);
-  EXPECT_DOUBLE_EQ(t.messages, 3);
-  EXPECT_DOUBLE_EQ(t.bytes, 2 * kPacked + kState);
+  EXPECT_DOUBLE_EQ(t.group_messages, 0);
+  EXPECT_DOUBLE_EQ(t.messages, 6);
+  EXPECT_DOUBLE_EQ(t.bytes, 5 * kPacked + kState);
   const CostTerms u = terms("recursive_doubling", shape(64, 0));
-  EXPECT_DOUBLE_EQ(u.messages, 6);
-  EXPECT_DOUBLE_EQ(u.bytes, 5 * kPacked + kState);
-  // Grouped (w = 4): the carriers' rounds are 4, 8, 16, 32 ranks apart.
+  EXPECT_DOUBLE_EQ(u.messages, t.messages);
+  EXPECT_DOUBLE_EQ(u.bytes, t.bytes);
+  // A scan inside one node stays at the group α/β.
+  const CostTerms one = terms("recursive_doubling", shape(8, 8));
+  EXPECT_DOUBLE_EQ(one.messages, 0);
+  EXPECT_DOUBLE_EQ(one.group_messages, 3);
+  EXPECT_DOUBLE_EQ(one.group_bytes, 2 * kPacked + kState);
+  // Grouped (w = 4): the gather and broadcast of a block stay inside a node,
+  // the carriers' scan (16 positions over 8 nodes) crosses every round.
   const CostTerms g = terms("grouped_allgather_rd", shape(64, 8), 4);
   const CostTerms g0 = terms("grouped_allgather_rd", shape(64, 0), 4);
   EXPECT_DOUBLE_EQ(g.messages + g.group_messages, g0.messages + g0.group_messages);
-  EXPECT_GT(g.group_messages, g0.group_messages);
+  EXPECT_DOUBLE_EQ(g.messages, 4);
+  EXPECT_DOUBLE_EQ(g.group_messages, 4);  // log2(4) to gather, log2(4) to broadcast
+  // w = 4 at P = 8: two carriers in one node, all inside.
+  EXPECT_DOUBLE_EQ(terms("grouped_allgather_rd", shape(8, 8), 4).messages, 0);
 }
 
 TEST(CostNodes, AllGatherAcrossNodesGathersInsideThenAcross) {

@@ -129,17 +129,21 @@ inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n, std:
 // packed pair and computes nothing; the middle rounds compose two full pairs
 // each (the outgoing aggregate and the received prefix); the last round moves
 // and folds states only, because its receivers need no transfer any more.
-// On nodes (node > 0) with positions `stride` ranks apart, round k's partner
-// is 2^k·stride ranks away: inside the node while 2^(k+1)·stride <= node, in
-// another leaf switch (leaf_width) from 2^k·stride >= leaf on, where one rank
-// in `stride` sends across at once (add_leaf_contention).
+// On nodes (node > 0) with positions `stride` ranks apart, round k sends from
+// position q to q + 2^k (a scan, not a butterfly): when the positions span
+// more than one node, the last position of a node sends to the next node in
+// every round and waits for that send before its next round, so every round
+// on the critical path is a network one; only a scan inside one node
+// (m·stride <= node) stays at the group α/β. In another leaf switch
+// (leaf_width) from 2^k·stride >= leaf on, where one rank in `stride` sends
+// across at once (add_leaf_contention).
 inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m, std::size_t stride = 1,
                                    std::size_t node = 0) {
   const std::size_t rounds = ceil_log2(m);
   if (rounds == 0) return;
   const std::size_t leaf = node > 0 ? leaf_width(s) : 0;
+  const bool inside = node > 0 && m * stride <= node;
   for (std::size_t k = 0; k < rounds; ++k) {
-    const bool inside = node > 0 && (std::size_t{2} << k) * stride <= node;
     const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
     add_messages(t, inside, 1, bytes);
     if (leaf > 0 && (std::size_t{1} << k) * stride >= leaf) add_leaf_contention(t, s, bytes, stride);
