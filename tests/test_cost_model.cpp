@@ -166,6 +166,36 @@ TEST(CostModel, ChainProfileReadsTheLayoutAndCuts) {
   EXPECT_THROW(chain_profile(s, 1), InvalidArgument);
 }
 
+// A rank streams all c segments of one part before its next part. Zigzag
+// over 8 ranks (parts 0-7 on ranks 0-7, 8-15 on ranks 7-0) with a cut at
+// part 10: the worst path runs 0-7, the local step 7-8 on rank 7 (one wait:
+// part 8 starts after part 7's last segment), 8-10, 9 relays; part 11 waits
+// for rank 4's part 4 (8 relays, one wait). Each wait costs pipelined_p2p
+// c - 1 more segments.
+TEST(CostModel, PipelineWaitsForARanksEarlierPartsSegments) {
+  ProblemShape s{8, 4, 64, 64, 4};
+  s.part_owners = PartOwners::zigzag(8);
+  s.part_cuts.assign(16, false);
+  s.part_cuts[10] = true;
+  const ChainProfile weighted = chain_profile(s, 1, 7);
+  EXPECT_EQ(weighted.relays, 9u);
+  EXPECT_EQ(weighted.order_waits, 1u);
+  const auto pipelined = [&](std::size_t c) {
+    return find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, c}).messages;
+  };
+  EXPECT_DOUBLE_EQ(pipelined(8), 9 + 7 * 2);
+  EXPECT_DOUBLE_EQ(pipelined(1), 9);  // one segment: nothing more to stream
+  // Without the cut: 14 relays and the local step.
+  s.part_cuts.clear();
+  EXPECT_EQ(chain_profile(s, 1, 7).relays, 14u);
+  EXPECT_EQ(chain_profile(s, 1, 7).order_waits, 1u);
+  EXPECT_DOUBLE_EQ(pipelined(8), 14 + 7 * 2);
+  // One part per rank never waits: relays + c - 1, as before.
+  s.part_owners.reset();
+  EXPECT_EQ(chain_profile(s, 1, 7).order_waits, 0u);
+  EXPECT_DOUBLE_EQ(pipelined(8), 7 + 7);
+}
+
 // Cuts shorten what waits along the chain and what a gather folds; the
 // doubling scan's rounds do not depend on them.
 TEST(CostModel, CutsShortenTheChainsAndTheGathersFolds) {

@@ -120,13 +120,22 @@ struct ChainProfile {
   // (ProblemShape::ranks_per_node, nodes holding consecutive ranks, any
   // layout); all of them when the nodes are unknown or do not divide P.
   std::size_t node_relays = 0;
+  // Along it: the steps into a part from an earlier part of the same block
+  // (a block handles its parts in chain order): a local step (zigzag's middle)
+  // or a wait for the block's earlier part. pipelined_p2p streams all c
+  // segments of a part before the next one, so each costs it c - 1 more
+  // segments.
+  std::size_t order_waits = 0;
   std::size_t runs = 1;           // runs in the chain
   std::size_t runs_per_block = 1; // the most runs one block holds
   std::size_t longest_run = 1;    // parts in the longest run
 };
-// The profile of `shape` for blocks of `width` ranks. Throws InvalidArgument
-// for owners over another P, or cuts of another length.
-ChainProfile chain_profile(const ProblemShape& shape, std::size_t width);
+// The profile of `shape` for blocks of `width` ranks. The worst path is the
+// one with the most relays + order_weight · order_waits (then relays across
+// nodes): order_weight is what an order wait costs in relays (0 for every
+// row but pipelined_p2p, c - 1 there). Throws InvalidArgument for owners over
+// another P, or cuts of another length.
+ChainProfile chain_profile(const ProblemShape& shape, std::size_t width, std::size_t order_weight = 0);
 
 // One configuration of one protocol. group_size: w for the grouped
 // protocols (1 otherwise); segments: c for pipelined_p2p (0 otherwise).

@@ -140,7 +140,7 @@ PartOwners owners_of(const ProblemShape& s) {
   return *s.part_owners;
 }
 
-ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
+ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t order_weight) {
   const std::size_t p = s.ranks;
   const PartOwners owners = owners_of(s);
   const std::size_t n = owners.size();
@@ -173,20 +173,22 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   // (p2p.cpp, layouts.cpp): a stretch that passes a rank also waits for that
   // rank's earlier parts. The critical path is the longest path over both
   // kinds of edges (chain order is a topological order of them): by relays,
-  // then relays across nodes; and, apart, by steps.
+  // (plus order_weight per edge of the second kind), then relays across
+  // nodes; and, apart, by steps.
   auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
   const std::size_t node = detail::rank_node_width(s);  // for any layout
   auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
   struct Path {
-    std::size_t relays = 0, node_relays = 0;
+    std::size_t relays = 0, node_relays = 0, order_waits = 0, weight = 0;
+    std::size_t key() const { return relays + weight * order_waits; }
     bool operator<(const Path& o) const {
-      return relays != o.relays ? relays < o.relays : node_relays < o.node_relays;
+      return key() != o.key() ? key() < o.key() : node_relays < o.node_relays;
     }
   };
-  std::vector<Path> done(n);
+  std::vector<Path> done(n, Path{0, 0, 0, order_weight});
   std::vector<std::size_t> done_steps(n, 0);
   std::vector<std::size_t> last_of_block(p / w + 1, n);  // n: none yet
-  Path worst;
+  Path worst{0, 0, 0, order_weight};
   for (std::size_t j = 0; j < n; ++j) {
     const std::size_t block = owners[j] / w;
     const std::size_t before = last_of_block[block];
@@ -197,6 +199,8 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
     if (run_of[j] != run_of[j - 1]) {
       ++in.relays;
       if (across(j)) ++in.node_relays;
+    } else {
+      ++in.order_waits;  // the block's previous part, on the same block
     }
     const std::size_t in_steps = done_steps[j - 1] + 1;
     worst = std::max(worst, in);
@@ -207,7 +211,9 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
     done_steps[j] = in_steps;
     // The block's previous part, when it is not the chain's previous one.
     if (before != n && before + 1 != j) {
-      done[j] = std::max(done[j], done[before]);
+      Path wait = done[before];
+      ++wait.order_waits;
+      done[j] = std::max(done[j], wait);
       done_steps[j] = std::max(done_steps[j], done_steps[before] + 1);
       worst = std::max(worst, done[j]);
       out.steps = std::max(out.steps, done_steps[j]);
@@ -215,6 +221,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width) {
   }
   out.relays = worst.relays;
   out.node_relays = worst.node_relays;
+  out.order_waits = worst.order_waits;
   return out;
 }
 

@@ -175,25 +175,29 @@ class PipelinedExchange final : public CommExchange {
 // further segment arrives one stage later, a stage being the slowest rank's
 // per-segment work (receive, fold, send).
 // With cuts, the longest stretch between them; with a layout, its steps
-// that change rank are the messages (zigzag's middle step is local).
+// that change rank are the messages (zigzag's middle step is local), and a
+// rank streams all c segments of a part before its next part: where the
+// worst path waits for the rank's earlier part (ChainProfile::order_waits),
+// c - 1 more segments.
 CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   CostTerms t;
   const std::size_t p = s.ranks, c = config.segments;
-  const ChainProfile chain = chain_profile(s, 1);
+  const ChainProfile chain = chain_profile(s, 1, c > 0 ? c - 1 : 0);
   if (chain.parts <= 1) return t;
-  // Every hop once, then c - 1 more segments at the pace of the slowest hop
+  const double extra = c > 0 ? dbl(c - 1) * dbl(1 + chain.order_waits) : 0;
+  // Every hop once, then the extra segments at the pace of the slowest hop
   // (on nodes: the network's when any hop crosses it).
   if (chain.node_relays < chain.relays) {
     const double crossings = dbl(chain.node_relays);
     const double segment = dbl(state_bytes(s)) / dbl(c);
     add_messages(t, false, crossings, segment);
     add_messages(t, true, dbl(chain.relays) - crossings, segment);
-    add_messages(t, crossings == 0, dbl(c - 1), segment);
+    add_messages(t, crossings == 0, extra, segment);
   } else {
-    t.messages = chain.relays > 0 ? dbl(chain.relays + c - 1) : 0;
+    t.messages = chain.relays > 0 ? dbl(chain.relays) + extra : 0;
     t.bytes = t.messages * dbl(state_bytes(s)) / dbl(c);
   }
-  t.folds = (stretch_folds(chain.steps) + (chain.steps >= 2 ? dbl(c - 1) : 0)) / dbl(c);
+  t.folds = (stretch_folds(chain.steps) + (chain.steps >= 2 ? extra : 0)) / dbl(c);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {
     // Per part a receive buffer and a send buffer at most.
