@@ -163,6 +163,19 @@ TEST(CostNodes, ZigzagHopsInsideNodesGoOverTheNode) {
   // NVLink speed: the simulated zigzag run took 3.56x the model).
   const CostTerms wide = terms("grouped_allgather_p2p", z, 16);
   EXPECT_DOUBLE_EQ(wide.bytes, 8 * 2 * kPacked);  // 2 parts per rank, no relay between the block's
+  // Recursive doubling over zigzag's 31 runs: rank r holds two positions; in
+  // every round one of a rank's messages at most crosses to another node
+  // (the other stays inside), so each of the 5 rounds is one network message
+  // of the rank's busiest direction; without nodes both of a rank's
+  // messages share its port in some rounds.
+  const CostTerms rd = terms("recursive_doubling", z);
+  EXPECT_DOUBLE_EQ(rd.messages, 5);
+  EXPECT_DOUBLE_EQ(rd.bytes, 4 * kPacked + kState);
+  EXPECT_DOUBLE_EQ(rd.group_messages, 0);
+  ProblemShape flat_rd = z;
+  flat_rd.ranks_per_node = 0;
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", flat_rd).messages, 5);
+  EXPECT_GT(terms("recursive_doubling", flat_rd).bytes, rd.bytes);
   // Without nodes every relay is a network message, as before.
   ProblemShape flat = z;
   flat.ranks_per_node = 0;
