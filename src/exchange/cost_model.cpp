@@ -3,6 +3,7 @@
 #include "kdacp/cost_model.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "exchange/cost_terms.hpp"
+#include "exchange/layouts.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
@@ -179,16 +181,17 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   const std::size_t node = detail::rank_node_width(s);  // for any layout
   auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
   struct Path {
-    std::size_t relays = 0, node_relays = 0, order_waits = 0, weight = 0;
-    std::size_t key() const { return relays + weight * order_waits; }
-    bool operator<(const Path& o) const {
-      return key() != o.key() ? key() < o.key() : node_relays < o.node_relays;
-    }
+    std::size_t relays = 0, node_relays = 0, order_waits = 0;
   };
-  std::vector<Path> done(n, Path{0, 0, 0, order_weight});
+  auto key = [&](const Path& a) { return a.relays + order_weight * a.order_waits; };
+  auto worse = [&](const Path& a, const Path& b) {
+    const bool less = key(a) != key(b) ? key(a) < key(b) : a.node_relays < b.node_relays;
+    return less ? b : a;
+  };
+  std::vector<Path> done(n);
   std::vector<std::size_t> done_steps(n, 0);
   std::vector<std::size_t> last_of_block(p / w + 1, n);  // n: none yet
-  Path worst{0, 0, 0, order_weight};
+  Path worst;
   for (std::size_t j = 0; j < n; ++j) {
     const std::size_t block = owners[j] / w;
     const std::size_t before = last_of_block[block];
@@ -203,7 +206,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
       ++in.order_waits;  // the block's previous part, on the same block
     }
     const std::size_t in_steps = done_steps[j - 1] + 1;
-    worst = std::max(worst, in);
+    worst = worse(worst, in);
     out.steps = std::max(out.steps, in_steps);
     // A cut hands its own offset on without waiting: a new stretch.
     if (cut(j)) continue;
@@ -213,9 +216,9 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
     if (before != n && before + 1 != j) {
       Path wait = done[before];
       ++wait.order_waits;
-      done[j] = std::max(done[j], wait);
+      done[j] = worse(done[j], wait);
       done_steps[j] = std::max(done_steps[j], done_steps[before] + 1);
-      worst = std::max(worst, done[j]);
+      worst = worse(worst, done[j]);
       out.steps = std::max(out.steps, done_steps[j]);
     }
   }
@@ -439,3 +442,37 @@ UlyssesPrediction best_ulysses(const std::vector<UlyssesPrediction>& options) {
 }
 
 }  // namespace kdacp
+
+namespace kdacp::detail {
+
+// cost_terms.hpp
+void add_layout_scan_messages(CostTerms& t, const ProblemShape& s, std::size_t w) {
+  const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
+  auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };  // as layouts.cpp
+  const std::size_t m = runs.size(), rounds = ceil_log2(m), node = rank_node_width(s);
+  for (std::size_t k = 0; k < rounds; ++k) {
+    const std::size_t d = std::size_t{1} << k;
+    // Per rank: network messages sent, received; node messages sent, received.
+    std::vector<std::array<std::size_t, 4>> count(s.ranks, {0, 0, 0, 0});
+    for (std::size_t q = 0; q + d < m; ++q) {
+      const std::size_t a = carrier(q), b = carrier(q + d);
+      if (a == b) continue;
+      const std::size_t kind = node > 0 && a / node == b / node ? 2 : 0;
+      ++count[a][kind];
+      ++count[b][kind + 1];
+    }
+    std::size_t most_net = 0, most_group = 0;
+    for (const auto& c : count) {
+      most_net = std::max({most_net, c[0], c[1]});
+      most_group = std::max({most_group, c[2], c[3]});
+    }
+    const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
+    if (most_net > 0) {
+      add_messages(t, false, 1, dbl(most_net) * bytes);
+    } else if (most_group > 0) {
+      add_messages(t, true, 1, dbl(most_group) * bytes);
+    }
+  }
+}
+
+}  // namespace kdacp::detail

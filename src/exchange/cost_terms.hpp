@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <vector>
 
 #include "kdacp/protocol.hpp"
 
@@ -178,45 +177,9 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 // as the busiest carrier's network messages in one direction (the ones between nodes; all of
 // them when the nodes are unknown), or, when none crosses, its messages
 // inside a node: they travel at once, each kind on its own links.
-inline void add_layout_scan_messages(CostTerms& t, const ProblemShape& s, std::size_t w) {
-  const PartOwners owners = owners_of(s);
-  std::vector<std::size_t> carrier;  // per run
-  for (std::size_t j = 0; j < owners.size(); ++j) {
-    const std::size_t c = owners[j] / w * w + w - 1;
-    if (carrier.empty() || carrier.back() != c) carrier.push_back(c);
-  }
-  const std::size_t m = carrier.size(), rounds = ceil_log2(m), node = rank_node_width(s);
-  // Messages per rank and round: [0] sent, [1] received (each direction on
-  // its own links), network and inside a node.
-  std::vector<std::size_t> net[2], group[2];
-  for (int dir = 0; dir < 2; ++dir) net[dir].resize(s.ranks), group[dir].resize(s.ranks);
-  for (std::size_t k = 0; k < rounds; ++k) {
-    const std::size_t d = std::size_t{1} << k;
-    for (int dir = 0; dir < 2; ++dir) {
-      std::fill(net[dir].begin(), net[dir].end(), 0);
-      std::fill(group[dir].begin(), group[dir].end(), 0);
-    }
-    for (std::size_t q = 0; q + d < m; ++q) {
-      const std::size_t a = carrier[q], b = carrier[q + d];
-      if (a == b) continue;
-      auto* count = node > 0 && a / node == b / node ? group : net;
-      ++count[0][a];
-      ++count[1][b];
-    }
-    const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
-    const std::size_t most_net = std::max(*std::max_element(net[0].begin(), net[0].end()),
-                                          *std::max_element(net[1].begin(), net[1].end()));
-    const std::size_t most_group = std::max(*std::max_element(group[0].begin(), group[0].end()),
-                                            *std::max_element(group[1].begin(), group[1].end()));
-    if (most_net > 0) {
-      t.messages += 1;
-      t.bytes += dbl(most_net) * bytes;
-    } else if (most_group > 0) {
-      t.group_messages += 1;
-      t.group_bytes += dbl(most_group) * bytes;
-    }
-  }
-}
+// (cost_model.cpp, where the protocols' own run decomposition, layouts.hpp,
+// is at hand).
+void add_layout_scan_messages(CostTerms& t, const ProblemShape& s, std::size_t w);
 
 // Recursive doubling over a layout's runs (layouts.hpp) for blocks of w
 // ranks: the block gathers k slots per rank, its carrier folds each run into

@@ -182,9 +182,10 @@ class PipelinedExchange final : public CommExchange {
 CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   CostTerms t;
   const std::size_t p = s.ranks, c = config.segments;
-  const ChainProfile chain = chain_profile(s, 1, c > 0 ? c - 1 : 0);
+  const std::size_t more = c > 0 ? c - 1 : 0;  // segments after the first
+  const ChainProfile chain = chain_profile(s, 1, more);
   if (chain.parts <= 1) return t;
-  const double extra = c > 0 ? dbl(c - 1) * dbl(1 + chain.order_waits) : 0;
+  const double extra = dbl(more) * dbl(1 + chain.order_waits);
   // Every hop once, then the extra segments at the pace of the slowest hop
   // (on nodes: the network's when any hop crosses it).
   if (chain.node_relays < chain.relays) {
