@@ -69,6 +69,10 @@ test-tsan: build-tsan
 # than full debug information), the tests', the CLI's and the report writers'
 # own code compiles at -O0 there (the library stays -O2), and kdacp_tests
 # runs some sweeps on fewer points (KDACP_SANITIZER_BUILD, tests/CMakeLists.txt).
+# They compile listed groups of five or six sources as one translation unit
+# each (KDACP_UNITY, cmake/KdacpUnity.cmake): one parse and one instrumented
+# copy of the headers' inline code per group, 36-63 % less time per group; the
+# release build compiles every file alone, so each still stands on its own.
 
 # Every test: the release build (g++), then the in-process suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer
