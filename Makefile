@@ -70,9 +70,10 @@ test-tsan: build-tsan
 # own code compiles at -O0 there (the library stays -O2), and kdacp_tests
 # runs some sweeps on fewer points (KDACP_SANITIZER_BUILD, tests/CMakeLists.txt).
 # They compile listed groups of five or six sources as one translation unit
-# each (KDACP_UNITY, cmake/KdacpUnity.cmake): one parse and one instrumented
-# copy of the headers' inline code per group, 36-63 % less time per group; the
-# release build compiles every file alone, so each still stands on its own.
+# each (KDACP_UNITY=ALL, cmake/KdacpUnity.cmake): one parse and one
+# instrumented copy of the headers' inline code per group, 36-63 % less time
+# per group. The release build groups only the tests' and the CLI's files
+# (LEAF): the library's compile alone there, so each still stands on its own.
 
 # Every test: the release build (g++), then the in-process suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer

@@ -1,14 +1,17 @@
-# kdacp_unity_groups(<target> GROUP <name> <source>... [GROUP <name> <source>...]...)
+# kdacp_unity_groups(<target> [LEAF] GROUP <name> <source>... [GROUP <name> <source>...]...)
 #
-# With KDACP_UNITY ON (the sanitize and tsan presets), each GROUP of the
-# target's sources compiles as one translation unit that includes them in
+# KDACP_UNITY (a cache string) chooses which targets' groups apply: OFF (the
+# default) none, LEAF the calls marked LEAF (the test binary and the CLI's
+# commands: files no other file builds on), ALL every call. The release
+# preset takes LEAF, the sanitize and tsan presets ALL. Each applied GROUP of
+# the target's sources compiles as one translation unit that includes them in
 # order, written to <binary dir>/unity/<target>-<name>.cpp; the sources stay
 # in the target for IDEs but are no longer compiled on their own. A group
 # shares one parse of the headers (gtest, fmt, nlohmann_json, CLI11, the STL)
-# and one instrumented copy of every inline function they use, which is most
-# of a sanitizer build's time: measured on this repository's 2-core machine,
-# a group of five to six files compiles in 36-63 % less time than its files
-# one by one (the Makefile's notes on the sanitizer builds). With KDACP_UNITY OFF nothing changes.
+# and one copy of every inline function they use (instrumented, under the
+# sanitizers), which is most of the build's time: measured on this
+# repository's 2-core machine, a group of five to six files compiles in
+# 36-63 % less time than its files one by one under ASan.
 #
 # Sources are paths relative to the calling directory. The groups are listed
 # by hand: every file in a group must compile after the others (no two files
@@ -18,17 +21,26 @@
 # is a configure error, so a renamed file cannot drop out silently. Files that
 # re-include themselves per SIMD target (HWY_TARGET_INCLUDE) must stay alone.
 #
-# The release preset keeps KDACP_UNITY OFF, so every file still compiles on
-# its own there: a missing #include hidden by an earlier file in a group
-# fails that build.
+# The library's and kdacp_testing's files compile alone in the release build
+# (LEAF), so each of them, and the header it includes first, still stands on
+# its own there.
 function(kdacp_unity_groups target)
-  if(NOT KDACP_UNITY)
+  set(args ${ARGN})
+  set(leaf FALSE)
+  if(args AND "${ARGV1}" STREQUAL "LEAF")
+    set(leaf TRUE)
+    list(POP_FRONT args)
+  endif()
+  if(NOT KDACP_UNITY MATCHES "^(OFF|LEAF|ALL)$")
+    message(FATAL_ERROR "KDACP_UNITY is '${KDACP_UNITY}': OFF, LEAF or ALL")
+  endif()
+  if(KDACP_UNITY STREQUAL "OFF" OR (KDACP_UNITY STREQUAL "LEAF" AND NOT leaf))
     return()
   endif()
   set(name "")
   set(files "")
   set(groups "")
-  foreach(arg IN LISTS ARGN ITEMS "GROUP")
+  foreach(arg IN LISTS args ITEMS "GROUP")
     if(arg STREQUAL "GROUP")
       if(NOT name STREQUAL "")
         _kdacp_unity_group(${target} ${name} "${files}")

@@ -167,18 +167,17 @@ void check_ranks(std::size_t ranks) {
 class Deterministic : public ::testing::TestWithParam<std::size_t> {};
 
 TEST_P(Deterministic, FloatIsTheSingleRankBytes) { check_ranks<float>(GetParam()); }
-#if defined(KDACP_SANITIZER_BUILD)
-// float64 runs the same code as float32 (templates): sanitizer builds check
-// it at the odd P only, float32 at every P below.
-TEST(Deterministic, DoubleIsTheSingleRankBytesAtThreeRanks) { check_ranks<double>(3); }
-#else
+#if !defined(KDACP_SANITIZER_BUILD)
+// Sanitizer builds run float32 only: float64 is the same template code, whose
+// float64 instantiation the sanitizers see in CpSequences.*DoubleMatchFp64.
 TEST_P(Deterministic, DoubleIsTheSingleRankBytes) { check_ranks<double>(GetParam()); }
 #endif
 
 #if defined(KDACP_SANITIZER_BUILD)
-// One rank, an odd count and the largest: 2 and 4 add no code path, and the
+// An odd count and the largest: 2 and 4 add no code path, one rank runs no
+// exchange (its layer path is in KdaCp.* and CpSequences.*), and the
 // sanitizers spent 40 % of their suites' time in this test at every P.
-INSTANTIATE_TEST_SUITE_P(Ranks, Deterministic, ::testing::Values(1, 3, 8));
+INSTANTIATE_TEST_SUITE_P(Ranks, Deterministic, ::testing::Values(3, 8));
 #else
 INSTANTIATE_TEST_SUITE_P(Ranks, Deterministic, ::testing::Values(1, 2, 3, 4, 8));
 #endif
