@@ -207,6 +207,31 @@ TEST(CostLeaves, EveryRankAcrossLeavesGoesAtOneOverO) {
   EXPECT_DOUBLE_EQ(terms("recursive_doubling", flat).contention_bytes, 0);
 }
 
+TEST(CostLeaves, AllGatherWithALayoutIsStillACollectiveOverRanks) {
+  // Zigzag at P = 256: every rank gives its 2 parts' pairs to the one
+  // gather, which splits by node and crosses leaves like one part per
+  // rank's, with slots twice the size (it priced every slot at network
+  // speed without leaves: the simulated run took 1.44x the model).
+  const ProblemShape plain = leafy(256);
+  ProblemShape z = plain;
+  z.part_owners = PartOwners::zigzag(256);
+  const CostTerms t = terms("allgather", z), u = terms("allgather", plain);
+  EXPECT_DOUBLE_EQ(t.group_bytes, 7 * 2 * kPacked);
+  EXPECT_DOUBLE_EQ(t.bytes, 248 * 2 * kPacked);
+  EXPECT_DOUBLE_EQ(t.contention_bytes, 128 * 2 * kPacked);
+  EXPECT_DOUBLE_EQ(t.group_messages, u.group_messages);
+  EXPECT_DOUBLE_EQ(t.messages, u.messages);
+  // A group's gather over ranks too: w = 256 spans both leaves.
+  const CostTerms g = terms("grouped_allgather_p2p", z, 256);
+  EXPECT_DOUBLE_EQ(g.contention_bytes, 128 * 2 * kPacked);
+  // Without leaves, no contention; without nodes, every slot across.
+  ProblemShape flat = z;
+  flat.ranks_per_leaf = 0;
+  EXPECT_DOUBLE_EQ(terms("allgather", flat).contention_bytes, 0);
+  flat.ranks_per_node = 0;
+  EXPECT_DOUBLE_EQ(terms("allgather", flat).bytes, 255 * 2 * kPacked);
+}
+
 TEST(CostLeaves, FewerSendersThanTheUplinksCarryGoAtFullSpeed) {
   // Grouped recursive doubling: only each group's carrier crosses, one rank
   // in w. w = 2 with o = 2: the uplinks carry them all.

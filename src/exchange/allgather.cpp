@@ -102,11 +102,15 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
   CostTerms t;
   const ChainProfile chain = chain_profile(s, 1);
   // The gather crosses the network: its terms count as network terms. With
-  // a layout every rank contributes k slots to the one collective.
+  // a layout every rank contributes k slots to the one collective, whose
+  // members are still ranks: on nodes it splits like one part per rank's
+  // (rank_node_width), each member's slot k packed pairs. Priced at network
+  // speed for every member, the simulated zigzag gather at P = 256 on
+  // nvlink-ib took 1.44x the model (docs/scale.md).
   if (s.ranks > 1) {
-    if (const std::size_t node = node_width(s)) {
+    if (const std::size_t node = rank_node_width(s)) {
       // On nodes: the slots of the node's ranks over it, the others across.
-      add_group_all_gather(t, s.ranks, packed_bytes(s), node, &s);
+      add_group_all_gather(t, s.ranks, chain.per_rank * packed_bytes(s), node, &s);
     } else {
       t.messages = dbl(ceil_log2(s.ranks));
       t.bytes = dbl(s.ranks - 1) * dbl(chain.per_rank) * dbl(packed_bytes(s));

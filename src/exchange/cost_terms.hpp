@@ -58,13 +58,15 @@ inline std::size_t rank_node_width(const ProblemShape& s) {
 inline std::size_t node_width(const ProblemShape& s) { return has_layout(s) ? 0 : rank_node_width(s); }
 
 // Leaf switches (CostParams::leaf_ranks and oversubscription, carried by
-// ProblemShape::ranks_per_leaf and leaf_oversubscription): under the same
-// conditions as node_width(), the leaf's width in ranks when its uplinks are
-// oversubscribed (o > 1), else 0.
-inline std::size_t leaf_width(const ProblemShape& s) {
+// ProblemShape::ranks_per_leaf and leaf_oversubscription): the leaf's width in
+// ranks when its uplinks are oversubscribed (o > 1), else 0. leaf_width() is
+// under the same conditions as node_width(), rank_leaf_width() as
+// rank_node_width(): for collectives whose members are ranks.
+inline std::size_t rank_leaf_width(const ProblemShape& s) {
   const std::size_t n = std::min(s.ranks_per_leaf, s.ranks);
-  return n > 1 && s.leaf_oversubscription > 1 && !has_layout(s) && s.ranks % n == 0 ? n : 0;
+  return n > 1 && s.leaf_oversubscription > 1 && s.ranks % n == 0 ? n : 0;
 }
+inline std::size_t leaf_width(const ProblemShape& s) { return has_layout(s) ? 0 : rank_leaf_width(s); }
 // `bytes` that cross leaves in a round where one rank in `stride` sends across
 // at once: the uplinks give each 1/max(1, o/stride) of its bandwidth.
 inline void add_leaf_contention(CostTerms& t, const ProblemShape& s, double bytes, std::size_t stride) {
@@ -94,13 +96,14 @@ inline double node_crossings(double hops, std::size_t stride, std::size_t node) 
 // a group (Bruck / recursive doubling, what MPI picks for these sizes). On
 // nodes (node > 0) a group wider than a node gathers inside each node first,
 // then across the m/node nodes. Every group gathers at once: with a shape
-// whose leaves are oversubscribed (leaf_width), a group wider than a leaf
-// moves m - leaf of its slots across leaves with every rank sending.
+// whose leaves are oversubscribed (rank_leaf_width: the members are ranks,
+// whatever the layout), a group wider than a leaf moves m - leaf of its
+// slots across leaves with every rank sending.
 inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0,
                                  const ProblemShape* leaves = nullptr) {
   if (m <= 1) return;
   if (leaves != nullptr) {
-    const std::size_t leaf = leaf_width(*leaves);
+    const std::size_t leaf = rank_leaf_width(*leaves);
     if (node > 0 && leaf > 0 && m > leaf) add_leaf_contention(t, *leaves, dbl(m - leaf) * dbl(n), 1);
   }
   if (node == 0 || m <= node) {
@@ -191,7 +194,7 @@ void add_layout_scan_messages(CostTerms& t, const ProblemShape& s, std::size_t w
 inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const ChainProfile& chain,
                                 std::size_t w) {
   const std::size_t m = chain.runs_per_block;
-  add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s));
+  add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
   CostTerms scan;
   add_recursive_doubling(scan, s, chain.runs);
   add_layout_scan_messages(t, s, w);

@@ -54,7 +54,7 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     const ChainProfile chain = chain_profile(s, w);
     // The gather and broadcast are over the block's ranks (on nodes: a
     // block wider than a node gathers inside each node, then across).
-    add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s));
+    add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
     // On nodes, relays between carriers of one node go over it.
     add_messages(t, false, dbl(chain.node_relays), dbl(state_bytes(s)));
     add_messages(t, true, dbl(chain.relays - chain.node_relays), dbl(state_bytes(s)));
