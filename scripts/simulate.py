@@ -315,6 +315,19 @@ def case_of(r):
     return r.get("layout", "contiguous"), r.get("docs_mean", 0)
 
 
+# `kdacp plan`'s row order, which a merged table keeps whatever order its
+# runs came in: protocol, then the knob's value (auto last).
+PLAN_ORDER = ["p2p", "pipelined_p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling",
+              "grouped_allgather_rd"]
+
+
+def row_order(r):
+    method = r["method"]
+    rank = PLAN_ORDER.index(method) if method in PLAN_ORDER else len(PLAN_ORDER) + (method == "auto")
+    knob = re.match(r"^[wc]=(\d+)$", r.get("knob") or "")
+    return rank, int(knob.group(1)) if knob else 0
+
+
 def case_label(r):
     layout, docs = case_of(r)
     parts = ([] if layout == "contiguous" else [layout]) + ([f"docs {docs}"] if docs else [])
@@ -558,7 +571,8 @@ def main():
                 # A run that did not happen never hides one that did.
                 if "ratio" in r or key not in merged or "ratio" not in merged[key]:
                     merged[key] = r
-        m["records"] = sorted(merged.values(), key=lambda r: (r["ranks"], r["platform"] != "nvlink-ib", case_of(r)))
+        m["records"] = sorted(merged.values(), key=lambda r: (r["ranks"], r["platform"] != "nvlink-ib", case_of(r),
+                                                             *row_order(r)))
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         write_table(out, m)
