@@ -123,7 +123,7 @@ def plan_rows(kdacp, facts, ranks, heads, layout="contiguous"):
     """The configurations `kdacp plan` weighs, with the model's time and
     memory, and auto's exact pick, for `layout` without cuts (the sweep's
     documents are bench exchange's, which plan does not draw; each run's model
-    time is bench's own, cuts included)."""
+    time, and with documents auto's pick, are bench's own, cuts included)."""
     extra = [] if layout == "contiguous" else ["--layout", layout, "--tokens", str(ranks * BENCH_RANK_TOKENS)]
     out = subprocess.run([str(kdacp), "plan", "-P", str(ranks), "-H", str(heads), *extra,
                           "--calibration", str(facts["cost"])], capture_output=True, text=True)
@@ -239,8 +239,14 @@ def sweep(a):
             for name in a.platforms:
                 facts = platform_facts(name, a.platform_dir)
                 rows, auto_pick = plan_rows(kdacp, facts, p, a.heads, a.layout)
-                # auto runs its pick: it needs that configuration's memory.
-                pick_peak = next((r["model_peak"] for r in rows if r["label"] == auto_pick), 0)
+                # auto runs its pick: it needs that configuration's memory
+                # (with documents it weighs bench's cuts, which plan has not
+                # seen: any exact row's).
+                if a.docs_mean:
+                    auto_pick = None
+                    pick_peak = max(r["model_peak"] for r in rows if r["exact"])
+                else:
+                    pick_peak = next((r["model_peak"] for r in rows if r["label"] == auto_pick), 0)
                 rows.append({"method": "auto", "knob": "", "label": "auto", "exact": True, "model_s": None,
                              "model_peak": pick_peak})
                 if a.knobs == "best":
@@ -289,6 +295,8 @@ def sweep(a):
                                        model_s=r["predicted_seconds"], ran=r["label"],
                                        peak_bytes=max(r["forward_peak_bytes"], r["backward_peak_bytes"]),
                                        parts=r.get("parts"), cuts=r.get("cuts"))
+                            if row["method"] == "auto":
+                                rec["auto_pick"] = r["label"]
                             rec["ratio"] = rec["sim_forward_s"] / rec["model_s"]
                     records.append(rec)
                     shown = (f"{rec['sim_forward_s'] * 1e3:9.3f} ms sim, model {rec['model_s'] * 1e3:9.3f} ms, "

@@ -306,6 +306,13 @@ TEST(RankAgreement, LayoutAtConstruction) {
                     "options.part_owners: rank 0 has [0,1,2,2,1,0], ranks 1,2 have [0,1,2]");
 }
 
+TEST(RankAgreement, ExpectedCutsAtConstruction) {
+  // auto would choose from them: ranks expecting other cuts could build
+  // different protocols.
+  expect_every_rank(one_rank_differs([](RankArgs& a) { a.options.expected_cuts = {true, true, false}; }, 1),
+                    "construction", "options.expected_cuts: ranks 0,2 have [], rank 1 has [1,1,0]");
+}
+
 TEST(RankAgreement, PerRankCountsAtConstruction) {
   expect_every_rank(one_rank_differs([](RankArgs& a) { a.counts = {4, 10, 10}; }, 2), "construction",
                     "layout part lengths: ranks 0,1 have [8,8,8], rank 2 has [4,10,10]");

@@ -61,6 +61,39 @@ TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
   EXPECT_NE(ran[0], ran[1]);
 }
 
+// Two packed documents over eight ranks (parts 0 and 4 are cuts) on a
+// 12 GB/s, 5 µs network: auto weighs the stream's cuts (the chain is four
+// steps long) and runs p2p, where without them it would run the allgather;
+// the admission names the same protocol, and the outputs are the chain's.
+TEST(LayerAdmission, AutoWeighsThePackingsCuts) {
+  const kda::Shape shape{1, 128, 2, 2, 32, 64};
+  job::LayerJob<float> job = small_job(shape);
+  job.cu_seqlens = {0, 64, 128};
+  const std::size_t ranks = 8;
+  const kda::Layout layout = kda::Layout::contiguous(shape.tokens, ranks);
+  job::LayerRunOptions opts;
+  opts.method = "auto";
+  opts.exchange.cost.alpha_s = 5e-6;
+  opts.exchange.cost.beta_s_per_byte = 1 / 12e9;
+  const ExchangeOptions eo =
+      job::layer_exchange_options(opts.exchange, shape, DType::f32, layout, job.sequences());
+  EXPECT_EQ(eo.expected_cuts, (std::vector<bool>{true, false, false, false, true, false, false, false}));
+  const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout, nullptr);
+  ASSERT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, "allgather")
+      << "the model changed: pick another case";
+  const job::LayerOutputs<float> out = job::run_context_parallel(job, ranks, opts, 60);
+  EXPECT_EQ(out.method, "p2p");
+  opts.method = "p2p";
+  EXPECT_TRUE(job::same_bits(out, job::run_context_parallel(job, ranks, opts, 60)));
+  opts.method = "auto";
+  try {
+    job::admit_layer_job(job::LayerNpy{}, job, opts, ranks, 0, "1B", false);
+    ADD_FAILURE() << "1 byte admitted the run";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("with p2p"), std::string::npos) << e.what();
+  }
+}
+
 // A zigzag rank holds two parts: its exchange holds two offsets, transfers
 // and returned states, and the layer two parts' summaries.
 TEST(LayerAdmission, ZigzagCountsItsExtraParts) {

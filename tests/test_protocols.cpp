@@ -276,6 +276,126 @@ TEST(Auto, ChoosesWithinBudgetReportsAndMatchesTheChosenProtocol) {
   EXPECT_TRUE(re.method == "recursive_doubling" || re.method == "grouped_allgather_rd") << re.method;
 }
 
+// Two documents over eight ranks: parts 0 and 4 are cuts, so the chain is
+// four steps long. On a 12 GB/s, 5 µs network the model prefers the
+// allgather without the cuts and p2p with them (checked below: otherwise
+// this test shows nothing).
+struct CutCase {
+  static constexpr std::size_t P = 8;
+  SummaryShape shape{1, 2, 32, 64};
+  std::vector<bool> cuts{true, false, false, false, true, false, false, false};
+  ExchangeOptions options(double bytes_per_s) const {
+    ExchangeOptions o;
+    o.cost.alpha_s = 5e-6;
+    o.cost.beta_s_per_byte = 1 / bytes_per_s;
+    o.expected_shape = shape;
+    o.expected_cuts = cuts;
+    return o;
+  }
+  ProblemShape problem(bool with_cuts) const {
+    ProblemShape ps{P, shape.slabs(), shape.key_dim, shape.value_dim, 4};
+    if (with_cuts) ps.part_cuts = cuts;
+    return ps;
+  }
+};
+
+// Each rank's forward and backward with the case's cut flags, and the
+// messages rank `watch` sent in its forward.
+Results run_with_cuts(const World& w, const CutCase& c, const std::string& method, const ExchangeOptions& o,
+                      std::uint64_t* forward_messages = nullptr, std::size_t watch = 1) {
+  Results res{std::vector<State>(c.P), std::vector<State>(c.P), {}, {}};
+  std::mutex mu;
+  run_in_process(c.P, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t r = comm->rank();
+    auto mesh = DeviceMesh::create(comm, {c.P}, {"cp"});
+    auto ex = make_state_exchange(mesh, method, 1, o);
+    const PartFlags flags{c.cuts[r]};
+    const std::uint64_t before = comm->stats().messages_sent;
+    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view(), flags);
+    const std::uint64_t sent = comm->stats().messages_sent - before;
+    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view(), flags);
+    std::lock_guard lock(mu);
+    if (r == 0) res.method = ex->method();
+    if (r == watch && forward_messages) *forward_messages = sent;
+  });
+  return res;
+}
+
+TEST(Auto, WeighsTheExpectedCuts) {
+  const CutCase c;
+  const ExchangeOptions o = c.options(12e9);
+  const Prediction blind = predict_exchange(c.problem(false), "auto", 1, o);
+  const Prediction seeing = predict_exchange(c.problem(true), "auto", 1, o);
+  ASSERT_EQ(blind.config.method, "allgather") << "the model changed: pick another case";
+  ASSERT_EQ(seeing.config.method, "p2p") << "the model changed: pick another case";
+  World w(c.P, c.shape, 404);
+  const Results chain = run_with_cuts(w, c, "p2p", {});
+  const Results chosen = run_with_cuts(w, c, "auto", o);
+  EXPECT_EQ(chosen.method, "p2p");
+  ExchangeOptions without = o;
+  without.expected_cuts.clear();
+  const Results uncut = run_with_cuts(w, c, "auto", without);
+  EXPECT_EQ(uncut.method, "allgather");
+  for (std::size_t r = 0; r < c.P; ++r) {
+    for (const Results* res : {&chosen, &uncut}) {
+      EXPECT_TRUE(test::bitwise_equal(res->fwd[r], chain.fwd[r])) << res->method << " rank " << r;
+      EXPECT_TRUE(test::bitwise_equal(res->bwd[r], chain.bwd[r])) << res->method << " rank " << r;
+    }
+  }
+  // The prediction attached is the one predict_exchange makes from the cuts.
+  run_in_process(c.P, [&](const std::shared_ptr<Communicator>& comm) {
+    auto mesh = DeviceMesh::create(comm, {c.P}, {"cp"});
+    auto ex = make_state_exchange(mesh, "auto", 1, o);
+    ASSERT_TRUE(ex->prediction().has_value());
+    EXPECT_EQ(protocol_label(ex->prediction()->config), protocol_label(seeing.config));
+    EXPECT_DOUBLE_EQ(ex->prediction()->seconds, seeing.seconds);
+  });
+}
+
+TEST(Auto, ExpectedCutsOfTheWrongLengthAreRejected) {
+  const CutCase c;
+  for (const std::string method : {"auto", "p2p", "pipelined_p2p"}) {
+    ExchangeOptions o = c.options(12e9);
+    o.expected_cuts.pop_back();
+    run_in_process(c.P, [&](const std::shared_ptr<Communicator>& comm) {
+      auto mesh = DeviceMesh::create(comm, {c.P}, {"cp"});
+      try {
+        make_state_exchange(mesh, method, 1, o);
+        ADD_FAILURE() << method << ": no error";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("expected_cuts has 7 flags, expected one per part of the layout (8)"),
+                  std::string::npos)
+            << e.what();
+      }
+    });
+  }
+}
+
+// pipelined_p2p with segments = 0 cuts the columns as predict() prices them:
+// with the expected cuts (here 3 segments on a 1 GB/s network; 4 without).
+TEST(Protocols, PipelinedSegmentsWeighTheExpectedCuts) {
+  const CutCase c;
+  ExchangeOptions o = c.options(1e9);
+  const std::size_t with = best_segments(o.cost, c.problem(true), "pipelined_p2p");
+  const std::size_t without = best_segments(o.cost, c.problem(false), "pipelined_p2p");
+  ASSERT_NE(with, without) << "the model changed: pick another case";
+  EXPECT_EQ(predict_exchange(c.problem(true), "pipelined_p2p", 1, o).config.segments, with);
+  World w(c.P, c.shape, 405);
+  const Results chain = run_with_cuts(w, c, "p2p", {});
+  std::uint64_t sent_with = 0, sent_without = 0;
+  const Results seeing = run_with_cuts(w, c, "pipelined_p2p", o, &sent_with);
+  o.expected_cuts.clear();
+  const Results blind = run_with_cuts(w, c, "pipelined_p2p", o, &sent_without);
+  // Rank 1 sends one message per segment to rank 2 (neither is a cut).
+  EXPECT_EQ(static_cast<long long>(sent_with) - static_cast<long long>(sent_without),
+            static_cast<long long>(with) - static_cast<long long>(without));
+  for (std::size_t r = 0; r < c.P; ++r) {
+    EXPECT_TRUE(test::bitwise_equal(seeing.fwd[r], chain.fwd[r])) << r;
+    EXPECT_TRUE(test::bitwise_equal(seeing.bwd[r], chain.bwd[r])) << r;
+    EXPECT_TRUE(test::bitwise_equal(blind.fwd[r], chain.fwd[r])) << r;
+  }
+}
+
 }  // namespace
 }  // namespace kdacp
 

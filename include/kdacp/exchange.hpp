@@ -69,6 +69,13 @@ struct ExchangeOptions {
   // (ProtocolDescriptor::takes_layouts) accept owners other than one part
   // per rank in rank order.
   std::optional<PartOwners> part_owners;
+  // The cuts the calls are expected to carry, one flag per part in chain
+  // order (Layout::cuts(sequences); the layer and the CLI pass the stream's).
+  // auto weighs them (cuts shorten the chain: on a slow network with packed
+  // documents the chain's pipelined_p2p wins where, without cuts, a grouped
+  // gather would), and pipelined_p2p's segments = 0 prices them. Empty: no
+  // cuts expected. Calls with other cuts run correctly, on the choice made.
+  std::vector<bool> expected_cuts;
 };
 
 // One of this rank's parts: its offset (S forward, G backward), M, and flags.

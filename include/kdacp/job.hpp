@@ -149,10 +149,18 @@ LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, 
                                      double timeout_s);
 
 // What the cost model knows of the layer's exchange on `layout`: P, B·HV, K,
-// V, elem_bytes and part_owners = layout.owners(). The cuts are left out:
-// auto chooses when the layer is built, before any call brings them (set
-// part_cuts with Layout::cuts to price a given packing).
-ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout);
+// V, elem_bytes, part_owners = layout.owners() and, with `seqs`, part_cuts =
+// layout.cuts(*seqs) (the cuts layer_exchange_options hands auto).
+ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
+                                 const kda::Sequences* seqs = nullptr);
+
+// The exchange options the layer of `s` in `dtype` on `layout` runs
+// `seqs` with: `given`, its expected_shape (unset: [B, HV, K, V] in dtype)
+// and its expected_cuts (unset: layout.cuts(seqs)) filled in, so that auto
+// and pipelined_p2p's segments weigh the stream's cuts. The run, its
+// admission and the benchmarks build from this one place.
+ExchangeOptions layer_exchange_options(const ExchangeOptions& given, const kda::Shape& s, DType dtype,
+                                       const kda::Layout& layout, const kda::Sequences& seqs);
 
 // Bytes of o and, with grads, of the gradients (as large as the inputs
 // q, k, v, g, beta) of `s` in T of elem_bytes.

@@ -56,8 +56,9 @@ double layer_npy_bytes(const std::string& dir);
 // Admission of `kdacp kda`: throws OutOfMemory before any work when the
 // layer of `s` with N = `sequences` on the ranks of `layout` (layer_run_bytes,
 // gradients too when `grads`), with the exchange make_state_exchange(mesh,
-// method, group_size, options) builds for `summary` and the layout's part
-// owners (layer_problem_shape: auto's choice is the one the layer makes),
+// method, group_size, options) builds for `summary`, the layout's part
+// owners and options.expected_cuts (auto's choice is the one the layer
+// makes from layer_exchange_options),
 // beside inputs of input_bytes already read (counted once: take_layer_job
 // holds them once, as T) exceeds the limit text max_memory (max_memory_bytes
 // in kdacp/admission.hpp). With one_rank_per_process (under a launcher) the

@@ -27,9 +27,6 @@ struct PlanPredictions {
   std::vector<std::string> without_layouts;  // the methods left out, in registry order
   double allgather_seconds = 0;              // kBaselineProtocol's time (0: not among the rows)
   Prediction exact, any;                     // auto's choice, exact only and with reassociation
-  // auto (exact) as a run's layer chooses it, before the cuts are known,
-  // when that differs from `exact` (with more than one cut).
-  std::optional<Prediction> before_cuts;
 };
 
 // The predictions of `shape` under `params`; budget_bytes: auto's per-rank

@@ -96,11 +96,11 @@ struct LayerChecks {
 // fixed-size record over mesh.group(0), every argument that must be the same
 // on every rank. At construction: dtype, method, allgather_group_size,
 // every ExchangeOptions knob (segments, memory budget, reassociation, cost
-// parameters, expected shape, part owners), the layout's part lengths, the
-// communicator's timeout and LayerChecks::agree. Per call: the call itself,
-// B, H, HV, K, V, scale, algorithm and, with a stream, its sequences (B, T,
-// the exact cu_seqlens), the layout's part owners and lengths and which of
-// h0 / ht / dht / dh0 are given. A difference, or an argument error on any
+// parameters, expected shape, part owners, expected cuts), the layout's part
+// lengths, the communicator's timeout and LayerChecks::agree. Per call: the
+// call itself, B, H, HV, K, V, scale, algorithm and, with a stream, its
+// sequences (B, T, the exact cu_seqlens), the layout's part owners and
+// lengths and which of h0 / ht / dht / dh0 are given. A difference, or an argument error on any
 // one rank, throws InvalidArgument on EVERY rank naming each field and which
 // ranks hold which value ("scale: ranks 0,2 have 0.088388346, rank 1 has
 // 0.1"), before any message of the exchange, so no rank waits or crashes.

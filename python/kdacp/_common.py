@@ -134,7 +134,7 @@ def _parse_bytes(value):
                               name)
 
 
-def _options(options, expected=None, expected_dtype=None):
+def _options(options, expected=None, expected_dtype=None, expected_cuts=None):
     unknown = sorted(set(options) - set(_EXCHANGE_OPTIONS))
     if unknown:
         raise TypeError(f"unknown exchange option(s) {unknown}, expected some of "
@@ -159,7 +159,8 @@ def _options(options, expected=None, expected_dtype=None):
         allow_reassociation=bool(options.get("allow_reassociation", False)),
         calibration=calibration,
         expected_shape=shape,
-        expected_dtype=expected_dtype)
+        expected_dtype=expected_dtype,
+        expected_cuts=expected_cuts)
 
 
 def _segments(options):

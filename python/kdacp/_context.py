@@ -138,7 +138,11 @@ class CpContext:
         key = (dtype, b, hv, kd, vd)
         layer = self._layers.get(key)
         if layer is None:
-            opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype)
+            # auto (and pipelined_p2p's segments) weigh this batch's cuts:
+            # packed documents shorten the chain.
+            cuts = None if self.cu_seqlens is None else self.layout.cuts(self.cu_seqlens)
+            opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype,
+                            expected_cuts=cuts)
             layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
                                     self.layout, dtype, opts, threads)
             # The layer's construction agreed (collectively, at this first call of

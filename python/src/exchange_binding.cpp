@@ -28,8 +28,10 @@ Direction to_direction(bool forward) { return forward ? Direction::forward : Dir
 ExchangeOptions make_options(std::size_t segments, std::size_t memory_budget_bytes,
                              bool allow_reassociation, const std::string& calibration,
                              const std::optional<std::vector<std::size_t>>& expected_shape,
-                             const std::optional<std::string>& expected_dtype) {
+                             const std::optional<std::string>& expected_dtype,
+                             const std::optional<std::vector<bool>>& expected_cuts) {
   ExchangeOptions o;
+  if (expected_cuts) o.expected_cuts = *expected_cuts;
   o.segments = segments;
   o.memory_budget_bytes = memory_budget_bytes;
   o.allow_reassociation = allow_reassociation;
@@ -134,7 +136,7 @@ py::array inprocess_exchange(const std::string& method, long long group_size,
 void bind_exchange(py::module_& m) {
   m.def("make_options", &make_options, py::arg("segments"), py::arg("memory_budget_bytes"),
         py::arg("allow_reassociation"), py::arg("calibration"), py::arg("expected_shape"),
-        py::arg("expected_dtype"));
+        py::arg("expected_dtype"), py::arg("expected_cuts") = std::nullopt);
   py::class_<ExchangeOptions>(m, "ExchangeOptions");
   py::class_<Exchange>(m, "Exchange")
       .def(py::init<py::object, const std::string&, long long, ExchangeOptions, std::size_t>(),

@@ -435,6 +435,12 @@ void bind_kda(py::module_& m) {
                                for (const LayoutPart& p : l.parts()) out.emplace_back(p.rank, p.begin, p.end);
                                return out;
                              })
+      .def(
+          "cuts",
+          [](const Layout& l, const std::vector<std::int64_t>& cu_seqlens) {
+            return l.cuts(kda::Sequences(1, l.tokens(), std::span<const std::int64_t>(cu_seqlens)));
+          },
+          py::arg("cu_seqlens"))
       .def("local_tokens", &Layout::local_tokens, py::arg("rank"))
       .def("local_parts",
            [](const Layout& l, std::size_t rank) {

@@ -40,8 +40,10 @@ std::unique_ptr<StateExchange> build_auto(const ProtocolContext& ctx) {
                                       ctx.rank, to_string(s)));
   }
   ProblemShape shape{ctx.size, s.slabs(), s.key_dim, s.value_dim, dtype_size(s.dtype)};
-  // The layout is known here; the cuts come with each call.
+  // The layout, and the cuts the calls are expected to carry (the calls'
+  // own flags are each rank's alone: the choice must be the same on all).
   shape.part_owners = o.part_owners;
+  shape.part_cuts = o.expected_cuts;
   Prediction choice = auto_choice(shape, o);
   const ProtocolDescriptor& row = find_protocol(choice.config.method);
   ProtocolContext inner = ctx;

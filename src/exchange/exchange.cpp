@@ -99,6 +99,9 @@ std::unique_ptr<StateExchange> make_state_exchange(const DeviceMesh& mesh,
   if (!options.part_owners->is_one_per_rank() && !row.takes_layouts && !row.chooser())
     throw InvalidArgument(fmt::format("method '{}' does not take a layout (part_owners), expected one of: {}",
                                       method, rows_taking(&ProtocolDescriptor::takes_layouts)));
+  if (!options.expected_cuts.empty() && options.expected_cuts.size() != options.part_owners->size())
+    throw InvalidArgument(fmt::format("expected_cuts has {} flags, expected one per part of the layout ({})",
+                                      options.expected_cuts.size(), options.part_owners->size()));
   // Collective slots and p2p peers are group ranks: they must be the
   // chronological positions.
   mesh.validate_order();

@@ -34,10 +34,13 @@ class PipelinedExchange final : public CommExchange {
     const std::size_t units = shape.value_dim / kDimMultiple;
     std::size_t c = config().segments;
     if (c == 0) {
-      c = best_segments(options().cost,
-                        ProblemShape{size_, shape.slabs(), shape.key_dim, shape.value_dim,
-                                     dtype_size(shape.dtype)},
-                        config().method);
+      // Priced as predict() prices it: this exchange's layout and the cuts
+      // its calls are expected to carry (not this call's: each rank knows
+      // only its own, and every rank must cut the columns alike).
+      ProblemShape priced{size_, shape.slabs(), shape.key_dim, shape.value_dim, dtype_size(shape.dtype)};
+      priced.part_owners = part_owners();
+      priced.part_cuts = options().expected_cuts;
+      c = best_segments(options().cost, priced, config().method);
     } else if (c > units) {
       throw InvalidArgument(fmt::format(
           "rank {}: segments is {} for value dim V = {}, expected at most V/16 = {} (segments are "

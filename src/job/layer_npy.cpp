@@ -214,7 +214,8 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
                      const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
                      bool one_rank_per_process, double cache_bytes) {
-  const ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout);
+  ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout);
+  ps.part_cuts = options.expected_cuts;  // auto's choice is the layer's (layer_exchange_options)
   const std::size_t ranks = layout.ranks();
   const Prediction pred = predict_exchange(ps, method, group_size, options);
   const double exchange = exchange_rank_bytes(ps, pred);
@@ -253,7 +254,8 @@ void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunO
                                                                   job.keep_forward, options.threads_per_rank)
                                    : 0.0;
   admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, options.method, options.group_size,
-                  options.exchange, max_memory, one_rank_per_process, cache);
+                  layer_exchange_options(options.exchange, s, summary.dtype, layout, job.sequences()), max_memory,
+                  one_rank_per_process, cache);
 }
 
 namespace {

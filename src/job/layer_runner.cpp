@@ -214,11 +214,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   if (layout.tokens() != s.tokens || layout.ranks() != ranks)
     throw InvalidArgument(fmt::format("run_context_parallel: the layout is for T = {} on P = {}, the job has T = {} "
                                       "on P = {}", layout.tokens(), layout.ranks(), s.tokens, ranks));
-  ExchangeOptions eo = options.exchange;
-  if (!eo.expected_shape) {
-    eo.expected_shape = layer_summary_shape(s);
-    eo.expected_shape->dtype = dtype_of<T>();
-  }
+  const ExchangeOptions eo = layer_exchange_options(options.exchange, s, dtype_of<T>(), layout, seqs);
   const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
   ThreadPool pool(options.threads_per_rank);
   kda::LayerChecks checks;
@@ -395,10 +391,23 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
   return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
 }
 
-ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout) {
+ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
+                                 const kda::Sequences* seqs) {
   ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
   ps.part_owners = layout.owners();
+  if (seqs) ps.part_cuts = layout.cuts(*seqs);
   return ps;
+}
+
+ExchangeOptions layer_exchange_options(const ExchangeOptions& given, const kda::Shape& s, DType dtype,
+                                       const kda::Layout& layout, const kda::Sequences& seqs) {
+  ExchangeOptions eo = given;
+  if (!eo.expected_shape) {
+    eo.expected_shape = layer_summary_shape(s);
+    eo.expected_shape->dtype = dtype;
+  }
+  if (eo.expected_cuts.empty()) eo.expected_cuts = layout.cuts(seqs);
+  return eo;
 }
 
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,

@@ -30,14 +30,6 @@ PlanPredictions plan_predictions(const CostParams& params, const ProblemShape& s
   }
   out.exact = choose_protocol(params, shape, budget, false, layouts_only);
   out.any = choose_protocol(params, shape, budget, true, layouts_only);
-  if (std::count(shape.part_cuts.begin(), shape.part_cuts.end(), true) > 1) {
-    // A run's auto chooses when the layer is built, from the layout alone:
-    // the cuts come with each call.
-    ProblemShape uncut = shape;
-    uncut.part_cuts.clear();
-    const Prediction built = choose_protocol(params, uncut, budget, false, layouts_only);
-    if (protocol_label(built.config) != protocol_label(out.exact.config)) out.before_cuts = built;
-  }
   return out;
 }
 

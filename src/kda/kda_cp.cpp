@@ -172,6 +172,8 @@ Fingerprint construction_fields(const std::string& method, long long group_size,
   const std::vector<std::size_t> owners = o.part_owners ? o.part_owners->list() : std::vector<std::size_t>{};
   f.add_bytes("options.part_owners", std::as_bytes(std::span(owners)),
               list_text(std::span<const std::size_t>(owners)));
+  const std::vector<std::size_t> cuts(o.expected_cuts.begin(), o.expected_cuts.end());
+  f.add_bytes("options.expected_cuts", std::as_bytes(std::span(cuts)), list_text(std::span<const std::size_t>(cuts)));
   const std::vector<std::size_t> lengths = layout ? layout->part_lengths() : std::vector<std::size_t>{};
   f.add_bytes("layout part lengths", std::as_bytes(std::span(lengths)),
               list_text(std::span<const std::size_t>(lengths)));

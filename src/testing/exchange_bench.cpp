@@ -42,19 +42,14 @@ ExchangeBenchResult bench_exchange(const std::shared_ptr<Communicator>& world, c
   ProblemShape shape{p, cfg.shape.slabs(), cfg.shape.key_dim, cfg.shape.value_dim, sizeof(float)};
   shape.part_owners = owners;
   shape.part_cuts = cuts;
-  if (find_protocol(cfg.method).chooser()) {
-    // auto chooses at construction, from the layout without the calls' cuts
-    // (auto.cpp): report that configuration, priced with this run's cuts.
-    ProblemShape at_build = shape;
-    at_build.part_cuts.clear();
-    const Prediction choice = predict_exchange(at_build, cfg.method, cfg.group_size, cfg.options);
-    r.prediction = predict(cfg.options.cost, shape, choice.config);
-  } else {
-    r.prediction = predict_exchange(shape, cfg.method, cfg.group_size, cfg.options);
-  }
+  // The calls' cuts are the expected ones: auto weighs them, as the layer's
+  // does (layer_exchange_options).
+  ExchangeOptions options = cfg.options;
+  if (options.expected_cuts.empty()) options.expected_cuts = cuts;
+  r.prediction = predict_exchange(shape, cfg.method, cfg.group_size, options);
   const ProtocolConfig config{cfg.method, static_cast<std::size_t>(cfg.group_size), cfg.options.segments};
   const RankTimes mine =
-      time_rank(world, config, cfg.shape, owners, cuts, cfg.options, cfg.warmup, cfg.calls, cfg.min_time);
+      time_rank(world, config, cfg.shape, owners, cuts, options, cfg.warmup, cfg.calls, cfg.min_time);
   r.method_run = mine.method;
   if (r.method_run != r.prediction.config.method)
     throw Error(fmt::format("bench exchange: {} ran {}, but the model priced {}", cfg.method, r.method_run,

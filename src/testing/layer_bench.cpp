@@ -172,9 +172,14 @@ double layer_bench_bytes(const LayerBenchConfig& c) {
   const std::size_t sequences = c.docs > 0 ? c.docs : s.batch;
   double run = c.single ? job::layer_run_bytes(s, sequences, 1, true, sizeof(float), 0) : 0.0;
   if (c.ranks > 0) {
-    ExchangeOptions eo = c.exchange;
-    if (!eo.expected_shape) eo.expected_shape = job::layer_summary_shape(s);
-    const ProblemShape ps{c.ranks, s.batch * s.value_heads, s.key_dim, s.value_dim, sizeof(float)};
+    // The exchange bench_layer's runs build (layer_exchange_options): the
+    // contiguous layout and the cuts of the same packing.
+    const std::vector<std::int64_t> cu =
+        c.docs > 0 ? packed_cu_seqlens(Packing{{}, c.docs}, s.batch, s.tokens, c.seed) : std::vector<std::int64_t>{};
+    const kda::Sequences seqs = cu.empty() ? kda::Sequences(s.batch, s.tokens) : kda::Sequences(s.batch, s.tokens, std::span(cu));
+    const kda::Layout layout = kda::Layout::contiguous(s.tokens, c.ranks);
+    const ExchangeOptions eo = job::layer_exchange_options(c.exchange, s, DType::f32, layout, seqs);
+    const ProblemShape ps = job::layer_problem_shape(s, sizeof(float), layout, &seqs);
     const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
     run = std::max(run, job::layer_run_bytes(s, sequences, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
   }

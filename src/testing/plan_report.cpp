@@ -166,9 +166,6 @@ void print_plan(const PlanRequest& request, const CostParams& params, std::size_
   for (const auto& [label, p] : {std::pair{"\nauto (exact)", plan.exact}, std::pair{"auto --allow-reassociation", plan.any}})
     std::printf("%s: %s, predicted %s, %.2fx faster than allgather\n", label, protocol_label(p.config).c_str(),
                 format_seconds(p.seconds).c_str(), p.seconds > 0 ? allgather / p.seconds : 1.0);
-  if (plan.before_cuts)
-    std::printf("note: in a run, auto (exact) chooses before the cuts are known: %s\n",
-                protocol_label(plan.before_cuts->config).c_str());
   if (const auto u = ulysses_plan(request, params, shape, budget)) print_ulysses(request, *u);
   if (!plot.empty()) write_plot(request, params, shape, plot, true);
 }
@@ -220,8 +217,7 @@ std::string plan_json(const PlanRequest& request, const CostParams& params, std:
       {"rows", rows},
       {"not_listed", plan.without_layouts},
       {"auto_exact", choice(plan.exact)},
-      {"auto_any", choice(plan.any)},
-      {"auto_before_cuts", plan.before_cuts ? choice(*plan.before_cuts) : json()}};
+      {"auto_any", choice(plan.any)}};
   if (const auto u = ulysses_plan(request, params, shape, budget)) out["ulysses"] = ulysses_json(request, *u);
   return out.dump(2);
 }

@@ -198,6 +198,7 @@ ProtocolTiming time_protocol(const ProtocolConfig& var, std::size_t p, const Sum
     ExchangeOptions opts;
     opts.exec.pool = &pool;
     opts.segments = var.segments;
+    opts.expected_cuts = cuts;
     const RankTimes mine = time_rank(comm, var, shape, part_owners, cuts, opts, 1, 0, min_time);
     const ProtocolTiming all = slowest_rank(*comm, mine);
     if (comm->rank() == 0) m = all;

@@ -129,6 +129,25 @@ def context_worker(rank, world, init_file):
                 assert got[name].dtype == dtype, name
                 err = (got[name].double() - want[name].double()).abs().max().item()
                 assert err <= tol, (layout, protocol, dtype, name, err)
+    # auto weighs the batch's cuts (build_cp_context knows cu_seqlens): at P = 4 with
+    # the default cost model, one document's four-step chain loses to the allgather,
+    # two documents' two-step chains win with p2p; the outputs are the same bits.
+    if world == 4:
+        t = 8 * world
+        outs = []
+        for cu, want in (([0, t], "allgather"), ([0, t // 2, t], "p2p")):
+            for protocol in ("auto", want):
+                x = make(t, len(cu) - 1, torch.float64, seed=35)
+                mine = {k_: (v_[:, rank * 8:(rank + 1) * 8] if k_ in TOKEN_WISE else v_)
+                        for k_, v_ in x.items()}
+                ctx = kt.build_cp_context(cu, dist.group.WORLD, protocol=protocol, timeout=20,
+                                          threads=1)
+                outs.append(call(mine, FLAGS, cp_context=ctx))
+                methods = [layer.method for layer in ctx._layers.values()]
+                assert methods == [want], (cu, protocol, methods)
+            for got, ref in zip(outs[-2], outs[-1]):
+                assert torch.equal(got, ref), cu
+
     if world > 2:
         finish()
         return

@@ -58,7 +58,7 @@ void print_plan(const PlanRequest& request, const CostParams& params, std::size_
 // tokens, cuts, critical_steps}, "memory_budget_bytes", "rows": [{protocol, method,
 // group_size, segments, exact, seconds, vs_allgather, peak_extra_bytes,
 // within_budget}], "not_listed": [...], "auto_exact", "auto_any" (each
-// {protocol, seconds, vs_allgather}), "auto_before_cuts" (or null), and with
+// {protocol, seconds, vs_allgather}; a run's auto weighs the same cuts), and with
 // request.ulysses "ulysses": {tokens_per_rank, activation_bytes, node_size,
 // in_bytes_per_rank, out_bytes_per_rank, "options": [{U, state_ranks,
 // heads_per_rank, all_to_all_seconds, exchange_seconds, exchange_protocol,
