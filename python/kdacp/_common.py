@@ -27,7 +27,7 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
 _DEFAULTS = _kdacp.defaults()
 _DEFAULT_TIMEOUT_S = _DEFAULTS["timeout"]
 _EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "calibration",
-                     "expected_shape", "timeout", "threads", "check_ranks")
+                     "expected_shape", "expected_cuts", "timeout", "threads", "check_ranks")
 
 
 # -- tensors as C++ views ----------------------------------------------------
@@ -144,6 +144,7 @@ def _options(options, expected=None, expected_dtype=None, expected_cuts=None):
         if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__"):
             raise ValueError(f"expected_shape={shape!r}, expected (B, H, K, V)")
         shape = [_integer(x, "expected_shape", 1, 1 << 32) for x in shape]
+    cuts = _expected_cuts(options, expected_cuts)
     for flag in ("allow_reassociation", "check_ranks"):
         if flag in options and not isinstance(options[flag], bool):
             raise ValueError(f"{flag}={options[flag]!r}, expected True or False")
@@ -160,7 +161,25 @@ def _options(options, expected=None, expected_dtype=None, expected_cuts=None):
         calibration=calibration,
         expected_shape=shape,
         expected_dtype=expected_dtype,
-        expected_cuts=expected_cuts)
+        expected_cuts=cuts)
+
+
+def _expected_cuts(options, default=None):
+    """expected_cuts: one flag per part in chain order (True/False or 0/1),
+    the parts where the calls are expected to start a sequence; auto and
+    segments=0 weigh them. A context derives them from its cu_seqlens."""
+    cuts = options.get("expected_cuts", default)
+    if cuts is None:
+        return None
+    if isinstance(cuts, (str, bytes)) or not hasattr(cuts, "__iter__"):
+        raise ValueError(f"expected_cuts={cuts!r}, expected a sequence of True/False, one per part")
+    out = []
+    for i, c in enumerate(cuts):
+        if isinstance(c, bool) or (isinstance(c, int) and c in (0, 1)):
+            out.append(bool(c))
+        else:
+            raise ValueError(f"expected_cuts[{i}] is {c!r}, expected True or False")
+    return out
 
 
 def _segments(options):

@@ -147,6 +147,18 @@ def context_worker(rank, world, init_file):
                 assert methods == [want], (cu, protocol, methods)
             for got, ref in zip(outs[-2], outs[-1]):
                 assert torch.equal(got, ref), cu
+        # kda over a group keeps its layer across packings: it weighs the cuts it is told.
+        from kdacp import _layer
+        for cuts, want in ((None, "allgather"), ([True, False, True, False], "p2p")):
+            extra = {} if cuts is None else {"expected_cuts": cuts}
+            kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
+                   torch.sigmoid(mine["beta"]), cu_seqlens=[0, t // 2, t], group=dist.group.WORLD,
+                   protocol="auto", timeout=20, threads=1, **extra)
+            assert list(_layer._LAYERS.values())[-1].method == want, (cuts, want)
+        with pytest.raises(ValueError, match="expected_cuts has 3 flags, expected one per part"):
+            kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
+                   torch.sigmoid(mine["beta"]), group=dist.group.WORLD, protocol="auto",
+                   timeout=20, threads=1, expected_cuts=[True, False, True])
 
     if world > 2:
         finish()

@@ -108,7 +108,8 @@ def test_cu_seqlens_integer_types_accepted():
     ("timeout", -1), ("timeout", 0), ("timeout", math.nan), ("timeout", math.inf),
     ("timeout", 2 ** 2000), ("timeout", True), ("timeout", "soon"), ("timeout", 1e9),
     ("allow_reassociation", "no"), ("check_ranks", 1), ("calibration", 3),
-    ("expected_shape", (1, 2, -16, 16)),
+    ("expected_shape", (1, 2, -16, 16)), ("expected_cuts", "yes"), ("expected_cuts", [True, 2]),
+    ("expected_cuts", 1),
 ], ids=lambda x: str(x)[:24])
 def test_options_out_of_range_are_value_errors(option, value):
     """ValueError naming the option (never TypeError, OverflowError, or 30,000
