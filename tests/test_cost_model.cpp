@@ -46,6 +46,30 @@ TEST(CostModel, JsonRoundTripAndRejection) {
   EXPECT_THROW(load_cost_params("/nonexistent/kdacp.json"), IoError);
 }
 
+// Segments are whole units of 16 columns: c = 7 over V = 128 (8 units) is
+// one segment of 32 columns and six of 16. A pipeline of unequal segments
+// takes the sum of their times plus the widest one's on every further hop:
+// P = 64 ranks, 63 hops, bytes = 63 · S/4 + 6 · S/8 (not (63 + 6) · S/7).
+TEST(CostModel, UnevenSegmentsPayTheWidestOnEveryHop) {
+  const ProblemShape s{64, 32, 128, 128, 4};
+  const ProtocolDescriptor& row = find_protocol("pipelined_p2p");
+  const double state = 32.0 * 128 * 128 * 4;
+  const CostTerms seven = row.cost(s, {"pipelined_p2p", 1, 7});
+  EXPECT_DOUBLE_EQ(seven.messages, 63 + 6);
+  EXPECT_DOUBLE_EQ(seven.bytes, 63 * state / 4 + 6 * state / 8);
+  // Even segments are as before: every message S/c.
+  const CostTerms eight = row.cost(s, {"pipelined_p2p", 1, 8});
+  EXPECT_DOUBLE_EQ(eight.bytes, (63 + 7) * state / 8);
+  const CostTerms three = row.cost(s, {"pipelined_p2p", 1, 3});  // 3, 3, 2 units
+  EXPECT_DOUBLE_EQ(three.bytes, 63 * state * 3 / 8 + 2 * state * 5 / 16);
+  // So c = 7 is never cheaper than c = 8 on a network (same α count + 1 less,
+  // but 63 hops of twice the bytes), and the model's choice divides 8 here.
+  const CostParams ethernet{.alpha_s = 20e-6, .beta_s_per_byte = 1 / 12e9};
+  EXPECT_GT(predict(ethernet, s, {"pipelined_p2p", 1, 7}).seconds,
+            predict(ethernet, s, {"pipelined_p2p", 1, 8}).seconds);
+  EXPECT_EQ(8 % best_segments(ethernet, s, "pipelined_p2p"), 0u);
+}
+
 TEST(CostModel, PredictionsFollowTheFormulas) {
   const CostParams c;
   ProblemShape s = kLarge;

@@ -284,9 +284,9 @@ struct CutCase {
   static constexpr std::size_t P = 8;
   SummaryShape shape{1, 2, 32, 64};
   std::vector<bool> cuts{true, false, false, false, true, false, false, false};
-  ExchangeOptions options(double bytes_per_s) const {
+  ExchangeOptions options(double bytes_per_s, double alpha_s = 5e-6) const {
     ExchangeOptions o;
-    o.cost.alpha_s = 5e-6;
+    o.cost.alpha_s = alpha_s;
     o.cost.beta_s_per_byte = 1 / bytes_per_s;
     o.expected_shape = shape;
     o.expected_cuts = cuts;
@@ -372,10 +372,11 @@ TEST(Auto, ExpectedCutsOfTheWrongLengthAreRejected) {
 }
 
 // pipelined_p2p with segments = 0 cuts the columns as predict() prices them:
-// with the expected cuts (here 3 segments on a 1 GB/s network; 4 without).
+// with the expected cuts (here 2 segments on a 12 GB/s, 1 µs network; 4
+// without).
 TEST(Protocols, PipelinedSegmentsWeighTheExpectedCuts) {
   const CutCase c;
-  ExchangeOptions o = c.options(1e9);
+  ExchangeOptions o = c.options(12e9, 1e-6);
   const std::size_t with = best_segments(o.cost, c.problem(true), "pipelined_p2p");
   const std::size_t without = best_segments(o.cost, c.problem(false), "pipelined_p2p");
   ASSERT_NE(with, without) << "the model changed: pick another case";
