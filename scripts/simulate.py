@@ -249,7 +249,17 @@ def sweep(a):
                     pick_peak = next((r["model_peak"] for r in rows if r["label"] == auto_pick), 0)
                 rows.append({"method": "auto", "knob": "", "label": "auto", "exact": True, "model_s": None,
                              "model_peak": pick_peak})
-                if a.knobs == "best":
+                if a.knobs == "all":
+                    # plan lists pipelined_p2p at its model-best segment count;
+                    # every count is a knob (bench prices each run itself).
+                    extra = []
+                    for r in rows:
+                        if r["method"] == "pipelined_p2p" and r["knob"].startswith("c="):
+                            for c in range(1, 128 // 16 + 1):
+                                if f"c={c}" != r["knob"]:
+                                    extra.append(dict(r, knob=f"c={c}", label=f"pipelined_p2p c={c}", model_s=None))
+                    rows = rows[:-1] + extra + rows[-1:]  # auto stays last
+                elif a.knobs == "best":
                     # Each protocol at its model-best knob (what auto weighs
                     # it by), and auto.
                     best = {}
