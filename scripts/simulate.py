@@ -203,14 +203,17 @@ def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgath
     return out.stdout, wall, None
 
 
-def bench_args(row, heads, cost, repeat, warmup, layout="contiguous", docs_mean=0):
-    args = ["bench", "exchange", "--backend", "mpi", "--protocol", row["method"], "--heads", heads,
+def bench_args(row, heads, cost, repeat, warmup, layout="contiguous", docs_mean=0, tokens_per_rank=0):
+    method = "auto" if row["method"] == "ulysses" else row["method"]
+    args = ["bench", "exchange", "--backend", "mpi", "--protocol", method, "--heads", heads,
             "--calibration", cost, "--repeat", repeat, "--warmup", warmup, "--threads", 1, "--timeout", 86400,
             "--layout", layout, "--docs-mean", docs_mean, "--json"]
     if row["knob"].startswith("w="):
         args += ["--group-size", row["knob"][2:]]
     if row["knob"].startswith("c="):
         args += ["--segments", row["knob"][2:]]
+    if row["knob"].startswith("U=") and row["knob"] != "U=1":
+        args += ["--ulysses", row["knob"][2:], "--tokens-per-rank", tokens_per_rank]
     return args
 
 
@@ -249,7 +252,15 @@ def sweep(a):
                     pick_peak = next((r["model_peak"] for r in rows if r["label"] == auto_pick), 0)
                 rows.append({"method": "auto", "knob": "", "label": "auto", "exact": True, "model_s": None,
                              "model_peak": pick_peak})
-                if a.knobs == "all":
+                if a.ulysses:
+                    # Ulysses x state CP at each U (dividing H and P): the
+                    # all-to-alls and the model's exchange over P/U ranks;
+                    # U = 1 is the plain auto.
+                    peak = max(r["model_peak"] for r in rows if r["exact"])
+                    rows = [{"method": "ulysses", "knob": f"U={u}", "label": f"ulysses U={u}", "exact": True,
+                             "model_s": None, "model_peak": peak}
+                            for u in a.ulysses if p % u == 0 and a.heads % u == 0]
+                elif a.knobs == "all":
                     # plan lists pipelined_p2p at its model-best segment count;
                     # every count is a knob (bench prices each run itself).
                     extra = []
@@ -293,7 +304,8 @@ def sweep(a):
                     else:
                         stdout, wall, err = smpirun(facts, p, tmp, speed,
                                                     [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat,
-                                                                       a.warmup, a.layout, a.docs_mean)],
+                                                                       a.warmup, a.layout, a.docs_mean,
+                                                                       a.tokens_per_rank)],
                                                     a.timeout, folded,
                                                     rec["smpi_allgather"])
                         rec["real_seconds"] = wall
@@ -307,6 +319,11 @@ def sweep(a):
                                        parts=r.get("parts"), cuts=r.get("cuts"))
                             if row["method"] == "auto":
                                 rec["auto_pick"] = r["label"]
+                            if row["method"] == "ulysses":
+                                rec["tokens_per_rank"] = a.tokens_per_rank
+                                rec["all_to_all_sim_s"] = r.get("all_to_all_forward_seconds", 0.0)
+                                rec["all_to_all_model_s"] = r.get("predicted_all_to_all_seconds", 0.0)
+                                rec["exchange_model_s"] = r.get("predicted_exchange_seconds", r["predicted_seconds"])
                             rec["ratio"] = rec["sim_forward_s"] / rec["model_s"]
                     records.append(rec)
                     shown = (f"{rec['sim_forward_s'] * 1e3:9.3f} ms sim, model {rec['model_s'] * 1e3:9.3f} ms, "
@@ -536,6 +553,29 @@ def check(a):
                     if not same:
                         problems.append(f"{name} {proto} P={p}: two folded runs simulated "
                                         f"{folds[0]['forward_seconds']!r} and {folds[1]['forward_seconds']!r} s")
+            # Ulysses x state CP, folded: the all-to-alls and the exchange
+            # over P/U beside the model's figures.
+            for p in a.ranks:
+                for u in a.ulysses:
+                    if u == 1 or p % u or a.heads % u:
+                        continue
+                    row = {"method": "ulysses", "knob": f"U={u}"}
+                    stdout, _, err = smpirun(facts, p, tmp, speed,
+                                             [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat, a.warmup,
+                                                                tokens_per_rank=a.tokens_per_rank)],
+                                             a.timeout, folded=True)
+                    if err:
+                        problems.append(f"{name} Ulysses U={u} P={p}: kdacp-smpi bench exchange: {err}")
+                        continue
+                    res = json.loads(stdout.strip().splitlines()[-1])
+                    ratio = res["forward_over_predicted"]
+                    a2a = res["all_to_all_forward_seconds"] / res["predicted_all_to_all_seconds"]
+                    ok = abs(ratio - 1) <= a.tolerance and abs(a2a - 1) <= a.tolerance
+                    print(f"check: {name} P={p} {res['label']} folded: simulated {res['forward_seconds'] * 1e3:.4f} "
+                          f"ms, ratio {ratio:.3f} to the model, all-to-alls {a2a:.3f} ({'ok' if ok else 'OUTSIDE'})")
+                    if not ok:
+                        problems.append(f"{name} Ulysses U={u} P={p}: simulated/model = {ratio:.3f} (all-to-alls "
+                                        f"{a2a:.3f}), expected within ±{a.tolerance:g}")
     for x in problems:
         print(f"check: FAIL: {x}", file=sys.stderr)
     return 1 if problems else 0
@@ -566,6 +606,10 @@ def main():
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
     ap.add_argument("--knobs", choices=["all", "best"], default="all",
                     help="every group width and segment count kdacp plan weighs, or each protocol's model-best one")
+    ap.add_argument("--ulysses", type=int, nargs="*", default=[],
+                    help="instead of the rows: Ulysses x state CP at these U (an all-to-all over U ranks, the "
+                    "exchange over P/U; 1: plain auto), each U dividing H and P")
+    ap.add_argument("--tokens-per-rank", type=int, default=4096, help="--ulysses: T/P, the tokens the all-to-alls move")
     ap.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous",
                     help="parts per rank of every run: one (contiguous) or two (zigzag: r and 2P-1-r)")
     ap.add_argument("--docs-mean", type=int, default=0,

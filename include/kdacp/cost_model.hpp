@@ -219,10 +219,11 @@ struct UlyssesPrediction {
 
 // One all-to-all over a group of `width` consecutive ranks in which each rank
 // holds `bytes` (pairwise exchange: width−1 steps, each sending bytes/width
-// to one peer and receiving as much). Steps to a peer in the same island of
-// `node_size` ranks cost the group α/β, the others the network's; a group
-// that does not fit the islands evenly (width and node_size neither
-// dividing the other) is priced on the network alone.
+// to one peer and receiving as much from another). A group inside one island
+// of `node_size` ranks (width dividing node_size) costs the group α/β per
+// step; any other is priced on the network alone: a step waits for its send
+// and its receive, and the rank at an island's edge has a peer across in
+// every step.
 double all_to_all_seconds(const CostParams& params, std::size_t width, double bytes, std::size_t node_size);
 
 // One prediction per U in {1} ∪ {U ≥ 2 dividing both H and P}, ascending.

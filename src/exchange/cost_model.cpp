@@ -370,13 +370,14 @@ double all_to_all_seconds(const CostParams& params, std::size_t width, double by
   const double group_alpha = params.group_alpha_s > 0 ? params.group_alpha_s : alpha;
   const double group_beta = params.group_beta_s_per_byte > 0 ? params.group_beta_s_per_byte : beta;
   const double w = static_cast<double>(width), share = bytes / w;
-  // Steps inside the island and across it.
+  // Steps inside the island and across it. A step waits for its send and
+  // its receive: in a group wider than an island, the rank at an island's
+  // edge has a peer in another island on one side or the other in every
+  // step (its first steps receive from the island before it, its last ones
+  // send to it), so all U - 1 steps go at the network's pace (simulated:
+  // U = 16 over two nodes of 8 read 1.66 when only the sends were counted).
   double inside = 0, across = w - 1;
-  if (node_size > 0 && node_size % width == 0) {
-    inside = w - 1, across = 0;
-  } else if (node_size > 0 && width % node_size == 0) {
-    inside = static_cast<double>(node_size - 1), across = w - static_cast<double>(node_size);
-  }
+  if (node_size > 0 && node_size % width == 0) inside = w - 1, across = 0;
   return inside * (group_alpha + group_beta * share) + across * (alpha + beta * share);
 }
 

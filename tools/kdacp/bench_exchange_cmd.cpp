@@ -69,6 +69,14 @@ void add_bench_exchange_command(CLI::App& bench) {
           "seeded by --seed); 0: no cuts",
           IntRange{0, 1 << 30});
   add_int(*cmd, "--seed", a->bench.cut_seed, "seed of the documents' lengths", IntRange{});
+  add_int(*cmd, "--ulysses", a->bench.ulysses,
+          "Ulysses x state CP: an all-to-all over groups of U consecutive ranks, the exchange over the P/U ranks of "
+          "each head slice with H/U heads (the model's exact choice: --protocol auto), the all-to-all back; 1: off",
+          IntRange{1, 65536});
+  add_int(*cmd, "--tokens-per-rank", a->bench.tokens_per_rank, "T/P, the tokens whose activations --ulysses moves",
+          IntRange{1, 1 << 24});
+  add_int(*cmd, "--activation-bytes", a->bench.activation_bytes,
+          "bytes per activation element --ulysses moves (bf16: 2)", IntRange{1, 8});
   add_int(*cmd, "--warmup", a->bench.warmup, "untimed forward+backward pairs first", IntRange{0, 1000});
   add_int(*cmd, "--repeat", a->bench.calls, "timed forward+backward pairs (median reported)", IntRange{1, 100000});
   add_int(*cmd, "--threads", a->threads, "kernel threads per rank (0: hardware threads divided among the ranks)",

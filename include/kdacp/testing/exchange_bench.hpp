@@ -32,6 +32,16 @@ struct ExchangeBenchConfig {
   std::size_t calls = 3;   // timed pairs (0: as many as fill min_time)
   double min_time = 0.2;
   ExchangeOptions options;  // exec, segments, cost parameters, memory budget
+  // Ulysses × state CP (predict_ulysses, docs/protocols.md): with U > 1 each
+  // call runs a pairwise all-to-all over groups of U consecutive ranks of the
+  // activations (tokens_per_rank tokens of B·H heads, activation_bytes per
+  // element: q, k, g, v, β), the exact exchange the model picks over the P/U
+  // ranks of each head slice with B·H/U heads, and the all-to-all of o back;
+  // the backward mirrors it (dO in, the gradients out). Needs method auto,
+  // the contiguous layout and no documents. 1: the plain exchange.
+  std::size_t ulysses = 1;
+  std::size_t tokens_per_rank = 4096;
+  std::size_t activation_bytes = 2;
 };
 
 struct ExchangeBenchResult {
@@ -44,6 +54,12 @@ struct ExchangeBenchResult {
   // A folded simulation (docs/scale.md): fold steps charged as flops, not
   // computed; the times are the simulation's, the data were not computed.
   bool folded = false;
+  // With config.ulysses > 1: the two all-to-alls of a direction (slowest rank
+  // per call, median over calls; forward_seconds holds them too) and the
+  // model's figures; `prediction` is then the exchange's configuration with
+  // seconds = the all-to-alls' and the exchange's.
+  ProtocolTiming all_to_all;
+  double predicted_all_to_all_seconds = 0, predicted_exchange_seconds = 0;
 };
 
 // Collective over `world`; every rank returns the result.
