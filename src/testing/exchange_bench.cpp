@@ -68,6 +68,9 @@ ExchangeBenchResult bench_ulysses(const std::shared_ptr<Communicator>& world, co
   // Every rank sends and receives its activations and its output.
   const double rank_bytes = 2 * (want->in_bytes + want->out_bytes);
   const bool folded = detail::simulation_hooks().allocate != nullptr;
+  if (!(rank_bytes < 0x1p50))  // before any cast to size_t (a folded run admits no memory)
+    throw InvalidArgument(fmt::format("--ulysses {}: {} of activations per rank, expected less than 1 PiB",
+                                      u, format_bytes(rank_bytes)));
   if (!folded) {
     const double in_process = world->backend() == "inprocess" ? double(p) : 1.0;
     require_memory(in_process * rank_bytes, max_memory_bytes(""), fmt::format("kdacp bench exchange --ulysses {}", u),
