@@ -78,7 +78,7 @@ TEST(LayerAdmission, AutoWeighsThePackingsCuts) {
   const ExchangeOptions eo =
       job::layer_exchange_options(opts.exchange, shape, DType::f32, layout, job.sequences());
   EXPECT_EQ(eo.expected_cuts, (std::vector<bool>{true, false, false, false, true, false, false, false}));
-  const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout, nullptr);
+  const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout);
   ASSERT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, "allgather")
       << "the model changed: pick another case";
   const job::LayerOutputs<float> out = job::run_context_parallel(job, ranks, opts, 60);

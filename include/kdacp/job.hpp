@@ -149,10 +149,10 @@ LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, 
                                      double timeout_s);
 
 // What the cost model knows of the layer's exchange on `layout`: P, B·HV, K,
-// V, elem_bytes, part_owners = layout.owners() and, with `seqs`, part_cuts =
-// layout.cuts(*seqs) (the cuts layer_exchange_options hands auto).
+// V, elem_bytes, part_owners = layout.owners() and part_cuts = `cuts` (the
+// expected_cuts layer_exchange_options hands auto; empty: none).
 ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
-                                 const kda::Sequences* seqs = nullptr);
+                                 const std::vector<bool>& cuts = {});
 
 // The exchange options the layer of `s` in `dtype` on `layout` runs
 // `seqs` with: `given`, its expected_shape (unset: [B, HV, K, V] in dtype)

@@ -214,8 +214,8 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
                      const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
                      bool one_rank_per_process, double cache_bytes) {
-  ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout);
-  ps.part_cuts = options.expected_cuts;  // auto's choice is the layer's (layer_exchange_options)
+  // auto's choice is the layer's (options from layer_exchange_options).
+  const ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout, options.expected_cuts);
   const std::size_t ranks = layout.ranks();
   const Prediction pred = predict_exchange(ps, method, group_size, options);
   const double exchange = exchange_rank_bytes(ps, pred);

@@ -392,10 +392,10 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
 }
 
 ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
-                                 const kda::Sequences* seqs) {
+                                 const std::vector<bool>& cuts) {
   ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
   ps.part_owners = layout.owners();
-  if (seqs) ps.part_cuts = layout.cuts(*seqs);
+  ps.part_cuts = cuts;
   return ps;
 }
 

@@ -179,7 +179,7 @@ double layer_bench_bytes(const LayerBenchConfig& c) {
     const kda::Sequences seqs = cu.empty() ? kda::Sequences(s.batch, s.tokens) : kda::Sequences(s.batch, s.tokens, std::span(cu));
     const kda::Layout layout = kda::Layout::contiguous(s.tokens, c.ranks);
     const ExchangeOptions eo = job::layer_exchange_options(c.exchange, s, DType::f32, layout, seqs);
-    const ProblemShape ps = job::layer_problem_shape(s, sizeof(float), layout, &seqs);
+    const ProblemShape ps = job::layer_problem_shape(s, sizeof(float), layout, eo.expected_cuts);
     const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
     run = std::max(run, job::layer_run_bytes(s, sequences, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
   }
