@@ -55,7 +55,7 @@ HEADER_MODULE = {
     "exchange.hpp": "exchange", "protocol.hpp": "exchange", "cost_model.hpp": "exchange",
     "admission.hpp": "exchange",
     "kda.hpp": "kda",
-    "kda_cp.hpp": "kda_cp",
+    "kda_cp.hpp": "kda_cp", "kda_ulysses.hpp": "kda_cp",
     "calibrate.hpp": "calibrate",
     "launch.hpp": "launch",
     "mpi.hpp": "mpi", "launch_mpi.hpp": "mpi",
@@ -66,6 +66,8 @@ HEADER_MODULE = {
 # Source files whose module is not their folder's.
 FILE_MODULE = {
     "src/kda/kda_cp.cpp": "kda_cp",
+    "src/kda/ulysses.cpp": "kda_cp",
+    "src/kda/agreement_fields.hpp": "kda_cp",
 }
 
 # Outside headers only their owners include (prefix of the <...> path).

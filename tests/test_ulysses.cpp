@@ -1,0 +1,296 @@
+// Ulysses × state CP (kdacp/kda_ulysses.hpp): on P in-process ranks with head
+// groups of U, forward + backward over packed sequences with h0, ht, dht and
+// dh0 give the bits of the context-parallel layer over the P/U-rank group
+// layout, every rank the same ht and dh0, and agree with the FP64 one-device
+// reference; bad arguments on one rank throw on every rank before any
+// message.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <tuple>
+
+#include "kdacp/error.hpp"
+#include "kdacp/kda_ulysses.hpp"
+#include "kda_cp_stream_runner.hpp"
+
+namespace kdacp::kda {
+namespace {
+
+using test::Case;
+using test::CpRun;
+using test::Problem;
+using test::RowConfig;
+using test::same_bits;
+
+template <class T>
+constexpr double kTolerance = std::is_same_v<T, double> ? 1e-10 : 2e-4;
+
+double rel_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// One forward + backward through a UlyssesLayer of width `width` on `ranks`
+// in-process ranks over `layout`; rank r's dht is dht[r] (empty: none).
+template <class T>
+CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht, std::size_t ranks,
+                     std::size_t width, const Layout& layout, const std::string& method, Algorithm algorithm) {
+  const Case& c = p.c;
+  const Shape& s = c.shape;
+  CpRun<T> out(c);
+  out.ht.assign(ranks, std::vector<T>(c.states()));
+  out.dh0.assign(ranks, std::vector<T>(c.states()));
+  std::mutex m;
+  run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
+    const std::size_t rank = comm->rank();
+    const DeviceMesh mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
+    ExecPolicy exec;
+    exec.algorithm = algorithm;
+    ExchangeOptions options;  // auto prices the whole layer's shape: the layer divides its heads by U
+    options.expected_shape =
+        SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim, std::is_same_v<T, double> ? DType::f64 : DType::f32};
+    UlyssesLayer<T> layer(mesh, width, method, layout, 1, options, exec);
+    const Stream stream{test::stream_sequences(c), layout};
+    const std::vector<Part> parts = layout.local_parts(rank);
+    Shape ls = s;
+    ls.tokens = layout.local_tokens(rank);
+    const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim, gk = s.value_heads * s.key_dim,
+                      bh = s.value_heads;
+    auto local = [&](const std::vector<T>& full, std::size_t inner) {
+      return test::gather_parts(full, s.batch, s.tokens, inner, parts, ls.tokens);
+    };
+    const std::vector<T> q = local(p.q, qk), k = local(p.k, qk), v = local(p.v, vv), g = local(p.g, gk),
+                         beta = local(p.beta, bh), d_o = local(p.d_o, vv);
+    const Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, p.scale};
+    std::vector<T> o(ls.v_elems()), dq(ls.qk_elems()), dk(ls.qk_elems()), dv(ls.v_elems()), dg(ls.g_elems()),
+        dbeta(ls.beta_elems());
+    const Sequences& seqs = stream.sequences;
+    const UlyssesSaved<T> saved =
+        layer.forward(in, stream, p.states(p.h0), o.data(), sequence_states(out.ht[rank].data(), seqs, ls));
+    layer.backward(in, saved, p.states(p.h0), d_o.data(),
+                   dht.empty() ? SequenceStates<const T>{} : p.states(dht[rank]),
+                   Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data()},
+                   sequence_states(out.dh0[rank].data(), seqs, ls));
+    const std::lock_guard lock(m);
+    auto put = [&](const std::vector<T>& x, std::size_t inner, std::vector<T>& full) {
+      test::scatter_parts(x, s.batch, s.tokens, inner, parts, ls.tokens, full);
+    };
+    put(o, vv, out.r.o);
+    put(dq, qk, out.r.dq);
+    put(dk, qk, out.r.dk);
+    put(dv, vv, out.r.dv);
+    put(dg, gk, out.r.dg);
+    put(dbeta, bh, out.r.dbeta);
+  });
+  out.r.ht = out.ht.front();
+  out.r.dh0 = out.dh0.front();
+  return out;
+}
+
+struct UlyssesCase {
+  std::string name;
+  Case c;
+  std::size_t ranks, width;
+  bool zigzag;
+  std::vector<std::size_t> counts;  // uneven contiguous split (empty: even)
+};
+
+std::vector<UlyssesCase> cases() {
+  return {
+      {"P4 U2 packed", {"packed", test::shape_of(1, 96, 2, 4, 16, 16), {0, 7, 40, 41, 96}}, 4, 2, false, {}},
+      {"P4 U4 rows", {"rows", test::shape_of(2, 40, 4, 4, 16, 16), {}}, 4, 4, false, {}},
+      {"P6 U3 uneven GVA", {"uneven", test::shape_of(1, 90, 3, 6, 16, 32), {0, 30, 31, 90}}, 6, 3, false,
+       {5, 20, 1, 30, 14, 20}},
+      {"P8 U2 zigzag", {"zigzag", test::shape_of(1, 160, 2, 2, 16, 16), {0, 50, 160}}, 8, 2, true, {}},
+      {"P4 U1", {"u1", test::shape_of(1, 64, 2, 2, 16, 16), {0, 64}}, 4, 1, false, {}},
+  };
+}
+
+Layout layout_of(const UlyssesCase& u) {
+  if (u.zigzag) return Layout::zigzag(u.c.shape.tokens, u.ranks);
+  return Layout::contiguous(u.c.shape.tokens, u.ranks, u.counts);
+}
+
+template <class T>
+void check_against_state_cp(Algorithm algorithm, const std::string& method) {
+  for (const UlyssesCase& u : cases()) {
+    SCOPED_TRACE(u.name + " " + algorithm_name(algorithm) + " " + method);
+    const Problem<double> pd = test::make_problem(u.c, 301 + u.ranks);
+    const Problem<T> p = pd.template cast<T>();
+    const Layout layout = layout_of(u);
+    // Rank 0 holds the job's dht, the others zero: ht's gradient is the
+    // job's dht exactly, on both sides.
+    std::vector<std::vector<T>> dht(u.ranks, std::vector<T>(u.c.states(), T(0)));
+    dht[0] = p.dht;
+    const CpRun<T> got = run_ulysses(p, dht, u.ranks, u.width, layout, method, algorithm);
+    const std::size_t groups = u.ranks / u.width;
+    std::vector<std::vector<T>> group_dht(groups, std::vector<T>(u.c.states(), T(0)));
+    group_dht[0] = p.dht;
+    ExecPolicy exec;
+    exec.algorithm = algorithm;
+    const RowConfig row{{method, 1, 0}, true, 0};
+    const CpRun<T> want =
+        test::run_layer(p, group_dht, groups, {}, row, ulysses_group_layout(layout, u.width), exec);
+    EXPECT_TRUE(same_bits(got.r, want.r)) << "not the bits of the state-CP layer over the group layout";
+    for (std::size_t r = 1; r < u.ranks; ++r) {
+      EXPECT_TRUE(same_bits(got.ht[r], got.ht[0])) << "ht on rank " << r;
+      EXPECT_TRUE(same_bits(got.dh0[r], got.dh0[0])) << "dh0 on rank " << r;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      Problem<double> ref = pd;
+      ref.dht = std::vector<double>(p.dht.begin(), p.dht.end());
+      const test::Result<double> one = test::reference(ref);
+      EXPECT_LE(rel_error(got.r.o, one.o), kTolerance<T>) << "o";
+      EXPECT_LE(rel_error(got.r.ht, one.ht), kTolerance<T>) << "ht";
+      EXPECT_LE(rel_error(got.r.dq, one.dq), kTolerance<T>) << "dq";
+      EXPECT_LE(rel_error(got.r.dk, one.dk), kTolerance<T>) << "dk";
+      EXPECT_LE(rel_error(got.r.dv, one.dv), kTolerance<T>) << "dv";
+      EXPECT_LE(rel_error(got.r.dg, one.dg), kTolerance<T>) << "dg";
+      EXPECT_LE(rel_error(got.r.dbeta, one.dbeta), kTolerance<T>) << "dbeta";
+      EXPECT_LE(rel_error(got.r.dh0, one.dh0), kTolerance<T>) << "dh0";
+    }
+  }
+}
+
+TEST(Ulysses, ChunkFloatIsTheStateCpLayerOverTheGroupLayout) { check_against_state_cp<float>(Algorithm::chunk, "p2p"); }
+TEST(Ulysses, RecurrentDoubleIsTheStateCpLayerOverTheGroupLayout) {
+  check_against_state_cp<double>(Algorithm::recurrent, "allgather");
+}
+
+TEST(Ulysses, DhtFromEveryRankIsSummed) {
+  const UlyssesCase u = cases()[0];
+  Problem<double> p = test::make_problem(u.c, 77);
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> dist(-1, 1);
+  std::vector<std::vector<double>> dht(u.ranks, std::vector<double>(u.c.states()));
+  std::vector<double> sum(u.c.states(), 0.0);
+  for (auto& d : dht)
+    for (std::size_t i = 0; i < d.size(); ++i) sum[i] += d[i] = dist(rng);
+  const CpRun<double> got = run_ulysses(p, dht, u.ranks, u.width, layout_of(u), "auto", Algorithm::chunk);
+  p.dht = sum;
+  const test::Result<double> one = test::reference(p);
+  for (const auto& [name, a, b] : {std::tuple{"dq", &got.r.dq, &one.dq}, std::tuple{"dg", &got.r.dg, &one.dg},
+                                   std::tuple{"dh0", &got.r.dh0, &one.dh0}}) {
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < b->size(); ++i) num += ((*a)[i] - (*b)[i]) * ((*a)[i] - (*b)[i]), den += (*b)[i] * (*b)[i];
+    EXPECT_LE(std::sqrt(num / den), 1e-10) << name;
+  }
+}
+
+TEST(Ulysses, GroupLayoutMergesEachHeadGroupsAdjacentParts) {
+  EXPECT_EQ(ulysses_group_layout(Layout::contiguous(12, 4), 2).str(), Layout::contiguous(12, 2).str());
+  // Zigzag over 4 ranks, groups of 2: parts 0,1 | 2,3 | 4,5 | 6,7 go to groups 0, 1, 1, 0.
+  const Layout z = ulysses_group_layout(Layout::zigzag(16, 4), 2);
+  EXPECT_EQ(z.owners().list(), (std::vector<std::size_t>{0, 1, 0}));
+  EXPECT_EQ(z.part_lengths(), (std::vector<std::size_t>{4, 8, 4}));
+  EXPECT_THROW(ulysses_group_layout(Layout::contiguous(12, 4), 3), InvalidArgument);
+  EXPECT_THROW(ulysses_group_layout(Layout::contiguous(12, 4), 0), InvalidArgument);
+  ExchangeOptions o;
+  o.expected_shape = SummaryShape{1, 4, 16, 16};
+  o.expected_cuts = {false, true, false, false, false, false, true, false};
+  const ExchangeOptions g = ulysses_exchange_options(o, Layout::zigzag(16, 4), 2);
+  EXPECT_EQ(g.expected_shape->heads, 2u);
+  EXPECT_EQ(g.expected_cuts, (std::vector<bool>{true, false, true}));
+  o.expected_cuts.pop_back();
+  EXPECT_THROW(ulysses_exchange_options(o, Layout::zigzag(16, 4), 2), InvalidArgument);
+  o.expected_cuts.clear();
+  EXPECT_THROW(ulysses_exchange_options(o, Layout::zigzag(16, 4), 3), InvalidArgument);
+}
+
+// Every rank throws InvalidArgument (and no rank hangs): rank `bad` with a
+// message containing `want`, the others with one containing `elsewhere`.
+void expect_every_rank_throws(std::size_t ranks, const std::function<void(std::size_t, const DeviceMesh&)>& fn,
+                              std::size_t bad, const std::string& want, const std::string& elsewhere) {
+  std::atomic<std::size_t> thrown{0};
+  run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
+    const DeviceMesh mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
+    try {
+      fn(comm->rank(), mesh);
+    } catch (const InvalidArgument& e) {
+      ++thrown;
+      const std::string& expected = comm->rank() == bad ? want : elsewhere;
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  });
+  EXPECT_EQ(thrown.load(), ranks);
+}
+
+TEST(Ulysses, BadArgumentsOnOneRankThrowOnEveryRankBeforeAnyMessage) {
+  const Case c{"bad", test::shape_of(1, 32, 2, 2, 16, 16), {0, 32}};
+  const Problem<double> p = test::make_problem(c, 9);
+  const Layout layout = Layout::contiguous(32, 4);
+  // A width that does not divide P, on every rank; then on rank 2 only.
+  expect_every_rank_throws(
+      4, [&](std::size_t, const DeviceMesh& mesh) { UlyssesLayer<double>(mesh, 3, "p2p", layout); }, 0,
+      "expected a divisor (>= 1) of the P = 4 ranks", "expected a divisor (>= 1) of the P = 4 ranks");
+  expect_every_rank_throws(
+      4, [&](std::size_t r, const DeviceMesh& mesh) { UlyssesLayer<double>(mesh, r == 2 ? 4 : 2, "p2p", layout); },
+      2, "ulysses width: ranks 0,1,3 have 2, rank 2 has 4", "ulysses width: ranks 0,1,3 have 2, rank 2 has 4");
+  // Per call: heads the width does not divide (rank 1's shape), d_incoming.
+  auto call = [&](bool spoil_heads, bool d_incoming) {
+    return [&, spoil_heads, d_incoming](std::size_t r, const DeviceMesh& mesh) {
+      UlyssesLayer<double> layer(mesh, 2, "p2p", layout);
+      Shape ls = c.shape;
+      ls.tokens = 8;
+      if (spoil_heads && r == 1) ls.heads = ls.value_heads = 3;
+      std::vector<double> o(8 * 3 * 16), grads(8 * 3 * 16 * 5);
+      const Inputs<double> in{p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), ls, p.scale};
+      const Stream stream{test::stream_sequences(c), layout};
+      const UlyssesSaved<double> saved = layer.forward(in, stream, {}, o.data(), {});
+      double* g = grads.data();
+      layer.backward(in, saved, {}, o.data(), {}, Grads<double>{g, g, g, g, g, d_incoming && r == 3 ? g : nullptr},
+                     {});
+    };
+  };
+  expect_every_rank_throws(4, call(true, false), 1,
+                           "kda::UlyssesLayer::forward on rank 1: H = 3 and HV = 3 heads, expected multiples of the "
+                           "Ulysses width U = 2",
+                           "rank 1 rejected its own arguments");
+  expect_every_rank_throws(4, call(false, true), 3,
+                           "kda::UlyssesLayer::backward on rank 3: grads.d_incoming is set, expected null",
+                           "rank 3 rejected its own arguments");
+}
+
+TEST(Ulysses, NonFiniteResultsAreNamed) {
+  const Case c{"inf", test::shape_of(1, 32, 2, 2, 16, 16), {0, 32}};
+  Problem<double> p = test::make_problem(c, 10);
+  const Layout layout = Layout::contiguous(32, 4);
+  p.v[5] = std::numeric_limits<double>::infinity();  // token 0: rank 0's
+  std::atomic<std::size_t> thrown{0};
+  run_in_process(4, [&](const std::shared_ptr<Communicator>& comm) {
+    const DeviceMesh mesh = DeviceMesh::create(comm, {4}, {"cp"});
+    UlyssesLayer<double> layer(mesh, 2, "p2p", layout);
+    Shape ls = c.shape;
+    ls.tokens = 8;
+    const std::size_t at = comm->rank() * 8;
+    const Inputs<double> in{p.q.data() + at * 32, p.k.data() + at * 32, p.v.data() + at * 32,
+                            p.g.data() + at * 32, p.beta.data() + at * 2, ls, p.scale};
+    std::vector<double> o(8 * 32);
+    try {
+      layer.forward(in, Stream{test::stream_sequences(c), layout}, {}, o.data(), {});
+    } catch (const NumericalError& e) {
+      ++thrown;
+      EXPECT_NE(std::string(e.what()).find("kda::UlyssesLayer::forward on rank"), std::string::npos) << e.what();
+      if (comm->rank() == 0) {
+        EXPECT_NE(std::string(e.what()).find("the input v[0,0,0,5] is already inf"), std::string::npos)
+            << e.what();
+      }
+    }
+  });
+  // Head 0's state carries the Inf through every token after it: every
+  // rank's o holds a non-finite value.
+  EXPECT_EQ(thrown.load(), 4u);
+}
+
+}  // namespace
+}  // namespace kdacp::kda
