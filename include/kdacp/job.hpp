@@ -87,6 +87,7 @@ struct LayerOutputs {
   std::string method;
   std::string backend = "single";
   std::size_t ranks = 1;
+  std::size_t ulysses = 1;  // the head groups' width U (LayerRunOptions::ulysses); 1: plain state CP
   bool exact = true;  // the protocol performs the chain's operations (SPEC §5)
 };
 
@@ -108,6 +109,10 @@ struct LayerRunOptions {
   ExchangeOptions exchange;  // expected_shape defaults to the job's summary shape
   // The layout of the job's T on the world's P (nullopt: Layout::contiguous).
   std::optional<kda::Layout> layout;
+  // Ulysses × state CP (kda::UlyssesLayer): head groups of U consecutive
+  // ranks, the state exchange over P/U; U must divide P, H and HV. 1: the
+  // context-parallel layer alone.
+  std::size_t ulysses = 1;
   // Fields every rank must share beyond the layer's own (kda::LayerChecks::
   // agree): where each process reads or generates the whole job, a hash of
   // its input files or its seed.
@@ -193,6 +198,19 @@ double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t r
 // not counted.
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
                         std::size_t elem_bytes, double rank_exchange_bytes);
+
+// Throws InvalidArgument unless the Ulysses width U (LayerRunOptions::
+// ulysses) is at least 1 and divides P, H and HV ("Ulysses width U = 3:
+// expected a divisor of P = 4, H = 2 and HV = 2").
+void check_ulysses(std::size_t width, std::size_t ranks, const kda::Shape& s);
+
+// Bytes one rank of kda::UlyssesLayer (width U over `layout`) holds beyond
+// the state-CP layer's own: the head slice of its group's inputs kept for
+// the backward and their gradients, the o and d_o slices, the all-to-alls'
+// send and receive buffers and the head group's state slots. The largest
+// rank's (a bound on every rank's).
+double ulysses_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, std::size_t width,
+                          bool grads, std::size_t elem_bytes);
 
 // Bytes of the forward caches (kda::ForwardCache) a keep_forward job holds
 // for `tokens` tokens of `s` cut into at most `pieces` sequence pieces: at

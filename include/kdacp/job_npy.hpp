@@ -65,10 +65,13 @@ double layer_npy_bytes(const std::string& dir);
 // run counted is this process's rank's share (layer_rank_bytes), not all P
 // ranks'. The message names the ranks and the protocol (auto: its choice).
 // cache_bytes: the forward caches the run holds (layer_cache_bytes), added.
+// ulysses > 1: the Ulysses layer of that width (check_ulysses first): its
+// exchange priced over the head groups' layout with HV/U heads, and
+// ulysses_rank_bytes per rank added.
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
                      const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
-                     bool one_rank_per_process = false, double cache_bytes = 0);
+                     bool one_rank_per_process = false, double cache_bytes = 0, std::size_t ulysses = 1);
 
 // admit_layer_run for `job`, read from `in` (input_bytes), on
 // options.layout (nullopt: contiguous over `ranks`) with options' method,

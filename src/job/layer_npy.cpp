@@ -22,6 +22,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/half.hpp"
+#include "kdacp/kda_ulysses.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 
@@ -213,19 +214,30 @@ double layer_npy_bytes(const std::string& dir) {
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,
                      const kda::Layout& layout, bool grads, double input_bytes, const std::string& method,
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
-                     bool one_rank_per_process, double cache_bytes) {
-  // auto's choice is the layer's (options from layer_exchange_options).
-  const ProblemShape ps = layer_problem_shape(s, dtype_size(summary.dtype), layout, options.expected_cuts);
+                     bool one_rank_per_process, double cache_bytes, std::size_t ulysses) {
   const std::size_t ranks = layout.ranks();
-  const Prediction pred = predict_exchange(ps, method, group_size, options);
+  check_ulysses(ulysses, ranks, s);
+  // The exchange runs over the head groups' layout with HV/U heads (U = 1:
+  // the layout itself); auto's choice is the layer's (options from
+  // layer_exchange_options).
+  kda::Shape slice = s;
+  slice.heads /= ulysses;
+  slice.value_heads /= ulysses;
+  const kda::Layout group = kda::ulysses_group_layout(layout, ulysses);
+  const ExchangeOptions go = kda::ulysses_exchange_options(options, layout, ulysses);
+  const ProblemShape ps = layer_problem_shape(slice, dtype_size(summary.dtype), group, go.expected_cuts);
+  const Prediction pred = predict_exchange(ps, method, group_size, go);
   const double exchange = exchange_rank_bytes(ps, pred);
+  const double extra = ulysses_rank_bytes(s, sequences, layout, ulysses, grads, ps.elem_bytes);
   const double run = one_rank_per_process
-                         ? layer_rank_bytes(s, sequences, layout, grads, ps.elem_bytes, exchange)
+                         ? layer_rank_bytes(s, sequences, layout, grads, ps.elem_bytes, exchange) + extra
                          : layer_run_bytes(s, sequences, ranks, grads, ps.elem_bytes, exchange, layout.parts().size(),
-                                           layer_in_place(s, layout));
+                                           layer_in_place(s, layout)) +
+                               double(ranks) * extra;
   std::ostringstream what;
   what << "kdacp kda on " << ranks << " ranks";
   if (one_rank_per_process) what << " (one per process, this process's rank)";
+  if (ulysses > 1) what << " with Ulysses U=" << ulysses << " +";
   what << " with " << protocol_label(pred.config);
   require_memory(input_bytes + run + cache_bytes, max_memory_bytes(max_memory), what.str(),
                  max_memory_name(max_memory));
@@ -255,7 +267,7 @@ void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunO
                                    : 0.0;
   admit_layer_run(s, in.sequences, summary, layout, job.grads(), input_bytes, options.method, options.group_size,
                   layer_exchange_options(options.exchange, s, summary.dtype, layout, job.sequences()), max_memory,
-                  one_rank_per_process, cache);
+                  one_rank_per_process, cache, options.ulysses);
 }
 
 namespace {

@@ -20,6 +20,7 @@
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/inprocess.hpp"
+#include "kdacp/kda_ulysses.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/thread_pool.hpp"
@@ -214,15 +215,24 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   if (layout.tokens() != s.tokens || layout.ranks() != ranks)
     throw InvalidArgument(fmt::format("run_context_parallel: the layout is for T = {} on P = {}, the job has T = {} "
                                       "on P = {}", layout.tokens(), layout.ranks(), s.tokens, ranks));
+  check_ulysses(options.ulysses, ranks, s);
   const ExchangeOptions eo = layer_exchange_options(options.exchange, s, dtype_of<T>(), layout, seqs);
   const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
   ThreadPool pool(options.threads_per_rank);
   kda::LayerChecks checks;
   checks.agree = options.agree;
-  kda::ContextParallelLayer<T> layer(mesh, options.method, layout, options.group_size, eo,
-                                     ExecPolicy{&pool, eo.exec.kernel, job.algorithm, job.deterministic},
-                                     checks);
-  layer.keep_forward(job.keep_forward && job.grads());
+  const ExecPolicy exec{&pool, eo.exec.kernel, job.algorithm, job.deterministic};
+  // One of the two layers; the steps below are one code path over either.
+  std::optional<kda::ContextParallelLayer<T>> plain;
+  std::optional<kda::UlyssesLayer<T>> ulysses;
+  if (options.ulysses > 1) {
+    ulysses.emplace(mesh, options.ulysses, options.method, layout, options.group_size, eo, exec, checks);
+    ulysses->state_layer().keep_forward(job.keep_forward && job.grads());
+  } else {
+    plain.emplace(mesh, options.method, layout, options.group_size, eo, exec, checks);
+    plain->keep_forward(job.keep_forward && job.grads());
+  }
+  const StateExchange& exchange = plain ? plain->exchange() : ulysses->exchange();
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);
   kda::Shape ls = s;
@@ -277,25 +287,29 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   // forward, backward, their exchanges, the summary, the G pass.
   constexpr std::size_t kTimes = 6;
   double times[kTimes] = {0, 0, 0, 0, 0, 0};
-  for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
-    comm.barrier();
-    auto t0 = std::chrono::steady_clock::now();
-    const kda::Saved saved =
-        layer.forward(in, stream, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
-    times[0] = since(t0);
-    times[2] = layer.forward_times().exchange;
-    times[4] = layer.forward_times().summary;
-    if (grads) {
+  auto steps = [&](auto& layer) {
+    for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
       comm.barrier();
-      t0 = std::chrono::steady_clock::now();
-      layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
-                     kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
-                     states_of(lr.dh0, seqs, ls));
-      times[1] = since(t0);
-      times[3] = layer.backward_times().exchange;
-      times[5] = layer.backward_times().summary;
+      auto t0 = std::chrono::steady_clock::now();
+      const auto saved =
+          layer.forward(in, stream, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
+      times[0] = since(t0);
+      times[2] = layer.forward_times().exchange;
+      times[4] = layer.forward_times().summary;
+      if (grads) {
+        comm.barrier();
+        t0 = std::chrono::steady_clock::now();
+        layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
+                       kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
+                       states_of(lr.dh0, seqs, ls));
+        times[1] = since(t0);
+        times[3] = layer.backward_times().exchange;
+        times[5] = layer.backward_times().summary;
+      }
     }
-  }
+  };
+  if (plain) steps(*plain);
+  else steps(*ulysses);
   copies.clear();  // the input copies are done with
 
   // The slowest rank's times, then every rank's outputs into the whole ones.
@@ -358,8 +372,9 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
       r.phases = LayerPhases{t[4], t[5], t[2] + t[3], t[0] - t[4] - t[2], t[1] - t[5] - t[3], q0};
     }
   }
-  r.method = layer.exchange().method();
-  r.exact = layer.exchange().exact();
+  r.method = exchange.method();
+  r.exact = exchange.exact();
+  r.ulysses = options.ulysses;
   r.backend = comm.backend();
   r.ranks = ranks;
   if (shared) return std::nullopt;
@@ -425,6 +440,33 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
   const double states = state * (double(local) / 64 + 5 * double(parts)) * double(elem_bytes);
   const double sequence_states = double(sequences) * kv * 5 * double(elem_bytes);
   return tensors + states + sequence_states + rank_exchange_bytes;
+}
+
+void check_ulysses(std::size_t width, std::size_t ranks, const kda::Shape& s) {
+  if (width == 0 || ranks % width != 0 || s.heads % width != 0 || s.value_heads % width != 0)
+    throw InvalidArgument(fmt::format("Ulysses width U = {}: expected a divisor of P = {}, H = {} and HV = {}", width,
+                                      ranks, s.heads, s.value_heads));
+}
+
+double ulysses_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, std::size_t width,
+                          bool grads, std::size_t elem_bytes) {
+  if (width <= 1) return 0;
+  const kda::Layout group = kda::ulysses_group_layout(layout, width);
+  std::size_t own = 0, together = 0;  // the most tokens of one rank, of one group
+  for (std::size_t r = 0; r < layout.ranks(); ++r) own = std::max(own, layout.local_tokens(r));
+  for (std::size_t c = 0; c < group.ranks(); ++c) together = std::max(together, group.local_tokens(c));
+  const double per_token_in = double(s.heads) * 2 * double(s.key_dim) +
+                              double(s.value_heads) * (double(s.value_dim) + double(s.key_dim) + 1);
+  const double per_token_out = double(s.value_heads) * double(s.value_dim);
+  const double b = double(s.batch), u = double(width), e = double(elem_bytes);
+  const double slice_in = b * double(together) * per_token_in / u, rank_in = b * double(own) * per_token_in;
+  const double slice_out = b * double(together) * per_token_out / u;
+  // Kept inputs (and gradients), o (and d_o) slices, send + receive buffers
+  // (the largest all-to-all: the inputs'), and per sequence the h0 slice,
+  // the ht / dh0 slots and dht's blocks.
+  const double tensors = (grads ? 2 : 1) * (slice_in + slice_out) + 2 * std::max(rank_in, slice_in);
+  const double states = double(sequences) * double(s.value_heads) * double(s.key_dim) * double(s.value_dim) * 4;
+  return (tensors + states) * e;
 }
 
 bool layer_in_place(const kda::Shape& s, const kda::Layout& layout) {

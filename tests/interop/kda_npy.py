@@ -392,6 +392,51 @@ def check_chunk(kdacp):
                         assert vs_rec > 0, "chunk and recurrent files are identical"
 
 
+def check_ulysses(kdacp, mpi):
+    """--ulysses U: head groups of U ranks around the state exchange over P/U.
+
+    Packed sequences with h0, dht and do, H = 2 and HV = 4 (value heads
+    grouped): every output against the transcription; the same bytes as the
+    plain layer over the head groups' layout (P = 4, U = 2, contiguous: the
+    groups hold 12 and 11 tokens); one process per rank the same bytes."""
+    rng = np.random.default_rng(17)
+    b_, t_, h_, hv, kd, vd = 1, 23, 2, 4, 16, 16
+    x, d_o, h0, dht = make_inputs(rng, b_, t_, h_, hv, kd, vd, len(CU) - 1)
+    scale = kd ** -0.5
+    o, ht = kda_forward(**x, scale=scale, cu=CU, h0=h0)
+    want = dict(zip(OUTPUTS, (o, ht) + kda_backward(**x, scale=scale, d_o=d_o, cu=CU, h0=h0, dht=dht)))
+    with tempfile.TemporaryDirectory() as d:
+        for name, a in dict(x, do=d_o, h0=h0, dht=dht).items():
+            np.save(os.path.join(d, name + ".npy"), a)
+        np.save(os.path.join(d, "cu_seqlens.npy"), CU)
+        for ranks, width, layout, proto in ((4, 2, [], "p2p"), (8, 2, [], "auto"), (4, 2, ["--layout", "zigzag"], "p2p"),
+                                            (6, 2, ["--split", "2,5,1,6,4,5"], "allgather")):
+            out = os.path.join(d, f"uly_{ranks}_{width}_{len(layout)}")
+            text = run(kdacp, "--inputs", d, "--out", out, "--ranks", str(ranks), "--ulysses", str(width),
+                       "--protocol", proto, *layout)
+            assert f"Ulysses U={width} + " in text, text
+            errs = {name: rel(np.load(os.path.join(out, name + ".npy")), want[name]) for name in OUTPUTS}
+            print(f"ulysses P={ranks} U={width} {' '.join(layout)} {proto}: max rel error {max(errs.values()):.2e}")
+            assert max(errs.values()) < 1e-10, (ranks, width, layout, errs)
+        plain = os.path.join(d, "plain_groups")
+        run(kdacp, "--inputs", d, "--out", plain, "--ranks", "2", "--split", "12,11", "--protocol", "p2p")
+        same_files(os.path.join(d, "uly_4_2_0"), plain)
+        print("  P=4 U=2: files equal to the plain layer on the groups' layout (P=2, 12,11) byte for byte")
+        if mpi:
+            out = os.path.join(d, "uly_mpi")
+            run(kdacp, "--inputs", d, "--out", out, "--backend", "mpi", "--ulysses", "2", "--protocol", "p2p",
+                prefix=(mpi[0], "-np", "4", *mpi[1:]))
+            same_files(os.path.join(d, "uly_4_2_0"), out)
+            print("  mpirun -np 4 --ulysses 2: files equal to in-process byte for byte")
+        # A width that divides neither P nor the heads: an error naming the flag.
+        for ranks, width in ((4, 3), (8, 8)):
+            r = subprocess.run([kdacp, "kda", "--inputs", d, "--out", os.path.join(d, "bad"), "--ranks", str(ranks),
+                                "--ulysses", str(width)], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and f"--ulysses {width}: Ulysses width U = {width}: expected a divisor of P = " \
+                f"{ranks}, H = 2 and HV = 4" in r.stderr, (r.returncode, r.stderr)
+            assert not os.path.exists(os.path.join(d, "bad")), "a refused run wrote outputs"
+
+
 def main():
     kdacp = sys.argv[1]
     if sys.argv[2:] == ["--chunk"]:
@@ -405,6 +450,7 @@ def main():
         check_rows(kdacp)
         check_float16(kdacp)
     check_packed(kdacp, mpi)
+    check_ulysses(kdacp, mpi)
     print("interop ok")
 
 

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "backend.hpp"
 #include "commands.hpp"
 #include "exchange_flags.hpp"
@@ -33,6 +35,7 @@ struct KdaConfig {
   std::size_t threads = 0;
   bool recompute = !defaults::kKeepForward;
   bool deterministic = defaults::kDeterministic;
+  std::size_t ulysses = 1;
 };
 
 // What every rank runs with on `ranks` ranks, after the memory admission
@@ -44,9 +47,18 @@ job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in, 
   kda::Layout layout = layout_of(cfg.layout, job.data.shape.tokens, ranks);
   SummaryShape summary = job::layer_summary_shape(job.data.shape);
   summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
-  job::LayerRunOptions opts{cfg.exchange.protocol, cfg.exchange.group_size,
-                            cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend)),
-                            exchange_options(cfg.exchange, summary), std::move(layout), {}};
+  job::LayerRunOptions opts;
+  opts.method = cfg.exchange.protocol;
+  opts.group_size = cfg.exchange.group_size;
+  opts.threads_per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
+  opts.exchange = exchange_options(cfg.exchange, summary);
+  opts.layout = std::move(layout);
+  opts.ulysses = cfg.ulysses;
+  try {
+    job::check_ulysses(cfg.ulysses, ranks, job.data.shape);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("--ulysses {}: {}", cfg.ulysses, e.what()));
+  }
   job::admit_layer_job(in, job, opts, ranks, input_bytes, cfg.max_memory,
                        resolved_backend(cfg.backend) != "inprocess");
   return opts;
@@ -64,12 +76,15 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
   job::save_layer_outputs(cfg.out, in, *out);
   const std::string dtype = in.q.half ? in.q.file_dtype() + " (computed in float32)"
                                       : std::is_same_v<T, double> ? "float64" : "float32";
+  const std::string exchange =
+      out->ulysses > 1 ? fmt::format("Ulysses U={} + {} over P/U={}", out->ulysses, out->method, ranks / out->ulysses)
+                       : out->method;
   std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s, %s algorithm, on P=%zu %s ranks (%s, %s "
               "layout): wrote %s to %s\n",
               dtype.c_str(), s.batch, s.tokens, s.heads, s.value_heads,
               s.key_dim, s.value_dim, in.sequences, in.cu_seqlens.empty() ? "" : " packed",
               kda::algorithm_name(job.algorithm), ranks,
-              out->backend.c_str(), out->method.c_str(), layout_name(cfg.layout).c_str(),
+              out->backend.c_str(), exchange.c_str(), layout_name(cfg.layout).c_str(),
               job.grads() ? "o, ht, dq, dk, dv, dg, dbeta, dh0" : "o, ht", cfg.out.c_str());
 }
 
@@ -148,6 +163,11 @@ void add_kda_command(CLI::App& app) {
   add_algorithm_flag(*cmd, cfg->algorithm);
   add_recompute_flag(*cmd, cfg->recompute);
   add_deterministic_flag(*cmd, cfg->deterministic);
+  add_int(*cmd, "--ulysses", cfg->ulysses,
+          "Ulysses x state CP: head groups of U consecutive ranks exchange q, k, v, g, beta and o by all-to-all, the "
+          "state exchange (--protocol) runs over the P/U ranks of each head slice with H/U heads; U divides P, H and "
+          "HV; 1: off",
+          IntRange{1, 65536});
   add_real(*cmd, "--scale", cfg->scale, "output scale (default 1/sqrt(K))", kPositive)->default_str("1/sqrt(K)");
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);
