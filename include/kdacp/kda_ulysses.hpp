@@ -108,6 +108,13 @@ class UlyssesLayer {
   double forward_all_to_all_seconds() const { return fwd_a2a_; }
   double backward_all_to_all_seconds() const { return bwd_a2a_; }
 
+  // Off: forward and backward skip their agreement over the P ranks (the
+  // caller agreed on the call's arguments once, as kdacp.torch's CpContext
+  // does): each rank's own checks still run and throw on that rank alone,
+  // before it sends anything; its peers then wait until the timeout.
+  void agree_per_call(bool on) { agree_calls_ = on; }
+  bool agrees_per_call() const { return agree_calls_; }
+
   // A non-finite output throws NumericalError (LayerChecks::check_finite),
   // after the call's last message.
   void check_finite(bool on) { check_finite_ = on; }
@@ -148,6 +155,7 @@ class UlyssesLayer {
   std::size_t group_tokens_ = 0;
   ExecPolicy exec_;
   bool check_finite_ = true;
+  bool agree_calls_ = true;
   PhaseTimes fwd_, bwd_;
   double fwd_a2a_ = 0, bwd_a2a_ = 0;
   // The all-to-alls' send and receive buffers, reused by the next call.

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp._comm import backend_for
-from kdacp._common import _expected_cuts, _parse_bytes, _segments
+from kdacp._common import _expected_cuts, _parse_bytes, _segments, _ulysses
 
 
 def _agree(backend, row, what):
@@ -103,7 +103,7 @@ class _Fingerprint:
 
 _OPTION_FIELDS = ("protocol", "allgather_group_size", "segments", "memory_budget_bytes",
                   "allow_reassociation", "calibration", "expected_shape", "expected_cuts",
-                  "timeout")
+                  "timeout", "ulysses")
 
 
 def _options_fingerprint(fp, options, protocol, group_size, timeout_s):
@@ -121,6 +121,7 @@ def _options_fingerprint(fp, options, protocol, group_size, timeout_s):
     fp.add_hash("expected_shape", None if shape is None else [int(x) for x in shape])
     fp.add_hash("expected_cuts", _expected_cuts(options))
     fp.add("timeout", _float_bits(timeout_s), lambda b: f"{_bits_float(b)!r} s")
+    fp.add("ulysses", _ulysses(options))
 
 
 _BACKENDS = {}

@@ -27,7 +27,8 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
 _DEFAULTS = _kdacp.defaults()
 _DEFAULT_TIMEOUT_S = _DEFAULTS["timeout"]
 _EXCHANGE_OPTIONS = ("memory_budget_bytes", "allow_reassociation", "segments", "calibration",
-                     "expected_shape", "expected_cuts", "timeout", "threads", "check_ranks")
+                     "expected_shape", "expected_cuts", "timeout", "threads", "check_ranks",
+                     "ulysses")
 
 
 # -- tensors as C++ views ----------------------------------------------------
@@ -145,6 +146,7 @@ def _options(options, expected=None, expected_dtype=None, expected_cuts=None):
             raise ValueError(f"expected_shape={shape!r}, expected (B, H, K, V)")
         shape = [_integer(x, "expected_shape", 1, 1 << 32) for x in shape]
     cuts = _expected_cuts(options, expected_cuts)
+    _ulysses(options)
     for flag in ("allow_reassociation", "check_ranks"):
         if flag in options and not isinstance(options[flag], bool):
             raise ValueError(f"{flag}={options[flag]!r}, expected True or False")
@@ -180,6 +182,22 @@ def _expected_cuts(options, default=None):
         else:
             raise ValueError(f"expected_cuts[{i}] is {c!r}, expected True or False")
     return out
+
+
+def _ulysses(options):
+    """ulysses: the head groups' width U of the Ulysses layer (kda::UlyssesLayer:
+    an all-to-all over U consecutive ranks around the state exchange over P/U);
+    1 (default): the context-parallel layer alone."""
+    return _integer(options.get("ulysses", 1), "ulysses", 1, 1 << 16)
+
+
+def _check_ulysses(options, ranks, heads, value_heads):
+    """ValueError unless ulysses divides the group's ranks, H and HV."""
+    u = _ulysses(options)
+    if ranks % u or heads % u or value_heads % u:
+        raise ValueError(f"ulysses={u}: expected a divisor of the group's {ranks} ranks, "
+                         f"H = {heads} and HV = {value_heads}")
+    return u
 
 
 def _segments(options):

@@ -7,7 +7,7 @@ from kdacp import _kdacp
 from kdacp._agreement import _OPTION_FIELDS, _Fingerprint, _options_fingerprint
 from kdacp._comm import backend_for
 from kdacp._common import (_DTYPES, _check_state_tensor, _desc, _group_size, _options, _threads,
-                           _timeout, _viewable)
+                           _timeout, _ulysses, _viewable)
 
 _SHAPE_FIELDS = ("direction", "B", "H", "K", "V", "dtype")
 
@@ -134,6 +134,9 @@ def build_kda_state_cp(group=None, protocol="auto", allgather_group_size=1, **op
     (with grad mode on) is a ValueError.
     """
     _options(options)  # rejects unknown options before anything is sent
+    if _ulysses(options) != 1:
+        raise ValueError(f"ulysses={options['ulysses']!r} is an option of the layer (kdacp.torch.kda "
+                         "with group=, build_cp_context), not of the state exchange")
     if not isinstance(protocol, str):
         raise ValueError(f"protocol={protocol!r}, expected one of {_kdacp.exchange_methods()}")
     if protocol not in _kdacp.exchange_methods():

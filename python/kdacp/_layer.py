@@ -13,9 +13,9 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
                               _group_backend, _options_fingerprint)
 from kdacp._autograd import cu_list, first_order
 from kdacp._comm import check_group
-from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _compute_dtype,
-                           _contiguous_cached, _from_numpy, _group_size, _options,
-                           _require_finite_result, _threads, _timeout)
+from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _check_ulysses,
+                           _compute_dtype, _contiguous_cached, _from_numpy, _group_size, _options,
+                           _require_finite_result, _threads, _timeout, _ulysses)
 
 _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
@@ -46,7 +46,7 @@ def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_s
         return cached
     opts = _options(options, expected=summary_shape, expected_dtype=dtype)
     layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, dtype, opts,
-                            _threads(options))
+                            _threads(options), _ulysses(options))
     if len(_LAYERS) >= _LAYER_CACHE_SIZE:
         _LAYERS.pop(next(iter(_LAYERS)))
     _LAYERS[key] = layer
@@ -279,6 +279,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             algorithm, keep_forward, options, deterministic)
         if layout != "contiguous":
             raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
+        if _ulysses(options) != 1:
+            raise ValueError(f"ulysses={options['ulysses']!r} needs a group (without one kda runs one "
+                             "process)")
         key = ("single", dtype, threads)
         layer = _layer(None, key, "none", 1, None, dtype, options)
     else:
@@ -306,6 +309,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                 q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
                 algorithm, keep_forward, options, deterministic)
             b, t_local, h, hv, kd, vd = shape
+            _check_ulysses(options, backend.size, h, hv)
             for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
                 fp.add(name, n)
             fp.add("dtype", 8 if dtype == "float64" else 4,

@@ -17,6 +17,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/kda_cp.hpp"
+#include "kdacp/kda_ulysses.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
 #include "torch_comm.hpp"
@@ -37,17 +38,40 @@ namespace {
 // same bits.
 struct SavedBox {
   std::optional<kda::Saved> saved;
+  // The Ulysses layer's (kda::UlyssesSaved): its state-CP layer's Saved and
+  // the head slice of the group's inputs.
+  std::optional<kda::UlyssesSaved<float>> ulysses_f32;
+  std::optional<kda::UlyssesSaved<double>> ulysses_f64;
+
+  template <class T>
+  std::optional<kda::UlyssesSaved<T>>& ulysses() {
+    if constexpr (std::is_same_v<T, double>)
+      return ulysses_f64;
+    else
+      return ulysses_f32;
+  }
+  // The Saved holding the forward cache, if any.
+  template <class T>
+  const kda::Saved* base() const {
+    if (saved) return &*saved;
+    if constexpr (std::is_same_v<T, double>)
+      return ulysses_f64 ? &ulysses_f64->saved : nullptr;
+    else
+      return ulysses_f32 ? &ulysses_f32->saved : nullptr;
+  }
 
   // The forward cache (rewound for the backward), or null.
   template <class T>
   kda::ForwardCache<T>* kept() const {
-    kda::ForwardCache<T>* c = saved ? saved->kept<T>().get() : nullptr;
+    const kda::Saved* b = base<T>();
+    kda::ForwardCache<T>* c = b ? b->kept<T>().get() : nullptr;
     if (c) c->rewind();
     return c;
   }
   template <class T>
   void release_kept() {
     if (saved) saved->kept<T>().reset();
+    if (ulysses<T>()) ulysses<T>()->saved.template kept<T>().reset();
   }
 };
 
@@ -71,16 +95,30 @@ class KdaLayer {
   // backend None: one process, the whole stream local. Otherwise the CP layer
   // over the group with `layout` (kdacp.Layout, built by the caller once per
   // context, spanning the group's ranks).
+  // ulysses > 1: kda::UlyssesLayer of that width over the group (head
+  // groups of U consecutive ranks, the state exchange over P/U).
   KdaLayer(py::object backend, const std::string& method, long long group_size,
            const std::optional<Layout>& layout, const std::string& dtype, ExchangeOptions options,
-           std::size_t threads)
+           std::size_t threads, std::size_t ulysses)
       : pool_(threads), f64_(dtype == "float64") {
-    if (backend.is_none()) return;
+    if (backend.is_none()) {
+      if (ulysses != 1) throw InvalidArgument(fmt::format("ulysses={} needs a group, got one process", ulysses));
+      return;
+    }
     if (!layout) throw InvalidArgument("KdaLayer over a group needs its layout, got None");
     comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
     py::gil_scoped_release release;  // building the exchange may split: collective
     mesh_ = DeviceMesh::from_group(comm_, comm_->global_ranks(), "cp");
     layout_ = *layout;
+    if (ulysses > 1) {
+      if (f64_)
+        ulysses_f64_ = std::make_unique<kda::UlyssesLayer<double>>(*mesh_, ulysses, method, *layout_, group_size,
+                                                                   options, pool_.exec());
+      else
+        ulysses_f32_ = std::make_unique<kda::UlyssesLayer<float>>(*mesh_, ulysses, method, *layout_, group_size,
+                                                                  options, pool_.exec());
+      return;
+    }
     if (f64_)
       layer_f64_ = std::make_unique<kda::ContextParallelLayer<double>>(
           *mesh_, method, *layout_, group_size, options, pool_.exec());
@@ -127,6 +165,8 @@ class KdaLayer {
   std::size_t forward_cache_bytes() const {
     if (layer_f32_) return layer_f32_->forward_cache_bytes();
     if (layer_f64_) return layer_f64_->forward_cache_bytes();
+    if (ulysses_f32_) return ulysses_f32_->state_layer().forward_cache_bytes();
+    if (ulysses_f64_) return ulysses_f64_->state_layer().forward_cache_bytes();
     return caches_f32_.bytes() + caches_f64_.bytes();
   }
 
@@ -135,24 +175,36 @@ class KdaLayer {
   void agree_per_call(bool on) {
     if (layer_f32_) layer_f32_->agree_per_call(on);
     if (layer_f64_) layer_f64_->agree_per_call(on);
+    if (ulysses_f32_) ulysses_f32_->agree_per_call(on);
+    if (ulysses_f64_) ulysses_f64_->agree_per_call(on);
   }
 
+  // The state exchange ("none" on one process): the plain layer's or the
+  // Ulysses layer's (over P/U ranks).
+  const StateExchange* exchange() const {
+    if (layer_f32_) return &layer_f32_->exchange();
+    if (layer_f64_) return &layer_f64_->exchange();
+    if (ulysses_f32_) return &ulysses_f32_->exchange();
+    if (ulysses_f64_) return &ulysses_f64_->exchange();
+    return nullptr;
+  }
   // The exchange's method ("none" on one process) and whether it is exact.
-  std::string method() const {
-    if (layer_f32_) return layer_f32_->exchange().method();
-    if (layer_f64_) return layer_f64_->exchange().method();
-    return "none";
+  std::string method() const { return exchange() ? exchange()->method() : "none"; }
+  bool exact() const { return exchange() ? exchange()->exact() : true; }
+  // The Ulysses width (1: the plain layer or one process).
+  std::size_t ulysses_width() const {
+    if (ulysses_f32_) return ulysses_f32_->width();
+    if (ulysses_f64_) return ulysses_f64_->width();
+    return 1;
   }
-  bool exact() const {
-    if (layer_f32_) return layer_f32_->exchange().exact();
-    if (layer_f64_) return layer_f64_->exchange().exact();
-    return true;
-  }
-  // Seconds of the last forward / backward on a group: (local, exchange).
+  // Seconds of the last forward / backward on a group: (local, exchange);
+  // with Ulysses the exchange includes the all-to-alls.
   py::tuple times(bool forward) const {
     const kda::PhaseTimes* t = nullptr;
     if (layer_f32_) t = forward ? &layer_f32_->forward_times() : &layer_f32_->backward_times();
     if (layer_f64_) t = forward ? &layer_f64_->forward_times() : &layer_f64_->backward_times();
+    if (ulysses_f32_) t = forward ? &ulysses_f32_->forward_times() : &ulysses_f32_->backward_times();
+    if (ulysses_f64_) t = forward ? &ulysses_f64_->forward_times() : &ulysses_f64_->backward_times();
     return t ? py::make_tuple(t->local, t->exchange) : py::make_tuple(0.0, 0.0);
   }
 
@@ -163,6 +215,13 @@ class KdaLayer {
       return layer_f64_.get();
     else
       return layer_f32_.get();
+  }
+  template <class T>
+  kda::UlyssesLayer<T>* ulysses() const {
+    if constexpr (std::is_same_v<T, double>)
+      return ulysses_f64_.get();
+    else
+      return ulysses_f32_.get();
   }
   template <class T>
   kda::ForwardCachePool<T>& caches() {
@@ -242,7 +301,12 @@ class KdaLayer {
       const kda::Inputs<T> in = tensors.get(s, scale);
       const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
       const auto hts = kda::sequence_states(ht_data, seqs, s);
-      if (auto* l = layer<T>()) {
+      if (auto* u = ulysses<T>()) {
+        u->state_layer().keep_forward(keep_forward);
+        u->state_layer().algorithm(algorithm);
+        u->state_layer().deterministic(deterministic);
+        box->ulysses<T>() = u->forward(in, kda::Stream{seqs, *layout_}, h0, o.get(), hts);
+      } else if (auto* l = layer<T>()) {
         l->keep_forward(keep_forward);
         l->algorithm(algorithm);
         l->deterministic(deterministic);
@@ -289,7 +353,11 @@ class KdaLayer {
       const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
       const auto dht = kda::sequence_states(ptr<T>(dhtp), seqs, s);
       const auto dh0s = kda::sequence_states(dh0_data, seqs, s);
-      if (auto* l = layer<T>()) {
+      if (auto* u = ulysses<T>()) {
+        if (!box.ulysses<T>()) throw InvalidArgument("kda backward without the forward's saved state");
+        u->state_layer().algorithm(algorithm);
+        u->backward(in, *box.ulysses<T>(), h0, d_o.get(), dht, grads, dh0s);
+      } else if (auto* l = layer<T>()) {
         if (!box.saved) throw InvalidArgument("kda backward without the forward's saved state");
         l->algorithm(algorithm);
         l->backward(in, *box.saved, h0, d_o.get(), dht, grads, dh0s);
@@ -310,6 +378,8 @@ class KdaLayer {
   std::optional<kda::Layout> layout_;
   std::unique_ptr<kda::ContextParallelLayer<float>> layer_f32_;
   std::unique_ptr<kda::ContextParallelLayer<double>> layer_f64_;
+  std::unique_ptr<kda::UlyssesLayer<float>> ulysses_f32_;
+  std::unique_ptr<kda::UlyssesLayer<double>> ulysses_f64_;
   kda::ForwardCachePool<float> caches_f32_;  // the one-process path's
   kda::ForwardCachePool<double> caches_f64_;
 };
@@ -454,9 +524,9 @@ void bind_kda(py::module_& m) {
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
       .def(py::init<py::object, const std::string&, long long, const std::optional<Layout>&,
-                    const std::string&, ExchangeOptions, std::size_t>(),
+                    const std::string&, ExchangeOptions, std::size_t, std::size_t>(),
            py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"),
-           py::arg("dtype"), py::arg("options"), py::arg("threads"))
+           py::arg("dtype"), py::arg("options"), py::arg("threads"), py::arg("ulysses") = 1)
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("dtypes"), py::arg("shape"), py::arg("scale"),
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
@@ -469,6 +539,7 @@ void bind_kda(py::module_& m) {
       .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
+      .def_property_readonly("ulysses", &KdaLayer::ulysses_width)
       .def("times", &KdaLayer::times, py::arg("forward"))
       .def_property_readonly("forward_cache_bytes", &KdaLayer::forward_cache_bytes);
   // d_g 0: the gate (one array); otherwise its backward: (d_raw, d_a_log or

@@ -187,6 +187,10 @@ void UlyssesLayer<T>::agree_on(const char* op, const Fingerprint& fields,
   } catch (const InvalidArgument& e) {
     local_error = fmt::format("kda::UlyssesLayer::{} on rank {}: {}", op, world_->rank(), e.what());
   }
+  if (!agree_calls_) {  // agreed once by the caller: this rank's checks alone
+    if (!local_error.empty()) throw InvalidArgument(local_error);
+    return;
+  }
   agree(*world_, fields, fmt::format("kda::UlyssesLayer::{}", op), local_error);
 }
 

@@ -263,3 +263,73 @@ def half_worker(rank, world, init_file):
         e = (got[name].double() - want[name].double()).abs().max().item()
         assert e <= 2 ** -8 * top + 1e-6, (name, e, top)
     finish()
+
+
+def ulysses_worker(rank, world, init_file):
+    """ulysses=2 on 4 ranks (head groups {0,1}, {2,3}; the state exchange over 2):
+    chunk_kda on a context and kda(group=) equal one process; a width that does
+    not divide the ranks or the heads, or ranks that disagree on it, raise
+    ValueError on every rank."""
+    init(rank, world, init_file)
+    gen = torch.Generator().manual_seed(41)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    counts = [3, 5, 7, 9]
+    t, h, hv, kd, vd = sum(counts), 2, 4, 16, 16
+    cu = [0, 4, 13, t]
+    n = len(cu) - 1
+    full = dict(q=rnd(1, t, h, kd), k=rnd(1, t, h, kd), v=rnd(1, t, hv, vd), g=rnd(1, t, hv, kd),
+                beta=rnd(1, t, hv), A_log=0.3 * rnd(hv), dt_bias=0.5 * rnd(hv * kd),
+                h0=0.5 * rnd(n, hv, kd, vd))
+    d_o = rnd(1, t, hv, vd)
+    d_ht = [rnd(n, hv, kd, vd) for _ in range(world)]
+    ref = {k_: v_.clone().requires_grad_() for k_, v_ in full.items()}
+    o_ref, ht_ref = call(ref, FLAGS, cu_seqlens=cu)
+    ((o_ref * d_o).sum() + (ht_ref * sum(d_ht[1:], d_ht[0].clone())).sum()).backward()
+    ctx = kt.build_cp_context(cu, dist.group.WORLD, split=counts, protocol="p2p", timeout=20,
+                              threads=1, ulysses=2)
+    spans = ctx.layout.local_parts(rank)
+
+    def local(x):
+        return torch.cat([x[:, a:e] for a, e in spans], dim=1)
+
+    for step in range(2):
+        mine = {k_: (local(v_) if k_ in TOKEN_WISE else v_).detach().clone().requires_grad_()
+                for k_, v_ in full.items()}
+        o, ht = call(mine, FLAGS, cp_context=ctx)
+        ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
+        got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local)
+        for name in got:
+            err = (got[name] - want[name]).abs().max().item()
+            assert err <= 1e-10, ("chunk_kda ulysses=2", step, name, err)
+    assert [(layer.ulysses, layer.method) for layer in ctx._layers.values()] == [(2, "p2p")]
+
+    # kda(group=) with ulysses: the layer alone (gates and beta as given).
+    g_ = -torch.sigmoid(full["g"])
+    beta_ = torch.sigmoid(full["beta"])
+    ref = [x.clone().requires_grad_() for x in (full["q"], full["k"], full["v"], g_, beta_)]
+    o_ref, ht_ref = kt.kda(*ref, initial_state=full["h0"], output_final_state=True, cu_seqlens=cu)
+    ((o_ref * d_o).sum() + (ht_ref * sum(d_ht[1:], d_ht[0].clone())).sum()).backward()
+    mine = [local(x).detach().clone().requires_grad_() for x in (full["q"], full["k"], full["v"], g_, beta_)]
+    o, ht = kt.kda(*mine, initial_state=full["h0"], output_final_state=True, cu_seqlens=cu,
+                   group=dist.group.WORLD, protocol="auto", timeout=20, threads=1, ulysses=2)
+    ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
+    for name, a, b in [("o", o, local(o_ref)), ("ht", ht, ht_ref)] + \
+            [("d" + nm, m.grad, local(r.grad)) for nm, m, r in zip("qkvgb", mine, ref)]:
+        err = (a - b).abs().max().item()
+        assert err <= 1e-10, ("kda ulysses=2", name, err)
+
+    # Widths that do not fit, and ranks that disagree: ValueError on every rank.
+    with pytest.raises(ValueError, match="ulysses=3: expected a divisor of the group's 4 ranks"):
+        kt.build_cp_context(cu, dist.group.WORLD, split=counts, timeout=20, ulysses=3)
+    with pytest.raises(ValueError, match=r"ulysses=4: expected a divisor of the group's 4 ranks, H = 2"):
+        kt.kda(*[x.detach() for x in mine], cu_seqlens=cu, group=dist.group.WORLD, timeout=20,
+               threads=1, ulysses=4)
+    with pytest.raises(ValueError, match="ulysses"):
+        kt.kda(*[x.detach() for x in mine], cu_seqlens=cu, group=dist.group.WORLD, timeout=20,
+               threads=1, ulysses=1 if rank == 1 else 2)
+    with pytest.raises(ValueError, match="not of the state exchange"):
+        kt.build_kda_state_cp(dist.group.WORLD, ulysses=2)
+    finish()

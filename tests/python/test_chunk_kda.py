@@ -314,3 +314,7 @@ def test_single_process_context():
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_over_gloo(world):
     spawn(chunk_kda_workers.context_worker, world, 120)
+
+
+def test_ulysses_over_gloo():
+    spawn(chunk_kda_workers.ulysses_worker, 4, 120)
