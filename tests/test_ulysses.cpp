@@ -44,7 +44,8 @@ double rel_error(const std::vector<float>& got, const std::vector<double>& want)
 // in-process ranks over `layout`; rank r's dht is dht[r] (empty: none).
 template <class T>
 CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht, std::size_t ranks,
-                     std::size_t width, const Layout& layout, const std::string& method, Algorithm algorithm) {
+                     std::size_t width, const Layout& layout, const std::string& method, Algorithm algorithm,
+                     bool deterministic = false) {
   const Case& c = p.c;
   const Shape& s = c.shape;
   CpRun<T> out(c);
@@ -56,6 +57,7 @@ CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht
     const DeviceMesh mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
     ExecPolicy exec;
     exec.algorithm = algorithm;
+    exec.deterministic = deterministic;
     ExchangeOptions options;  // auto prices the whole layer's shape: the layer divides its heads by U
     options.expected_shape =
         SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim, std::is_same_v<T, double> ? DType::f64 : DType::f32};
@@ -184,6 +186,23 @@ TEST(Ulysses, DhtFromEveryRankIsSummed) {
     double num = 0, den = 0;
     for (std::size_t i = 0; i < b->size(); ++i) num += ((*a)[i] - (*b)[i]) * ((*a)[i] - (*b)[i]), den += (*b)[i] * (*b)[i];
     EXPECT_LE(std::sqrt(num / den), 1e-10) << name;
+  }
+}
+
+// The deterministic mode (docs/determinism.md) runs in the state-CP layer:
+// with Ulysses too every output is the one-process bytes.
+TEST(Ulysses, DeterministicIsTheOneProcessBytes) {
+  for (const UlyssesCase& u : cases()) {
+    SCOPED_TRACE(u.name);
+    const Problem<float> p = test::make_problem(u.c, 501).cast<float>();
+    ExecPolicy exec;
+    exec.algorithm = Algorithm::recurrent;
+    const test::Result<float> one = test::single_rank_path(p, exec);
+    std::vector<std::vector<float>> dht(u.ranks, std::vector<float>(u.c.states(), 0.0f));
+    dht[u.ranks - 1] = p.dht;  // one rank's dht: the sum is that dht, bit for bit
+    const CpRun<float> got =
+        run_ulysses(p, dht, u.ranks, u.width, layout_of(u), "p2p", Algorithm::recurrent, true);
+    EXPECT_TRUE(same_bits(got.r, one));
   }
 }
 
