@@ -18,6 +18,8 @@
 #include "kdacp/error.hpp"
 #include "kdacp/kda_ulysses.hpp"
 #include "kda_cp_stream_runner.hpp"
+#include "kdacp/job.hpp"
+#include "kdacp/testing/run_report.hpp"
 
 namespace kdacp::kda {
 namespace {
@@ -313,3 +315,45 @@ TEST(Ulysses, NonFiniteResultsAreNamed) {
 
 }  // namespace
 }  // namespace kdacp::kda
+
+namespace kdacp::job {
+namespace {
+
+// --ulysses auto: the cost model's U, as `kdacp plan --tokens-per-rank`
+// prints it (K = V = 128, H = 8, P = 8, default parameters: T/P = 32 -> U = 4,
+// 1.66x; T/P = 4096 -> U = 1; with two documents' cut -> U = 2), and the run
+// with it is the run with that U.
+TEST(UlyssesAuto, ChoosesThePlansWidthAndRunsIt) {
+  const kda::Shape small{1, 256, 8, 8, 128, 128}, large{1, 8 * 4096, 8, 8, 128, 128};
+  auto options = [](const kda::Shape& s, const kda::Layout& layout) {
+    return layer_exchange_options({}, s, DType::f32, layout, kda::Sequences(s.batch, s.tokens));
+  };
+  const kda::Layout l8 = kda::Layout::contiguous(256, 8), big = kda::Layout::contiguous(large.tokens, 8);
+  EXPECT_EQ(choose_ulysses(small, l8, options(small, l8), 4), 4u);
+  EXPECT_EQ(choose_ulysses(large, big, options(large, big), 4), 1u);
+  EXPECT_EQ(resolve_ulysses(kUlyssesAuto, "auto", small, l8, options(small, l8), 4), 4u);
+  EXPECT_EQ(resolve_ulysses(2, "p2p", small, l8, options(small, l8), 4), 2u);
+  EXPECT_THROW(resolve_ulysses(kUlyssesAuto, "p2p", small, l8, options(small, l8), 4), InvalidArgument);
+
+  const LayerJob<float> job = [&] {
+    LayerJob<float> j = testing::synthetic_layer_job(small, {0, 100, 256}, 3);
+    j.d_o.assign(small.v_elems(), 0.5f);
+    return j;
+  }();
+  // The packing's cuts shorten the plain chain: the pick weighs them (U = 2 here).
+  const std::size_t want = choose_ulysses(small, l8, layer_exchange_options({}, small, DType::f32, l8, job.sequences()), 4);
+  EXPECT_EQ(want, 2u);
+  LayerRunOptions opts;
+  opts.ulysses = kUlyssesAuto;
+  const LayerOutputs<float> chosen = run_context_parallel(job, 8, opts, 60);
+  EXPECT_EQ(chosen.ulysses, want);
+  opts.ulysses = want;
+  const LayerOutputs<float> named = run_context_parallel(job, 8, opts, 60);
+  EXPECT_TRUE(same_bits(chosen, named));
+  opts.method = "p2p";
+  opts.ulysses = kUlyssesAuto;
+  EXPECT_THROW(run_context_parallel(job, 8, opts, 60), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kdacp::job

@@ -111,7 +111,8 @@ struct LayerRunOptions {
   std::optional<kda::Layout> layout;
   // Ulysses × state CP (kda::UlyssesLayer): head groups of U consecutive
   // ranks, the state exchange over P/U; U must divide P, H and HV. 1: the
-  // context-parallel layer alone.
+  // context-parallel layer alone; kUlyssesAuto: the cost model's U
+  // (choose_ulysses; needs method auto).
   std::size_t ulysses = 1;
   // Fields every rank must share beyond the layer's own (kda::LayerChecks::
   // agree): where each process reads or generates the whole job, a hash of
@@ -198,6 +199,25 @@ double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t r
 // not counted.
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
                         std::size_t elem_bytes, double rank_exchange_bytes);
+
+// LayerRunOptions::ulysses: the cost model picks U.
+inline constexpr std::size_t kUlyssesAuto = 0;
+
+// The cost model's Ulysses width for the layer of `s` on `layout` with
+// `eo` (layer_exchange_options' result: its cost parameters, memory budget
+// and expected cuts) and activations of elem_bytes: best_ulysses over the
+// U dividing P and H (predict_ulysses, each U's exchange `auto`'s choice on
+// the head groups' layout with HV/U heads; T/P the largest rank's tokens;
+// islands of eo.cost.node_ranks ranks, else UlyssesOptions' default, as
+// `kdacp plan --tokens-per-rank`). Every rank computes the
+// same U from the same arguments.
+std::size_t choose_ulysses(const kda::Shape& s, const kda::Layout& layout, const ExchangeOptions& eo,
+                           std::size_t elem_bytes);
+
+// `given` (LayerRunOptions::ulysses) resolved: choose_ulysses for
+// kUlyssesAuto (InvalidArgument unless `method` is auto), else `given`.
+std::size_t resolve_ulysses(std::size_t given, const std::string& method, const kda::Shape& s,
+                            const kda::Layout& layout, const ExchangeOptions& eo, std::size_t elem_bytes);
 
 // Throws InvalidArgument unless the Ulysses width U (LayerRunOptions::
 // ulysses) is at least 1 and divides P, H and HV ("Ulysses width U = 3:

@@ -65,7 +65,8 @@ double layer_npy_bytes(const std::string& dir);
 // run counted is this process's rank's share (layer_rank_bytes), not all P
 // ranks'. The message names the ranks and the protocol (auto: its choice).
 // cache_bytes: the forward caches the run holds (layer_cache_bytes), added.
-// ulysses > 1: the Ulysses layer of that width (check_ulysses first): its
+// ulysses > 1 (kUlyssesAuto: resolve_ulysses' choice): the Ulysses layer of
+// that width (check_ulysses first): its
 // exchange priced over the head groups' layout with HV/U heads, and
 // ulysses_rank_bytes per rank added.
 void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummaryShape& summary,

@@ -121,7 +121,7 @@ def _options_fingerprint(fp, options, protocol, group_size, timeout_s):
     fp.add_hash("expected_shape", None if shape is None else [int(x) for x in shape])
     fp.add_hash("expected_cuts", _expected_cuts(options))
     fp.add("timeout", _float_bits(timeout_s), lambda b: f"{_bits_float(b)!r} s")
-    fp.add("ulysses", _ulysses(options))
+    fp.add("ulysses", _ulysses(options), lambda u: "auto" if u == 0 else str(u))
 
 
 _BACKENDS = {}

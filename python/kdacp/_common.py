@@ -184,20 +184,46 @@ def _expected_cuts(options, default=None):
     return out
 
 
+ULYSSES_AUTO = 0  # ulysses="auto": the cost model's width (job::kUlyssesAuto)
+
+
 def _ulysses(options):
     """ulysses: the head groups' width U of the Ulysses layer (kda::UlyssesLayer:
     an all-to-all over U consecutive ranks around the state exchange over P/U);
-    1 (default): the context-parallel layer alone."""
-    return _integer(options.get("ulysses", 1), "ulysses", 1, 1 << 16)
+    1 (default): the context-parallel layer alone; "auto" (ULYSSES_AUTO): the
+    cost model's U, with protocol "auto"."""
+    value = options.get("ulysses", 1)
+    if value == "auto":
+        return ULYSSES_AUTO
+    if isinstance(value, str):
+        raise ValueError(f"ulysses={value!r}, expected an integer in [1, {1 << 16}] or 'auto'")
+    return _integer(value, "ulysses", 1, 1 << 16)
 
 
-def _check_ulysses(options, ranks, heads, value_heads):
-    """ValueError unless ulysses divides the group's ranks, H and HV."""
+def _check_ulysses(options, ranks, heads, value_heads, protocol):
+    """ValueError unless ulysses divides the group's ranks, H and HV (or is
+    "auto" with protocol "auto")."""
     u = _ulysses(options)
+    if u == ULYSSES_AUTO:
+        if protocol != "auto":
+            raise ValueError(f"ulysses='auto' prices each U with the exact protocol auto chooses, "
+                             f"expected protocol 'auto', got {protocol!r}")
+        return u
     if ranks % u or heads % u or value_heads % u:
         raise ValueError(f"ulysses={u}: expected a divisor of the group's {ranks} ranks, "
                          f"H = {heads} and HV = {value_heads}")
     return u
+
+
+def _ulysses_width(options, layout, opts, shape, dtype):
+    """The width the layer runs: ulysses, or for "auto" the cost model's
+    (kdacp.choose_ulysses) for shape (B, H, HV, K, V) on `layout` with the
+    exchange options `opts` (the activations in `dtype`, as the layer
+    computes)."""
+    u = _ulysses(options)
+    if u != ULYSSES_AUTO:
+        return u
+    return _kdacp.choose_ulysses(list(shape), layout, opts, 8 if dtype == "float64" else 4)
 
 
 def _segments(options):

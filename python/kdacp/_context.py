@@ -10,8 +10,8 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
                               _group_backend, _options_fingerprint)
 from kdacp._autograd import cu_list
 from kdacp._comm import check_group
-from kdacp._common import (SINGLE_PROCESS, _check_ulysses, _group_size, _integer, _options,
-                           _threads, _timeout, _ulysses)
+from kdacp._common import (SINGLE_PROCESS, ULYSSES_AUTO, _check_ulysses, _group_size, _integer,
+                           _options, _threads, _timeout, _ulysses, _ulysses_width)
 from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, kda
 
 
@@ -113,8 +113,7 @@ class CpContext:
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
                 self.layout_name, algorithm, keep_forward, self.options, deterministic)
-            if self.backend is not None:
-                _check_ulysses(self.options, self.backend.size, shape[2], shape[3])
+            _check_ulysses(self.options, self.backend.size, shape[2], shape[3], self.protocol)
             want = self.local_tokens
             if shape[1] != want:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
@@ -145,8 +144,9 @@ class CpContext:
             cuts = None if self.cu_seqlens is None else self.layout.cuts(self.cu_seqlens)
             opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype,
                             expected_cuts=cuts)
+            width = _ulysses_width(self.options, self.layout, opts, (b, shape[2], hv, kd, vd), dtype)
             layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
-                                    self.layout, dtype, opts, threads, _ulysses(self.options))
+                                    self.layout, dtype, opts, threads, width)
             # The layer's construction agreed (collectively, at this first call of
             # the shape); its calls need not: the context's first call did.
             layer.agree_per_call(False)
@@ -241,7 +241,11 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
                 split = [tokens // world] * world
             built = _kdacp.Layout.contiguous(tokens, world, split)
         split = [built.local_tokens(r) for r in range(world)]
-        if world % _ulysses(options):
+        if _ulysses(options) == ULYSSES_AUTO:
+            if protocol != "auto":
+                raise ValueError("ulysses='auto' prices each U with the exact protocol auto "
+                                 f"chooses, expected protocol 'auto', got {protocol!r}")
+        elif world % _ulysses(options):
             raise ValueError(f"ulysses={_ulysses(options)}: expected a divisor of the group's "
                              f"{world} ranks")
         fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])

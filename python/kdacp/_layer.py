@@ -13,9 +13,10 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
                               _group_backend, _options_fingerprint)
 from kdacp._autograd import cu_list, first_order
 from kdacp._comm import check_group
-from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, _check_tensor, _check_ulysses,
-                           _compute_dtype, _contiguous_cached, _from_numpy, _group_size, _options,
-                           _require_finite_result, _threads, _timeout, _ulysses)
+from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, ULYSSES_AUTO, _check_tensor,
+                           _check_ulysses, _compute_dtype, _contiguous_cached, _from_numpy,
+                           _group_size, _options,
+                           _require_finite_result, _threads, _timeout, _ulysses, _ulysses_width)
 
 _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
@@ -40,13 +41,18 @@ def _layout(layout, counts):
     return built
 
 
-def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_shape=None):
+def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_shape=None,
+           heads=None):
     cached = _LAYERS.get(key)
     if cached is not None:
         return cached
     opts = _options(options, expected=summary_shape, expected_dtype=dtype)
+    width = 1
+    if backend is not None:  # summary_shape (B, HV, K, V) and heads H are given
+        b, hv, kd, vd = summary_shape
+        width = _ulysses_width(options, layout, opts, (b, heads, hv, kd, vd), dtype)
     layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, dtype, opts,
-                            _threads(options), _ulysses(options))
+                            _threads(options), width)
     if len(_LAYERS) >= _LAYER_CACHE_SIZE:
         _LAYERS.pop(next(iter(_LAYERS)))
     _LAYERS[key] = layer
@@ -279,7 +285,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             algorithm, keep_forward, options, deterministic)
         if layout != "contiguous":
             raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
-        if _ulysses(options) != 1:
+        if _ulysses(options) not in (1, ULYSSES_AUTO):  # auto on one process: U = 1
             raise ValueError(f"ulysses={options['ulysses']!r} needs a group (without one kda runs one "
                              "process)")
         key = ("single", dtype, threads)
@@ -309,7 +315,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                 q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
                 algorithm, keep_forward, options, deterministic)
             b, t_local, h, hv, kd, vd = shape
-            _check_ulysses(options, backend.size, h, hv)
+            _check_ulysses(options, backend.size, h, hv, protocol)
             for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
                 fp.add(name, n)
             fp.add("dtype", 8 if dtype == "float64" else 4,
@@ -336,7 +342,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         layer = _LAYERS.get(key)
         if layer is None:  # the layout is built once per context, with its layer
             layer = _layer(backend, key, protocol, width, _layout(layout, counts), dtype,
-                           options, summary_shape=(b, hv, kd, vd))
+                           options, summary_shape=(b, hv, kd, vd), heads=h)
     o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                keep_forward, deterministic, *tensors, h0)
     return o, (ht if output_final_state else None)

@@ -15,6 +15,7 @@
 #include "binding.hpp"
 #include "kda/sequences.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/kda_ulysses.hpp"
@@ -521,6 +522,19 @@ void bind_kda(py::module_& m) {
            py::arg("rank"))
       .def("__str__", &Layout::str)
       .def("__repr__", [](const Layout& l) { return fmt::format("<kdacp Layout {}>", l.str()); });
+  // ulysses="auto": the cost model's width for the layer of `shape` (B, H,
+  // HV, K, V) on `layout` with `options` (job::choose_ulysses, as `kdacp kda
+  // --ulysses auto` and `kdacp plan --tokens-per-rank`).
+  m.def(
+      "choose_ulysses",
+      [](const std::vector<std::size_t>& shape, const Layout& layout, const ExchangeOptions& options,
+         std::size_t elem_bytes) {
+        if (shape.size() != 5) throw InvalidArgument("choose_ulysses shape needs 5 entries (B, H, HV, K, V)");
+        const kda::Shape s{shape[0], layout.tokens(), shape[1], shape[2], shape[3], shape[4]};
+        kda::validate(s);
+        return job::choose_ulysses(s, layout, options, elem_bytes);
+      },
+      py::arg("shape"), py::arg("layout"), py::arg("options"), py::arg("elem_bytes"));
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
       .def(py::init<py::object, const std::string&, long long, const std::optional<Layout>&,

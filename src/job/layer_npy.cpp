@@ -216,6 +216,7 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
                      long long group_size, const ExchangeOptions& options, const std::string& max_memory,
                      bool one_rank_per_process, double cache_bytes, std::size_t ulysses) {
   const std::size_t ranks = layout.ranks();
+  ulysses = resolve_ulysses(ulysses, method, s, layout, options, dtype_size(summary.dtype));
   check_ulysses(ulysses, ranks, s);
   // The exchange runs over the head groups' layout with HV/U heads (U = 1:
   // the layout itself); auto's choice is the layer's (options from

@@ -215,8 +215,9 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   if (layout.tokens() != s.tokens || layout.ranks() != ranks)
     throw InvalidArgument(fmt::format("run_context_parallel: the layout is for T = {} on P = {}, the job has T = {} "
                                       "on P = {}", layout.tokens(), layout.ranks(), s.tokens, ranks));
-  check_ulysses(options.ulysses, ranks, s);
   const ExchangeOptions eo = layer_exchange_options(options.exchange, s, dtype_of<T>(), layout, seqs);
+  const std::size_t width = resolve_ulysses(options.ulysses, options.method, s, layout, eo, sizeof(T));
+  check_ulysses(width, ranks, s);
   const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
   ThreadPool pool(options.threads_per_rank);
   kda::LayerChecks checks;
@@ -225,8 +226,8 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   // One of the two layers; the steps below are one code path over either.
   std::optional<kda::ContextParallelLayer<T>> plain;
   std::optional<kda::UlyssesLayer<T>> ulysses;
-  if (options.ulysses > 1) {
-    ulysses.emplace(mesh, options.ulysses, options.method, layout, options.group_size, eo, exec, checks);
+  if (width > 1) {
+    ulysses.emplace(mesh, width, options.method, layout, options.group_size, eo, exec, checks);
     ulysses->state_layer().keep_forward(job.keep_forward && job.grads());
   } else {
     plain.emplace(mesh, options.method, layout, options.group_size, eo, exec, checks);
@@ -374,7 +375,7 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   }
   r.method = exchange.method();
   r.exact = exchange.exact();
-  r.ulysses = options.ulysses;
+  r.ulysses = width;
   r.backend = comm.backend();
   r.ranks = ranks;
   if (shared) return std::nullopt;
@@ -440,6 +441,36 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
   const double states = state * (double(local) / 64 + 5 * double(parts)) * double(elem_bytes);
   const double sequence_states = double(sequences) * kv * 5 * double(elem_bytes);
   return tensors + states + sequence_states + rank_exchange_bytes;
+}
+
+std::size_t choose_ulysses(const kda::Shape& s, const kda::Layout& layout, const ExchangeOptions& eo,
+                           std::size_t elem_bytes) {
+  const std::size_t ranks = layout.ranks();
+  const ProblemShape ps = layer_problem_shape(s, elem_bytes, layout, eo.expected_cuts);
+  UlyssesOptions uo;
+  uo.heads = s.heads * s.batch;  // U divides H (and so HV); the slabs are B·HV
+  for (std::size_t r = 0; r < ranks; ++r) uo.tokens_per_rank = std::max(uo.tokens_per_rank, layout.local_tokens(r));
+  uo.activation_bytes = elem_bytes;
+  // The cost parameters' nodes, else UlyssesOptions' islands (as `kdacp plan`).
+  if (eo.cost.node_ranks > 0) uo.node_size = eo.cost.node_ranks;
+  uo.memory_budget_bytes = eo.memory_budget_bytes;
+  // Each U's exchange: the head groups' layout and cuts on P/U ranks.
+  const auto at = [&](std::size_t state_ranks) {
+    const std::size_t width = ranks / state_ranks;
+    const ExchangeOptions go = kda::ulysses_exchange_options(eo, layout, width);
+    return layer_problem_shape(s, elem_bytes, kda::ulysses_group_layout(layout, width), go.expected_cuts);
+  };
+  return best_ulysses(predict_ulysses(eo.cost, ps, uo, at)).width;
+}
+
+std::size_t resolve_ulysses(std::size_t given, const std::string& method, const kda::Shape& s,
+                            const kda::Layout& layout, const ExchangeOptions& eo, std::size_t elem_bytes) {
+  if (given != kUlyssesAuto) return given;
+  if (!find_protocol(method).chooser())
+    throw InvalidArgument(fmt::format("Ulysses width auto prices each U with the exact protocol auto chooses, "
+                                      "expected protocol auto, got {}",
+                                      method));
+  return choose_ulysses(s, layout, eo, elem_bytes);
 }
 
 void check_ulysses(std::size_t width, std::size_t ranks, const kda::Shape& s) {

@@ -428,6 +428,18 @@ def check_ulysses(kdacp, mpi):
                 prefix=(mpi[0], "-np", "4", *mpi[1:]))
             same_files(os.path.join(d, "uly_4_2_0"), out)
             print("  mpirun -np 4 --ulysses 2: files equal to in-process byte for byte")
+        # --ulysses auto: the cost model's U; at K = V = 16 the exchange is cheaper than
+        # the all-to-alls, U = 1: the plain run's bytes.
+        auto = os.path.join(d, "uly_auto")
+        text = run(kdacp, "--inputs", d, "--out", auto, "--ranks", "4", "--ulysses", "auto")
+        assert "(Ulysses auto: U=1)" in text, text
+        plain4 = os.path.join(d, "plain4")
+        run(kdacp, "--inputs", d, "--out", plain4, "--ranks", "4")
+        same_files(auto, plain4)
+        r = subprocess.run([kdacp, "kda", "--inputs", d, "--out", os.path.join(d, "bad"), "--ranks", "4",
+                            "--ulysses", "auto", "--protocol", "p2p"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--ulysses auto: Ulysses width auto prices each U with the exact protocol " \
+            "auto chooses, expected protocol auto, got p2p" in r.stderr, (r.returncode, r.stderr)
         # A width that divides neither P nor the heads: an error naming the flag.
         for ranks, width in ((4, 3), (8, 8)):
             r = subprocess.run([kdacp, "kda", "--inputs", d, "--out", os.path.join(d, "bad"), "--ranks", str(ranks),

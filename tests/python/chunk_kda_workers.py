@@ -321,6 +321,26 @@ def ulysses_worker(rank, world, init_file):
         err = (a - b).abs().max().item()
         assert err <= 1e-10, ("kda ulysses=2", name, err)
 
+    # ulysses="auto": the cost model's U (K = V = 128, 6 tokens per rank: U = 2, as
+    # kdacp.choose_ulysses and `kdacp plan --tokens-per-rank 6` say), the results one
+    # process's.
+    from kdacp import _layer
+    big = [rnd(1, t, h, 128), rnd(1, t, h, 128), rnd(1, t, hv, 128), -torch.rand(1, t, hv, 128, generator=gen,
+                                                                                  dtype=torch.float64),
+           torch.rand(1, t, hv, generator=gen, dtype=torch.float64)]
+    o_one, _ = kt.kda(*big, cu_seqlens=cu)
+    sixes = [6] * world
+    big_ctx_parts = kt.build_cp_context(cu, dist.group.WORLD, split=sixes, timeout=20, threads=1).layout
+    mine_big = [torch.cat([x[:, a:e] for a, e in big_ctx_parts.local_parts(rank)], dim=1) for x in big]
+    o_auto, _ = kt.kda(*mine_big, cu_seqlens=cu, group=dist.group.WORLD, protocol="auto", timeout=20,
+                       threads=1, ulysses="auto")
+    assert list(_layer._LAYERS.values())[-1].ulysses == 2
+    want_o = torch.cat([o_one[:, a:e] for a, e in big_ctx_parts.local_parts(rank)], dim=1)
+    assert (o_auto - want_o).abs().max().item() <= 1e-10
+    with pytest.raises(ValueError, match="expected protocol 'auto', got 'p2p'"):
+        kt.kda(*mine_big, cu_seqlens=cu, group=dist.group.WORLD, protocol="p2p", timeout=20,
+               threads=1, ulysses="auto")
+
     # Widths that do not fit, and ranks that disagree: ValueError on every rank.
     with pytest.raises(ValueError, match="ulysses=3: expected a divisor of the group's 4 ranks"):
         kt.build_cp_context(cu, dist.group.WORLD, split=counts, timeout=20, ulysses=3)
