@@ -158,5 +158,40 @@ TEST(LayerAdmission, OneRankPerProcessCountsItsShare) {
   }
 }
 
+// The Ulysses layer's admission: its buffers per rank (the kept head slice
+// and its gradients, the all-to-alls' send and receive buffers: at least
+// four times a rank's inputs) on top of the plain run, its exchange priced
+// over the head groups; the message names the width.
+TEST(LayerAdmission, UlyssesCountsItsBuffersAndNamesTheWidth) {
+  const kda::Shape shape{1, 1 << 14, 8, 8, 128, 128};
+  const kda::Layout layout = kda::Layout::contiguous(shape.tokens, 8);
+  const double rank_inputs = double(shape.tokens / 8) * (8 * (2 * 128 + 128 + 128 + 1)) * 4;
+  const double extra = job::ulysses_rank_bytes(shape, 1, layout, 2, true, 4);
+  EXPECT_GE(extra, 4 * rank_inputs);
+  EXPECT_EQ(job::ulysses_rank_bytes(shape, 1, layout, 1, true, 4), 0.0);
+  ExchangeOptions eo;
+  eo.expected_shape = job::layer_summary_shape(shape);
+  auto admitted = [&](std::size_t ulysses, double limit) {
+    try {
+      job::admit_layer_run(shape, 1, *eo.expected_shape, layout, true, 0, "auto", 1, eo,
+                           std::to_string(static_cast<long long>(limit)) + "B", false, 0, ulysses);
+      return std::string();
+    } catch (const OutOfMemory& e) {
+      return std::string(e.what());
+    }
+  };
+  // Find the plain run's need, then give exactly that: Ulysses needs more.
+  double lo = 1, hi = 1e12;
+  while (hi - lo > 1e3) {
+    const double mid = (lo + hi) / 2;
+    (admitted(1, mid).empty() ? hi : lo) = mid;
+  }
+  EXPECT_TRUE(admitted(1, hi).empty());
+  const std::string refused = admitted(2, hi);
+  EXPECT_NE(refused.find("with Ulysses U=2 + "), std::string::npos) << refused;
+  EXPECT_TRUE(admitted(2, hi + 8 * extra).empty());
+  EXPECT_THROW(admitted(3, 1e12), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace kdacp

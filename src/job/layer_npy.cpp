@@ -238,8 +238,9 @@ void admit_layer_run(const kda::Shape& s, std::size_t sequences, const SummarySh
   std::ostringstream what;
   what << "kdacp kda on " << ranks << " ranks";
   if (one_rank_per_process) what << " (one per process, this process's rank)";
-  if (ulysses > 1) what << " with Ulysses U=" << ulysses << " +";
-  what << " with " << protocol_label(pred.config);
+  what << " with ";
+  if (ulysses > 1) what << "Ulysses U=" << ulysses << " + ";
+  what << protocol_label(pred.config);
   require_memory(input_bytes + run + cache_bytes, max_memory_bytes(max_memory), what.str(),
                  max_memory_name(max_memory));
 }
