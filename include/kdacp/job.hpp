@@ -309,11 +309,13 @@ struct ProtocolComparison {
 
 // The layer, forward and backward (the job must have d_o), with every
 // protocol of the registry but auto, collective over `world`
-// (run_context_parallel). A protocol that takes a group size runs at w = P/2,
-// and only when that is a proper divisor of P (even P >= 4). When the layout
-// has several parts on a rank or parts out of rank order, a protocol whose
-// registry row does not take layouts is listed with `skipped` set and not
-// run. progress.note("running <method>") precedes each run. Rank 0 returns
+// (run_context_parallel). With base.ulysses = U (a width, not auto) every
+// run is the Ulysses layer and the exchange runs over P' = P/U ranks on the
+// head groups' layout (P' = P without). A protocol that takes a group size
+// runs at w = P'/2, and only when that is a proper divisor of P' (even
+// P' >= 4). When that layout has several parts on a rank or parts out of
+// rank order, a protocol whose registry row does not take layouts is listed
+// with `skipped` set and not run. progress.note("running <method>") precedes each run. Rank 0 returns
 // the comparison, the others nullopt.
 std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Communicator>& world,
                                                     const LayerJob<float>& job, const LayerRunOptions& base,
@@ -328,9 +330,11 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
 // process: the job it holds, rank 0's kept outputs, and one rank's share of
 // a run (layer_rank_bytes) instead of all P ranks'.
 // keep_forward: the jobs keep their chunk forward (LayerJob::keep_forward),
-// whose caches (layer_cache_bytes) are counted too.
+// whose caches (layer_cache_bytes) are counted too. ulysses (LayerRunOptions::
+// ulysses): the Ulysses layer's buffers (ulysses_rank_bytes) per rank, for
+// kUlyssesAuto those of the width that needs most.
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, const kda::Layout& layout,
                                bool one_rank_per_process = false,
-                               bool keep_forward = defaults::kKeepForward);
+                               bool keep_forward = defaults::kKeepForward, std::size_t ulysses = 1);
 
 }  // namespace kdacp::job

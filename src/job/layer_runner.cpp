@@ -591,12 +591,18 @@ void Progress::note(const std::string& what) const {
 std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Communicator>& world,
                                                     const LayerJob<float>& job, const LayerRunOptions& base,
                                                     const Progress& progress) {
-  const std::size_t ranks = world->size();
   const bool lead = world->rank() == 0;
   if (!job.grads()) throw InvalidArgument("compare_protocols: the job has no d_o (it compares gradients too)");
+  if (base.ulysses == kUlyssesAuto)
+    throw InvalidArgument("compare_protocols: Ulysses width auto, expected a width (resolve_ulysses)");
+  check_ulysses(base.ulysses, world->size(), job.data.shape);
+  // The exchange runs over the head groups (P/U ranks; U = 1: the world).
+  const std::size_t ranks = world->size() / base.ulysses;
+  const kda::Layout layout =
+      base.layout ? *base.layout : kda::Layout::contiguous(job.data.shape.tokens, world->size());
   // A layout with several parts on a rank, or parts out of rank order, runs
   // only on protocols whose registry row takes layouts.
-  const bool plain = !base.layout || base.layout->owners().is_one_per_rank();
+  const bool plain = kda::ulysses_group_layout(layout, base.ulysses).owners().is_one_per_rank();
   ProtocolComparison cmp;
   for (const ProtocolDescriptor* row : protocol_registry()) {
     if (row->chooser()) continue;
@@ -653,7 +659,7 @@ double layer_backward_records_bytes(const kda::Shape& s, kda::Algorithm algorith
 }
 
 double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, const kda::Layout& layout,
-                               bool one_rank_per_process, bool keep_forward) {
+                               bool one_rank_per_process, bool keep_forward, std::size_t ulysses) {
   const std::size_t ranks = layout.ranks();
   const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
   // compare_protocols runs only the rows that take the layout when it is not
@@ -675,9 +681,19 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, c
   const std::size_t pieces = sequences + layout.parts().size();
   const double cache =
       keep_forward ? layer_cache_bytes(shape, kda::Algorithm::chunk, shape.tokens, pieces, sizeof(float)) : 0.0;
+  // The Ulysses layer's buffers per rank: of the width given, or the widest
+  // of any width auto may pick (a width that does not divide P, H and HV is
+  // refused by the run, naming it).
+  double ulysses_extra = 0;
+  for (std::size_t u = 2; u <= ranks; ++u) {
+    if (ulysses != kUlyssesAuto && u != ulysses) continue;
+    if (ranks % u != 0 || shape.heads % u != 0 || shape.value_heads % u != 0) continue;
+    ulysses_extra = std::max(ulysses_extra, ulysses_rank_bytes(shape, sequences, layout, u, true, sizeof(float)));
+  }
   if (one_rank_per_process)
-    return kept + cache + layer_rank_bytes(shape, sequences, layout, true, sizeof(float), exchange);
-  return kept + cache + layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange, layout.parts().size());
+    return kept + cache + layer_rank_bytes(shape, sequences, layout, true, sizeof(float), exchange) + ulysses_extra;
+  return kept + cache + layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange, layout.parts().size()) +
+         double(ranks) * ulysses_extra;
 }
 
 template struct LayerJob<float>;

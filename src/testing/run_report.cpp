@@ -97,7 +97,7 @@ void print(const kda::Shape& shape, const LayerRunSetup& setup, const Report& re
                         {"protocols", rep.records},
                         {"max_rel_error", std::isnan(rep.worst) ? nlohmann::json(nullptr) : nlohmann::json(rep.worst)},
                         {"within_tolerance", rep.failures.empty()}, {"warmup_steps", setup.warmup_steps},
-                        {"bitwise_equal_across_exact", all_bitwise}};
+                        {"bitwise_equal_across_exact", all_bitwise}, {"ulysses", setup.ulysses}};
     if (!setup.cu_seqlens.empty()) j["cu_seqlens"] = setup.cu_seqlens;
     std::printf("%s\n", j.dump(2).c_str());
     return;
@@ -108,16 +108,20 @@ void print(const kda::Shape& shape, const LayerRunSetup& setup, const Report& re
               setup.algorithm.c_str(), shape.batch, shape.tokens, shape.heads, shape.value_heads, shape.key_dim,
               shape.value_dim, setup.ranks, setup.backend == "inprocess" ? "in-process" : setup.backend.c_str(),
               setup.per_rank, setup.layout.c_str(), setup.warmup_steps, setup.warmup_steps == 1 ? "" : "s");
+  if (setup.ulysses > 1)
+    std::printf("Ulysses x state CP: head groups of U=%zu ranks trade the activations by all-to-all; each "
+                "protocol's state exchange runs over the P/U=%zu ranks of a head slice, %zu of the %zu value heads\n",
+                setup.ulysses, setup.ranks / setup.ulysses, shape.value_heads / setup.ulysses, shape.value_heads);
   if (!setup.cu_seqlens.empty())
     std::printf("%zu packed sequences of lengths %s; random h0 and dht; ht and dh0 against one device\n",
                 setup.cu_seqlens.size() - 1, lengths(setup.cu_seqlens).c_str());
   std::printf("\n");
   rep.table.print();
   std::printf("\nerrors: relative Frobenius vs the single-rank layer (same algorithm); exchange: share of layer "
-              "time in the state exchange;\nGFLOP/s: the recurrent algorithm's flops per forward+backward (%.2f "
+              "time in the state exchange%s;\nGFLOP/s: the recurrent algorithm's flops per forward+backward (%.2f "
               "GFLOP on one device, %.2f with the CP summaries and G pass) / wall time, for either algorithm;\n"
               "%% peak: of the FP32 FMA peak measured in this run, %.1f GFLOP/s on %zu threads (%s)\n",
-              rep.one_flops / 1e9, rep.cp_flops / 1e9, peak.gflops, peak.threads, peak.target.c_str());
+              setup.ulysses > 1 ? " and the all-to-alls" : "", rep.one_flops / 1e9, rep.cp_flops / 1e9, peak.gflops, peak.threads, peak.target.c_str());
   std::printf("tolerance: %.0e relative (float32) plus a reassociating protocol's documented bound; an error "
               "above it, or NaN, fails the run\n",
               job::kLayerFloat32Tolerance);
@@ -185,7 +189,7 @@ void run_layer_comparison(const std::shared_ptr<Communicator>& world, const job:
   const auto single = job::run_single(job, peak_threads);
   progress.note("single-rank layer done");
   const LayerRunSetup setup{world->backend(), layout, kda::algorithm_name(job.algorithm), world->size(),
-                            base.threads_per_rank, job.cu_seqlens, job.warmup_steps};
+                            base.threads_per_rank, job.cu_seqlens, job.warmup_steps, base.ulysses};
   const std::vector<std::string> failures =
       report_layer_run(job.data.shape, setup, single, *cmp, !job.cu_seqlens.empty(), json, peak_threads);
   if (!failures.empty())

@@ -54,16 +54,8 @@ job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in, 
   opts.exchange = exchange_options(cfg.exchange, summary);
   opts.layout = std::move(layout);
   opts.ulysses = cfg.ulysses;
-  const std::string given = cfg.ulysses == job::kUlyssesAuto ? "auto" : std::to_string(cfg.ulysses);
-  try {
-    const ExchangeOptions eo =
-        job::layer_exchange_options(opts.exchange, job.data.shape, summary.dtype, *opts.layout, job.sequences());
-    job::check_ulysses(job::resolve_ulysses(cfg.ulysses, opts.method, job.data.shape, *opts.layout, eo,
-                                            sizeof(T)),
-                       ranks, job.data.shape);
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("--ulysses {}: {}", given, e.what()));
-  }
+  resolve_ulysses_flag(cfg.ulysses, opts.method, job.data.shape, *opts.layout, job.sequences(), opts.exchange,
+                       sizeof(T));
   job::admit_layer_job(in, job, opts, ranks, input_bytes, cfg.max_memory,
                        resolved_backend(cfg.backend) != "inprocess");
   return opts;
@@ -170,18 +162,7 @@ void add_kda_command(CLI::App& app) {
   add_algorithm_flag(*cmd, cfg->algorithm);
   add_recompute_flag(*cmd, cfg->recompute);
   add_deterministic_flag(*cmd, cfg->deterministic);
-  cmd->add_option_function<std::string>(
-         "--ulysses",
-         [cfg](const std::string& t) {
-           cfg->ulysses = t == "auto" ? job::kUlyssesAuto
-                                      : static_cast<std::size_t>(parse_integer(t, IntRange{1, 65536}, "--ulysses"));
-         },
-         "Ulysses x state CP: head groups of U consecutive ranks exchange q, k, v, g, beta and o by all-to-all, the "
-         "state exchange (--protocol) runs over the P/U ranks of each head slice with H/U heads; U divides P, H and "
-         "HV; 1: off; auto: the cost model's U (with --protocol auto, its parameters: --calibration, ...) (an "
-         "integer in [1, 65536], or auto)")
-      ->type_name("U|auto")
-      ->default_str("1");
+  add_ulysses_flag(*cmd, cfg->ulysses);
   add_real(*cmd, "--scale", cfg->scale, "output scale (default 1/sqrt(K))", kPositive)->default_str("1/sqrt(K)");
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

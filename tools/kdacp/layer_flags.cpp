@@ -19,6 +19,47 @@ CLI::Option* add_layer_shape_flags(CLI::App& cmd, kda::Shape& shape, std::size_t
   return tokens;
 }
 
+CLI::Option* add_ulysses_flag(CLI::App& cmd, std::size_t& ulysses) {
+  return cmd
+      .add_option_function<std::string>(
+          "--ulysses",
+          [&ulysses](const std::string& t) {
+            if (t == "auto") {
+              ulysses = job::kUlyssesAuto;
+              return;
+            }
+            try {
+              ulysses = static_cast<std::size_t>(parse_integer(t, IntRange{1, 65536}, "--ulysses"));
+            } catch (const InvalidArgument& e) {
+              throw InvalidArgument(std::string(e.what()) + ", or auto");
+            }
+          },
+          "Ulysses x state CP: head groups of U consecutive ranks exchange q, k, v, g, beta and o by all-to-all, "
+          "the state exchange (--protocol) runs over the P/U ranks of each head slice with H/U heads; U divides P, "
+          "H and HV; 1: off; auto: the cost model's U (with --protocol auto, its parameters: --calibration, ...) "
+          "(an integer in [1, 65536], or auto)")
+      ->type_name("U|auto")
+      ->default_str("1");
+}
+
+std::string ulysses_flag_text(std::size_t ulysses) {
+  return ulysses == job::kUlyssesAuto ? "auto" : std::to_string(ulysses);
+}
+
+std::size_t resolve_ulysses_flag(std::size_t given, const std::string& method, const kda::Shape& shape,
+                                 const kda::Layout& layout, const kda::Sequences& seqs,
+                                 const ExchangeOptions& options, std::size_t elem_bytes) {
+  try {
+    const ExchangeOptions eo = job::layer_exchange_options(
+        options, shape, elem_bytes == 8 ? DType::f64 : DType::f32, layout, seqs);
+    const std::size_t width = job::resolve_ulysses(given, method, shape, layout, eo, elem_bytes);
+    job::check_ulysses(width, layout.ranks(), shape);
+    return width;
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("--ulysses {}: {}", ulysses_flag_text(given), e.what()));
+  }
+}
+
 void add_layout_flags(CLI::App& cmd, LayoutFlags& flags) {
   cmd.add_option("--layout", flags.layout,
                  "where tokens live: contiguous (rank r holds the r-th run of tokens) or zigzag (2P parts, rank r "

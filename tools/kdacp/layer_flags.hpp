@@ -57,6 +57,20 @@ kda::Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t 
 // "zigzag".
 std::string layout_name(const LayoutFlags& flags);
 
+// Adds --ulysses U|auto (LayerRunOptions::ulysses: an integer in [1, 65536],
+// or auto = job::kUlyssesAuto; default 1): Ulysses x state CP.
+CLI::Option* add_ulysses_flag(CLI::App& cmd, std::size_t& ulysses);
+
+// "auto" or the number, as the flag was given.
+std::string ulysses_flag_text(std::size_t ulysses);
+
+// --ulysses `given` resolved for the layer of `shape` on `layout` with
+// `method` (job::resolve_ulysses, cuts of `seqs`) and checked against P, H
+// and HV (job::check_ulysses); InvalidArgument names the flag.
+std::size_t resolve_ulysses_flag(std::size_t given, const std::string& method, const kda::Shape& shape,
+                                 const kda::Layout& layout, const kda::Sequences& seqs,
+                                 const ExchangeOptions& options, std::size_t elem_bytes);
+
 // Adds --seqlens L1,L2,... (each at most max_tokens; `what` ends the help
 // text, e.g. what the command does with them) and --docs N, the packed
 // sequences in one row of `kdacp run` and `kdacp plan`

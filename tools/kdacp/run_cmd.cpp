@@ -37,6 +37,7 @@ struct RunConfig {
   std::size_t threads = 0;
   bool json = false, recompute = !defaults::kKeepForward;
   bool deterministic = defaults::kDeterministic;
+  std::size_t ulysses = 1;  // job::kUlyssesAuto: the cost model's
   std::string max_memory;
 };
 
@@ -59,9 +60,17 @@ void run(RunConfig& cfg) {
   // In-process, all P ranks' runs are this process's. Under a launcher P is
   // known only in the world, where each process counts its own rank's share
   // (below, before any message).
+  // An explicit --ulysses is checked against P, H and HV before anything
+  // starts; auto is resolved on the job (its packing's cuts weigh in), and
+  // admitted with the widest buffers of any width it could pick.
+  if (cfg.ulysses > 1 && in_process) {
+    const kda::Layout layout = layout_of(cfg.layout, shape.tokens, cfg.backend.ranks);
+    resolve_ulysses_flag(cfg.ulysses, "auto", shape, layout, kda::Sequences(shape.batch, shape.tokens), {}, 4);
+  }
   auto admit = [&](const kda::Layout& layout, bool one_rank_per_process) {
     require_memory(job::compare_protocols_bytes(shape, sequences, layout, one_rank_per_process,
-                                                !cfg.recompute && cfg.algorithm == kda::Algorithm::chunk),
+                                                !cfg.recompute && cfg.algorithm == kda::Algorithm::chunk,
+                                                cfg.ulysses),
                    max_memory_bytes(cfg.max_memory),
                    fmt::format("kdacp run on {} ranks{}", layout.ranks(),
                                one_rank_per_process ? " (one per process, this process's share)" : ""),
@@ -98,6 +107,7 @@ void run(RunConfig& cfg) {
       admit(*base.layout, true);
       generate();
     }
+    base.ulysses = resolve_ulysses_flag(cfg.ulysses, "auto", shape, *base.layout, job.sequences(), {}, 4);
     testing::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
   });
 }
@@ -115,6 +125,7 @@ void add_run_command(CLI::App& app) {
   add_algorithm_flag(*cmd, cfg->algorithm);
   add_recompute_flag(*cmd, cfg->recompute);
   add_deterministic_flag(*cmd, cfg->deterministic);
+  add_ulysses_flag(*cmd, cfg->ulysses);
   add_int(*cmd, "--seed", cfg->seed, "input seed", IntRange{});
   add_int(*cmd, "--threads", cfg->threads, "threads per rank (0: hardware threads / ranks)", kThreadsRange);
   add_max_memory(*cmd, cfg->max_memory);

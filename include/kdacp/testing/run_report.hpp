@@ -29,6 +29,7 @@ struct LayerRunSetup {
   std::size_t ranks = 1, per_rank = 1;
   std::vector<std::int64_t> cu_seqlens;  // empty: one sequence per row
   std::size_t warmup_steps = 0;          // untimed steps before each timed one (LayerJob::warmup_steps)
+  std::size_t ulysses = 1;               // the Ulysses width of every CP run (LayerRunOptions::ulysses)
 };
 
 // Measures the peak on peak_threads threads, then prints the report of
