@@ -77,6 +77,48 @@ inline Sequences stream_sequences(const Case& c) {
                       : Sequences(c.shape.batch, c.shape.tokens, std::span(c.cu));
 }
 
+// One rank's tokens of a problem under a layout (its parts, concatenated in
+// token order), and its token outputs, which scatter() writes back into the
+// whole result at the parts' places.
+template <class T>
+struct RankData {
+  Shape shape;  // [B, T_local, ...]
+  std::vector<Part> parts;
+  std::size_t tokens;  // the stream's T
+  std::vector<T> q, k, v, g, beta, d_o, o, dq, dk, dv, dg, dbeta;
+  T scale;
+
+  RankData(const Problem<T>& p, const Layout& layout, std::size_t rank)
+      : shape(p.c.shape), parts(layout.local_parts(rank)), tokens(p.c.shape.tokens), scale(p.scale) {
+    const Shape& s = p.c.shape;
+    shape.tokens = layout.local_tokens(rank);
+    auto local = [&](const std::vector<T>& full, std::size_t inner) {
+      return gather_parts(full, s.batch, s.tokens, inner, parts, shape.tokens);
+    };
+    q = local(p.q, qk()), k = local(p.k, qk()), v = local(p.v, vv()), g = local(p.g, gk());
+    beta = local(p.beta, s.value_heads), d_o = local(p.d_o, vv());
+    o.resize(shape.v_elems()), dq.resize(shape.qk_elems()), dk.resize(shape.qk_elems());
+    dv.resize(shape.v_elems()), dg.resize(shape.g_elems()), dbeta.resize(shape.beta_elems());
+  }
+  std::size_t qk() const { return shape.heads * shape.key_dim; }
+  std::size_t vv() const { return shape.value_heads * shape.value_dim; }
+  std::size_t gk() const { return shape.value_heads * shape.key_dim; }
+  Inputs<T> inputs() const { return {q.data(), k.data(), v.data(), g.data(), beta.data(), shape, scale}; }
+  Grads<T> grads() { return {dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data()}; }
+  // This rank's token outputs into `r` (ranks hold disjoint tokens).
+  void scatter(Result<T>& r) const {
+    auto put = [&](const std::vector<T>& x, std::size_t inner, std::vector<T>& full) {
+      scatter_parts(x, shape.batch, tokens, inner, parts, shape.tokens, full);
+    };
+    put(o, vv(), r.o);
+    put(dq, qk(), r.dq);
+    put(dk, qk(), r.dk);
+    put(dv, vv(), r.dv);
+    put(dg, gk(), r.dg);
+    put(dbeta, shape.value_heads, r.dbeta);
+  }
+};
+
 // One forward + backward through the layer. dht[r] is rank r's loss's
 // gradient on ht (empty: none). Without a layout, the layer of the plain
 // constructor over contiguous_stream(counts); with one, the layer built for it.
@@ -111,36 +153,15 @@ CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, 
     const Stream stream =
         layout ? Stream{stream_sequences(c), *layout}
                : layer.contiguous_stream(s.batch, s.tokens, std::span(c.cu), counts);
-    const std::vector<Part> parts = stream.layout.local_parts(rank);
-    Shape ls = s;
-    ls.tokens = stream.layout.local_tokens(rank);
-    const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim,
-                      gk = s.value_heads * s.key_dim, bh = s.value_heads;
-    auto local = [&](const std::vector<T>& full, std::size_t inner) {
-      return gather_parts(full, s.batch, s.tokens, inner, parts, ls.tokens);
-    };
-    const std::vector<T> q = local(p.q, qk), k = local(p.k, qk), v = local(p.v, vv),
-                         g = local(p.g, gk), beta = local(p.beta, bh), d_o = local(p.d_o, vv);
-    const Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, p.scale};
-    std::vector<T> o(ls.v_elems()), dq(ls.qk_elems()), dk(ls.qk_elems()), dv(ls.v_elems()),
-        dg(ls.g_elems()), dbeta(ls.beta_elems());
+    RankData<T> d(p, stream.layout, rank);
     const Sequences& seqs = stream.sequences;
-    const Saved saved = layer.forward(in, stream, p.states(p.h0), o.data(),
-                                      sequence_states(out.ht[rank].data(), seqs, ls));
-    layer.backward(in, saved, p.states(p.h0), d_o.data(),
-                   dht.empty() ? SequenceStates<const T>{} : p.states(dht[rank]),
-                   Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data()},
-                   sequence_states(out.dh0[rank].data(), seqs, ls));
+    const Saved saved = layer.forward(d.inputs(), stream, p.states(p.h0), d.o.data(),
+                                      sequence_states(out.ht[rank].data(), seqs, d.shape));
+    layer.backward(d.inputs(), saved, p.states(p.h0), d.d_o.data(),
+                   dht.empty() ? SequenceStates<const T>{} : p.states(dht[rank]), d.grads(),
+                   sequence_states(out.dh0[rank].data(), seqs, d.shape));
     // Disjoint token ranges: ranks write their own parts of the outputs.
-    auto put = [&](const std::vector<T>& x, std::size_t inner, std::vector<T>& full) {
-      scatter_parts(x, s.batch, s.tokens, inner, parts, ls.tokens, full);
-    };
-    put(o, vv, out.r.o);
-    put(dq, qk, out.r.dq);
-    put(dk, qk, out.r.dk);
-    put(dv, vv, out.r.dv);
-    put(dg, gk, out.r.dg);
-    put(dbeta, bh, out.r.dbeta);
+    d.scatter(out.r);
   });
   out.r.ht = out.ht.front();
   out.r.dh0 = out.dh0.front();

@@ -65,36 +65,15 @@ CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht
         SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim, std::is_same_v<T, double> ? DType::f64 : DType::f32};
     UlyssesLayer<T> layer(mesh, width, method, layout, 1, options, exec);
     const Stream stream{test::stream_sequences(c), layout};
-    const std::vector<Part> parts = layout.local_parts(rank);
-    Shape ls = s;
-    ls.tokens = layout.local_tokens(rank);
-    const std::size_t qk = s.heads * s.key_dim, vv = s.value_heads * s.value_dim, gk = s.value_heads * s.key_dim,
-                      bh = s.value_heads;
-    auto local = [&](const std::vector<T>& full, std::size_t inner) {
-      return test::gather_parts(full, s.batch, s.tokens, inner, parts, ls.tokens);
-    };
-    const std::vector<T> q = local(p.q, qk), k = local(p.k, qk), v = local(p.v, vv), g = local(p.g, gk),
-                         beta = local(p.beta, bh), d_o = local(p.d_o, vv);
-    const Inputs<T> in{q.data(), k.data(), v.data(), g.data(), beta.data(), ls, p.scale};
-    std::vector<T> o(ls.v_elems()), dq(ls.qk_elems()), dk(ls.qk_elems()), dv(ls.v_elems()), dg(ls.g_elems()),
-        dbeta(ls.beta_elems());
+    test::RankData<T> d(p, layout, rank);
     const Sequences& seqs = stream.sequences;
     const UlyssesSaved<T> saved =
-        layer.forward(in, stream, p.states(p.h0), o.data(), sequence_states(out.ht[rank].data(), seqs, ls));
-    layer.backward(in, saved, p.states(p.h0), d_o.data(),
-                   dht.empty() ? SequenceStates<const T>{} : p.states(dht[rank]),
-                   Grads<T>{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data()},
-                   sequence_states(out.dh0[rank].data(), seqs, ls));
+        layer.forward(d.inputs(), stream, p.states(p.h0), d.o.data(), sequence_states(out.ht[rank].data(), seqs, d.shape));
+    layer.backward(d.inputs(), saved, p.states(p.h0), d.d_o.data(),
+                   dht.empty() ? SequenceStates<const T>{} : p.states(dht[rank]), d.grads(),
+                   sequence_states(out.dh0[rank].data(), seqs, d.shape));
     const std::lock_guard lock(m);
-    auto put = [&](const std::vector<T>& x, std::size_t inner, std::vector<T>& full) {
-      test::scatter_parts(x, s.batch, s.tokens, inner, parts, ls.tokens, full);
-    };
-    put(o, vv, out.r.o);
-    put(dq, qk, out.r.dq);
-    put(dk, qk, out.r.dk);
-    put(dv, vv, out.r.dv);
-    put(dg, gk, out.r.dg);
-    put(dbeta, bh, out.r.dbeta);
+    d.scatter(out.r);
   });
   out.r.ht = out.ht.front();
   out.r.dh0 = out.dh0.front();

@@ -228,6 +228,15 @@ std::vector<T> slice_states(const SequenceStates<const T>& st, std::size_t width
   return out;
 }
 
+// The state-CP layer's local shape: the group's tokens of one head slice.
+Shape slice_shape(const Shape& s, std::size_t group_tokens, std::size_t width) {
+  Shape out = s;
+  out.tokens = group_tokens;
+  out.heads /= width;
+  out.value_heads /= width;
+  return out;
+}
+
 template <class S>
 SequenceStates<S> with_data(SequenceStates<S> st, std::type_identity_t<S>* data, std::size_t width) {
   st.data = data;
@@ -257,10 +266,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
     check::states(ht, seqs, in.shape, "", "ht");
   });
   const Shape& s = in.shape;
-  Shape gs = s;
-  gs.tokens = group_tokens_;
-  gs.heads /= width;
-  gs.value_heads /= width;
+  const Shape gs = slice_shape(s, group_tokens_, width);
   const Kinds<T> kinds = input_kinds<T>(s);
   const std::size_t bt = s.batch * group_tokens_;
   auto inputs = std::make_shared<std::vector<T>>(bt * slice_width(kinds, width));
@@ -330,10 +336,7 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
     check::states(dh0, seqs, in.shape, "", "dh0");
   });
   const Shape& s = in.shape;
-  Shape gs = s;
-  gs.tokens = group_tokens_;
-  gs.heads /= width;
-  gs.value_heads /= width;
+  const Shape gs = slice_shape(s, group_tokens_, width);
   const Kinds<T> kinds = input_kinds<T>(s);
   const std::size_t bt = s.batch * group_tokens_;
   const std::size_t state_row = gs.value_heads * gs.key_dim * gs.value_dim;
