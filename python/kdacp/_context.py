@@ -170,7 +170,8 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
     tokens) or "zigzag". split: tokens per rank for a contiguous layout (any
     lengths; None: cu_seqlens[-1] / world size, which must divide); with
     zigzag None or zigzag's own counts. protocol, allgather_group_size and
-    options as build_kda_state_cp. Checked at build, in the agreement: the
+    options as build_kda_state_cp, plus ulysses (U or "auto", as kda's:
+    Ulysses x state CP over head groups of U ranks). Checked at build, in the agreement: the
     layout, world size, cu_seqlens, split, conv1d_kernel_size, protocol,
     allgather_group_size, options and timeout. Checked at the first chunk_kda
     call (its one agreement): B, H, HV, K, V, dtype, scale, algorithm,

@@ -249,7 +249,11 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     kdacp.defaults() says): with "chunk", the forward keeps what its backward
     would recompute (about 1.25x the local q, k, v, g at K = V = 128) in the
     autograd context, for a faster backward; False saves that memory (a
-    forward without backward, or memory short); the same results either way. options: as build_kda_state_cp.
+    forward without backward, or memory short); the same results either way. options: as build_kda_state_cp,
+    plus ulysses (on a group): U > 1 runs Ulysses x state CP, head groups of U
+    consecutive ranks trading q, k, v, g, beta and o by all-to-all around the
+    state exchange over P/U ranks (U divides the group's ranks, H and HV; the
+    same call and results); "auto": the cost model's U (protocol "auto").
     cp_context: a CpContext (build_cp_context) instead of group, layout,
     protocol, allgather_group_size and options: no agreement message per
     call (chunk_kda's path, without its transforms).
