@@ -86,9 +86,10 @@ void print_ulysses(const PlanRequest& request, const UlyssesPlan& u) {
                 format_seconds(u.pick.seconds).c_str());
   } else {
     std::printf("Ulysses: the model picks U=%zu (state exchange over %zu ranks), predicted %s per forward, %.2fx "
-                "faster than plain state CP (U=1)\n",
+                "faster than plain state CP (U=1); run it with kdacp kda --ulysses %zu (or auto), kdacp.torch "
+                "ulysses=%zu\n",
                 u.pick.width, u.pick.state_ranks, format_seconds(u.pick.seconds).c_str(),
-                u.pick.seconds > 0 ? plain.seconds / u.pick.seconds : 1.0);
+                u.pick.seconds > 0 ? plain.seconds / u.pick.seconds : 1.0, u.pick.width, u.pick.width);
   }
 }
 
