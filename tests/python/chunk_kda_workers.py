@@ -341,6 +341,21 @@ def ulysses_worker(rank, world, init_file):
         kt.kda(*mine_big, cu_seqlens=cu, group=dist.group.WORLD, protocol="p2p", timeout=20,
                threads=1, ulysses="auto")
 
+    # bfloat16 inputs (computed in float32, o and the gradients stored as bfloat16):
+    # within bfloat16's rounding of one process's float32 run on the same values.
+    half = [x.detach().to(torch.bfloat16) for x in (full["q"], full["k"], full["v"], g_, beta_)]
+    one = [x.clone().requires_grad_() for x in half]
+    o_one, _ = kt.kda(*one, cu_seqlens=cu)
+    (o_one.float() * d_o).sum().backward()
+    mine_h = [local(x).detach().clone().requires_grad_() for x in half]
+    o_h, _ = kt.kda(*mine_h, cu_seqlens=cu, group=dist.group.WORLD, timeout=20, threads=1, ulysses=2)
+    (o_h.float() * local(d_o)).sum().backward()
+    assert o_h.dtype == torch.bfloat16 and mine_h[0].grad.dtype == torch.bfloat16
+    for name, a, b in [("o", o_h, local(o_one))] + [("d" + nm, m.grad, local(r.grad))
+                                                    for nm, m, r in zip("qkvgb", mine_h, one)]:
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err <= 1e-2, ("bfloat16 ulysses=2", name, err)
+
     # Widths that do not fit, and ranks that disagree: ValueError on every rank.
     with pytest.raises(ValueError, match="ulysses=3: expected a divisor of the group's 4 ranks"):
         kt.build_cp_context(cu, dist.group.WORLD, split=counts, timeout=20, ulysses=3)
