@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <tuple>
@@ -259,6 +260,31 @@ TEST(Ulysses, BadArgumentsOnOneRankThrowOnEveryRankBeforeAnyMessage) {
   expect_every_rank_throws(4, call(false, true), 3,
                            "kda::UlyssesLayer::backward on rank 3: grads.d_incoming is set, expected null",
                            "rank 3 rejected its own arguments");
+}
+
+// A training loop's steady state: once no UlyssesSaved holds the kept
+// inputs, the next forward writes into the same buffer (no fresh pages);
+// while one does, it gets another.
+TEST(Ulysses, KeptInputsAreReusedOnceReleased) {
+  const Case c{"reuse", test::shape_of(1, 32, 2, 2, 16, 16), {0, 32}};
+  const Problem<double> p = test::make_problem(c, 12);
+  const Layout layout = Layout::contiguous(32, 2);
+  run_in_process(2, [&](const std::shared_ptr<Communicator>& comm) {
+    const DeviceMesh mesh = DeviceMesh::create(comm, {2}, {"cp"});
+    UlyssesLayer<double> layer(mesh, 2, "p2p", layout);
+    test::RankData<double> d(p, layout, comm->rank());
+    const Stream stream{test::stream_sequences(c), layout};
+    std::optional<UlyssesSaved<double>> first(layer.forward(d.inputs(), stream, {}, d.o.data(), {}));
+    const std::vector<double>* buffer = first->inputs.get();
+    const std::vector<double> o1 = d.o;
+    const UlyssesSaved<double> second = layer.forward(d.inputs(), stream, {}, d.o.data(), {});
+    EXPECT_NE(second.inputs.get(), buffer);  // the first still holds it
+    EXPECT_EQ(d.o, o1);
+    first.reset();
+    const UlyssesSaved<double> third = layer.forward(d.inputs(), stream, {}, d.o.data(), {});
+    EXPECT_EQ(third.inputs.get(), buffer);
+    EXPECT_EQ(d.o, o1);
+  });
 }
 
 TEST(Ulysses, NonFiniteResultsAreNamed) {

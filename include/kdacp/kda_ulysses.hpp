@@ -158,8 +158,14 @@ class UlyssesLayer {
   bool agree_calls_ = true;
   PhaseTimes fwd_, bwd_;
   double fwd_a2a_ = 0, bwd_a2a_ = 0;
-  // The all-to-alls' send and receive buffers, reused by the next call.
-  std::vector<T> send_, recv_;
+  // A buffer for the head slice of the group's inputs that a forward keeps
+  // in its UlyssesSaved: one no UlyssesSaved holds any more, else a new one.
+  std::shared_ptr<std::vector<T>> kept_inputs(std::size_t elems);
+
+  // The all-to-alls' send and receive buffers, the o / d_o slice and the
+  // gradients' slices, reused by the next call; the kept inputs' buffers.
+  std::vector<T> send_, recv_, out_slice_, grad_slices_;
+  std::vector<std::shared_ptr<std::vector<T>>> inputs_pool_;
 };
 
 }  // namespace kdacp::kda

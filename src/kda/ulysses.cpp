@@ -269,7 +269,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   const Shape gs = slice_shape(s, group_tokens_, width);
   const Kinds<T> kinds = input_kinds<T>(s);
   const std::size_t bt = s.batch * group_tokens_;
-  auto inputs = std::make_shared<std::vector<T>>(bt * slice_width(kinds, width));
+  std::shared_ptr<std::vector<T>> inputs = kept_inputs(bt * slice_width(kinds, width));
 
   auto t0 = std::chrono::steady_clock::now();
   const T* const sources[5] = {in.q, in.k, in.v, in.g, in.beta};
@@ -281,7 +281,8 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   const std::vector<T> h0_slice = slice_states(h0, width, u);
   const std::size_t state_row = gs.value_heads * gs.key_dim * gs.value_dim;
   std::vector<T> ht_slots(ht.data ? width * ht.sequences * state_row : 0);
-  std::vector<T> o_slice(bt * gs.value_heads * gs.value_dim);
+  std::vector<T>& o_slice = out_slice_;
+  o_slice.resize(bt * gs.value_heads * gs.value_dim);
   const Stream group_stream{seqs, group_layout_};
   Saved saved = inner_->forward(gin, group_stream, with_data(h0, h0_slice.empty() ? nullptr : h0_slice.data(), width),
                                 o_slice.data(),
@@ -342,7 +343,8 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
   const std::size_t state_row = gs.value_heads * gs.key_dim * gs.value_dim;
 
   auto t0 = std::chrono::steady_clock::now();
-  std::vector<T> d_o_slice(bt * gs.value_heads * gs.value_dim);
+  std::vector<T>& d_o_slice = out_slice_;
+  d_o_slice.resize(bt * gs.value_heads * gs.value_dim);
   const T* const sources[1] = {d_o};
   to_heads(std::span<const T* const>(sources), Kinds<T>{{s.value_heads, s.value_dim}}, s,
            d_o_slice.data(), 2);
@@ -367,7 +369,8 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
 
   const std::vector<const T*> field = fields_of<const T, T>(saved.inputs->data(), kinds, bt, width);
   const Inputs<T> gin{field[0], field[1], field[2], field[3], field[4], gs, in.scale};
-  std::vector<T> grad_slices(saved.inputs->size());
+  std::vector<T>& grad_slices = grad_slices_;
+  grad_slices.resize(saved.inputs->size());
   const std::vector<T*> gfield = fields_of<T, T>(grad_slices.data(), kinds, bt, width);
   const std::vector<T> h0_slice = slice_states(h0, width, u);
   std::vector<T> dh0_slots(dh0.data ? width * dh0.sequences * state_row : 0);
@@ -395,6 +398,19 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
     require_finite_results<T>(fmt::format("kda::UlyssesLayer::backward on rank {}", rank), outputs, named,
                               exec_.pool);
   }
+}
+
+template <class T>
+std::shared_ptr<std::vector<T>> UlyssesLayer<T>::kept_inputs(std::size_t elems) {
+  // A buffer no UlyssesSaved holds any more (only this list does) is
+  // reused: a training loop does not fault fresh pages in every step.
+  for (const std::shared_ptr<std::vector<T>>& b : inputs_pool_)
+    if (b.use_count() == 1) {
+      b->resize(elems);
+      return b;
+    }
+  inputs_pool_.push_back(std::make_shared<std::vector<T>>(elems));
+  return inputs_pool_.back();
 }
 
 template <class T>
