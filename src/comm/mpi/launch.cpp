@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -103,6 +104,16 @@ void run_mpi(const LaunchOptions& options, const RankFn& fn) {
     watchdog.stop();
     std::fprintf(stderr, "kdacp: error: rank %zu: %s\n", session.world_rank(), e.what());
     std::fflush(stderr);
+#if !defined(KDACP_SMPI)
+    // A timed-out wait may be one link of a chain of waits (rank 3 on rank
+    // 2, rank 2 on a stopped rank 1), whose ranks all time out within
+    // moments of each other: the first to abort would cut the others off,
+    // and its message may name a rank that only waited too. A grace of up
+    // to the timeout (at most 2 s) before the job is ended lets each print
+    // its own diagnosis, the one naming the silent rank among them.
+    if (dynamic_cast<const Timeout*>(&e) != nullptr)
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(options.timeout_s, 2.0)));
+#endif
     MpiSession::abort(2);
   }
   world.reset();  // communicators go before MPI_Finalize
