@@ -2,6 +2,7 @@
 agreement of a group's ranks, the C++ layers cached per group and shape, and
 the autograd Function around the C++ forward and backward."""
 
+import atexit
 import math
 import numbers
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
-from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_bits,
+from kdacp._agreement import (_BACKENDS, _OPTION_FIELDS, _Fingerprint, _bits_float, _float_bits,
                               _group_backend, _options_fingerprint)
 from kdacp._autograd import cu_list, first_order
 from kdacp._comm import check_group
@@ -24,6 +25,19 @@ _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "determi
 
 _LAYERS = {}
 _LAYER_CACHE_SIZE = 16
+
+
+def _release_at_exit():
+    """Drops the cached layers and group backends while the interpreter is
+    whole: they hold C++ thread pools, communicators and the process groups
+    they were built on, whose destruction during finalization (a group
+    destroyed by the user but kept alive by this cache, its worker threads
+    ending after Python's state is gone) could crash the process at exit."""
+    _LAYERS.clear()
+    _BACKENDS.clear()
+
+
+atexit.register(_release_at_exit)
 
 
 def _layout(layout, counts):
