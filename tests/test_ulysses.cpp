@@ -257,6 +257,25 @@ TEST(Ulysses, BadArgumentsOnOneRankThrowOnEveryRankBeforeAnyMessage) {
                            "kda::UlyssesLayer::forward on rank 1: H = 3 and HV = 3 heads, expected multiples of the "
                            "Ulysses width U = 2",
                            "rank 1 rejected its own arguments");
+  // Deterministic chunk: the head groups' layout cuts the sequence at token
+  // 16, off the 64-token grid: the state-CP layer's check, before any message.
+  expect_every_rank_throws(
+      4,
+      [&](std::size_t r, const DeviceMesh& mesh) {
+        ExecPolicy exec;
+        exec.algorithm = Algorithm::chunk;
+        exec.deterministic = true;
+        UlyssesLayer<double> layer(mesh, 2, "p2p", layout, 1, {}, exec);
+        Shape ls = c.shape;
+        ls.tokens = 8;
+        std::vector<double> o(8 * 2 * 16);
+        const std::size_t at = r * 8;
+        const Inputs<double> in{p.q.data() + at * 32, p.k.data() + at * 32, p.v.data() + at * 32,
+                                p.g.data() + at * 32, p.beta.data() + at * 2, ls, p.scale};
+        layer.forward(in, Stream{test::stream_sequences(c), layout}, {}, o.data(), {});
+      },
+      0, "the part [16, 32) on rank 1 starts 16 tokens into its sequence",
+      "the part [16, 32) on rank 1 starts 16 tokens into its sequence");
   expect_every_rank_throws(4, call(false, true), 3,
                            "kda::UlyssesLayer::backward on rank 3: grads.d_incoming is set, expected null",
                            "rank 3 rejected its own arguments");

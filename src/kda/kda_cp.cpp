@@ -116,24 +116,6 @@ std::vector<T> summed_over_ranks(Communicator& comm, const SequenceStates<const 
   return sum;
 }
 
-// The deterministic mode with Algorithm::chunk: one device runs a sequence's
-// chunks from its first token, so a part continuing a sequence must start on
-// one of those chunk boundaries for its walk to be the same bits. Checks
-// every part of the layout (each rank the same), naming the first offender.
-void check_chunk_boundaries(const Stream& stream) {
-  const std::vector<std::size_t>& bounds = stream.sequences.boundaries();
-  for (const LayoutPart& p : stream.layout.parts()) {
-    const std::size_t start = *(std::upper_bound(bounds.begin(), bounds.end(), p.begin) - 1);
-    if ((p.begin - start) % kChunkSize != 0)
-      throw InvalidArgument(fmt::format(
-          "deterministic mode with algorithm chunk: the part [{}, {}) on rank {} starts {} tokens "
-          "into its sequence (tokens [{}, ...)), expected a multiple of {} (the chunk size): a "
-          "cut inside a sequence must fall on a {}-token boundary of that sequence "
-          "(docs/determinism.md), or use algorithm recurrent",
-          p.begin, p.end, p.rank, p.begin - start, start, kChunkSize, kChunkSize));
-  }
-}
-
 // A state's bytes, for a message.
 std::span<std::byte> bytes_of(const State& st) {
   return {reinterpret_cast<std::byte*>(st.data<unsigned char>()), st.bytes()};
@@ -329,7 +311,8 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     check::pointer(o, "", "o");
     check::states(h0, seqs, in.shape, "", "h0");
     check::states(ht, seqs, in.shape, "", "ht");
-    if (exec_.deterministic && exec_.algorithm == Algorithm::chunk) check_chunk_boundaries(stream);
+    if (exec_.deterministic && exec_.algorithm == Algorithm::chunk)
+      check::chunk_boundaries(stream.sequences, stream.layout);
   });
   // After the ht broadcasts, so that no rank stops before its peers' last
   // message; ht is the same bits on every rank, so every rank throws for it.

@@ -260,7 +260,11 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   fields.add_flag("ht requested", ht.data != nullptr);
   agree_on("forward", fields, [&] {
     check::inputs(in, "");
+    check::algorithm(exec.algorithm, "");
     check_stream(stream, layout_, in.shape, rank, width);
+    // The state-CP layer's own check, on the layout it runs: before the first
+    // all-to-all rather than after it.
+    if (exec.deterministic && exec.algorithm == Algorithm::chunk) check::chunk_boundaries(seqs, group_layout_);
     check::pointer(o, "", "o");
     check::states(h0, seqs, in.shape, "", "h0");
     check::states(ht, seqs, in.shape, "", "ht");

@@ -73,6 +73,24 @@ void whole_stream(const Shape& s, const Sequences& seqs, std::string_view where)
   batch(s, seqs, where);
 }
 
+// The deterministic mode with Algorithm::chunk: one device runs a sequence's
+// chunks from its first token, so a part continuing a sequence must start on
+// one of those chunk boundaries for its walk to be the same bits. Checks
+// every part of the layout (each rank the same), naming the first offender.
+void chunk_boundaries(const Sequences& seqs, const Layout& layout) {
+  const std::vector<std::size_t>& bounds = seqs.boundaries();
+  for (const LayoutPart& p : layout.parts()) {
+    const std::size_t start = *(std::upper_bound(bounds.begin(), bounds.end(), p.begin) - 1);
+    if ((p.begin - start) % kChunkSize != 0)
+      throw InvalidArgument(fmt::format(
+          "deterministic mode with algorithm chunk: the part [{}, {}) on rank {} starts {} tokens "
+          "into its sequence (tokens [{}, ...)), expected a multiple of {} (the chunk size): a "
+          "cut inside a sequence must fall on a {}-token boundary of that sequence "
+          "(docs/determinism.md), or use algorithm recurrent",
+          p.begin, p.end, p.rank, p.begin - start, start, kChunkSize, kChunkSize));
+  }
+}
+
 #define KDACP_CHECK_INSTANTIATE(T)                                                           \
   template void inputs<T>(const Inputs<T>&, std::string_view);                               \
   template void grads<T>(const Grads<T>&, std::string_view);                                 \

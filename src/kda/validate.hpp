@@ -51,4 +51,9 @@ void batch(const Shape& s, const Sequences& seqs, std::string_view where);
 // The inputs cover the whole stream: batch() and T = the sequences' T.
 void whole_stream(const Shape& s, const Sequences& seqs, std::string_view where);
 
+// The deterministic mode with Algorithm::chunk: every part of `layout` that
+// continues a sequence starts a multiple of kChunkSize tokens into it (the
+// first offender named), so its walk is one device's.
+void chunk_boundaries(const Sequences& seqs, const Layout& layout);
+
 }  // namespace kdacp::kda::check
