@@ -11,6 +11,10 @@
 //   gather+fold the two back to back: what the allgather protocol must match
 // plus the kdacp MPI communicator's own all_gather of the same buffer, to
 // separate the backend's overhead from the protocol's local work.
+//   barrier     raw MPI_Barrier, beside the kdacp communicator's barrier (its
+//               collective agreement alone: one all-reduce of 6 words) and
+//               the raw header exchange it replaced (P - 1 Isend/Irecv of
+//               3 words each way per rank)
 //   chain       raw MPI_Recv/MPI_Send along the P-1 hops, one K×V state per head
 //   chain+step  the same with each hop's local affine step (kdacp::scan)
 // One sample = the slowest rank's time for one call, after a barrier; the
@@ -19,6 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -145,6 +150,22 @@ int main(int argc, char** argv) {
   const std::span<std::byte> gathered_bytes(reinterpret_cast<std::byte*>(gathered.data()),
                                             gathered.bytes());
   const double t_comm_gather = time_op(iters, [&] { world->all_gather(gathered_bytes); });
+  auto header_exchange = [&] {
+    std::uint64_t mine[3] = {1, 2, 3};
+    std::vector<std::uint64_t> theirs(3 * p);
+    std::vector<MPI_Request> reqs;
+    for (std::size_t q = 0; q < p; ++q) {
+      if (q == r) continue;
+      reqs.emplace_back();
+      MPI_Irecv(theirs.data() + 3 * q, 3, MPI_UINT64_T, static_cast<int>(q), 9, MPI_COMM_WORLD, &reqs.back());
+      reqs.emplace_back();
+      MPI_Isend(mine, 3, MPI_UINT64_T, static_cast<int>(q), 9, MPI_COMM_WORLD, &reqs.back());
+    }
+    MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+  };
+  const double t_barrier = time_op(iters, [] { MPI_Barrier(MPI_COMM_WORLD); });
+  const double t_comm_barrier = time_op(iters, [&] { world->barrier(); });
+  const double t_headers = time_op(iters, header_exchange);
   const double t_fold = time_op(iters, fold);
   const double t_gather_fold = time_op(iters, [&] { gather(); fold(); });
   const double t_chain = time_op(iters, [&] { chain(false); });
@@ -179,6 +200,8 @@ int main(int argc, char** argv) {
                 state_bytes / 1048576.0);
     std::printf("communicator all_gather %.3f ms = %.3f x raw gather (size agreement + "
                 "bounded polling)\n", t_comm_gather * 1e3, t_comm_gather / t_gather);
+    std::printf("communicator barrier %.3f ms = %.3f x raw MPI_Barrier %.3f ms; raw P-1 header exchange "
+                "%.3f ms\n", t_comm_barrier * 1e3, t_comm_barrier / t_barrier, t_barrier * 1e3, t_headers * 1e3);
     std::printf("baselines (ms): gather %.3f  igather %.3f  fold %.3f  gather+fold %.3f  "
                 "chain %.3f  chain+step %.3f\n",
                 t_gather * 1e3, t_igather * 1e3, t_fold * 1e3, t_gather_fold * 1e3, t_chain * 1e3,

@@ -8,15 +8,17 @@
 //
 // Size agreement: MPI collectives with mismatched counts are erroneous
 // (undefined behaviour, in practice a hang or a corrupted buffer), so each
-// collective first exchanges a 3-word header (operation, byte count, root)
-// with every member, as point-to-point messages on a reserved tag. That can
-// NAME the disagreeing rank, which an all-reduce of (min, max) cannot, and,
-// unlike a header all-gather (which costs about the same P-1 small messages
-// per rank in Open MPI's non-blocking collectives), it also names the members
-// that never arrived when a peer stopped answering: the ones whose header is
-// missing at the deadline. The header exchange proves every member entered
-// the same collective, so it is the barrier itself, and it makes split()
-// bounded before the blocking MPI_Comm_split.
+// collective first agrees on a 3-word header (operation, byte count, root):
+// one non-blocking all-reduce of each word's minimum and maximum, O(log P)
+// messages per member, which proves every member entered a collective with
+// the same header (so it is the barrier itself, and it makes split() bounded
+// before the blocking MPI_Comm_split). Only when it shows a difference, or
+// does not complete by the deadline, do the members exchange their headers
+// whole as point-to-point messages on a reserved tag (P - 1 each way): that
+// NAMES the disagreeing rank, which the all-reduce cannot, and, after a
+// second deadline, the members that never arrived (the ones whose header is
+// missing). Until 2026-12-06 every collective exchanged the headers whole:
+// O(P²) messages per collective in all.
 // Point-to-point sizes are checked on the receiver from the status
 // (MPI_ERR_TRUNCATE when longer, MPI_Get_elements_x when shorter).
 //
@@ -142,7 +144,14 @@ bool poll(MPI_Request* req, MPI_Status* status, Clock::time_point deadline, int*
 // `bytes` contiguous bytes as (count, datatype) within MPI's int counts.
 class ByteType {
  public:
-  ByteType(std::size_t bytes, std::size_t max_chunk) {
+  // words: a buffer of whole 8-byte words as that many MPI_UINT64_T, a
+  // predefined type, so that a collective's counts are 8 times smaller.
+  ByteType(std::size_t bytes, std::size_t max_chunk, bool words = false) {
+    if (words && bytes % 8 == 0 && bytes <= max_chunk) {
+      type_ = MPI_UINT64_T;
+      count_ = static_cast<int>(bytes / 8);
+      return;
+    }
     if (bytes <= max_chunk) {
       count_ = static_cast<int>(bytes);
       return;
@@ -166,7 +175,7 @@ class ByteType {
     count_ = 1;
   }
   ~ByteType() {
-    if (type_ != MPI_BYTE && mpi_running()) MPI_Type_free(&type_);
+    if (type_ != MPI_BYTE && type_ != MPI_UINT64_T && mpi_running()) MPI_Type_free(&type_);
   }
   ByteType(const ByteType&) = delete;
   ByteType& operator=(const ByteType&) = delete;
@@ -265,16 +274,26 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
                                         who(), buffer.size(), n));
     const std::size_t slot = buffer.size() / n;
     agree(Op::all_gather, slot, 0);
-    const ByteType type(slot, options_.max_message_bytes);
 #if defined(KDACP_SMPI)
     // Simulated: the blocking collective, whose algorithm smpirun selects
     // (scripts/simulate.py: recursive doubling, one of Open MPI's
     // MPI_Iallgather algorithms and the one the cost model prices). SMPI's
     // MPI_Iallgather posts all P - 1 sends at once, O(P²) simulated flows:
     // 21 minutes of real time for one P = 256 sweep row (docs/scale.md).
-    check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(), type.type(), comm_),
-          "all_gather");
+    // A slot is counted in 8-byte words: SMPI 3.32's recursive doubling
+    // counts a round's message in an int of elements, which in bytes
+    // overflowed at P/2 slots of 4 MiB (P = 1024, H = 32). Not a derived
+    // type: SMPI copies those through a buffer it allocates per message,
+    // which at that size took all of this host's memory.
+    if (n > 1 && (n & (n - 1)) == 0 && (n / 2) * slot >= kSmpiLargeMessage && slot % 8 == 0) {
+      doubling_all_gather(buffer, slot);
+    } else {
+      const ByteType type(slot, options_.max_message_bytes, /*words=*/true);
+      check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(), type.type(), comm_),
+            "all_gather");
+    }
 #else
+    const ByteType type(slot, options_.max_message_bytes);
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data(), type.count(),
                          type.type(), comm_, &req),
@@ -285,6 +304,39 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     stats_.bytes_sent += slot * (n - 1);
     ++stats_.messages_sent;
   }
+
+#if defined(KDACP_SMPI)
+  // SMPI 3.32's own recursive doubling fails once a round's message reaches
+  // 2 GiB (P = 1024 at H = 32: the host ran out of memory inside SMPI). Past
+  // kSmpiLargeMessage this is the same algorithm, round for round (the
+  // member q ^ 2^k exchanges the 2^k slots each side holds), with every
+  // message of a round cut into pieces under 1 GiB that travel together.
+  static constexpr std::size_t kSmpiLargeMessage = std::size_t{1} << 31;
+  static constexpr std::size_t kSmpiPiece = std::size_t{1} << 30;
+
+  void doubling_all_gather(std::span<std::byte> buffer, std::size_t slot) {
+    const std::size_t n = size_, me = rank_;
+    std::vector<MPI_Request> reqs;
+    for (std::size_t mask = 1; mask < n; mask <<= 1) {
+      const std::size_t peer = me ^ mask;
+      const std::size_t mine = me & ~(mask - 1), theirs = peer & ~(mask - 1);
+      const std::size_t bytes = mask * slot;
+      reqs.clear();
+      for (std::size_t at = 0; at < bytes; at += kSmpiPiece) {
+        const std::size_t len = std::min(kSmpiPiece, bytes - at);
+        reqs.push_back(MPI_REQUEST_NULL);
+        check(MPI_Irecv(buffer.data() + theirs * slot + at, static_cast<int>(len / 8), MPI_UINT64_T,
+                        static_cast<int>(peer), header_tag_, comm_, &reqs.back()),
+              "all_gather");
+        reqs.push_back(MPI_REQUEST_NULL);
+        check(MPI_Isend(buffer.data() + mine * slot + at, static_cast<int>(len / 8), MPI_UINT64_T,
+                        static_cast<int>(peer), header_tag_, comm_, &reqs.back()),
+              "all_gather");
+      }
+      check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "all_gather");
+    }
+  }
+#endif
 
   void broadcast(std::span<std::byte> buffer, std::size_t root) override {
     check_peer(root, "broadcast");
@@ -306,7 +358,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     ++stats_.messages_sent;
   }
 
-  // Every member contributing its header proves every member arrived.
+  // The agreement's all-reduce completing proves every member arrived.
   // Simulated, every member also leaves at the same instant (below).
   void barrier() override {
     agree(Op::barrier, 0, 0);
@@ -320,7 +372,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   std::unique_ptr<Request> irecv(std::span<std::byte> data, std::size_t peer, int tag) override;
 
   std::shared_ptr<Communicator> split(int color, int key) override {
-    // The header gather bounds the wait for the members; once it completed,
+    // The agreement bounds the wait for the members; once it completed,
     // every member is inside split() and MPI_Comm_split cannot hang on one.
     agree(Op::split, 0, 0);
     MPI_Comm out = MPI_COMM_NULL;
@@ -355,33 +407,53 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   CommStats& counters() { return stats_; }
 
  private:
-  // Exchanges headers with every member and throws when they disagree: the
-  // member whose (op, bytes, root) differs from the most common one gets
+  // Compares the members' headers and throws when they disagree: the member
+  // whose (op, bytes, root) differs from the most common one gets
   // InvalidArgument, the others RemoteError; both messages list who passed
-  // what, by global rank. A member whose header does not arrive in time is a
-  // Timeout naming it.
+  // what, by global rank. A member that does not join in time is a Timeout
+  // naming it.
+  //
+  // First one all-reduce of each word's minimum and its complement's minimum
+  // (the maximum): O(log P) messages, and when every member passed the same
+  // header, the only ones. Only when the headers differ, or the all-reduce
+  // did not complete by the deadline, do the members exchange them whole
+  // (P - 1 each way per member): that names who disagrees, or, after a
+  // second deadline, whose header never came. Every member sees the same
+  // all-reduce result, so all of them take the same path.
   void agree(Op op, std::size_t bytes, std::size_t root) {
     charge_compute();
-#if defined(KDACP_SMPI)
-    // Simulated: the members first compare their headers by one all-reduce
-    // of each word's minimum and its complement's minimum (the maximum),
-    // O(log P) messages, and exchange them whole only to name who disagrees.
-    // The P - 1 headers per member of the real backend are O(P²) messages per
-    // collective in all, 3.5 s of real time per timed call at P = 64
-    // (docs/scale.md).
-    {
-      std::uint64_t mine[2 * kHeaderWords] = {static_cast<std::uint64_t>(op), bytes, root};
-      for (std::size_t i = 0; i < kHeaderWords; ++i) mine[kHeaderWords + i] = ~mine[i];
-      std::uint64_t low[2 * kHeaderWords];
-      check(MPI_Allreduce(mine, low, 2 * kHeaderWords, MPI_UINT64_T, MPI_MIN, comm_), op_name(mine[0]));
-      bool same = true;
-      for (std::size_t i = 0; i < kHeaderWords; ++i) same = same && low[i] == ~low[kHeaderWords + i];
-      if (same) return;
-    }
-#endif
     const char* name = op_name(static_cast<std::uint64_t>(op));
     const std::string what =
         op == Op::barrier || op == Op::split ? std::string(name) : fmt::format("{} of {} bytes", name, bytes);
+    auto probe = std::make_unique<Abandoned>();
+    probe->send = {static_cast<std::uint64_t>(op), bytes, root};
+    for (std::size_t i = 0; i < kHeaderWords; ++i) probe->send.push_back(~probe->send[i]);
+    probe->recv.assign(2 * kHeaderWords, 0);
+#if defined(KDACP_SMPI)
+    // Simulated: the blocking all-reduce (a deadlock is SimGrid's to report;
+    // SMPI charges every MPI_Test to the simulated clock).
+    check(MPI_Allreduce(probe->send.data(), probe->recv.data(), 2 * kHeaderWords, MPI_UINT64_T, MPI_MIN, comm_),
+          what);
+    const bool joined = true;
+#else
+    probe->requests.assign(1, MPI_REQUEST_NULL);
+    check(MPI_Iallreduce(probe->send.data(), probe->recv.data(), 2 * kHeaderWords, MPI_UINT64_T, MPI_MIN, comm_,
+                         probe->requests.data()),
+          what);
+    int probe_rc = MPI_SUCCESS;
+    const bool joined =
+        complete(1, probe->requests.data(), MPI_STATUSES_IGNORE, Clock::now() + options_.timeout, &probe_rc);
+    if (joined && probe_rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(probe_rc));
+#endif
+    if (joined) {
+      bool same = true;
+      for (std::size_t i = 0; i < kHeaderWords; ++i)
+        same = same && probe->recv[i] == ~probe->recv[kHeaderWords + i];
+      if (same) return;
+    } else {
+      // MPI may still complete it: its buffers stay with the communicator.
+      abandoned_.push_back(std::move(probe));
+    }
     auto pending = std::make_unique<Abandoned>();
     pending->send = {static_cast<std::uint64_t>(op), bytes, root};
     pending->recv.assign(kHeaderWords * size_, 0);
@@ -403,6 +475,10 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     int rc = MPI_SUCCESS;
     const bool done = complete(static_cast<int>(pending->requests.size()), pending->requests.data(),
                                MPI_STATUSES_IGNORE, Clock::now() + options_.timeout, &rc);
+    // Without the all-reduce, a member named here never joined, or joined
+    // after this one's first deadline and went on.
+    const std::string late = joined ? "" : fmt::format(" (and {} ms more for the members' headers)",
+                                                       options_.timeout.count());
     if (!done) {
       std::vector<std::size_t> missing;
       for (std::size_t q = 0, i = 0; q < size_; ++q) {
@@ -413,21 +489,31 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
       }
       abandoned_.push_back(std::move(pending));
       throw Timeout(fmt::format(
-          "{}{}: timed out after {} ms {}", who(), what, options_.timeout.count(),
+          "{}{}: timed out after {} ms {}{}", who(), what, options_.timeout.count(),
           missing.empty()
               ? fmt::format("waiting for the group's members (global ranks [{}]) to take this rank's header",
                             fmt::join(global_, ","))
-              : fmt::format("waiting for peer rank(s) {} to join", fmt::join(missing, " "))));
+              : fmt::format("waiting for peer rank(s) {} to join", fmt::join(missing, " ")),
+          late));
     }
     if (rc != MPI_SUCCESS) throw RemoteError(who() + what + ": " + error_text(rc));
-
     using Header = std::vector<std::uint64_t>;
     std::map<Header, std::vector<std::size_t>> by_header;
     for (std::size_t r = 0; r < size_; ++r) {
       const auto* h = pending->recv.data() + r * kHeaderWords;
       by_header[Header(h, h + kHeaderWords)].push_back(r);
     }
-    if (by_header.size() == 1) return;
+    if (by_header.size() == 1) {
+      if (joined) return;  // not reached: the all-reduce saw a difference
+      // The same header from every member, after this one gave up on the
+      // all-reduce: some member joined late, and the others may have
+      // completed the all-reduce this one abandoned. Out of step for good.
+      throw Timeout(fmt::format("{}{}: timed out after {} ms waiting for the group's members (global ranks [{}]) "
+                                "to join; every member's header arrived within {} ms more, so one joined late",
+                                who(), what, options_.timeout.count(), fmt::join(global_, ","),
+                                options_.timeout.count()));
+    }
+
     // The most common header is "expected"; ties go to the one that includes
     // the lowest group rank, so every member picks the same.
     auto expected = by_header.begin();
@@ -475,7 +561,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
 #endif
 
   // Completes a collective's data transfer within the deadline. Every member
-  // joined (the header exchange proved it), so a timeout here means one
+  // joined (the agreement proved it), so a timeout here means one
   // stopped answering in the middle of the transfer, which MPI cannot
   // attribute to a member.
   void wait_collective(MPI_Request& req, const std::string& what) {
