@@ -165,16 +165,32 @@ FOLD_OPTIONS = ["--cfg=smpi/shared-malloc:global", "--cfg=smpi/shared-malloc-blo
                 "--cfg=smpi/simulate-computation:no"]
 
 
-def allgather_algorithm(ranks, heads):
-    """SMPI's all-gather for a run: recursive doubling, or None where its last
-    round's message (P/2 packed summaries) reaches 2 GiB, which SMPI 3.32
-    sizes in an int (it aborts allocating a negative size: the all-gather at
-    P = 1024, H = 32). Its other bandwidth-optimal algorithms do not stand in:
-    the neighbour exchange crashed inside SMPI after 15 minutes at P = 1024 on
-    both platforms, the 2-D mesh took 3.9x the model at P = 64, and the ring
-    (1.06x at P = 64) needs P - 1 rounds of P flows."""
+def allgather_algorithm(members, heads):
+    """The all-gather of `members` packed summaries that kdacp-smpi runs:
+    SMPI's recursive doubling ("rdb", which kdacp-smpi counts in 8-byte words;
+    in bytes its int counts overflowed), or, where a round's message reaches
+    2 GiB, kdacp-smpi's own recursive doubling with the same rounds and each
+    message in pieces under 1 GiB ("kdacp-rdb"; SMPI's failed: at P = 1024,
+    H = 32 it filled this host's memory). Its own needs a power-of-two member
+    count: None otherwise. SMPI's other bandwidth-optimal algorithms do not
+    stand in: the neighbour exchange crashed inside SMPI after 15 minutes at
+    P = 1024 on both platforms, the ring with a segmentation fault, the 2-D
+    mesh took 3.9x the model at P = 64."""
     slot = heads * 128 * (128 + 128) * 4
-    return None if (ranks // 2) * slot >= 2**31 else "rdb"
+    if (members // 2) * slot < 2**31:
+        return "rdb"
+    return None if members & (members - 1) else "kdacp-rdb"
+
+
+def gathered_members(row, ranks, auto_pick):
+    """How many summaries the run's widest all-gather gathers (0: none)."""
+    label = auto_pick if row["method"] == "auto" and auto_pick else row["label"]
+    method, _, knob = label.partition(" ")
+    if method == "allgather":
+        return ranks
+    if method.startswith("grouped_allgather") and knob.startswith("w="):
+        return int(knob[2:])
+    return 0
 
 
 def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgather="rdb"):
@@ -289,12 +305,13 @@ def sweep(a):
                     if folded:
                         need = p * FOLDED_RANK_BYTES
                     rec["folded"] = folded
-                    # Groups gather at most P/2 members: recursive doubling fits.
-                    algorithm = allgather_algorithm(p, a.heads)
+                    members = gathered_members(row, p, auto_pick)
+                    algorithm = allgather_algorithm(members, a.heads) if members else "rdb"
                     rec["smpi_allgather"] = algorithm or "rdb"
-                    if algorithm is None and row["method"] == "allgather":
-                        rec["skipped"] = ("SMPI 3.32 cannot simulate this all-gather: recursive doubling's last "
-                                          "message reaches 2 GiB, which it sizes in an int")
+                    if algorithm is None:
+                        rec["skipped"] = (f"this all-gather of {members} summaries sends 2 GiB or more in a round, "
+                                          "which SMPI 3.32 cannot, and kdacp-smpi's own recursive doubling needs a "
+                                          "power-of-two member count")
                     if "skipped" in rec:
                         pass
                     elif need > budget:
@@ -307,7 +324,7 @@ def sweep(a):
                                                                        a.warmup, a.layout, a.docs_mean,
                                                                        a.tokens_per_rank)],
                                                     a.timeout, folded,
-                                                    rec["smpi_allgather"])
+                                                    "rdb")
                         rec["real_seconds"] = wall
                         if err:
                             rec["skipped"] = err
