@@ -20,6 +20,7 @@
 #include "kdacp/kda_ulysses.hpp"
 #include "kda_cp_stream_runner.hpp"
 #include "kdacp/job.hpp"
+#include "kdacp/testing/layer_bench.hpp"
 #include "kdacp/testing/run_report.hpp"
 
 namespace kdacp::kda {
@@ -377,6 +378,44 @@ TEST(UlyssesAuto, ChoosesThePlansWidthAndRunsIt) {
   opts.method = "p2p";
   opts.ulysses = kUlyssesAuto;
   EXPECT_THROW(run_context_parallel(job, 8, opts, 60), InvalidArgument);
+}
+
+// `kdacp bench layer --ulysses U`: the Ulysses runs after plain state CP's,
+// in the same run, every algorithm within its tolerance, the width recorded;
+// their memory counted; a width that does not divide H refused before any run.
+TEST(UlyssesBench, RunsBesidePlainStateCp) {
+  testing::LayerBenchConfig c;
+  c.shape = kda::Shape{1, 128, 4, 4, 16, 16};
+  c.single = false;
+  c.ranks = 4;
+  c.repeats = 1;
+  c.peak_seconds = 0.01;
+  const double plain_bytes = testing::layer_bench_bytes(c);
+  c.ulysses = 2;
+  EXPECT_GT(testing::layer_bench_bytes(c), plain_bytes);
+  const testing::LayerBenchResult res = testing::bench_layer(c);
+  ASSERT_EQ(res.records.size(), 4u);  // cp recurrent, cp chunk, ulysses recurrent, ulysses chunk
+  for (std::size_t i = 0; i < 4; ++i) {
+    const testing::LayerBenchRecord& r = res.records[i];
+    EXPECT_EQ(r.mode, i < 2 ? "cp" : "cp ulysses");
+    EXPECT_EQ(r.ulysses, i < 2 ? 1u : 2u);
+    EXPECT_EQ(r.ranks, 4u);
+    EXPECT_GT(r.forward_seconds, 0);
+    EXPECT_LE(r.max_rel_error, r.tolerance) << r.mode;
+  }
+  EXPECT_EQ(testing::layer_run_label("cp ulysses", 2), "Ulysses U=2 x CP");
+  c.ulysses = 3;
+  EXPECT_THROW(testing::bench_layer(c), InvalidArgument);
+  c.ulysses = kUlyssesAuto;  // needs method auto
+  EXPECT_THROW(testing::bench_layer(c), InvalidArgument);
+  c.method = "auto";
+  const testing::LayerBenchResult picked = testing::bench_layer(c);
+  ASSERT_EQ(picked.records.size(), 4u);
+  EXPECT_EQ(picked.records[2].ulysses, choose_ulysses(c.shape, kda::Layout::contiguous(128, 4),
+                                                      layer_exchange_options(c.exchange, c.shape, DType::f32,
+                                                                             kda::Layout::contiguous(128, 4),
+                                                                             kda::Sequences(1, 128)),
+                                                      sizeof(float)));
 }
 
 }  // namespace

@@ -133,9 +133,7 @@ void add_layer_phases(json& j, const LayerBenchRecord& r, bool cold) {
 }
 
 // A layer record's run as the tables name it.
-std::string run_label(const json& r) {
-  return r["run"] == "single" ? "one rank" : r["run"] == "cp" ? "context-parallel" : "deterministic CP";
-}
+std::string run_label(const json& r) { return layer_run_label(r["run"].get<std::string>(), size(r["ulysses"])); }
 
 // The --phases table: a row per run and step (warm; cold with --cold).
 void print_layer_phases(const json& recs) {
@@ -168,7 +166,7 @@ json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::ve
   if (show_progress)
     progress = [](const std::string& mode, kda::Algorithm a, double seconds, std::size_t done, std::size_t total) {
       std::fprintf(stderr, "kdacp bench: [%zu/%zu] %s %s: forward+backward %.1f ms\n", done, total,
-                   mode == "single" ? "one rank" : mode == "cp" ? "context-parallel" : "deterministic CP",
+                   (mode == "cp ulysses" ? std::string("Ulysses x CP") : layer_run_label(mode, 1)).c_str(),
                    kda::algorithm_name(a), seconds * 1e3);
     };
   const LayerBenchResult res = bench_layer(lc, progress);
@@ -178,6 +176,7 @@ json layer_bench_records(const LayerBenchConfig& lc, bool show_progress, std::ve
     json j = {{"mode", "layer"}, {"run", r.mode}, {"algorithm", kda::algorithm_name(r.algorithm)},
               {"baseline", kda::algorithm_name(lc.algorithms.front())},
               {"P", r.ranks}, {"threads_per_rank", r.threads_per_rank}, {"protocol", r.method},
+              {"ulysses", r.ulysses},
               {"B", s.batch}, {"T", s.tokens}, {"H", s.heads}, {"HV", s.value_heads},
               {"K", s.key_dim}, {"V", s.value_dim}, {"chunk_size", kda::kChunkSize},
               {"forward_seconds", r.forward_seconds}, {"backward_seconds", r.backward_seconds},
@@ -279,6 +278,17 @@ void print_layer_bench(const json& recs) {
               real(r0["flops"]) / 1e9, real(r0["peak_gflops"]), size(r0["peak_threads"]),
               r0["target"].get<std::string>().c_str(), r0["baseline"].get<std::string>().c_str(),
               r0["baseline"].get<std::string>().c_str(), job::kLayerFloat32Tolerance);
+  for (const auto& r : recs) {
+    if (r["run"] != "cp ulysses") continue;
+    for (const auto& plain : recs)
+      if (plain["run"] == "cp" && plain["algorithm"] == r["algorithm"])
+        std::printf("%s, %s: fwd+bwd %s ms = %.2fx the time of plain state CP over the same %zu ranks (%s ms; "
+                    "head groups of %zu, state CP over %zu ranks of %zu head%s)\n",
+                    run_label(r).c_str(), r["algorithm"].get<std::string>().c_str(), ms(r["seconds"]).c_str(),
+                    real(r["seconds"]) / real(plain["seconds"]), size(r["P"]), ms(plain["seconds"]).c_str(),
+                    size(r["ulysses"]), size(r["P"]) / size(r["ulysses"]), size(r["HV"]) / size(r["ulysses"]),
+                    size(r["HV"]) / size(r["ulysses"]) == 1 ? "" : "s");
+  }
   if (r0.contains("phase_rank")) print_layer_phases(recs);
 }
 

@@ -5,6 +5,8 @@
 #include <limits>
 #include <sstream>
 
+#include <fmt/format.h>
+
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
@@ -45,6 +47,37 @@ void check(const LayerBenchConfig& c) {
     throw InvalidArgument(what.str());
   }
   packed_sequences(Packing{{}, c.docs}, c.shape.batch, c.shape.tokens);
+  if (c.ulysses != 1 && c.ranks == 0)
+    throw InvalidArgument("bench_layer: a Ulysses width without context-parallel runs (ranks = 0)");
+}
+
+// The sweep's layout and the exchange options of its runs
+// (layer_exchange_options: the contiguous layout, the cuts of the packing).
+struct CpSetup {
+  std::vector<std::int64_t> cu;
+  kda::Layout layout;
+  ExchangeOptions options;
+};
+CpSetup cp_setup(const LayerBenchConfig& c) {
+  const kda::Shape& s = c.shape;
+  CpSetup out{c.docs > 0 ? packed_cu_seqlens(Packing{{}, c.docs}, s.batch, s.tokens, c.seed)
+                         : std::vector<std::int64_t>{},
+              kda::Layout::contiguous(s.tokens, c.ranks), {}};
+  const kda::Sequences seqs =
+      out.cu.empty() ? kda::Sequences(s.batch, s.tokens) : kda::Sequences(s.batch, s.tokens, std::span(out.cu));
+  out.options = job::layer_exchange_options(c.exchange, s, DType::f32, out.layout, seqs);
+  return out;
+}
+
+// The Ulysses width of the "cp ulysses" runs (config.ulysses resolved and
+// checked against P, H and HV); 1 when there are none.
+std::size_t ulysses_width(const LayerBenchConfig& c) {
+  if (c.ulysses == 1) return 1;
+  const CpSetup setup = cp_setup(c);
+  const std::size_t width = job::resolve_ulysses(c.ulysses, c.method, c.shape, setup.layout, setup.options,
+                                                 sizeof(float));
+  job::check_ulysses(width, c.ranks, c.shape);
+  return width;
 }
 
 std::size_t cp_threads(const LayerBenchConfig& c) {
@@ -53,8 +86,16 @@ std::size_t cp_threads(const LayerBenchConfig& c) {
 
 }  // namespace
 
+std::string layer_run_label(const std::string& mode, std::size_t ulysses) {
+  if (mode == "single") return "one rank";
+  if (mode == "cp") return "context-parallel";
+  if (mode == "cp deterministic") return "deterministic CP";
+  return fmt::format("Ulysses U={} x CP", ulysses);
+}
+
 LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress& progress) {
   check(c);
+  const std::size_t width = ulysses_width(c);
   const kda::Shape& s = c.shape;
   LayerJob<float> job;
   job.data = kda::synthetic_layer<float>(s, c.seed);
@@ -76,6 +117,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
   if (c.single) modes.emplace_back("single");
   if (c.ranks > 0) modes.emplace_back("cp");
   if (c.ranks > 0 && c.deterministic) modes.emplace_back("cp deterministic");
+  if (c.ulysses != 1) modes.emplace_back("cp ulysses");
   const std::size_t total = modes.size() * c.repeats * c.algorithms.size() * (c.cold ? 2 : 1);
   std::size_t done = 0;
   for (const std::string& mode : modes) {
@@ -86,6 +128,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
     opts.group_size = c.group_size;
     opts.exchange = c.exchange;
     opts.threads_per_rank = cp_threads(c);
+    opts.ulysses = mode == "cp ulysses" ? width : 1;
     std::vector<std::vector<Timing>> times(c.algorithms.size());
     std::vector<std::vector<Timing>> cold(c.algorithms.size());
     std::vector<LayerOutputs<float>> outputs(c.algorithms.size());
@@ -123,6 +166,7 @@ LayerBenchResult bench_layer(const LayerBenchConfig& c, const LayerBenchProgress
       r.ranks = cp ? c.ranks : 1;
       r.threads_per_rank = cp ? opts.threads_per_rank : single_threads;
       r.method = methods[a];
+      r.ulysses = opts.ulysses;
       const Timing t = median(times[a]);
       r.forward_seconds = t.forward;
       r.backward_seconds = t.backward;
@@ -157,8 +201,8 @@ std::vector<std::string> layer_bench_failures(const LayerBenchResult& result) {
     std::string what;
     for (const std::string& e : job::errors_above(r.rel_errors, r.tolerance)) what += (what.empty() ? "" : ", ") + e;
     if (!what.empty())
-      out.push_back(std::string(r.mode == "cp" ? "context-parallel " : r.mode == "single" ? "one rank " : "context-parallel deterministic ") + kda::algorithm_name(r.algorithm) +
-                    " vs " + baseline + ": " + what);
+      out.push_back(layer_run_label(r.mode, r.ulysses) + " " + kda::algorithm_name(r.algorithm) + " vs " + baseline +
+                    ": " + what);
   }
   return out;
 }
@@ -172,16 +216,21 @@ double layer_bench_bytes(const LayerBenchConfig& c) {
   const std::size_t sequences = c.docs > 0 ? c.docs : s.batch;
   double run = c.single ? job::layer_run_bytes(s, sequences, 1, true, sizeof(float), 0) : 0.0;
   if (c.ranks > 0) {
-    // The exchange bench_layer's runs build (layer_exchange_options): the
-    // contiguous layout and the cuts of the same packing.
-    const std::vector<std::int64_t> cu =
-        c.docs > 0 ? packed_cu_seqlens(Packing{{}, c.docs}, s.batch, s.tokens, c.seed) : std::vector<std::int64_t>{};
-    const kda::Sequences seqs = cu.empty() ? kda::Sequences(s.batch, s.tokens) : kda::Sequences(s.batch, s.tokens, std::span(cu));
-    const kda::Layout layout = kda::Layout::contiguous(s.tokens, c.ranks);
-    const ExchangeOptions eo = job::layer_exchange_options(c.exchange, s, DType::f32, layout, seqs);
-    const ProblemShape ps = job::layer_problem_shape(s, sizeof(float), layout, eo.expected_cuts);
+    // The exchange bench_layer's runs build.
+    const CpSetup setup = cp_setup(c);
+    const ExchangeOptions& eo = setup.options;
+    const ProblemShape ps = job::layer_problem_shape(s, sizeof(float), setup.layout, eo.expected_cuts);
     const Prediction pred = predict_exchange(ps, c.method, c.group_size, eo);
     run = std::max(run, job::layer_run_bytes(s, sequences, c.ranks, true, sizeof(float), exchange_rank_bytes(ps, pred)));
+    // The Ulysses runs' extra per rank (the widest U that fits, for auto),
+    // beside their state CP over P/U ranks, which moves less than P's.
+    double extra = 0;
+    for (std::size_t u = 2; u <= c.ranks; ++u) {
+      if (c.ulysses == 1 || (c.ulysses != job::kUlyssesAuto && u != c.ulysses)) continue;
+      if (c.ranks % u != 0 || s.heads % u != 0 || s.value_heads % u != 0) continue;
+      extra = std::max(extra, job::ulysses_rank_bytes(s, sequences, setup.layout, u, true, sizeof(float)));
+    }
+    run += double(c.ranks) * extra;
   }
   // One forward cache at a time (the largest: the one-rank run's whole stream).
   const bool chunk = std::find(c.algorithms.begin(), c.algorithms.end(), kda::Algorithm::chunk) != c.algorithms.end();

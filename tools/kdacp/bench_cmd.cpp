@@ -117,6 +117,10 @@ void add_layer_command(CLI::App& bench) {
   cmd->add_flag("--deterministic", c.deterministic,
                 "also run the context-parallel runs in the deterministic mode (kdacp kda --deterministic), the "
                 "'deterministic CP' rows: the cost of P-invariant bytes beside the default mode");
+  add_ulysses_flag(*cmd, c.ulysses)
+      ->description("also run the context-parallel runs as Ulysses x state CP (kdacp kda --ulysses) over head groups "
+                    "of U ranks, U dividing -P, -H and --value-heads, or auto (the cost model's U; needs --protocol "
+                    "auto): the 'Ulysses' rows, timed beside plain state CP in the same run");
   add_int(*cmd, "--docs", c.docs,
           "pack the T tokens into this many documents of random lengths (each >= 1, seeded by --seed; B = 1), "
           "as kdacp run --docs, and run the layer over them with cu_seqlens",

@@ -50,6 +50,12 @@ struct LayerBenchConfig {
   // deterministic mode (LayerJob::deterministic), run "cp deterministic",
   // its cost beside the default (errors against the first algorithm, as every run).
   bool deterministic = false;
+  // `--ulysses`: after the context-parallel runs, the same with the Ulysses
+  // layer (kda::UlyssesLayer) over head groups of this width, run
+  // "cp ulysses", its time beside plain state CP's in the same run: 1 (the
+  // default) none; job::kUlyssesAuto the cost model's width
+  // (job::resolve_ulysses; needs method auto). Must divide P, H and HV.
+  std::size_t ulysses = 1;
   // Pack the T tokens into this many documents (0: none, each row one
   // sequence): B = 1 and cu_seqlens of a random packing seeded by `seed`,
   // the one `kdacp run --docs` draws (testing::packed_cu_seqlens).
@@ -62,6 +68,7 @@ struct LayerBenchRecord {
   std::size_t ranks = 1;
   std::size_t threads_per_rank = 1;
   std::string method = "none";  // the exchange's method (auto: its choice); "none" on one rank
+  std::size_t ulysses = 1;      // the run's head-group width U ("cp ulysses"); 1: plain state CP
   double forward_seconds = 0, backward_seconds = 0;  // slowest rank
   double exchange_seconds = 0;                       // slowest rank, forward + backward
   double summary_seconds = 0;  // slowest rank, the summary + the G pass (CP only; part of local work)
@@ -100,8 +107,13 @@ using LayerBenchProgress =
 // Runs the sweep in float32 (packed sequences only with config.docs, zero h0
 // and dht): every algorithm on the same synthetic inputs and d_o. Throws
 // InvalidArgument for a bad shape, no algorithms, repeats = 0, neither mode,
-// a P larger than T, or docs with B > 1 or more documents than tokens, before
-// anything runs; what the layer throws otherwise.
+// a P larger than T, docs with B > 1 or more documents than tokens, or a
+// Ulysses width without CP runs or not dividing P, H and HV, before anything
+// runs; what the layer throws otherwise.
+// The name of a LayerBenchRecord::mode for people: "one rank",
+// "context-parallel", "deterministic CP", "Ulysses U=2 x CP".
+std::string layer_run_label(const std::string& mode, std::size_t ulysses);
+
 LayerBenchResult bench_layer(const LayerBenchConfig& config, const LayerBenchProgress& progress = {});
 
 // The records whose errors are NaN or above their tolerance, one line each:
