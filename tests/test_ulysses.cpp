@@ -6,6 +6,7 @@
 // message.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -17,6 +18,7 @@
 #include <tuple>
 
 #include "kdacp/error.hpp"
+#include "kdacp/half.hpp"
 #include "kdacp/kda_ulysses.hpp"
 #include "kda_cp_stream_runner.hpp"
 #include "kdacp/job.hpp"
@@ -46,10 +48,12 @@ double rel_error(const std::vector<float>& got, const std::vector<double>& want)
 
 // One forward + backward through a UlyssesLayer of width `width` on `ranks`
 // in-process ranks over `layout`; rank r's dht is dht[r] (empty: none).
+// wire_in / wire_out: UlyssesLayer::wire_types (none: T on the wire).
+using WireIn = std::array<std::optional<Half>, 5>;
 template <class T>
 CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht, std::size_t ranks,
                      std::size_t width, const Layout& layout, const std::string& method, Algorithm algorithm,
-                     bool deterministic = false) {
+                     bool deterministic = false, const WireIn& wire_in = {}, std::optional<Half> wire_out = {}) {
   const Case& c = p.c;
   const Shape& s = c.shape;
   CpRun<T> out(c);
@@ -66,6 +70,7 @@ CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht
     options.expected_shape =
         SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim, std::is_same_v<T, double> ? DType::f64 : DType::f32};
     UlyssesLayer<T> layer(mesh, width, method, layout, 1, options, exec);
+    layer.wire_types(wire_in, wire_out);
     const Stream stream{test::stream_sequences(c), layout};
     test::RankData<T> d(p, layout, rank);
     const Sequences& seqs = stream.sequences;
@@ -150,6 +155,80 @@ void check_against_state_cp(Algorithm algorithm, const std::string& method) {
 TEST(Ulysses, ChunkFloatIsTheStateCpLayerOverTheGroupLayout) { check_against_state_cp<float>(Algorithm::chunk, "p2p"); }
 TEST(Ulysses, RecurrentDoubleIsTheStateCpLayerOverTheGroupLayout) {
   check_against_state_cp<double>(Algorithm::recurrent, "allgather");
+}
+
+// x's values rounded to `type` (what a 16-bit tensor widened holds).
+std::vector<float> as_half(const std::vector<float>& x, Half type) {
+  std::vector<std::uint16_t> bits(x.size());
+  (void)narrow(type, x.data(), x.size(), bits.data());
+  std::vector<float> out(x.size());
+  widen(type, bits.data(), bits.size(), out.data());
+  return out;
+}
+std::vector<float> as_half(const std::vector<float>& x, const std::optional<Half>& type) {
+  return type ? as_half(x, *type) : x;
+}
+
+// 16-bit wire types: inputs stored in them (q, k, v bfloat16, g float32, β
+// float16; d_o as o as v), the results narrowed to the inputs' types are
+// the bits of float32 on the wire, and ht, dh0 (float32) the same bits.
+TEST(Ulysses, SixteenBitWireIsTheBitsOfFloatOnTheWireNarrowed) {
+  const WireIn wire{Half::bf16, Half::bf16, Half::bf16, std::nullopt, Half::f16};
+  for (const UlyssesCase& u : cases()) {
+    if (u.width == 1) continue;
+    SCOPED_TRACE(u.name);
+    Problem<float> p = test::make_problem(u.c, 17 + u.ranks).cast<float>();
+    p.q = as_half(p.q, wire[0]), p.k = as_half(p.k, wire[1]), p.v = as_half(p.v, wire[2]);
+    p.g = as_half(p.g, wire[3]), p.beta = as_half(p.beta, wire[4]), p.d_o = as_half(p.d_o, Half::bf16);
+    std::vector<std::vector<float>> dht(u.ranks, std::vector<float>(u.c.states(), 0.0f));
+    dht[0] = p.dht;
+    const Layout layout = layout_of(u);
+    const CpRun<float> plain = run_ulysses(p, dht, u.ranks, u.width, layout, "p2p", Algorithm::chunk);
+    const CpRun<float> half =
+        run_ulysses(p, dht, u.ranks, u.width, layout, "p2p", Algorithm::chunk, false, wire, Half::bf16);
+    EXPECT_TRUE(same_bits(as_half(half.r.o, Half::bf16), as_half(plain.r.o, Half::bf16))) << "o";
+    EXPECT_TRUE(same_bits(as_half(half.r.dq, wire[0]), as_half(plain.r.dq, wire[0]))) << "dq";
+    EXPECT_TRUE(same_bits(as_half(half.r.dk, wire[1]), as_half(plain.r.dk, wire[1]))) << "dk";
+    EXPECT_TRUE(same_bits(as_half(half.r.dv, wire[2]), as_half(plain.r.dv, wire[2]))) << "dv";
+    EXPECT_TRUE(same_bits(half.r.dg, plain.r.dg)) << "dg (float32 on the wire)";
+    EXPECT_TRUE(same_bits(as_half(half.r.dbeta, wire[4]), as_half(plain.r.dbeta, wire[4]))) << "dbeta";
+    EXPECT_TRUE(same_bits(half.r.ht, plain.r.ht)) << "ht";
+    EXPECT_TRUE(same_bits(half.r.dh0, plain.r.dh0)) << "dh0";
+    // The wire rounds: o as it arrives is already bfloat16.
+    EXPECT_TRUE(same_bits(half.r.o, as_half(half.r.o, Half::bf16))) << "o is not bfloat16 values";
+  }
+}
+
+// Every tensor 16-bit on the wire: a forward's all-to-alls send half the
+// bytes of float32's, counted by the head group's communicator.
+TEST(Ulysses, SixteenBitWireHalvesTheAllToAllBytes) {
+  const Case c{"bytes", test::shape_of(1, 64, 2, 2, 16, 16), {0, 64}};
+  const Problem<float> p = test::make_problem(c, 5).cast<float>();
+  const Layout layout = Layout::contiguous(64, 4);
+  std::vector<std::size_t> sent[2];
+  for (int half = 0; half < 2; ++half) {
+    sent[half].assign(4, 0);
+    run_in_process(4, [&](const std::shared_ptr<Communicator>& comm) {
+      const DeviceMesh mesh = DeviceMesh::create(comm, {4}, {"cp"});
+      UlyssesLayer<float> layer(mesh, 2, "p2p", layout);
+      if (half) layer.wire_types({Half::bf16, Half::bf16, Half::bf16, Half::bf16, Half::bf16}, Half::bf16);
+      test::RankData<float> d(p, layout, comm->rank());
+      const Stream stream{test::stream_sequences(c), layout};
+      const std::size_t before = layer.head_group().stats().bytes_sent;
+      (void)layer.forward(d.inputs(), stream, {}, d.o.data(), {});
+      sent[half][comm->rank()] = layer.head_group().stats().bytes_sent - before;
+    });
+  }
+  for (std::size_t r = 0; r < 4; ++r) {
+    EXPECT_GT(sent[0][r], 0u);
+    EXPECT_EQ(sent[1][r] * 2, sent[0][r]) << "rank " << r;
+  }
+  // float64 has no 16-bit wire.
+  run_in_process(2, [&](const std::shared_ptr<Communicator>& comm) {
+    const DeviceMesh mesh = DeviceMesh::create(comm, {2}, {"cp"});
+    UlyssesLayer<double> layer(mesh, 2, "p2p", Layout::contiguous(64, 2));
+    EXPECT_THROW(layer.wire_types({Half::bf16, {}, {}, {}, {}}, {}), InvalidArgument);
+  });
 }
 
 TEST(Ulysses, DhtFromEveryRankIsSummed) {

@@ -32,7 +32,9 @@
 // Communicator operation under its timeout.
 #pragma once
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -40,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "kdacp/half.hpp"
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/mesh.hpp"
 
@@ -93,6 +96,9 @@ class UlyssesLayer {
                 SequenceStates<Elem<T>> dh0);
 
   std::size_t width() const { return width_; }
+  // The head group's communicator (U ranks, this rank's group): its stats
+  // count the all-to-alls and the all-gathers of ht and dh0.
+  const Communicator& head_group() const { return *heads_; }
   // The state-CP group's layout (P/U ranks).
   const Layout& group_layout() const { return group_layout_; }
   // The state-CP layer; its setters (keep_forward, algorithm, deterministic)
@@ -115,14 +121,31 @@ class UlyssesLayer {
   void agree_per_call(bool on) { agree_calls_ = on; }
   bool agrees_per_call() const { return agree_calls_; }
 
+  // The 16-bit types the caller stores the following calls' tensors in
+  // (nullopt: T): q, k, v, g, beta, and `out` for o (forward) and d_o
+  // (backward). Each then travels the all-to-alls in that type, and so does
+  // each input's gradient in the backward: half the bytes of a float32
+  // message. The caller's inputs and d_o are values of those types (16-bit
+  // storage widened, as kdacp.torch's are) and it narrows o and the
+  // gradients to them, so the results are the bits of T on the wire
+  // (tests/test_ulysses.cpp). A value that is not is rounded to nearest even
+  // on the wire; a result beyond the type's range becomes ±Inf, which the
+  // finite check names. Ranks must agree (forward and backward compare them
+  // with the call's other fields). InvalidArgument for T = double.
+  void wire_types(const std::array<std::optional<Half>, 5>& inputs, std::optional<Half> out);
+  const std::array<std::optional<Half>, 5>& wire_inputs() const { return wire_in_; }
+  std::optional<Half> wire_out() const { return wire_out_; }
+
   // A non-finite output throws NumericalError (LayerChecks::check_finite),
   // after the call's last message.
   void check_finite(bool on) { check_finite_ = on; }
   bool checks_finite() const { return check_finite_; }
 
-  // A per-token tensor of the all-to-alls: `heads` heads of `dim` elements.
+  // A per-token tensor of the all-to-alls: `heads` heads of `dim` elements,
+  // in `wire` on the way (nullopt: T).
   struct HeadTensor {
     std::size_t heads, dim;
+    std::optional<Half> wire;
   };
 
  private:
@@ -156,15 +179,19 @@ class UlyssesLayer {
   ExecPolicy exec_;
   bool check_finite_ = true;
   bool agree_calls_ = true;
+  std::array<std::optional<Half>, 5> wire_in_{};
+  std::optional<Half> wire_out_;
   PhaseTimes fwd_, bwd_;
   double fwd_a2a_ = 0, bwd_a2a_ = 0;
   // A buffer for the head slice of the group's inputs that a forward keeps
   // in its UlyssesSaved: one no UlyssesSaved holds any more, else a new one.
   std::shared_ptr<std::vector<T>> kept_inputs(std::size_t elems);
 
-  // The all-to-alls' send and receive buffers, the o / d_o slice and the
-  // gradients' slices, reused by the next call; the kept inputs' buffers.
-  std::vector<T> send_, recv_, out_slice_, grad_slices_;
+  // The all-to-alls' send and receive buffers (in 2-byte units: a 16-bit
+  // value is one, a float two), the o / d_o slice and the gradients'
+  // slices, reused by the next call; the kept inputs' buffers.
+  std::vector<std::uint16_t> send_, recv_;
+  std::vector<T> out_slice_, grad_slices_;
   std::vector<std::shared_ptr<std::vector<T>>> inputs_pool_;
 };
 

@@ -4,6 +4,7 @@
 // C++ forward and backward on the tensors' memory with the GIL released.
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -18,6 +19,7 @@
 #include "kdacp/job.hpp"
 #include "kdacp/kda.hpp"
 #include "kdacp/kda_cp.hpp"
+#include "kdacp/half.hpp"
 #include "kdacp/kda_ulysses.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/mesh.hpp"
@@ -37,6 +39,13 @@ namespace {
 // training loop reuses one cache instead of faulting a second one in. A
 // second backward (retain_graph=True) recomputes what the cache held: the
 // same bits.
+// The 16-bit storage types of q, k, v, g, beta (nullopt: float32/float64).
+std::array<std::optional<Half>, 5> wire_of(const std::vector<std::string>& dtypes) {
+  std::array<std::optional<Half>, 5> out{};
+  for (std::size_t i = 0; i < out.size() && i < dtypes.size(); ++i) out[i] = parse_half(dtypes[i]);
+  return out;
+}
+
 struct SavedBox {
   std::optional<kda::Saved> saved;
   // The Ulysses layer's (kda::UlyssesSaved): its state-CP layer's Saved and
@@ -192,6 +201,19 @@ class KdaLayer {
   // The exchange's method ("none" on one process) and whether it is exact.
   std::string method() const { return exchange() ? exchange()->method() : "none"; }
   bool exact() const { return exchange() ? exchange()->exact() : true; }
+  // The Ulysses layer's wire types of the last call (q, k, v, g, beta, then
+  // o or d_o): "bfloat16", "float16" or None (as computed); empty without
+  // Ulysses.
+  std::vector<std::optional<std::string>> wire_types() const {
+    std::vector<std::optional<std::string>> out;
+    if (!ulysses_f32_) return out;
+    for (const auto& w : ulysses_f32_->wire_inputs())
+      out.push_back(w ? std::optional<std::string>(half_name(*w)) : std::nullopt);
+    const auto o = ulysses_f32_->wire_out();
+    out.push_back(o ? std::optional<std::string>(half_name(*o)) : std::nullopt);
+    return out;
+  }
+
   // The Ulysses width (1: the plain layer or one process).
   std::size_t ulysses_width() const {
     if (ulysses_f32_) return ulysses_f32_->width();
@@ -303,6 +325,8 @@ class KdaLayer {
       const auto h0 = kda::sequence_states(ptr<T>(h0p), seqs, s);
       const auto hts = kda::sequence_states(ht_data, seqs, s);
       if (auto* u = ulysses<T>()) {
+        // 16-bit inputs travel the all-to-alls as 16 bits, o as v's type.
+        if constexpr (std::is_same_v<T, float>) u->wire_types(wire_of(dtypes), parse_half(dtypes[2]));
         u->state_layer().keep_forward(keep_forward);
         u->state_layer().algorithm(algorithm);
         u->state_layer().deterministic(deterministic);
@@ -356,6 +380,8 @@ class KdaLayer {
       const auto dh0s = kda::sequence_states(dh0_data, seqs, s);
       if (auto* u = ulysses<T>()) {
         if (!box.ulysses<T>()) throw InvalidArgument("kda backward without the forward's saved state");
+        // The gradients travel as their inputs' types, d_o as its own.
+        if constexpr (std::is_same_v<T, float>) u->wire_types(wire_of(dtypes), parse_half(d_o_dtype));
         u->state_layer().algorithm(algorithm);
         u->backward(in, *box.ulysses<T>(), h0, d_o.get(), dht, grads, dh0s);
       } else if (auto* l = layer<T>()) {
@@ -554,6 +580,7 @@ void bind_kda(py::module_& m) {
       .def_property_readonly("method", &KdaLayer::method)
       .def_property_readonly("exact", &KdaLayer::exact)
       .def_property_readonly("ulysses", &KdaLayer::ulysses_width)
+      .def_property_readonly("wire_types", &KdaLayer::wire_types)
       .def("times", &KdaLayer::times, py::arg("forward"))
       .def_property_readonly("forward_cache_bytes", &KdaLayer::forward_cache_bytes);
   // d_g 0: the gate (one array); otherwise its backward: (d_raw, d_a_log or

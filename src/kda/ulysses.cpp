@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstring>
 #include <span>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -65,11 +67,57 @@ double since(std::chrono::steady_clock::time_point t0) {
 template <class T>
 using Kinds = std::vector<typename UlyssesLayer<T>::HeadTensor>;
 
-// q, k, v, g, beta (and their gradients) of shape s, in that order.
+// q, k, v, g, beta (and their gradients) of shape s, in that order, each
+// in its wire type.
 template <class T>
-Kinds<T> input_kinds(const Shape& s) {
-  return {{s.heads, s.key_dim}, {s.heads, s.key_dim}, {s.value_heads, s.value_dim},
-          {s.value_heads, s.key_dim}, {s.value_heads, 1}};
+Kinds<T> input_kinds(const Shape& s, const std::array<std::optional<Half>, 5>& wire) {
+  return {{s.heads, s.key_dim, wire[0]}, {s.heads, s.key_dim, wire[1]}, {s.value_heads, s.value_dim, wire[2]},
+          {s.value_heads, s.key_dim, wire[3]}, {s.value_heads, 1, wire[4]}};
+}
+
+// 2-byte units of one element on the wire.
+template <class T>
+std::size_t units(const std::optional<Half>& wire) {
+  static_assert(sizeof(T) % 2 == 0);
+  return wire ? 1 : sizeof(T) / 2;
+}
+
+// n elements of T onto the wire at dst (narrowed to `wire`, else copied);
+// returns the end.
+template <class T>
+std::uint16_t* put(const T* src, std::size_t n, const std::optional<Half>& wire, std::uint16_t* dst) {
+  if (wire) {
+    if constexpr (std::is_same_v<T, float>) {
+      (void)narrow(*wire, src, n, dst);  // an overflow is ±Inf, which the finite check names
+      return dst + n;
+    } else {
+      throw InvalidArgument("a 16-bit wire type needs float32 tensors");
+    }
+  }
+  std::memcpy(dst, src, n * sizeof(T));
+  return dst + n * units<T>(wire);
+}
+
+// n elements from the wire at src into dst (widened, else copied); returns
+// the end.
+template <class T>
+const std::uint16_t* get(const std::uint16_t* src, std::size_t n, const std::optional<Half>& wire, T* dst) {
+  if (wire) {
+    if constexpr (std::is_same_v<T, float>) {
+      widen(*wire, src, n, dst);
+      return src + n;
+    } else {
+      throw InvalidArgument("a 16-bit wire type needs float32 tensors");
+    }
+  }
+  std::memcpy(dst, src, n * sizeof(T));
+  return src + n * units<T>(wire);
+}
+
+std::string wire_text(const std::array<std::optional<Half>, 5>& in, const std::optional<Half>& out) {
+  std::string text;
+  for (const auto& w : in) text += std::string(w ? half_name(*w) : "as computed") + ", ";
+  return text + "out " + (out ? half_name(*out) : "as computed");
 }
 
 // Where each tensor of `kinds` starts in one buffer of [B·T_group] tokens of
@@ -89,6 +137,14 @@ template <class K>
 std::size_t slice_width(const std::vector<K>& kinds, std::size_t width) {
   std::size_t w = 0;
   for (const K& t : kinds) w += t.heads / width * t.dim;
+  return w;
+}
+
+// The same in 2-byte wire units.
+template <class T, class K>
+std::size_t slice_units(const std::vector<K>& kinds, std::size_t width) {
+  std::size_t w = 0;
+  for (const K& t : kinds) w += t.heads / width * t.dim * units<T>(t.wire);
   return w;
 }
 
@@ -255,6 +311,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   exec.algorithm = inner_->algorithm();
   exec.deterministic = inner_->deterministic();
   Fingerprint fields = call_fields("ulysses forward", in, exec);
+  fields.add_text("16-bit wire types (q, k, v, g, beta, o)", wire_text(wire_in_, wire_out_));
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("ht requested", ht.data != nullptr);
@@ -271,7 +328,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   });
   const Shape& s = in.shape;
   const Shape gs = slice_shape(s, group_tokens_, width);
-  const Kinds<T> kinds = input_kinds<T>(s);
+  const Kinds<T> kinds = input_kinds<T>(s, wire_in_);
   const std::size_t bt = s.batch * group_tokens_;
   std::shared_ptr<std::vector<T>> inputs = kept_inputs(bt * slice_width(kinds, width));
 
@@ -296,7 +353,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   t0 = std::chrono::steady_clock::now();
   const T* const outs[1] = {o_slice.data()};
   T* const dests[1] = {o};
-  to_tokens(std::span<const T* const>(outs), Kinds<T>{{s.value_heads, s.value_dim}}, s,
+  to_tokens(std::span<const T* const>(outs), Kinds<T>{{s.value_heads, s.value_dim, wire_out_}}, s,
             std::span<T* const>(dests), 1);
   if (ht.data) gather_states(std::span<T>(ht_slots), ht, ht.sequences * state_row);
   fwd_a2a_ += since(t0);
@@ -319,6 +376,7 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
                                SequenceStates<Elem<T>> dh0) {
   const std::size_t rank = world_->rank(), u = heads_->rank(), width = width_;
   Fingerprint fields = call_fields("ulysses backward", in, inner_->algorithm());
+  fields.add_text("16-bit wire types (q, k, v, g, beta, d_o)", wire_text(wire_in_, wire_out_));
   fields.add_flag("deterministic (the forward's)", saved.saved.deterministic);
   if (saved.stream) add_stream(fields, *saved.stream);
   else fields.add_text("stream", "none (not a Saved of forward)");
@@ -342,7 +400,7 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
   });
   const Shape& s = in.shape;
   const Shape gs = slice_shape(s, group_tokens_, width);
-  const Kinds<T> kinds = input_kinds<T>(s);
+  const Kinds<T> kinds = input_kinds<T>(s, wire_in_);
   const std::size_t bt = s.batch * group_tokens_;
   const std::size_t state_row = gs.value_heads * gs.key_dim * gs.value_dim;
 
@@ -350,7 +408,7 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
   std::vector<T>& d_o_slice = out_slice_;
   d_o_slice.resize(bt * gs.value_heads * gs.value_dim);
   const T* const sources[1] = {d_o};
-  to_heads(std::span<const T* const>(sources), Kinds<T>{{s.value_heads, s.value_dim}}, s,
+  to_heads(std::span<const T* const>(sources), Kinds<T>{{s.value_heads, s.value_dim, wire_out_}}, s,
            d_o_slice.data(), 2);
   // dht: each member's slice of this rank's head slice, summed in member
   // order (exact zeros not added, as the state-CP layer sums over its ranks).
@@ -421,37 +479,38 @@ template <class T>
 void UlyssesLayer<T>::to_heads(std::span<const T* const> sources, const Kinds<T>& kinds,
                                const Shape& s, T* dest, int tag) {
   const std::size_t width = width_, u = heads_->rank(), tr = s.tokens, b_count = s.batch;
-  const std::size_t w = slice_width(kinds, width);
-  // To member m: this rank's tokens of head slice m, tensor after tensor.
+  const std::size_t w = slice_units<T>(kinds, width);
+  // To member m: this rank's tokens of head slice m, tensor after tensor,
+  // each in its wire type.
   std::vector<std::size_t> send_count(width, b_count * tr * w), recv_count(width);
   for (std::size_t m = 0; m < width; ++m) recv_count[m] = b_count * member_tokens_[m] * w;
   const std::vector<std::size_t> send_at = prefix(send_count), recv_at = prefix(recv_count);
   send_.resize(width * b_count * tr * w);
   recv_.resize(recv_at.back() + recv_count.back());
   for (std::size_t m = 0; m < width; ++m) {
-    T* out = send_.data() + send_at[m];
+    std::uint16_t* out = send_.data() + send_at[m];
     for (std::size_t i = 0; i < kinds.size(); ++i) {
       const std::size_t row = kinds[i].heads * kinds[i].dim, sw = row / width;
-      for (std::size_t t = 0; t < b_count * tr; ++t, out += sw)
-        std::copy_n(sources[i] + t * row + m * sw, sw, out);
+      for (std::size_t t = 0; t < b_count * tr; ++t) out = put(sources[i] + t * row + m * sw, sw, kinds[i].wire, out);
     }
   }
   all_to_all(*heads_, send_.data(), send_at, send_count, recv_.data(), recv_at, recv_count, tag);
   // Member m's block: its tokens, tensor after tensor; its parts go to their
-  // places among the group's tokens.
+  // places among the group's tokens (this rank's own from its send buffer,
+  // in the same wire type as every member's).
   const std::size_t tg = group_tokens_;
   for (std::size_t m = 0; m < width; ++m) {
-    const T* block = m == u ? send_.data() + send_at[u] : recv_.data() + recv_at[m];
+    const std::uint16_t* block = m == u ? send_.data() + send_at[u] : recv_.data() + recv_at[m];
     const std::size_t tm = member_tokens_[m];
     T* field = dest;
     for (std::size_t i = 0; i < kinds.size(); ++i) {
-      const std::size_t sw = kinds[i].heads / width * kinds[i].dim;
+      const std::size_t sw = kinds[i].heads / width * kinds[i].dim, su = sw * units<T>(kinds[i].wire);
       for (const Segment& seg : segments_) {
         if (seg.member != m) continue;
         for (std::size_t b = 0; b < b_count; ++b)
-          std::copy_n(block + (b * tm + seg.local) * sw, seg.count * sw, field + (b * tg + seg.group) * sw);
+          get(block + (b * tm + seg.local) * su, seg.count * sw, kinds[i].wire, field + (b * tg + seg.group) * sw);
       }
-      block += b_count * tm * sw;
+      block += b_count * tm * su;
       field += b_count * tg * sw;
     }
   }
@@ -461,7 +520,7 @@ template <class T>
 void UlyssesLayer<T>::to_tokens(std::span<const T* const> sources, const Kinds<T>& kinds,
                                 const Shape& s, std::span<T* const> dests, int tag) {
   const std::size_t width = width_, u = heads_->rank(), tr = s.tokens, b_count = s.batch, tg = group_tokens_;
-  const std::size_t w = slice_width(kinds, width);
+  const std::size_t w = slice_units<T>(kinds, width);
   // To member m: its tokens of this rank's head slice, tensor after tensor.
   std::vector<std::size_t> send_count(width), recv_count(width, b_count * tr * w);
   for (std::size_t m = 0; m < width; ++m) send_count[m] = b_count * member_tokens_[m] * w;
@@ -469,28 +528,38 @@ void UlyssesLayer<T>::to_tokens(std::span<const T* const> sources, const Kinds<T
   send_.resize(send_at.back() + send_count.back());
   recv_.resize(width * b_count * tr * w);
   for (std::size_t m = 0; m < width; ++m) {
-    T* block = send_.data() + send_at[m];
+    std::uint16_t* block = send_.data() + send_at[m];
     const std::size_t tm = member_tokens_[m];
     for (std::size_t i = 0; i < kinds.size(); ++i) {
-      const std::size_t sw = kinds[i].heads / width * kinds[i].dim;
+      const std::size_t sw = kinds[i].heads / width * kinds[i].dim, su = sw * units<T>(kinds[i].wire);
       for (const Segment& seg : segments_) {
         if (seg.member != m) continue;
         for (std::size_t b = 0; b < b_count; ++b)
-          std::copy_n(sources[i] + (b * tg + seg.group) * sw, seg.count * sw, block + (b * tm + seg.local) * sw);
+          put(sources[i] + (b * tg + seg.group) * sw, seg.count * sw, kinds[i].wire, block + (b * tm + seg.local) * su);
       }
-      block += b_count * tm * sw;
+      block += b_count * tm * su;
     }
   }
   all_to_all(*heads_, send_.data(), send_at, send_count, recv_.data(), recv_at, recv_count, tag);
   // From member m: this rank's tokens of head slice m.
   for (std::size_t m = 0; m < width; ++m) {
-    const T* block = m == u ? send_.data() + send_at[u] : recv_.data() + recv_at[m];
+    const std::uint16_t* block = m == u ? send_.data() + send_at[u] : recv_.data() + recv_at[m];
     for (std::size_t i = 0; i < kinds.size(); ++i) {
       const std::size_t row = kinds[i].heads * kinds[i].dim, sw = row / width;
-      for (std::size_t t = 0; t < b_count * tr; ++t, block += sw)
-        std::copy_n(block, sw, dests[i] + t * row + m * sw);
+      for (std::size_t t = 0; t < b_count * tr; ++t) block = get(block, sw, kinds[i].wire, dests[i] + t * row + m * sw);
     }
   }
+}
+
+template <class T>
+void UlyssesLayer<T>::wire_types(const std::array<std::optional<Half>, 5>& inputs, std::optional<Half> out) {
+  if constexpr (!std::is_same_v<T, float>) {
+    bool any = out.has_value();
+    for (const auto& w : inputs) any = any || w.has_value();
+    if (any) throw InvalidArgument("kda::UlyssesLayer::wire_types: 16-bit wire types need T = float");
+  }
+  wire_in_ = inputs;
+  wire_out_ = out;
 }
 
 template <class T>

@@ -351,10 +351,20 @@ def ulysses_worker(rank, world, init_file):
     o_h, _ = kt.kda(*mine_h, cu_seqlens=cu, group=dist.group.WORLD, timeout=20, threads=1, ulysses=2)
     (o_h.float() * local(d_o)).sum().backward()
     assert o_h.dtype == torch.bfloat16 and mine_h[0].grad.dtype == torch.bfloat16
+    assert list(_layer._LAYERS.values())[-1].wire_types == ["bfloat16"] * 6  # the backward's: d_o bfloat16 too
     for name, a, b in [("o", o_h, local(o_one))] + [("d" + nm, m.grad, local(r.grad))
                                                     for nm, m, r in zip("qkvgb", mine_h, one)]:
         err = ((a.double() - b.double()).norm() / b.double().norm()).item()
         assert err <= 1e-2, ("bfloat16 ulysses=2", name, err)
+    # The same values as float32 tensors (float32 on the all-to-alls): the
+    # bfloat16 run, whose all-to-alls move 16 bits, is that run rounded to
+    # bfloat16, bit for bit.
+    mine_f = [local(x).detach().float().clone().requires_grad_() for x in half]
+    o_f, _ = kt.kda(*mine_f, cu_seqlens=cu, group=dist.group.WORLD, timeout=20, threads=1, ulysses=2)
+    (o_f * local(d_o).float().to(torch.bfloat16).float()).sum().backward()
+    assert list(_layer._LAYERS.values())[-1].wire_types == [None] * 6
+    for name, a, b in [("o", o_h, o_f)] + [("d" + nm, m.grad, f.grad) for nm, m, f in zip("qkvgb", mine_h, mine_f)]:
+        assert torch.equal(a, b.to(torch.bfloat16)), ("bfloat16 on the wire", name)
 
     # Widths that do not fit, and ranks that disagree: ValueError on every rank.
     with pytest.raises(ValueError, match="ulysses=3: expected a divisor of the group's 4 ranks"):
