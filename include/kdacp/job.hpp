@@ -17,6 +17,7 @@
 #include "kdacp/comm.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/defaults.hpp"
+#include "kdacp/half.hpp"
 #include "kdacp/kda_cp.hpp"
 
 namespace kdacp::job {
@@ -54,6 +55,12 @@ struct LayerJob {
   // and buffers (a training loop's steady state: no fresh pages, the
   // forward cache reused); the outputs are the same bits either way.
   std::size_t warmup_steps = 0;
+  // The 16-bit type q, k, v, g, beta and d_o are stored in (their values
+  // are its widening; o and the gradients will be narrowed to it), as
+  // `kdacp kda` reads float16 files; nullopt: as computed. With Ulysses
+  // (LayerRunOptions::ulysses > 1, T = float) the all-to-alls move them in
+  // it (kda::UlyssesLayer::wire_types); the results are the same bits.
+  std::optional<Half> storage;
 
   // Checks B = 1 with cu_seqlens and the rules of kda::Sequences, and the
   // sizes of h0, d_o and dht; throws InvalidArgument naming the array.

@@ -293,6 +293,7 @@ LayerJob<T> make_layer_job(Npy& in, T scale) {
   data.g = take(in.g);
   data.beta = take(in.beta);
   job.scale = scale;
+  job.storage = in.q.half;
   job.cu_seqlens = in.cu_seqlens;
   if (in.h0) job.h0 = take(*in.h0);
   if (in.d_o) job.d_o = take(*in.d_o);

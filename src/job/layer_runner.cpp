@@ -229,6 +229,8 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   if (width > 1) {
     ulysses.emplace(mesh, width, options.method, layout, options.group_size, eo, exec, checks);
     ulysses->state_layer().keep_forward(job.keep_forward && job.grads());
+    if constexpr (std::is_same_v<T, float>)
+      if (job.storage) ulysses->wire_types({job.storage, job.storage, job.storage, job.storage, job.storage}, job.storage);
   } else {
     plain.emplace(mesh, options.method, layout, options.group_size, eo, exec, checks);
     plain->keep_forward(job.keep_forward && job.grads());

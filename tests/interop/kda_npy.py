@@ -422,6 +422,22 @@ def check_ulysses(kdacp, mpi):
         run(kdacp, "--inputs", d, "--out", plain, "--ranks", "2", "--split", "12,11", "--protocol", "p2p")
         same_files(os.path.join(d, "uly_4_2_0"), plain)
         print("  P=4 U=2: files equal to the plain layer on the groups' layout (P=2, 12,11) byte for byte")
+        # float16 files: the all-to-alls move float16, and the float16 outputs are
+        # still the plain layer's on the groups' layout, byte for byte.
+        d16 = os.path.join(d, "f16")
+        os.mkdir(d16)
+        for name, a in dict(x, do=d_o).items():
+            np.save(os.path.join(d16, name + ".npy"), a.astype(np.float16))
+        for name, a in dict(h0=h0, dht=dht).items():
+            np.save(os.path.join(d16, name + ".npy"), a.astype(np.float32))
+        np.save(os.path.join(d16, "cu_seqlens.npy"), CU)
+        text = run(kdacp, "--inputs", d16, "--out", os.path.join(d16, "uly"), "--ranks", "4", "--ulysses", "2",
+                   "--protocol", "p2p")
+        assert "Ulysses U=2 (all-to-alls in float16) + " in text, text
+        run(kdacp, "--inputs", d16, "--out", os.path.join(d16, "plain"), "--ranks", "2", "--split", "12,11",
+            "--protocol", "p2p")
+        same_files(os.path.join(d16, "uly"), os.path.join(d16, "plain"))
+        print("  float16 files, P=4 U=2 (float16 all-to-alls): equal to the plain layer on the groups' layout")
         if mpi:
             out = os.path.join(d, "uly_mpi")
             run(kdacp, "--inputs", d, "--out", out, "--backend", "mpi", "--ulysses", "2", "--protocol", "p2p",

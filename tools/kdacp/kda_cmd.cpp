@@ -74,9 +74,12 @@ void run_rank(const KdaConfig& cfg, const std::shared_ptr<Communicator>& world, 
   const std::string dtype = in.q.half ? in.q.file_dtype() + " (computed in float32)"
                                       : std::is_same_v<T, double> ? "float64" : "float32";
   const std::string exchange =
-      out->ulysses > 1 ? fmt::format("Ulysses U={}{} + {} over P/U={}", out->ulysses,
-                                     cfg.ulysses == job::kUlyssesAuto ? " (auto)" : "", out->method,
-                                     ranks / out->ulysses)
+      out->ulysses > 1 ? fmt::format("Ulysses U={}{}{} + {} over P/U={}", out->ulysses,
+                                     cfg.ulysses == job::kUlyssesAuto ? " (auto)" : "",
+                                     job.storage && std::is_same_v<T, float>
+                                         ? fmt::format(" (all-to-alls in {})", half_name(*job.storage))
+                                         : "",
+                                     out->method, ranks / out->ulysses)
                        : out->method + (cfg.ulysses == job::kUlyssesAuto ? " (Ulysses auto: U=1)" : "");
   std::printf("kdacp kda: %s B=%zu T=%zu H=%zu HV=%zu K=%zu V=%zu N=%zu%s, %s algorithm, on P=%zu %s ranks (%s, %s "
               "layout): wrote %s to %s\n",
