@@ -215,15 +215,24 @@ def _check_ulysses(options, ranks, heads, value_heads, protocol):
     return u
 
 
-def _ulysses_width(options, layout, opts, shape, dtype):
+def _activation_bytes(tensors):
+    """Bytes per element the Ulysses all-to-alls move for q, k, v, g, beta:
+    16-bit tensors travel as 16 bits, the others as computed (float32 or
+    float64); the mean over their elements, rounded up."""
+    elems = sum(t.numel() for t in tensors)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return -(-size // elems) if elems else 4
+
+
+def _ulysses_width(options, layout, opts, shape, activation_bytes):
     """The width the layer runs: ulysses, or for "auto" the cost model's
     (kdacp.choose_ulysses) for shape (B, H, HV, K, V) on `layout` with the
-    exchange options `opts` (the activations in `dtype`, as the layer
-    computes)."""
+    exchange options `opts` and activations of `activation_bytes` bytes
+    (_activation_bytes: what the all-to-alls move)."""
     u = _ulysses(options)
     if u != ULYSSES_AUTO:
         return u
-    return _kdacp.choose_ulysses(list(shape), layout, opts, 8 if dtype == "float64" else 4)
+    return _kdacp.choose_ulysses(list(shape), layout, opts, int(activation_bytes))
 
 
 def _segments(options):

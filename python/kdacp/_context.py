@@ -11,7 +11,8 @@ from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_
 from kdacp._autograd import cu_list
 from kdacp._comm import check_group
 from kdacp._common import (SINGLE_PROCESS, ULYSSES_AUTO, _check_ulysses, _group_size, _integer,
-                           _options, _threads, _timeout, _ulysses, _ulysses_width)
+                           _options, _threads, _timeout, _ulysses, _ulysses_width,
+                           _activation_bytes)
 from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, kda
 
 
@@ -136,7 +137,8 @@ class CpContext:
                 f"{'; '.join(diffs)}; nothing was sent (its peers wait for it until the "
                 f"timeout); build a new context for other arguments")
         b, _, _, hv, kd, vd = shape
-        key = (dtype, b, hv, kd, vd)
+        act = _activation_bytes(tensors)  # prices ulysses="auto" (16-bit inputs move as 16 bits)
+        key = (dtype, b, hv, kd, vd, act)
         layer = self._layers.get(key)
         if layer is None:
             # auto (and pipelined_p2p's segments) weigh this batch's cuts:
@@ -144,7 +146,7 @@ class CpContext:
             cuts = None if self.cu_seqlens is None else self.layout.cuts(self.cu_seqlens)
             opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype,
                             expected_cuts=cuts)
-            width = _ulysses_width(self.options, self.layout, opts, (b, shape[2], hv, kd, vd), dtype)
+            width = _ulysses_width(self.options, self.layout, opts, (b, shape[2], hv, kd, vd), act)
             layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
                                     self.layout, dtype, opts, threads, width)
             # The layer's construction agreed (collectively, at this first call of

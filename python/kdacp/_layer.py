@@ -17,7 +17,8 @@ from kdacp._comm import check_group
 from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, ULYSSES_AUTO, _check_tensor,
                            _check_ulysses, _compute_dtype, _contiguous_cached, _from_numpy,
                            _group_size, _options,
-                           _require_finite_result, _threads, _timeout, _ulysses, _ulysses_width)
+                           _require_finite_result, _threads, _timeout, _ulysses, _ulysses_width,
+                           _activation_bytes)
 
 _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
@@ -56,7 +57,7 @@ def _layout(layout, counts):
 
 
 def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_shape=None,
-           heads=None):
+           heads=None, activation_bytes=4):
     cached = _LAYERS.get(key)
     if cached is not None:
         return cached
@@ -64,7 +65,7 @@ def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_s
     width = 1
     if backend is not None:  # summary_shape (B, HV, K, V) and heads H are given
         b, hv, kd, vd = summary_shape
-        width = _ulysses_width(options, layout, opts, (b, heads, hv, kd, vd), dtype)
+        width = _ulysses_width(options, layout, opts, (b, heads, hv, kd, vd), activation_bytes)
     layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, dtype, opts,
                             _threads(options), width)
     if len(_LAYERS) >= _LAYER_CACHE_SIZE:
@@ -356,11 +357,14 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         counts = [int(x) for x in extra[:, 0]]
         key = (id(backend), protocol, width, layout, tuple(counts), dtype,
                tuple(sorted((k_, repr(v_)) for k_, v_ in options.items())))
-        key = key + ((b, hv, kd, vd),)
+        # The all-to-alls' bytes per element (16-bit inputs move as 16 bits)
+        # price ulysses="auto": a layer per value.
+        act = _activation_bytes(tensors)
+        key = key + ((b, hv, kd, vd), act)
         layer = _LAYERS.get(key)
         if layer is None:  # the layout is built once per context, with its layer
             layer = _layer(backend, key, protocol, width, _layout(layout, counts), dtype,
-                           options, summary_shape=(b, hv, kd, vd), heads=h)
+                           options, summary_shape=(b, hv, kd, vd), heads=h, activation_bytes=act)
     o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                keep_forward, deterministic, *tensors, h0)
     return o, (ht if output_final_state else None)
