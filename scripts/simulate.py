@@ -193,7 +193,7 @@ def gathered_members(row, ranks, auto_pick):
     return 0
 
 
-def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgather="rdb"):
+def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgather="rdb", env_extra=None):
     hosts = hostfile(facts, ranks, folder)
     options = [o if not o.startswith("--cfg=smpi/allgather:") else f"--cfg=smpi/allgather:{allgather}"
                for o in SMPI_OPTIONS]
@@ -204,7 +204,8 @@ def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgath
     # blocks outgrew it, and the buffers allocated again on the chain's
     # critical path faulted their pages in (pipelined_p2p at P = 256 on
     # Ethernet: 1.37x the model, 1.03x with a cache per rank). A GiB per rank.
-    env = dict(os.environ, KDACP_BUFFER_CACHE_MB=str(1024 * ranks), KDACP_SMPI_FOLD="1" if folded else "0")
+    env = dict(os.environ, KDACP_BUFFER_CACHE_MB=str(1024 * ranks), KDACP_SMPI_FOLD="1" if folded else "0",
+               **(env_extra or {}))
     t0 = time.monotonic()
     try:
         # In the temporary folder: smpirun leaves its unrolled hostfile in
@@ -533,6 +534,43 @@ def check(a):
                     if verdict != "ok":
                         problems.append(f"{name} {proto} P={p}: simulated/model = {ratio:.3f}, expected within "
                                         f"±{a.tolerance:g}")
+                    # kdacp-smpi's own recursive doubling (past 2 GiB per round
+                    # in the sweeps) forced on every all-gather: the same bytes
+                    # as in process, and SMPI's recursive doubling's time.
+                    if proto == "allgather":
+                        own = {"KDACP_SMPI_OWN_ALLGATHER_FROM": "1"}
+                        sim_own = Path(tmp) / f"own-{name}-{p}"
+                        _, _, err = smpirun(facts, p, tmp, speed, [smpi, "exchange", "--backend", "mpi", *base,
+                                                                   "--timeout", 86400, "--out", sim_own], a.timeout,
+                                            env_extra=own)
+                        if err:
+                            problems.append(f"{name} P={p}: kdacp-smpi's own all-gather: {err}")
+                            continue
+                        same_bytes = all((ref / f).read_bytes() == (sim_own / f).read_bytes()
+                                         for f in ("incoming.npy", "final_grad.npy"))
+                        stdout, _, err = smpirun(facts, p, tmp, speed,
+                                                 [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat,
+                                                                    a.warmup)], a.timeout, folded=True, env_extra=own)
+                        if err:
+                            problems.append(f"{name} P={p}: kdacp-smpi's own all-gather, folded: {err}")
+                            continue
+                        folded_rdb = smpirun(facts, p, tmp, speed,
+                                             [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat, a.warmup)],
+                                             a.timeout, folded=True)
+                        if folded_rdb[2]:
+                            problems.append(f"{name} P={p}: folded all-gather: {folded_rdb[2]}")
+                            continue
+                        t_own = json.loads(stdout.strip().splitlines()[-1])["forward_seconds"]
+                        t_rdb = json.loads(folded_rdb[0].strip().splitlines()[-1])["forward_seconds"]
+                        close = abs(t_own / t_rdb - 1) <= 0.02
+                        print(f"check: {name} P={p} kdacp-smpi's own recursive doubling: bytes equal to in-process: "
+                              f"{'yes' if same_bytes else 'no'}; folded {t_own * 1e3:.4f} ms, SMPI's "
+                              f"{t_rdb * 1e3:.4f} ms ({'ok' if close else 'OUTSIDE 2 %'})")
+                        if not same_bytes:
+                            problems.append(f"{name} P={p}: kdacp-smpi's own all-gather differs from in-process")
+                        if not close:
+                            problems.append(f"{name} P={p}: kdacp-smpi's own all-gather simulated {t_own!r} s, "
+                                            f"SMPI's {t_rdb!r} s, expected within 2 %")
                     # The first protocol's run folded, twice: it must say it
                     # was folded, time within --tolerance of the model, and
                     # give the same simulated time both times (no host time

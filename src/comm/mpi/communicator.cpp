@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -285,7 +286,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
     // overflowed at P/2 slots of 4 MiB (P = 1024, H = 32). Not a derived
     // type: SMPI copies those through a buffer it allocates per message,
     // which at that size took all of this host's memory.
-    if (n > 1 && (n & (n - 1)) == 0 && (n / 2) * slot >= kSmpiLargeMessage && slot % 8 == 0) {
+    if (n > 1 && (n & (n - 1)) == 0 && (n / 2) * slot >= own_all_gather_from() && slot % 8 == 0) {
       doubling_all_gather(buffer, slot);
     } else {
       const ByteType type(slot, options_.max_message_bytes, /*words=*/true);
@@ -313,6 +314,24 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   // message of a round cut into pieces under 1 GiB that travel together.
   static constexpr std::size_t kSmpiLargeMessage = std::size_t{1} << 31;
   static constexpr std::size_t kSmpiPiece = std::size_t{1} << 30;
+
+  // The last round's message size from which the own algorithm runs:
+  // kSmpiLargeMessage, or KDACP_SMPI_OWN_ALLGATHER_FROM (bytes, at least 1),
+  // with which make test's small simulation runs it on every all-gather to
+  // check its bytes and its time against SMPI's (scripts/simulate.py --check).
+  static std::size_t own_all_gather_from() {
+    static const std::size_t from = [] {
+      const char* env = std::getenv("KDACP_SMPI_OWN_ALLGATHER_FROM");
+      if (env == nullptr || *env == '\0') return kSmpiLargeMessage;
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(env, &end, 10);
+      if (*end != '\0' || v == 0 || env[0] == '-')
+        throw InvalidArgument(fmt::format("KDACP_SMPI_OWN_ALLGATHER_FROM is '{}', expected a byte count of at least 1",
+                                          env));
+      return static_cast<std::size_t>(v);
+    }();
+    return from;
+  }
 
   void doubling_all_gather(std::span<std::byte> buffer, std::size_t slot) {
     const std::size_t n = size_, me = rank_;
