@@ -105,14 +105,15 @@ void run_mpi(const LaunchOptions& options, const RankFn& fn) {
     std::fprintf(stderr, "kdacp: error: rank %zu: %s\n", session.world_rank(), e.what());
     std::fflush(stderr);
 #if !defined(KDACP_SMPI)
-    // A timed-out wait may be one link of a chain of waits (rank 3 on rank
-    // 2, rank 2 on a stopped rank 1), whose ranks all time out within
-    // moments of each other: the first to abort would cut the others off,
-    // and its message may name a rank that only waited too. A grace of up
-    // to the timeout (at most 2 s) before the job is ended lets each print
-    // its own diagnosis, the one naming the silent rank among them.
-    if (dynamic_cast<const Timeout*>(&e) != nullptr)
-      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(options.timeout_s, 2.0)));
+    // Ranks often fail together: a disagreement found by a collective is
+    // raised on every rank as the collective completes (at moments that
+    // differ by the polling's back-off), and a timed-out wait may be one
+    // link of a chain of waits (rank 3 on rank 2, rank 2 on a stopped rank
+    // 1) whose ranks all time out within moments of each other. The first
+    // to abort would cut the others off, and its message may name a rank
+    // that only waited too. A grace of up to the timeout (at most 2 s)
+    // before the job is ended lets each print its own diagnosis.
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(options.timeout_s, 2.0)));
 #endif
     MpiSession::abort(2);
   }
