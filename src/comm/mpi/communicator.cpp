@@ -491,13 +491,19 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
             what);
       ++i;
     }
+    // After a difference every member is here: the timeout bounds the
+    // exchange. After the all-reduce's timeout the exchange only names who
+    // is missing, and the members present reach it as their own deadlines
+    // pass: a shorter window (at most 1 s), so that this rank's diagnosis
+    // comes out before the peers it did not reach give up waiting for it in
+    // other operations and end the job (the launcher's grace: up to 2 s).
+    const auto window = joined ? options_.timeout : std::min(options_.timeout, std::chrono::milliseconds(1000));
     int rc = MPI_SUCCESS;
     const bool done = complete(static_cast<int>(pending->requests.size()), pending->requests.data(),
-                               MPI_STATUSES_IGNORE, Clock::now() + options_.timeout, &rc);
+                               MPI_STATUSES_IGNORE, Clock::now() + window, &rc);
     // Without the all-reduce, a member named here never joined, or joined
     // after this one's first deadline and went on.
-    const std::string late = joined ? "" : fmt::format(" (and {} ms more for the members' headers)",
-                                                       options_.timeout.count());
+    const std::string late = joined ? "" : fmt::format(" (and {} ms more for the members' headers)", window.count());
     if (!done) {
       std::vector<std::size_t> missing;
       for (std::size_t q = 0, i = 0; q < size_; ++q) {
@@ -529,8 +535,7 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
       // completed the all-reduce this one abandoned. Out of step for good.
       throw Timeout(fmt::format("{}{}: timed out after {} ms waiting for the group's members (global ranks [{}]) "
                                 "to join; every member's header arrived within {} ms more, so one joined late",
-                                who(), what, options_.timeout.count(), fmt::join(global_, ","),
-                                options_.timeout.count()));
+                                who(), what, options_.timeout.count(), fmt::join(global_, ","), window.count()));
     }
 
     // The most common header is "expected"; ties go to the one that includes
