@@ -298,6 +298,8 @@ def sweep(a):
                 for row in rows:
                     if a.protocols and row["method"] not in a.protocols:
                         continue
+                    if a.configurations and row["label"] not in a.configurations:
+                        continue
                     rec = {"platform": name, "ranks": p, "heads": a.heads, "layout": a.layout,
                            "docs_mean": a.docs_mean, **row, "auto_pick": auto_pick}
                     need = input_bytes(p, a.heads) + p * row["model_peak"]
@@ -353,6 +355,13 @@ def sweep(a):
                     write_atomic(out / "results.json", json.dumps(meta(a, speed, records), indent=1))
     write_table(out, meta(a, speed, records))
     write_plot(out, records)
+    if a.configurations:
+        unknown = sorted(set(a.configurations) - {r["label"] for r in records})
+        if unknown:
+            print(f"simulate: no configuration named {', '.join(map(repr, unknown))} at any P and platform "
+                  "swept (names as in the table: 'grouped_allgather_rd w=512', 'pipelined_p2p c=8', 'auto')",
+                  file=sys.stderr)
+            return 2
     return 0
 
 
@@ -659,6 +668,9 @@ def main():
                     "partial sweeps); a later file's record replaces an earlier one of the same platform, P and "
                     "configuration")
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
+    ap.add_argument("--configurations", nargs="*", metavar="LABEL",
+                    help="only these configurations, named as in the table (e.g. 'grouped_allgather_rd w=512'): "
+                         "the rows an earlier sweep did not reach")
     ap.add_argument("--knobs", choices=["all", "best"], default="all",
                     help="every group width and segment count kdacp plan weighs, or each protocol's model-best one")
     ap.add_argument("--ulysses", type=int, nargs="*", default=[],
