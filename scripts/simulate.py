@@ -23,7 +23,9 @@ and protocol, the SMPI run's incoming states and final-state gradients must
 be byte-identical to the in-process backend's and the simulated time within
 --tolerance of the model; the first protocol also runs folded twice, which
 must say so, time within --tolerance of the model and give the same time
-both times. The exit status says whether all held.
+both times; a folded grouped_allgather_p2p w=2 with zigzag and documents at
+P = 32 (whose relay acts on the cut flags it gathers) must time within
+--tolerance of the model. The exit status says whether all held.
 
 Standard library only; run it with any Python 3 (the build's kdacp and
 kdacp-smpi do the work).
@@ -500,6 +502,10 @@ def write_plot(out, records):
     subprocess.run(["gnuplot", str(out / "plot.gp")], check=False)
 
 
+# check(): the folded run with cuts (zigzag and documents) runs at this P.
+CUTS_CHECK_RANKS = 32
+
+
 def check(a):
     """make test's small simulation: bitwise equality with the in-process
     backend and agreement with the model (see the module docstring)."""
@@ -617,6 +623,30 @@ def check(a):
                     if not same:
                         problems.append(f"{name} {proto} P={p}: two folded runs simulated "
                                         f"{folds[0]['forward_seconds']!r} and {folds[1]['forward_seconds']!r} s")
+            # Cuts in a folded run: the grouped relay decides from the cut
+            # flags it gathered which runs it sends at once, and folded
+            # buffers map the same pages on every rank, so the flags must
+            # stay each rank's own (core/flagged_buffer.hpp). When they did
+            # not, this run read 2.3x the model on both platforms (H = 4;
+            # 3x at P = 64, H = 32, docs/scale.md); deterministic, as every
+            # folded run is.
+            p = CUTS_CHECK_RANKS
+            row = {"method": "grouped_allgather_p2p", "knob": "w=2"}
+            stdout, _, err = smpirun(facts, p, tmp, speed,
+                                     [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat, a.warmup, "zigzag",
+                                                        8192)], a.timeout, folded=True)
+            if err:
+                problems.append(f"{name} P={p} grouped_allgather_p2p w=2 [zigzag, docs 8192]: {err}")
+            else:
+                res = json.loads(stdout.strip().splitlines()[-1])
+                ratio = res["forward_over_predicted"]
+                ok = abs(ratio - 1) <= a.tolerance and res.get("cuts", 0) > 0
+                print(f"check: {name} P={p} grouped_allgather_p2p w=2 [zigzag, docs 8192] folded ({res.get('cuts')} "
+                      f"cuts of {res.get('parts')} parts): simulated {res['forward_seconds'] * 1e3:.4f} ms, ratio "
+                      f"{ratio:.3f} to the model ({'ok' if ok else 'OUTSIDE'})")
+                if not ok:
+                    problems.append(f"{name} P={p} grouped_allgather_p2p w=2 [zigzag, docs 8192], folded: "
+                                    f"simulated/model = {ratio:.3f}, expected within ±{a.tolerance:g}")
             # Ulysses x state CP, folded: the all-to-alls and the exchange
             # over P/U beside the model's figures.
             for p in a.ranks:

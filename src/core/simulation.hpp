@@ -18,6 +18,12 @@ struct SimulationHooks {
   // deallocate, instead of the system. The memory needs no initial contents.
   void* (*allocate)(std::size_t bytes) = nullptr;
   void (*deallocate)(void* p, std::size_t bytes) = nullptr;
+  // Optional, with allocate: a block (core/flagged_buffer.hpp) whose stripes
+  // [i·stride + offset, i·stride + offset + length), for every i whose stripe
+  // starts inside it, are this rank's own memory and travel in messages as
+  // they are (the flags that decide what a protocol does next); the rest is
+  // folded as allocate's blocks are. Freed by deallocate.
+  void* (*allocate_flagged)(std::size_t bytes, std::size_t stride, std::size_t offset, std::size_t length) = nullptr;
   // When set, a float step C = op(M)·X + S of a K×K map on K×V states is
   // not computed: compute(2·K·K·V) is called instead and C is left as it is.
   void (*compute)(double flops) = nullptr;

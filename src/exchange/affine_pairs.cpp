@@ -55,7 +55,9 @@ PairBuffer::PairBuffer(const SummaryShape& shape)
       // Every part is written before it is read.
       buf_(kSlotTailBytes + (shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
                                 dtype_size(shape.dtype),
-           Buffer::Init::uninitialized) {}
+           FlagStripes{kSlotTailBytes + (shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
+                                            dtype_size(shape.dtype),
+                       0, kSlotTailBytes}) {}
 
 StateView PairBuffer::offset() const {
   StateView v = StateView::dense(buf_.data() + kSlotTailBytes, shape_.batch, shape_.heads,

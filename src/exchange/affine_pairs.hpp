@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <span>
 
+#include "core/flagged_buffer.hpp"
 #include "exchange/cost_terms.hpp"
 #include "kdacp/comm.hpp"
 #include "kdacp/kernels.hpp"
@@ -53,7 +54,7 @@ class PairBuffer {
 
  private:
   SummaryShape shape_{};
-  Buffer buf_;
+  FlaggedBuffer buf_;  // the flags first (kSlotTailBytes), then S and M
 };
 
 // dest = outer∘inner; only dest's offset when !with_transfer. A cut outer is

@@ -16,7 +16,8 @@ PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
       count_(count),
       // Every slot is packed or gathered before it is read.
       buf_(count * (shape.packed_elems() * dtype_size(shape.dtype) + kSlotTailBytes),
-           Buffer::Init::uninitialized) {}
+           FlagStripes{shape.packed_elems() * dtype_size(shape.dtype) + kSlotTailBytes,
+                       shape.packed_elems() * dtype_size(shape.dtype), kSlotTailBytes}) {}
 
 std::size_t PackedSlots::slot_stride_bytes() const {
   return shape_.packed_elems() * dtype_size(shape_.dtype) + kSlotTailBytes;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/flagged_buffer.hpp"
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
 #include "exchange/cost_terms.hpp"
@@ -71,7 +72,7 @@ class PackedSlots {
   std::size_t slot_stride_bytes() const;
   SummaryShape shape_;
   std::size_t count_;
-  Buffer buf_;
+  FlaggedBuffer buf_;  // each slot's tail holds its flags
 };
 
 std::span<std::byte> bytes_of(const State& s);

@@ -58,16 +58,22 @@ class P2PExchange final : public CommExchange {
       else
         hand_on(i, dense_copy(part.offset));
     }
+    // The parts that hand on a fold, in chain order. A cut and the chain's
+    // last part hand on nothing of their incoming state: their receives are
+    // waited for at the end, so that a rank whose earlier part is a cut does
+    // not hold its later parts' stretches until the cut's state arrives.
     for (std::size_t i : order) {
       const PartSummary& part = c.parts[i];
-      if (recvs[i]) recvs[i]->wait();
       if (!chain_prev(own[i], n, dir) || part.flags.cut || !chain_next(own[i], n, dir)) continue;
+      if (recvs[i]) recvs[i]->wait();
       State out = make_state(c.shape, Buffer::Init::uninitialized);  // the step writes it all
       const StateView in = result[i].view();
       scan(single_slot(part.offset, part.transfer), 0, 1, dir, &in, out.view(), std::nullopt, nullptr,
            options().exec);
       hand_on(i, std::move(out));
     }
+    for (auto& r : recvs)
+      if (r) r->wait();
     for (auto& s : sends) s->wait();
     return result;
   }

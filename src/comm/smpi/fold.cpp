@@ -78,6 +78,30 @@ void* allocate(std::size_t bytes) {
 }
 void deallocate(void* p, std::size_t) { smpi_shared_free(p); }
 
+// A block whose flag stripes stay each rank's own (core/flagged_buffer.hpp):
+// SMPI's partial shared malloc shares the stretches between the stripes
+// (whole pages of them; the pages at their edges stay private) and copies
+// the private bytes of a message, so every rank reads the flags it wrote or
+// received. The shared stretches stay on SMPI's own file: one mapping per
+// stretch, where mapping them again from the memory file would double the
+// mappings of a P = 1024 all-gather's slots.
+void* allocate_flagged(std::size_t bytes, std::size_t stride, std::size_t offset, std::size_t length) {
+  std::vector<std::size_t> shared;  // start, stop pairs
+  std::size_t from = 0;
+  for (std::size_t at = offset; stride > 0 && length > 0 && at < bytes; at += stride) {
+    if (at > from) shared.insert(shared.end(), {from, at});
+    from = std::min(bytes, at + length);
+  }
+  if (from < bytes) shared.insert(shared.end(), {from, bytes});
+  if (shared.empty()) {
+    // All flags: this rank's own memory (smpi_shared_free frees what it did
+    // not map with free()).
+    void* p = nullptr;
+    return posix_memalign(&p, 64, std::max<std::size_t>(bytes, 64)) == 0 ? p : nullptr;
+  }
+  return smpi_shared_malloc_partial(bytes, shared.data(), static_cast<int>(shared.size() / 2));
+}
+
 void charge(double flops) {
   const std::size_t r = actor();
   std::lock_guard lock(g_mu);
@@ -95,6 +119,7 @@ const bool g_installed = [] {
     detail::SimulationHooks hooks;
     hooks.allocate = allocate;
     hooks.deallocate = deallocate;
+    hooks.allocate_flagged = allocate_flagged;
     hooks.compute = charge;
     detail::set_simulation_hooks(hooks);
   }
