@@ -5,11 +5,45 @@
 
 #include <cstddef>
 
+#include <cstdint>
+#include <utility>
+
+#include "core/flagged_buffer.hpp"
 #include "kdacp/memory.hpp"
 #include "kdacp/tensor.hpp"
 
 namespace kdacp {
 namespace {
+
+// Outside a simulation a FlaggedBuffer (packed slots and affine pairs) is a
+// Buffer's storage: 64-byte aligned, counted by the thread's MemoryScope
+// while it lives, moved without a copy. Its stripes matter only to a
+// simulator (smpi.small checks that path).
+TEST(BufferCache, FlaggedBufferIsCountedLikeABuffer) {
+  const std::size_t bytes = 3 * ((std::size_t{1} << 20) + 64);
+  MemoryScope scope;
+  std::byte* data = nullptr;
+  {
+    detail::FlaggedBuffer a(bytes, detail::FlagStripes{(std::size_t{1} << 20) + 64, std::size_t{1} << 20, 64});
+    ASSERT_NE(a.data(), nullptr);
+    EXPECT_EQ(a.bytes(), bytes);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a.data()) % 64, 0u);
+    a.data()[bytes - 1] = std::byte{7};
+    data = a.data();
+    detail::FlaggedBuffer b(std::move(a));
+    EXPECT_EQ(a.data(), nullptr);
+    EXPECT_EQ(a.bytes(), 0u);
+    EXPECT_EQ(b.data(), data);
+    EXPECT_EQ(b.data()[bytes - 1], std::byte{7});
+    detail::FlaggedBuffer c;
+    c = std::move(b);
+    EXPECT_EQ(c.data(), data);
+    EXPECT_EQ(scope.peak(), bytes);
+  }
+  // Freed: a second one fits the same peak.
+  { detail::FlaggedBuffer d(bytes, detail::FlagStripes{bytes, 0, 64}); }
+  EXPECT_EQ(scope.peak(), bytes);
+}
 
 TEST(BufferCache, ReusesFreedLargeBlocksWithinTheLimit) {
   set_buffer_cache_limit(64 << 20);
