@@ -698,7 +698,7 @@ def main():
                     "partial sweeps); a later file's record replaces an earlier one of the same platform, P and "
                     "configuration")
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
-    ap.add_argument("--configurations", nargs="*", metavar="LABEL",
+    ap.add_argument("--configurations", nargs="+", metavar="LABEL",
                     help="only these configurations, named as in the table (e.g. 'grouped_allgather_rd w=512'): "
                          "the rows an earlier sweep did not reach")
     ap.add_argument("--knobs", choices=["all", "best"], default="all",

@@ -6,6 +6,10 @@
 
 namespace kdacp::detail {
 
+// The bytes a Buffer (or FlaggedBuffer) of `bytes` bytes allocates: whole
+// 64-byte lines.
+inline std::size_t buffer_allocated_bytes(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+
 // 64-byte aligned; `bytes` is rounded as the cache needs. Free with the same
 // `bytes`.
 void* buffer_allocate(std::size_t bytes);

@@ -9,12 +9,6 @@
 #include "kdacp/memory.hpp"
 
 namespace kdacp::detail {
-namespace {
-
-// As Buffer rounds (core/tensor.cpp): whole 64-byte lines.
-std::size_t rounded(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
-
-}  // namespace
 
 FlaggedBuffer::FlaggedBuffer(std::size_t bytes, const FlagStripes& stripes) : bytes_(bytes) {
   if (bytes == 0) return;
@@ -23,7 +17,7 @@ FlaggedBuffer::FlaggedBuffer(std::size_t bytes, const FlagStripes& stripes) : by
     if (data_ == nullptr) throw std::bad_alloc();
     simulated_ = true;
   } else {
-    data_ = static_cast<std::byte*>(buffer_allocate(rounded(bytes)));
+    data_ = static_cast<std::byte*>(buffer_allocate(buffer_allocated_bytes(bytes)));
   }
 #if defined(KDACP_FILL_UNINITIALIZED)
   std::memset(data_, 0xff, bytes);
@@ -53,7 +47,7 @@ void FlaggedBuffer::release() noexcept {
   if (simulated_)
     simulation_hooks().deallocate(data_, bytes_);
   else
-    buffer_deallocate(data_, rounded(bytes_));
+    buffer_deallocate(data_, buffer_allocated_bytes(bytes_));
   MemoryScope::on_free(bytes_);
   data_ = nullptr;
   bytes_ = 0;

@@ -51,14 +51,9 @@ StateView StateView::dense(void* data, std::size_t batch, std::size_t heads, std
   return v;
 }
 
-namespace {
-constexpr std::size_t kAlign = 64;
-std::size_t allocated_bytes(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-}  // namespace
-
 Buffer::Buffer(std::size_t bytes, Init init) : bytes_(bytes) {
   if (bytes == 0) return;
-  data_ = static_cast<std::byte*>(detail::buffer_allocate(allocated_bytes(bytes)));
+  data_ = static_cast<std::byte*>(detail::buffer_allocate(detail::buffer_allocated_bytes(bytes)));
   if (init == Init::zero) std::memset(data_, 0, bytes);
 #if defined(KDACP_FILL_UNINITIALIZED)
   if (init == Init::uninitialized) std::memset(data_, 0xff, bytes);  // NaN
@@ -82,7 +77,7 @@ Buffer::~Buffer() { release(); }
 
 void Buffer::release() noexcept {
   if (data_ == nullptr) return;
-  detail::buffer_deallocate(data_, allocated_bytes(bytes_));
+  detail::buffer_deallocate(data_, detail::buffer_allocated_bytes(bytes_));
   MemoryScope::on_free(bytes_);
   data_ = nullptr;
   bytes_ = 0;

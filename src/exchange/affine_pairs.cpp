@@ -50,14 +50,17 @@ void copy_view(const StateView& src, const StateView& dst) {
                   src.cols * e);
 }
 
+namespace {
+// The flags, then S and M.
+std::size_t pair_bytes(const SummaryShape& s) {
+  return kSlotTailBytes + (s.state_elems() + s.slabs() * s.key_dim * s.key_dim) * dtype_size(s.dtype);
+}
+}  // namespace
+
 PairBuffer::PairBuffer(const SummaryShape& shape)
     : shape_(shape),
-      // Every part is written before it is read.
-      buf_(kSlotTailBytes + (shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
-                                dtype_size(shape.dtype),
-           FlagStripes{kSlotTailBytes + (shape.state_elems() + shape.slabs() * shape.key_dim * shape.key_dim) *
-                                            dtype_size(shape.dtype),
-                       0, kSlotTailBytes}) {}
+      // Every part is written before it is read; one stripe of flags, first.
+      buf_(pair_bytes(shape), FlagStripes{pair_bytes(shape), 0, kSlotTailBytes}) {}
 
 StateView PairBuffer::offset() const {
   StateView v = StateView::dense(buf_.data() + kSlotTailBytes, shape_.batch, shape_.heads,

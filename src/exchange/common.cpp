@@ -15,13 +15,14 @@ PackedSlots::PackedSlots(const SummaryShape& shape, std::size_t count)
     : shape_(shape),
       count_(count),
       // Every slot is packed or gathered before it is read.
-      buf_(count * (shape.packed_elems() * dtype_size(shape.dtype) + kSlotTailBytes),
-           FlagStripes{shape.packed_elems() * dtype_size(shape.dtype) + kSlotTailBytes,
-                       shape.packed_elems() * dtype_size(shape.dtype), kSlotTailBytes}) {}
+      // Each slot's flags after its data.
+      buf_(count * stride_of(shape), FlagStripes{stride_of(shape), stride_of(shape) - kSlotTailBytes, kSlotTailBytes}) {}
 
-std::size_t PackedSlots::slot_stride_bytes() const {
-  return shape_.packed_elems() * dtype_size(shape_.dtype) + kSlotTailBytes;
+std::size_t PackedSlots::stride_of(const SummaryShape& shape) {
+  return shape.packed_elems() * dtype_size(shape.dtype) + kSlotTailBytes;
 }
+
+std::size_t PackedSlots::slot_stride_bytes() const { return stride_of(shape_); }
 
 void PackedSlots::pack(std::size_t index, const StateView& offset, const StateView& transfer,
                        bool cut) {

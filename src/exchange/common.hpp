@@ -69,6 +69,7 @@ class PackedSlots {
   std::size_t count() const { return count_; }
 
  private:
+  static std::size_t stride_of(const SummaryShape& shape);  // one slot with its flags
   std::size_t slot_stride_bytes() const;
   SummaryShape shape_;
   std::size_t count_;
