@@ -10,6 +10,7 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/protocol.hpp"
 
 namespace kdacp {
@@ -188,6 +189,27 @@ TEST(CostModel, ChainProfileReadsTheLayoutAndCuts) {
   EXPECT_THROW(PartOwners(8, {0, 1, 2, 3, 4, 5, 6, 9}), InvalidArgument);
   s.part_owners = PartOwners::one_per_rank(3);  // owners over another P
   EXPECT_THROW(chain_profile(s, 1), InvalidArgument);
+}
+
+// Recursive doubling over zigzag's runs at P = 4 (runs [0] [1] [2] [3,4] [5]
+// [6] [7] on ranks 0 1 2 3 2 1 0), the compositions counted as
+// rd_exclusive_scan_parts does them: round d = 2's busiest rank is rank 2
+// (positions 2 and 4: two aggregates, two prefixes, positions 2's last
+// round folding only) with 4 folds and 3 products; d = 4 folds states only,
+// 2 on ranks 1 and 2; the run [3,4] adds 2 folds and a product. A scan whose
+// runs are all cuts composes nothing: constant maps compose for free.
+TEST(CostModel, LayoutScanCountsEachRoundsBusiestCarrierWithCuts) {
+  ProblemShape s{4, 4, 64, 64, 4};
+  s.part_owners = PartOwners::zigzag(4);
+  const CostTerms t = find_protocol("recursive_doubling").cost(s, {"recursive_doubling", 1, 0});
+  EXPECT_DOUBLE_EQ(t.folds, 4 + 2 + 2);
+  EXPECT_DOUBLE_EQ(t.products, 3 + 1);
+  s.part_cuts.assign(8, true);
+  const CostTerms cut = find_protocol("recursive_doubling").cost(s, {"recursive_doubling", 1, 0});
+  EXPECT_DOUBLE_EQ(cut.folds, 2);
+  EXPECT_DOUBLE_EQ(cut.products, 1);
+  EXPECT_DOUBLE_EQ(cut.messages, t.messages);  // the same messages move
+  EXPECT_DOUBLE_EQ(cut.bytes, t.bytes);
 }
 
 // A rank streams all c segments of one part before its next part. Zigzag

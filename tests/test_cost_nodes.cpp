@@ -245,6 +245,32 @@ TEST(CostLeaves, FewerSendersThanTheUplinksCarryGoAtFullSpeed) {
   EXPECT_DOUBLE_EQ(terms("pipelined_p2p", leafy(1024), 1, 8).contention_bytes, 0);
 }
 
+TEST(CostLeaves, ALayoutScanPaysTheBusiestLeafsUplinks) {
+  // Zigzag over P = 4 on nodes and leaves of 2 ranks, o = 2 (one port's
+  // bandwidth up per leaf): runs [0] [1] [2] [3,4] [5] [6] [7] held by ranks
+  // 0 1 2 3 2 1 0. Round d = 1 and d = 4 send one message per leaf across;
+  // d = 2 sends ranks 0 -> 2, 1 -> 3, 3 -> 1, 2 -> 0 (position 2 to 4 stays
+  // on rank 2): two per leaf and direction through one port, one per rank:
+  // one pair's bytes more. (The simulated zigzag scan at P = 4096 on
+  // nvlink-ib took 1.31x the model without it: two messages per rank cross.)
+  ProblemShape z = shape(4, 2);
+  z.ranks_per_leaf = 2;
+  z.leaf_oversubscription = 2;
+  z.part_owners = PartOwners::zigzag(4);
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", z).contention_bytes, kPacked);
+  z.leaf_oversubscription = 1;
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", z).contention_bytes, 0);
+  // Cuts alone keep one run per rank: the plain scan's messages, and its
+  // contention (every rank across from distance 128 on).
+  ProblemShape cut = leafy(1024);
+  cut.part_cuts.assign(1024, false);
+  cut.part_cuts[300] = true;
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", cut).contention_bytes,
+                   terms("recursive_doubling", leafy(1024)).contention_bytes);
+  // A group's carrier per w = 2 ranks: the uplinks carry them all.
+  EXPECT_DOUBLE_EQ(terms("grouped_allgather_rd", cut, 2).contention_bytes, 0);
+}
+
 TEST(CostLeaves, PredictPricesTheContentionAndJsonChecksIt) {
   CostParams c;
   c.node_ranks = 8;

@@ -447,32 +447,95 @@ UlyssesPrediction best_ulysses(const std::vector<UlyssesPrediction>& options) {
 namespace kdacp::detail {
 
 // cost_terms.hpp
-void add_layout_scan_messages(CostTerms& t, const ProblemShape& s, std::size_t w) {
+void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w) {
   const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
   auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };  // as layouts.cpp
   const std::size_t m = runs.size(), rounds = ceil_log2(m), node = rank_node_width(s);
+  // Leaves (the members are ranks, whatever the layout): a leaf's uplinks
+  // carry leaf/o ranks' bandwidth in each direction.
+  const std::size_t leaf = node > 0 ? rank_leaf_width(s) : 0;
+  const std::size_t leaves = leaf > 0 ? s.ranks / leaf : 0;
+  // A run's pair is a cut (a constant map) when one of its parts is.
+  std::vector<char> cut(m, 0);
+  if (!s.part_cuts.empty())
+    for (std::size_t r = 0; r < m; ++r)
+      for (std::size_t j = runs.first[r]; j <= runs.last[r] && !cut[r]; ++j) cut[r] = s.part_cuts[j];
+  // Per position, as rd_exclusive_scan_parts holds them: whether it holds a
+  // prefix yet, whether that prefix is a cut, whether this round's outgoing
+  // aggregate is.
+  std::vector<char> have(m, 0), prefix_cut(m, 0), out_cut(m, 0);
+  const double fold_weight = dbl(s.value_dim), product_weight = dbl(s.key_dim);  // flops per K·K
   for (std::size_t k = 0; k < rounds; ++k) {
     const std::size_t d = std::size_t{1} << k;
+    auto final_round = [d](std::size_t q) { return d <= q && q < 2 * d; };
     // Per rank: network messages sent, received; node messages sent, received.
     std::vector<std::array<std::size_t, 4>> count(s.ranks, {0, 0, 0, 0});
+    // Per leaf: messages leaving it, entering it.
+    std::vector<std::array<std::size_t, 2>> across(leaves, {0, 0});
+    // Per rank: this round's folds and products (compose(): a cut outer pair
+    // costs nothing, a cut inner one no product).
+    std::vector<std::array<std::size_t, 2>> work(s.ranks, {0, 0});
     for (std::size_t q = 0; q + d < m; ++q) {
       const std::size_t a = carrier(q), b = carrier(q + d);
+      if (have[q]) {
+        if (!cut[q]) {
+          ++work[a][0];
+          if (!final_round(q + d) && !prefix_cut[q]) ++work[a][1];
+        }
+        out_cut[q] = cut[q] || prefix_cut[q];
+      } else {
+        out_cut[q] = cut[q];
+      }
       if (a == b) continue;
       const std::size_t kind = node > 0 && a / node == b / node ? 2 : 0;
       ++count[a][kind];
       ++count[b][kind + 1];
+      if (leaf > 0 && a / leaf != b / leaf) {
+        ++across[a / leaf][0];
+        ++across[b / leaf][1];
+      }
     }
-    std::size_t most_net = 0, most_group = 0;
+    for (std::size_t q = d; q < m; ++q) {
+      const bool src_cut = out_cut[q - d];
+      if (!have[q]) {
+        have[q] = 1;
+        prefix_cut[q] = src_cut;
+      } else if (!prefix_cut[q]) {
+        ++work[carrier(q)][0];
+        if (!final_round(q) && !src_cut) ++work[carrier(q)][1];
+        prefix_cut[q] = src_cut;
+      }
+    }
+    std::size_t most_net = 0, most_group = 0, most_across = 0;
     for (const auto& c : count) {
       most_net = std::max({most_net, c[0], c[1]});
       most_group = std::max({most_group, c[2], c[3]});
     }
+    for (const auto& c : across) most_across = std::max({most_across, c[0], c[1]});
     const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
     if (most_net > 0) {
       add_messages(t, false, 1, dbl(most_net) * bytes);
+      // The busiest leaf's uplinks, when they take longer than the busiest
+      // port: its messages at leaf/o ports' bandwidth (as the plain scan's
+      // add_leaf_contention, which is this with one message per rank).
+      const double uplinks = dbl(most_across) * s.leaf_oversubscription / dbl(leaf > 0 ? leaf : 1);
+      if (uplinks > dbl(most_net)) t.contention_bytes += (uplinks - dbl(most_net)) * bytes;
     } else if (most_group > 0) {
       add_messages(t, true, 1, dbl(most_group) * bytes);
     }
+    // The round's compute on the critical path: its busiest carrier's, all
+    // of it after the round's messages (a carrier composes a position's
+    // aggregate before sending it, and a prefix after receiving it).
+    const std::array<std::size_t, 2>* busiest = &work.front();
+    for (const auto& c : work) {
+      t.work_folds += dbl(c[0]);
+      t.work_products += dbl(c[1]);
+      if (dbl(c[0]) * fold_weight + dbl(c[1]) * product_weight >
+          dbl((*busiest)[0]) * fold_weight + dbl((*busiest)[1]) * product_weight)
+        busiest = &c;
+    }
+    t.folds += dbl((*busiest)[0]);
+    t.products += dbl((*busiest)[1]);
   }
 }
 
