@@ -62,9 +62,14 @@ SMPI_OPTIONS = [
     "--cfg=network/crosstraffic:0",
     # The collectives' algorithms (kdacp-smpi calls the blocking ones,
     # src/comm/mpi/communicator.cpp): recursive doubling and a binomial tree,
-    # what the cost model prices and Open MPI offers for these sizes.
+    # what the cost model prices and Open MPI offers for these sizes; the
+    # header all-reduce before each collective (the agreement) by recursive
+    # doubling too, as Open MPI does a few words: ceil(log2 m) latencies,
+    # what add_agreement prices (SMPI's default took one more per
+    # collective, docs/scale.md).
     "--cfg=smpi/allgather:rdb",
     "--cfg=smpi/bcast:binomial_tree",
+    "--cfg=smpi/allreduce:rdb",
     "--log=root.thres:warning",
 ]
 

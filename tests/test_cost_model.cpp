@@ -196,8 +196,11 @@ TEST(CostModel, ChainProfileReadsTheLayoutAndCuts) {
 // rd_exclusive_scan_parts does them: round d = 2's busiest rank is rank 2
 // (positions 2 and 4: two aggregates, two prefixes, positions 2's last
 // round folding only) with 4 folds and 3 products; d = 4 folds states only,
-// 2 on ranks 1 and 2; the run [3,4] adds 2 folds and a product. A scan whose
-// runs are all cuts composes nothing: constant maps compose for free.
+// 2 on ranks 1 and 2; the run [3,4] adds 2 folds and a product (its pair,
+// and rank 3's fold into part 4). A scan whose runs are all cuts composes
+// nothing (constant maps compose for free), and a run of cut parts folds
+// nothing either. A cut at part 4 alone leaves part 3 outside the run's pair
+// and rank 3's fold: the run's part of the cost goes.
 TEST(CostModel, LayoutScanCountsEachRoundsBusiestCarrierWithCuts) {
   ProblemShape s{4, 4, 64, 64, 4};
   s.part_owners = PartOwners::zigzag(4);
@@ -206,10 +209,19 @@ TEST(CostModel, LayoutScanCountsEachRoundsBusiestCarrierWithCuts) {
   EXPECT_DOUBLE_EQ(t.products, 3 + 1);
   s.part_cuts.assign(8, true);
   const CostTerms cut = find_protocol("recursive_doubling").cost(s, {"recursive_doubling", 1, 0});
-  EXPECT_DOUBLE_EQ(cut.folds, 2);
-  EXPECT_DOUBLE_EQ(cut.products, 1);
+  EXPECT_DOUBLE_EQ(cut.folds, 0);
+  EXPECT_DOUBLE_EQ(cut.products, 0);
   EXPECT_DOUBLE_EQ(cut.messages, t.messages);  // the same messages move
   EXPECT_DOUBLE_EQ(cut.bytes, t.bytes);
+  s.part_cuts.assign(8, false);
+  s.part_cuts[4] = true;
+  // The run [3,4] is a cut: d = 2 leaves rank 2 an aggregate with a product
+  // (position 2), one without (position 4, after the cut) and a prefix fold,
+  // and spares the prefixes after the cut their products; d = 4 one fold on
+  // ranks 1 and 2, the prefixes after the cut nothing.
+  const CostTerms four = find_protocol("recursive_doubling").cost(s, {"recursive_doubling", 1, 0});
+  EXPECT_DOUBLE_EQ(four.folds, 3 + 1);
+  EXPECT_DOUBLE_EQ(four.products, 1);
 }
 
 // A rank streams all c segments of one part before its next part. Zigzag

@@ -64,7 +64,9 @@ TEST(CostNodes, RecursiveDoublingCrossesANodeEveryRoundOnceItSpansTwo) {
   const CostTerms g0 = terms("grouped_allgather_rd", shape(64, 0), 4);
   EXPECT_DOUBLE_EQ(g.messages + g.group_messages, g0.messages + g0.group_messages);
   EXPECT_DOUBLE_EQ(g.messages, 4);
-  EXPECT_DOUBLE_EQ(g.group_messages, 4);  // log2(4) to gather, log2(4) to broadcast
+  // log2(4) to gather, log2(4) to broadcast, and log2(4) for each one's
+  // agreement (add_agreement).
+  EXPECT_DOUBLE_EQ(g.group_messages, 4 + 4);
   // w = 4 at P = 8: two carriers in one node, all inside.
   EXPECT_DOUBLE_EQ(terms("grouped_allgather_rd", shape(8, 8), 4).messages, 0);
 }
@@ -73,8 +75,9 @@ TEST(CostNodes, AllGatherAcrossNodesGathersInsideThenAcross) {
   const CostTerms t = terms("allgather", shape(64, 8));
   EXPECT_DOUBLE_EQ(t.group_bytes, 7 * kPacked);
   EXPECT_DOUBLE_EQ(t.bytes, 56 * kPacked);
-  EXPECT_DOUBLE_EQ(t.group_messages, 3);
-  EXPECT_DOUBLE_EQ(t.messages, 3);
+  // Each twice: the gather's rounds and its agreement's (add_agreement).
+  EXPECT_DOUBLE_EQ(t.group_messages, 3 + 3);
+  EXPECT_DOUBLE_EQ(t.messages, 3 + 3);
   // A group of 16 on nodes of 8 spans two nodes.
   const CostTerms g = terms("grouped_allgather_p2p", shape(64, 8), 16);
   EXPECT_DOUBLE_EQ(g.bytes - 3 * kState, 8 * kPacked + kState);  // 3 relays, the broadcast's step across
@@ -82,7 +85,32 @@ TEST(CostNodes, AllGatherAcrossNodesGathersInsideThenAcross) {
   // 15 relays between owners 4 ranks apart, the 7 at node boundaries cross.
   const CostTerms h = terms("grouped_allgather_p2p", shape(64, 8), 4);
   EXPECT_DOUBLE_EQ(h.messages, 7);
-  EXPECT_DOUBLE_EQ(h.group_messages, 2 + 8 + 2);
+  EXPECT_DOUBLE_EQ(h.group_messages, 2 + 8 + 2 + 2 + 2);  // and two agreements over 4
+}
+
+// The MPI backend agrees on a header before every collective: an all-reduce
+// of a few words, ceil(log2 m) latencies over m members (the simulated
+// Ethernet with one head measured exactly these: docs/scale.md). Only the
+// protocols with collectives pay them; the chain and the scan have none.
+TEST(CostNodes, EveryCollectivePaysItsAgreementsLatencies) {
+  // The all-gather over 8 without nodes: 3 rounds to gather, 3 to agree,
+  // all at the network's α.
+  const CostTerms a = terms("allgather", shape(8, 0));
+  EXPECT_DOUBLE_EQ(a.messages, 3 + 3);
+  EXPECT_DOUBLE_EQ(a.bytes, 7 * kPacked);  // the agreement's bytes are not counted
+  // Over 16 on nodes of 8: 3 rounds inside and 1 across, for each.
+  const CostTerms b = terms("allgather", shape(16, 8));
+  EXPECT_DOUBLE_EQ(b.group_messages, 3 + 3);
+  EXPECT_DOUBLE_EQ(b.messages, 1 + 1);
+  // Groups of 2 at P = 8: a gather and a broadcast over 2, one latency each
+  // and one per agreement.
+  const CostTerms g = terms("grouped_allgather_p2p", shape(8, 0), 2);
+  const CostTerms chain = terms("p2p", shape(4, 0));  // the carriers' chain over the 4 blocks
+  EXPECT_DOUBLE_EQ(g.group_messages, 1 + 1 + 1 + 1);
+  EXPECT_DOUBLE_EQ(g.messages, chain.messages);
+  // No collective, no agreement.
+  EXPECT_DOUBLE_EQ(terms("p2p", shape(8, 0)).group_messages, 0);
+  EXPECT_DOUBLE_EQ(terms("recursive_doubling", shape(8, 0)).group_messages, 0);
 }
 
 TEST(CostNodes, PipelineAtTheSlowestHopsPace) {

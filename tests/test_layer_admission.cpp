@@ -27,14 +27,15 @@ job::LayerJob<float> small_job(const kda::Shape& shape) {
   return job;
 }
 
-// With the default cost parameters, P = 2 and K = V = 32, auto picks p2p for
+// With the default cost parameters, P = 4 and K = V = 32, auto picks p2p for
 // one part per rank but allgather for zigzag (two parts per rank): an
 // admission priced without the layout named p2p while the layer ran
-// allgather.
+// allgather. (P = 2 showed it until the model priced each collective's
+// agreement.)
 TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
   const kda::Shape shape{1, 16, 1, 1, 32, 32};
   const job::LayerJob<float> job = small_job(shape);
-  const std::size_t ranks = 2;
+  const std::size_t ranks = 4;
   std::vector<std::string> ran;
   for (bool zigzag : {false, true}) {
     const kda::Layout layout = job::make_layout(zigzag, {}, shape.tokens, ranks);
@@ -63,7 +64,8 @@ TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
 
 // Two packed documents over eight ranks (parts 0 and 4 are cuts) on a
 // 12 GB/s, 5 µs network: auto weighs the stream's cuts (the chain is four
-// steps long) and runs p2p, where without them it would run the allgather;
+// steps long) and runs p2p, where without them it would run a grouped
+// all-gather;
 // the admission names the same protocol, and the outputs are the chain's.
 TEST(LayerAdmission, AutoWeighsThePackingsCuts) {
   const kda::Shape shape{1, 128, 2, 2, 32, 64};
@@ -79,7 +81,7 @@ TEST(LayerAdmission, AutoWeighsThePackingsCuts) {
       job::layer_exchange_options(opts.exchange, shape, DType::f32, layout, job.sequences());
   EXPECT_EQ(eo.expected_cuts, (std::vector<bool>{true, false, false, false, true, false, false, false}));
   const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout);
-  ASSERT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, "allgather")
+  ASSERT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, "grouped_allgather_p2p")
       << "the model changed: pick another case";
   const job::LayerOutputs<float> out = job::run_context_parallel(job, ranks, opts, 60);
   EXPECT_EQ(out.method, "p2p");

@@ -277,9 +277,9 @@ TEST(Auto, ChoosesWithinBudgetReportsAndMatchesTheChosenProtocol) {
 }
 
 // Two documents over eight ranks: parts 0 and 4 are cuts, so the chain is
-// four steps long. On a 12 GB/s, 5 µs network the model prefers the
-// allgather without the cuts and p2p with them (checked below: otherwise
-// this test shows nothing).
+// four steps long. On a 12 GB/s, 5 µs network the model prefers a grouped
+// all-gather (w = 2) without the cuts and p2p with them (checked below:
+// otherwise this test shows nothing).
 struct CutCase {
   static constexpr std::size_t P = 8;
   SummaryShape shape{1, 2, 32, 64};
@@ -326,7 +326,7 @@ TEST(Auto, WeighsTheExpectedCuts) {
   const ExchangeOptions o = c.options(12e9);
   const Prediction blind = predict_exchange(c.problem(false), "auto", 1, o);
   const Prediction seeing = predict_exchange(c.problem(true), "auto", 1, o);
-  ASSERT_EQ(blind.config.method, "allgather") << "the model changed: pick another case";
+  ASSERT_EQ(blind.config.method, "grouped_allgather_p2p") << "the model changed: pick another case";
   ASSERT_EQ(seeing.config.method, "p2p") << "the model changed: pick another case";
   World w(c.P, c.shape, 404);
   const Results chain = run_with_cuts(w, c, "p2p", {});
@@ -335,7 +335,7 @@ TEST(Auto, WeighsTheExpectedCuts) {
   ExchangeOptions without = o;
   without.expected_cuts.clear();
   const Results uncut = run_with_cuts(w, c, "auto", without);
-  EXPECT_EQ(uncut.method, "allgather");
+  EXPECT_EQ(uncut.method, "grouped_allgather_p2p");
   for (std::size_t r = 0; r < c.P; ++r) {
     for (const Results* res : {&chosen, &uncut}) {
       EXPECT_TRUE(test::bitwise_equal(res->fwd[r], chain.fwd[r])) << res->method << " rank " << r;

@@ -112,7 +112,8 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
       // On nodes: the slots of the node's ranks over it, the others across.
       add_group_all_gather(t, s.ranks, chain.per_rank * packed_bytes(s), node, &s);
     } else {
-      t.messages = dbl(ceil_log2(s.ranks));
+      // The gather's rounds and its agreement's (add_agreement), all across.
+      t.messages = 2 * dbl(ceil_log2(s.ranks));
       t.bytes = dbl(s.ranks - 1) * dbl(chain.per_rank) * dbl(packed_bytes(s));
     }
   }

@@ -447,6 +447,27 @@ UlyssesPrediction best_ulysses(const std::vector<UlyssesPrediction>& options) {
 namespace kdacp::detail {
 
 // cost_terms.hpp
+void add_layout_run_folds(CostTerms& t, const ProblemShape& s, std::size_t w) {
+  const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
+  std::size_t pair = 1, fold = 1;  // the longest of each, in parts
+  for (std::size_t r = 0; r < runs.size(); ++r) {
+    // The run's pieces: from its first part or a cut to the next cut.
+    std::size_t start = runs.first[r];
+    for (std::size_t j = runs.first[r] + 1; j <= runs.last[r]; ++j) {
+      if (!s.part_cuts.empty() && s.part_cuts[j]) {
+        fold = std::max(fold, j - start);
+        start = j;
+      }
+    }
+    const std::size_t last = runs.last[r] - start + 1;
+    fold = std::max(fold, last);
+    pair = std::max(pair, last);
+  }
+  t.folds += dbl(pair - 1) + dbl(fold - 1);
+  t.products += dbl(pair - 1);
+}
+
+// cost_terms.hpp
 void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w) {
   const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
   auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };  // as layouts.cpp

@@ -92,8 +92,26 @@ inline double node_crossings(double hops, std::size_t stride, std::size_t node) 
   return std::floor(hops * dbl(stride) / dbl(node));
 }
 
+// The agreement before every collective of the MPI backend
+// (src/comm/mpi/communicator.cpp): the m members all-reduce a 3-word header,
+// which a recursive-doubling all-reduce (what Open MPI picks for a few words)
+// does in ceil(log2 m) rounds of latency; on nodes, the rounds inside a node
+// at the group α, the others at α. Its bytes are negligible. (Measured on
+// the simulated Ethernet with one head, docs/scale.md: exactly these
+// latencies per collective.)
+inline void add_agreement(CostTerms& t, std::size_t m, std::size_t node) {
+  if (m <= 1) return;
+  if (node == 0 || m <= node) {
+    t.group_messages += dbl(ceil_log2(m));
+    return;
+  }
+  t.group_messages += dbl(ceil_log2(node));
+  t.messages += dbl(ceil_log2(m / node));
+}
+
 // A latency-optimal, bandwidth-optimal all-gather of m slots of n bytes inside
-// a group (Bruck / recursive doubling, what MPI picks for these sizes). On
+// a group (Bruck / recursive doubling, what MPI picks for these sizes), after
+// its agreement (add_agreement). On
 // nodes (node > 0) a group wider than a node gathers inside each node first,
 // then across the m/node nodes. Every group gathers at once: with a shape
 // whose leaves are oversubscribed (rank_leaf_width: the members are ranks,
@@ -102,6 +120,7 @@ inline double node_crossings(double hops, std::size_t stride, std::size_t node) 
 inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0,
                                  const ProblemShape* leaves = nullptr) {
   if (m <= 1) return;
+  add_agreement(t, m, node);
   if (leaves != nullptr) {
     const std::size_t leaf = rank_leaf_width(*leaves);
     if (node > 0 && leaf > 0 && m > leaf) add_leaf_contention(t, *leaves, dbl(m - leaf) * dbl(n), 1);
@@ -117,8 +136,10 @@ inline void add_group_all_gather(CostTerms& t, std::size_t m, std::size_t n, std
   t.bytes += dbl(m - node) * dbl(n);
 }
 // A binomial broadcast of n bytes over m members of a group (on nodes: the
-// steps between nodes first, then inside them).
+// steps between nodes first, then inside them), after its agreement.
 inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n, std::size_t node = 0) {
+  if (m <= 1) return;
+  add_agreement(t, m, node);
   if (node == 0 || m <= node) {
     t.group_messages += dbl(ceil_log2(m));
     t.group_bytes += dbl(ceil_log2(m)) * dbl(n);
@@ -190,6 +211,11 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 // (cost_model.cpp, where the protocols' own run decomposition, layouts.hpp,
 // is at hand).
 void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w);
+// The carrier's fold of each run into a pair (its parts from the run's last
+// cut on: a cut's pair is constant, the parts before it add nothing) and
+// every rank's fold inside its runs (from the run's start or a cut to the
+// next cut), for the longest run of each (cost_model.cpp).
+void add_layout_run_folds(CostTerms& t, const ProblemShape& s, std::size_t w);
 
 // Recursive doubling over a layout's runs (layouts.hpp) for blocks of w
 // ranks: the block gathers k slots per rank, its carrier folds each run into
@@ -202,8 +228,7 @@ inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const Chain
   const std::size_t m = chain.runs_per_block;
   add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
   add_layout_scan(t, s, w);
-  t.folds += 2 * dbl(chain.longest_run - 1);
-  t.products += dbl(chain.longest_run - 1);
+  add_layout_run_folds(t, s, w);
   t.work_folds += dbl(chain.parts) * dbl(chain.longest_run);
   t.work_products += dbl(chain.parts);
   if (w > 1 && chain.runs > 1) add_group_broadcast(t, w, m * state_bytes(s), rank_node_width(s));

@@ -130,18 +130,21 @@ def context_worker(rank, world, init_file):
                 err = (got[name].double() - want[name].double()).abs().max().item()
                 assert err <= tol, (layout, protocol, dtype, name, err)
     # auto weighs the batch's cuts (build_cp_context knows cu_seqlens): at P = 4 with
-    # the default cost model, one document's four-step chain loses to the allgather,
-    # two documents' two-step chains win with p2p; the outputs are the same bits.
+    # the default cost model and zigzag, one document's chain over 8 parts loses to the
+    # allgather, two documents' (cut at part 4: two 3-hop stretches at once) win with
+    # p2p; the outputs are the same bits. (Contiguous P = 4 runs p2p either way since
+    # the model prices each collective's agreement.)
     if world == 4:
         t = 8 * world
         outs = []
         for cu, want in (([0, t], "allgather"), ([0, t // 2, t], "p2p")):
             for protocol in ("auto", want):
                 x = make(t, len(cu) - 1, torch.float64, seed=35)
-                mine = {k_: (v_[:, rank * 8:(rank + 1) * 8] if k_ in TOKEN_WISE else v_)
-                        for k_, v_ in x.items()}
-                ctx = kt.build_cp_context(cu, dist.group.WORLD, protocol=protocol, timeout=20,
-                                          threads=1)
+                ctx = kt.build_cp_context(cu, dist.group.WORLD, layout="zigzag", protocol=protocol,
+                                          timeout=20, threads=1)
+                spans = ctx.layout.local_parts(rank)
+                mine = {k_: (torch.cat([v_[:, a:e] for a, e in spans], dim=1) if k_ in TOKEN_WISE
+                             else v_) for k_, v_ in x.items()}
                 outs.append(call(mine, FLAGS, cp_context=ctx))
                 methods = [layer.method for layer in ctx._layers.values()]
                 assert methods == [want], (cu, protocol, methods)
@@ -149,15 +152,16 @@ def context_worker(rank, world, init_file):
                 assert torch.equal(got, ref), cu
         # kda over a group keeps its layer across packings: it weighs the cuts it is told.
         from kdacp import _layer
-        for cuts, want in ((None, "allgather"), ([True, False, True, False], "p2p")):
+        for cuts, want in ((None, "allgather"), ([True, False, False, False, True, False, False, False],
+                                                 "p2p")):
             extra = {} if cuts is None else {"expected_cuts": cuts}
             kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
                    torch.sigmoid(mine["beta"]), cu_seqlens=[0, t // 2, t], group=dist.group.WORLD,
-                   protocol="auto", timeout=20, threads=1, **extra)
+                   layout="zigzag", protocol="auto", timeout=20, threads=1, **extra)
             assert list(_layer._LAYERS.values())[-1].method == want, (cuts, want)
         with pytest.raises(ValueError, match="expected_cuts has 3 flags, expected one per part"):
             kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
-                   torch.sigmoid(mine["beta"]), group=dist.group.WORLD, protocol="auto",
+                   torch.sigmoid(mine["beta"]), group=dist.group.WORLD, layout="zigzag", protocol="auto",
                    timeout=20, threads=1, expected_cuts=[True, False, True])
 
     if world > 2:
