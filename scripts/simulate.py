@@ -630,6 +630,24 @@ def check(a):
                     if not same:
                         problems.append(f"{name} {proto} P={p}: two folded runs simulated "
                                         f"{folds[0]['forward_seconds']!r} and {folds[1]['forward_seconds']!r} s")
+            def folded_within(p, label, args, tol, extra=""):
+                """One folded run of `kdacp bench exchange args` at P = p:
+                its ratio to the model within ±tol, else a problem."""
+                stdout, _, err = smpirun(facts, p, tmp, speed, [smpi, *args], a.timeout, folded=True)
+                if err:
+                    problems.append(f"{name} P={p} {label}: {err}")
+                    return None
+                res = json.loads(stdout.strip().splitlines()[-1])
+                ratio = res["forward_over_predicted"]
+                ok = abs(ratio - 1) <= tol
+                print(f"check: {name} P={p} {label} folded{extra.format(**res)}: simulated "
+                      f"{res['forward_seconds'] * 1e3:.4f} ms, ratio {ratio:.3f} to the model "
+                      f"({'ok' if ok else 'OUTSIDE'})")
+                if not ok:
+                    problems.append(f"{name} P={p} {label}, folded: simulated/model = {ratio:.3f}, expected "
+                                    f"within ±{tol:g}")
+                return res
+
             # Cuts in a folded run: the grouped relay decides from the cut
             # flags it gathered which runs it sends at once, and folded
             # buffers map the same pages on every rank, so the flags must
@@ -637,45 +655,21 @@ def check(a):
             # not, this run read 2.3x the model on both platforms (H = 4;
             # 3x at P = 64, H = 32, docs/scale.md); deterministic, as every
             # folded run is.
-            p = CUTS_CHECK_RANKS
-            row = {"method": "grouped_allgather_p2p", "knob": "w=2"}
-            stdout, _, err = smpirun(facts, p, tmp, speed,
-                                     [smpi, *bench_args(row, a.heads, facts["cost"], a.repeat, a.warmup, "zigzag",
-                                                        8192)], a.timeout, folded=True)
-            if err:
-                problems.append(f"{name} P={p} grouped_allgather_p2p w=2 [zigzag, docs 8192]: {err}")
-            else:
-                res = json.loads(stdout.strip().splitlines()[-1])
-                ratio = res["forward_over_predicted"]
-                ok = abs(ratio - 1) <= a.tolerance and res.get("cuts", 0) > 0
-                print(f"check: {name} P={p} grouped_allgather_p2p w=2 [zigzag, docs 8192] folded ({res.get('cuts')} "
-                      f"cuts of {res.get('parts')} parts): simulated {res['forward_seconds'] * 1e3:.4f} ms, ratio "
-                      f"{ratio:.3f} to the model ({'ok' if ok else 'OUTSIDE'})")
-                if not ok:
-                    problems.append(f"{name} P={p} grouped_allgather_p2p w=2 [zigzag, docs 8192], folded: "
-                                    f"simulated/model = {ratio:.3f}, expected within ±{a.tolerance:g}")
+            res = folded_within(CUTS_CHECK_RANKS, "grouped_allgather_p2p w=2 [zigzag, docs 8192]",
+                                bench_args({"method": "grouped_allgather_p2p", "knob": "w=2"}, a.heads, facts["cost"],
+                                           a.repeat, a.warmup, "zigzag", 8192),
+                                a.tolerance, " ({cuts} cuts of {parts} parts)")
+            if res is not None and not res.get("cuts", 0) > 0:
+                problems.append(f"{name} P={CUTS_CHECK_RANKS} grouped_allgather_p2p w=2 [zigzag, docs 8192]: "
+                                "the run has no cuts")
             # Latency-bound collectives, folded: the all-gather with one head,
             # where each collective's agreement (ceil(log2 m) latencies before
             # it, add_agreement) is a third of the time. Before the model
             # priced it this read 1.29 (nvlink-ib) and 1.34 (Ethernet) at
             # P = 16; the α-β terms are exact here, so ±10 %.
-            p = a.ranks[0]
-            row = {"method": "allgather", "knob": ""}
-            stdout, _, err = smpirun(facts, p, tmp, speed,
-                                     [smpi, *bench_args(row, 1, facts["cost"], a.repeat, a.warmup)], a.timeout,
-                                     folded=True)
-            if err:
-                problems.append(f"{name} P={p} allgather H=1: {err}")
-            else:
-                res = json.loads(stdout.strip().splitlines()[-1])
-                ratio = res["forward_over_predicted"]
-                tol = min(a.tolerance, 0.1)
-                ok = abs(ratio - 1) <= tol
-                print(f"check: {name} P={p} allgather H=1 folded: simulated {res['forward_seconds'] * 1e3:.4f} ms, "
-                      f"ratio {ratio:.3f} to the model ({'ok' if ok else 'OUTSIDE'})")
-                if not ok:
-                    problems.append(f"{name} P={p} allgather H=1, folded: simulated/model = {ratio:.3f}, expected "
-                                    f"within ±{tol:g}")
+            folded_within(a.ranks[0], "allgather H=1",
+                          bench_args({"method": "allgather", "knob": ""}, 1, facts["cost"], a.repeat, a.warmup),
+                          min(a.tolerance, 0.1))
             # Ulysses x state CP, folded: the all-to-alls and the exchange
             # over P/U beside the model's figures.
             for p in a.ranks:

@@ -51,10 +51,8 @@ void copy_view(const StateView& src, const StateView& dst) {
 }
 
 namespace {
-// The flags, then S and M.
-std::size_t pair_bytes(const SummaryShape& s) {
-  return kSlotTailBytes + (s.state_elems() + s.slabs() * s.key_dim * s.key_dim) * dtype_size(s.dtype);
-}
+// The flags, then S and M (a packed slot's elements).
+std::size_t pair_bytes(const SummaryShape& s) { return kSlotTailBytes + s.packed_elems() * dtype_size(s.dtype); }
 }  // namespace
 
 PairBuffer::PairBuffer(const SummaryShape& shape)

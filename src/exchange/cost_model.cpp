@@ -446,9 +446,12 @@ UlyssesPrediction best_ulysses(const std::vector<UlyssesPrediction>& options) {
 
 namespace kdacp::detail {
 
-// cost_terms.hpp
-void add_layout_run_folds(CostTerms& t, const ProblemShape& s, std::size_t w) {
-  const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
+namespace {
+
+// add_layout_runs' folds inside the runs: the carrier's of each run into a
+// pair (its parts from the run's last cut on) and every rank's inside its
+// runs (from the run's start or a cut to the next cut), the longest of each.
+void add_run_folds(CostTerms& t, const ProblemShape& s, const Runs& runs) {
   std::size_t pair = 1, fold = 1;  // the longest of each, in parts
   for (std::size_t r = 0; r < runs.size(); ++r) {
     // The run's pieces: from its first part or a cut to the next cut.
@@ -467,9 +470,8 @@ void add_layout_run_folds(CostTerms& t, const ProblemShape& s, std::size_t w) {
   t.products += dbl(pair - 1);
 }
 
-// cost_terms.hpp
-void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w) {
-  const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
+// add_layout_runs' scan over the runs.
+void add_run_scan(CostTerms& t, const ProblemShape& s, const Runs& runs, std::size_t w) {
   auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };  // as layouts.cpp
   const std::size_t m = runs.size(), rounds = ceil_log2(m), node = rank_node_width(s);
   // Leaves (the members are ranks, whatever the layout): a leaf's uplinks
@@ -486,16 +488,18 @@ void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w) {
   // aggregate is.
   std::vector<char> have(m, 0), prefix_cut(m, 0), out_cut(m, 0);
   const double fold_weight = dbl(s.value_dim), product_weight = dbl(s.key_dim);  // flops per K·K
+  // Per round: per rank, network messages sent, received and node messages
+  // sent, received; per leaf, messages leaving it, entering it; per rank,
+  // folds and products (compose(): a cut outer pair costs nothing, a cut
+  // inner one no product).
+  std::vector<std::array<std::size_t, 4>> count(s.ranks);
+  std::vector<std::array<std::size_t, 2>> across(leaves), work(s.ranks);
   for (std::size_t k = 0; k < rounds; ++k) {
     const std::size_t d = std::size_t{1} << k;
     auto final_round = [d](std::size_t q) { return d <= q && q < 2 * d; };
-    // Per rank: network messages sent, received; node messages sent, received.
-    std::vector<std::array<std::size_t, 4>> count(s.ranks, {0, 0, 0, 0});
-    // Per leaf: messages leaving it, entering it.
-    std::vector<std::array<std::size_t, 2>> across(leaves, {0, 0});
-    // Per rank: this round's folds and products (compose(): a cut outer pair
-    // costs nothing, a cut inner one no product).
-    std::vector<std::array<std::size_t, 2>> work(s.ranks, {0, 0});
+    std::fill(count.begin(), count.end(), std::array<std::size_t, 4>{});
+    std::fill(across.begin(), across.end(), std::array<std::size_t, 2>{});
+    std::fill(work.begin(), work.end(), std::array<std::size_t, 2>{});
     for (std::size_t q = 0; q + d < m; ++q) {
       const std::size_t a = carrier(q), b = carrier(q + d);
       if (have[q]) {
@@ -558,6 +562,15 @@ void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w) {
     t.folds += dbl((*busiest)[0]);
     t.products += dbl((*busiest)[1]);
   }
+}
+
+}  // namespace
+
+// cost_terms.hpp
+void add_layout_runs(CostTerms& t, const ProblemShape& s, std::size_t w) {
+  const Runs runs(LayoutIndex(owners_of(s).list(), s.ranks), w);
+  add_run_scan(t, s, runs, w);
+  add_run_folds(t, s, runs);
 }
 
 }  // namespace kdacp::detail

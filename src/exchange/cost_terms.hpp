@@ -194,32 +194,31 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
   return m <= 1 ? 0 : (m == 2 ? 2 : 3) * packed_bytes(s);
 }
 
-// A recursive-doubling scan over a layout's runs for blocks of w ranks (run
-// r held by its block's carrier, the block's last rank), as
-// rd_exclusive_scan_parts (layouts.cpp) runs it: in each round every
-// position q sends to q + 2^k, and a carrier holding several positions sends
-// (and receives) all of theirs. A round takes as long as the busiest
-// carrier's network messages in one direction (the ones between nodes; all
-// of them when the nodes are unknown), or, when none crosses, its messages
-// inside a node: they travel at once, each kind on its own links. With
-// oversubscribed leaves (rank_leaf_width) a round takes at least the busiest
-// leaf's messages across leaves in one direction at leaf/o ports' bandwidth
-// (zigzag: two per rank; the difference goes to contention_bytes). Compute:
-// each round the busiest carrier's compositions, counted position by
-// position with the runs' cuts (a run is a cut when one of its parts is): a
-// composition after a cut costs nothing, one before a cut no product.
-// (cost_model.cpp, where the protocols' own run decomposition, layouts.hpp,
-// is at hand).
-void add_layout_scan(CostTerms& t, const ProblemShape& s, std::size_t w);
-// The carrier's fold of each run into a pair (its parts from the run's last
-// cut on: a cut's pair is constant, the parts before it add nothing) and
-// every rank's fold inside its runs (from the run's start or a cut to the
-// next cut), for the longest run of each (cost_model.cpp).
-void add_layout_run_folds(CostTerms& t, const ProblemShape& s, std::size_t w);
+// The runs of a layout for blocks of w ranks (run r held by its block's
+// carrier, the block's last rank) in recursive doubling (cost_model.cpp,
+// where the protocols' own run decomposition, layouts.hpp, is at hand):
+// - The scan over the runs, as rd_exclusive_scan_parts (layouts.cpp) runs
+//   it: in each round every position q sends to q + 2^k, and a carrier
+//   holding several positions sends (and receives) all of theirs. A round
+//   takes as long as the busiest carrier's network messages in one direction
+//   (the ones between nodes; all of them when the nodes are unknown), or,
+//   when none crosses, its messages inside a node: they travel at once, each
+//   kind on its own links. With oversubscribed leaves (rank_leaf_width) a
+//   round takes at least the busiest leaf's messages across leaves in one
+//   direction at leaf/o ports' bandwidth (zigzag: two per rank; the
+//   difference goes to contention_bytes). Compute: each round the busiest
+//   carrier's compositions, counted position by position with the runs'
+//   cuts (a run is a cut when one of its parts is): a composition after a
+//   cut costs nothing, one before a cut no product.
+// - The folds inside the runs: the carrier's fold of each run into a pair
+//   (its parts from the run's last cut on: a cut's pair is constant, the
+//   parts before it add nothing) and every rank's fold inside its runs (from
+//   the run's start or a cut to the next cut), for the longest run of each.
+void add_layout_runs(CostTerms& t, const ProblemShape& s, std::size_t w);
 
 // Recursive doubling over a layout's runs (layouts.hpp) for blocks of w
 // ranks: the block gathers k slots per rank, its carrier folds each run into
-// a pair and scans the runs (add_layout_scan), then broadcasts their incoming
+// a pair and scans the runs (add_layout_runs), then broadcasts their incoming
 // states; every rank folds inside its runs. Memory: the slots, per run three
 // scan pairs and an aggregate, one composition pair, the scan's results and
 // the runs' incoming states, two fold temporaries.
@@ -227,8 +226,7 @@ inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const Chain
                                 std::size_t w) {
   const std::size_t m = chain.runs_per_block;
   add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
-  add_layout_scan(t, s, w);
-  add_layout_run_folds(t, s, w);
+  add_layout_runs(t, s, w);
   t.work_folds += dbl(chain.parts) * dbl(chain.longest_run);
   t.work_products += dbl(chain.parts);
   if (w > 1 && chain.runs > 1) add_group_broadcast(t, w, m * state_bytes(s), rank_node_width(s));
