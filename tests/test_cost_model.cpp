@@ -254,6 +254,45 @@ TEST(CostModel, PipelineWaitsForARanksEarlierPartsSegments) {
   EXPECT_DOUBLE_EQ(pipelined(8), 7 + 7);
 }
 
+// p2p's stretches run side by side and share ports. Zigzag over 4 ranks
+// (parts 0-7 on ranks 0 1 2 3 3 2 1 0) with cuts at parts 1 and 4: both
+// cuts send at once, 1 -> 2 (rank 1 to 2) and 4 -> 5 (rank 3 to 2), into
+// rank 2's port; one relay later rank 2 sends 2 -> 3 and 5 -> 6 through its
+// port. Each of those relays takes two relay times: the worst path 1-2-3
+// has 2 relays and 2 waits, 4-5-6-7 3 relays and 2 waits (without the
+// ports: 3 relays, the same path). p2p pays each wait as one more state on
+// the link, without a latency. Ports are per kind: with nodes of ranks
+// {0, 1} and {2, 3}, 1 -> 2 reaches rank 2's NIC and 4 -> 5 its node port,
+// 2 -> 3 leaves through the node port and 5 -> 6 through the NIC, so
+// nothing waits. Groups and pipelined_p2p's streams count no waits.
+TEST(CostModel, StretchesSideBySideShareARanksPort) {
+  ProblemShape s{4, 4, 64, 64, 4};
+  s.part_owners = PartOwners::zigzag(4);
+  s.part_cuts.assign(8, false);
+  s.part_cuts[1] = s.part_cuts[4] = true;
+  const ChainProfile shared = chain_profile(s, 1);
+  EXPECT_EQ(shared.relays, 3u);
+  EXPECT_EQ(shared.port_waits, 2u);
+  EXPECT_EQ(shared.node_port_waits, 2u);  // no nodes: every relay crosses
+  const double state = 4.0 * 64 * 64 * 4;
+  const CostTerms t = find_protocol("p2p").cost(s, {"p2p", 1, 0});
+  EXPECT_DOUBLE_EQ(t.messages, 3);
+  EXPECT_DOUBLE_EQ(t.bytes, 3 * state);
+  EXPECT_DOUBLE_EQ(t.contention_bytes, 2 * state);
+  const CostTerms one = find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, 1});
+  EXPECT_DOUBLE_EQ(one.contention_bytes, 2 * state);  // c = 1 is p2p
+  EXPECT_EQ(chain_profile(s, 1, 1).port_waits, 0u);
+  EXPECT_EQ(chain_profile(s, 2).port_waits, 0u);
+  s.ranks_per_node = 2;
+  const ChainProfile nodes = chain_profile(s, 1);
+  EXPECT_EQ(nodes.port_waits, 0u);
+  EXPECT_EQ(nodes.relays, 3u);
+  s.ranks_per_node = 0;
+  s.part_cuts.clear();  // one chain: its relays leave one after the other
+  EXPECT_EQ(chain_profile(s, 1).port_waits, 0u);
+  EXPECT_DOUBLE_EQ(find_protocol("p2p").cost(s, {"p2p", 1, 0}).contention_bytes, 0);
+}
+
 // Cuts shorten what waits along the chain and what a gather folds; the
 // doubling scan's rounds do not depend on them.
 TEST(CostModel, CutsShortenTheChainsAndTheGathersFolds) {

@@ -126,15 +126,24 @@ struct ChainProfile {
   // segments of a part before the next one, so each costs it c - 1 more
   // segments.
   std::size_t order_waits = 0;
+  // Along it (p2p: width 1, order_weight 0, with cuts): the relays' waits
+  // for a port. Stretches run side by side, and relays that leave one rank or
+  // reach one in the same slot (their uncontended paths' relays) share its
+  // port, each taking one more relay time per relay beside it (Ethernet,
+  // P = 8, zigzag with documents: rank 4 receives two stretches' first states
+  // at once). node_port_waits: the ones on relays across nodes. 0 without
+  // cuts: one chain's relays leave one after the other.
+  std::size_t port_waits = 0;
+  std::size_t node_port_waits = 0;
   std::size_t runs = 1;           // runs in the chain
   std::size_t runs_per_block = 1; // the most runs one block holds
   std::size_t longest_run = 1;    // parts in the longest run
 };
 // The profile of `shape` for blocks of `width` ranks. The worst path is the
-// one with the most relays + order_weight · order_waits (then relays across
-// nodes): order_weight is what an order wait costs in relays (0 for every
-// row but pipelined_p2p, c - 1 there). Throws InvalidArgument for owners over
-// another P, or cuts of another length.
+// one with the most relays + port_waits + order_weight · order_waits (then
+// relays across nodes): order_weight is what an order wait costs in relays
+// (0 for every row but pipelined_p2p, c - 1 there). Throws InvalidArgument
+// for owners over another P, or cuts of another length.
 ChainProfile chain_profile(const ProblemShape& shape, std::size_t width, std::size_t order_weight = 0);
 
 // One configuration of one protocol. group_size: w for the grouped

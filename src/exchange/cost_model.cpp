@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <vector>
 
@@ -182,49 +183,95 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
   struct Path {
     std::size_t relays = 0, node_relays = 0, order_waits = 0;
+    std::size_t port_waits = 0, node_port_waits = 0;
   };
-  auto key = [&](const Path& a) { return a.relays + order_weight * a.order_waits; };
+  auto key = [&](const Path& a) { return a.relays + a.port_waits + order_weight * a.order_waits; };
   auto worse = [&](const Path& a, const Path& b) {
     const bool less = key(a) != key(b) ? key(a) < key(b) : a.node_relays < b.node_relays;
     return less ? b : a;
   };
   std::vector<Path> done(n);
-  std::vector<std::size_t> done_steps(n, 0);
-  std::vector<std::size_t> last_of_block(p / w + 1, n);  // n: none yet
-  Path worst;
-  for (std::size_t j = 0; j < n; ++j) {
-    const std::size_t block = owners[j] / w;
-    const std::size_t before = last_of_block[block];
-    last_of_block[block] = j;
-    if (j == 0) continue;
-    // The step into j: its incoming state, a message when the run changes.
-    Path in = done[j - 1];
-    if (run_of[j] != run_of[j - 1]) {
-      ++in.relays;
-      if (across(j)) ++in.node_relays;
-    } else {
-      ++in.order_waits;  // the block's previous part, on the same block
+  // The longest paths to every part, a relay into part j costing 1 + shared[j]
+  // (its port's other messages, below; none on the first walk).
+  auto walk = [&](const std::vector<std::size_t>& shared) {
+    std::fill(done.begin(), done.end(), Path{});
+    std::vector<std::size_t> done_steps(n, 0);
+    std::vector<std::size_t> last_of_block(p / w + 1, n);  // n: none yet
+    Path worst;
+    out.steps = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t block = owners[j] / w;
+      const std::size_t before = last_of_block[block];
+      last_of_block[block] = j;
+      if (j == 0) continue;
+      // The step into j: its incoming state, a message when the run changes.
+      Path in = done[j - 1];
+      if (run_of[j] != run_of[j - 1]) {
+        ++in.relays;
+        if (across(j)) ++in.node_relays;
+        if (!shared.empty() && shared[j] > 0) {
+          in.port_waits += shared[j];
+          if (across(j)) in.node_port_waits += shared[j];
+        }
+      } else {
+        ++in.order_waits;  // the block's previous part, on the same block
+      }
+      const std::size_t in_steps = done_steps[j - 1] + 1;
+      worst = worse(worst, in);
+      out.steps = std::max(out.steps, in_steps);
+      // A cut hands its own offset on without waiting: a new stretch.
+      if (cut(j)) continue;
+      done[j] = in;
+      done_steps[j] = in_steps;
+      // The block's previous part, when it is not the chain's previous one.
+      if (before != n && before + 1 != j) {
+        Path wait = done[before];
+        ++wait.order_waits;
+        done[j] = worse(done[j], wait);
+        done_steps[j] = std::max(done_steps[j], done_steps[before] + 1);
+        worst = worse(worst, done[j]);
+        out.steps = std::max(out.steps, done_steps[j]);
+      }
     }
-    const std::size_t in_steps = done_steps[j - 1] + 1;
-    worst = worse(worst, in);
-    out.steps = std::max(out.steps, in_steps);
-    // A cut hands its own offset on without waiting: a new stretch.
-    if (cut(j)) continue;
-    done[j] = in;
-    done_steps[j] = in_steps;
-    // The block's previous part, when it is not the chain's previous one.
-    if (before != n && before + 1 != j) {
-      Path wait = done[before];
-      ++wait.order_waits;
-      done[j] = worse(done[j], wait);
-      done_steps[j] = std::max(done_steps[j], done_steps[before] + 1);
-      worst = worse(worst, done[j]);
-      out.steps = std::max(out.steps, done_steps[j]);
+    return worst;
+  };
+  Path worst = walk({});
+  // Ports (p2p: ranks, one state per relay): stretches run side by side, and
+  // a rank's port carries one state at a time at full speed. A relay leaves
+  // when its part is done (the first walk's key, in relays) and holds the
+  // port of the rank it leaves and of the one it reaches (inside a node the
+  // rank's node port, across nodes its NIC) for one relay time: relays that
+  // hold one port in the same slot share it, and each takes one more relay
+  // time per relay beside it. One chain without cuts never shares (its
+  // relays leave one after the other). The second walk finds the worst path
+  // with these costs. Not for blocks (w > 1: a block's carrier sends its
+  // runs) nor pipelined_p2p's streams (order_weight > 0): c segments that
+  // overlap in part, which relay counts do not time (docs/scale.md).
+  if (w == 1 && order_weight == 0 && n >= 2 && !s.part_cuts.empty()) {
+    // (rank, across nodes, leaving, slot) -> relays.
+    std::map<std::array<std::size_t, 4>, std::size_t> held;
+    auto ports = [&](std::size_t j) {
+      const std::size_t slot = key(done[j - 1]), a = across(j) ? 1 : 0;
+      return std::array{std::array<std::size_t, 4>{owners[j - 1], a, 1, slot},
+                        std::array<std::size_t, 4>{owners[j], a, 0, slot}};
+    };
+    for (std::size_t j = 1; j < n; ++j)
+      if (run_of[j] != run_of[j - 1])
+        for (const auto& port : ports(j)) ++held[port];
+    std::vector<std::size_t> shared(n, 0);
+    bool any = false;
+    for (std::size_t j = 1; j < n; ++j) {
+      if (run_of[j] == run_of[j - 1]) continue;
+      for (const auto& port : ports(j)) shared[j] = std::max(shared[j], held[port] - 1);
+      any = any || shared[j] > 0;
     }
+    if (any) worst = walk(shared);
   }
   out.relays = worst.relays;
   out.node_relays = worst.node_relays;
   out.order_waits = worst.order_waits;
+  out.port_waits = worst.port_waits;
+  out.node_port_waits = worst.node_port_waits;
   return out;
 }
 

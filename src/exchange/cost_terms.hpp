@@ -85,6 +85,14 @@ inline void add_messages(CostTerms& t, bool inside_node, double count, double by
   }
 }
 
+// A chain's waits for shared ports (ChainProfile::port_waits): each one more
+// message's `bytes_each` on the relay's link, without another latency.
+inline void add_port_waits(CostTerms& t, const ChainProfile& chain, double bytes_each) {
+  const double across = dbl(chain.node_port_waits);
+  t.contention_bytes += across * bytes_each;
+  t.group_bytes += (dbl(chain.port_waits) - across) * bytes_each;
+}
+
 // Of `hops` chain hops between positions `stride` ranks apart, the ones that
 // cross a node boundary (nodes of `node` ranks; 0: all of them).
 inline double node_crossings(double hops, std::size_t stride, std::size_t node) {

@@ -89,6 +89,7 @@ CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
   const double crossings = dbl(chain.node_relays);
   add_messages(t, false, crossings, dbl(state_bytes(s)));
   add_messages(t, true, dbl(chain.relays) - crossings, dbl(state_bytes(s)));
+  add_port_waits(t, chain, dbl(state_bytes(s)));
   t.folds = stretch_folds(chain.steps);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {

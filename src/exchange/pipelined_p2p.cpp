@@ -211,6 +211,11 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
     t.messages = chain.relays > 0 ? dbl(chain.relays) + extra : 0;
     t.bytes = chain.relays > 0 ? dbl(chain.relays) * wide + extra * rest : 0;
   }
+  // c = 1 is p2p: a hop that shares its port (ChainProfile::port_waits)
+  // carries the other state too. Streams of c >= 2 segments overlap in
+  // part, which the profile's slots do not time: it counts no port waits
+  // for them (docs/scale.md).
+  add_port_waits(t, chain, wide);
   t.folds = stretch_folds(chain.steps) * wide_share + (chain.steps >= 2 ? extra * rest_share : 0);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {
