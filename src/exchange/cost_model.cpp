@@ -143,6 +143,34 @@ PartOwners owners_of(const ProblemShape& s) {
   return *s.part_owners;
 }
 
+namespace {
+
+// For each relay j (the step into part j that changes run, leaving in
+// slot[j]): how many other relays hold one of its two ports in that slot, the
+// port it leaves through and the one it arrives at (a rank's node port for
+// relays inside a node of `node` ranks, its NIC across nodes; every relay
+// crosses when node is 0). chain_profile's ports.
+std::vector<std::size_t> port_sharing(const PartOwners& owners, const std::vector<std::size_t>& run_of,
+                                      std::size_t node, const std::vector<std::size_t>& slot) {
+  const std::size_t n = owners.size();
+  using Port = std::array<std::size_t, 4>;  // rank, across nodes, leaving, slot
+  auto ports = [&](std::size_t j) {
+    const std::size_t a = node == 0 || owners[j] / node != owners[j - 1] / node ? 1 : 0;
+    return std::array{Port{owners[j - 1], a, 1, slot[j]}, Port{owners[j], a, 0, slot[j]}};
+  };
+  std::map<Port, std::size_t> held;
+  for (std::size_t j = 1; j < n; ++j)
+    if (run_of[j] != run_of[j - 1])
+      for (const Port& port : ports(j)) ++held[port];
+  std::vector<std::size_t> shared(n, 0);
+  for (std::size_t j = 1; j < n; ++j)
+    if (run_of[j] != run_of[j - 1])
+      for (const Port& port : ports(j)) shared[j] = std::max(shared[j], held[port] - 1);
+  return shared;
+}
+
+}  // namespace
+
 ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t order_weight) {
   const std::size_t p = s.ranks;
   const PartOwners owners = owners_of(s);
@@ -248,23 +276,10 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   // runs) nor pipelined_p2p's streams (order_weight > 0): c segments that
   // overlap in part, which relay counts do not time (docs/scale.md).
   if (w == 1 && order_weight == 0 && n >= 2 && !s.part_cuts.empty()) {
-    // (rank, across nodes, leaving, slot) -> relays.
-    std::map<std::array<std::size_t, 4>, std::size_t> held;
-    auto ports = [&](std::size_t j) {
-      const std::size_t slot = key(done[j - 1]), a = across(j) ? 1 : 0;
-      return std::array{std::array<std::size_t, 4>{owners[j - 1], a, 1, slot},
-                        std::array<std::size_t, 4>{owners[j], a, 0, slot}};
-    };
-    for (std::size_t j = 1; j < n; ++j)
-      if (run_of[j] != run_of[j - 1])
-        for (const auto& port : ports(j)) ++held[port];
-    std::vector<std::size_t> shared(n, 0);
-    bool any = false;
-    for (std::size_t j = 1; j < n; ++j) {
-      if (run_of[j] == run_of[j - 1]) continue;
-      for (const auto& port : ports(j)) shared[j] = std::max(shared[j], held[port] - 1);
-      any = any || shared[j] > 0;
-    }
+    std::vector<std::size_t> slot(n, 0);
+    for (std::size_t j = 1; j < n; ++j) slot[j] = key(done[j - 1]);
+    const std::vector<std::size_t> shared = port_sharing(owners, run_of, node, slot);
+    const bool any = std::any_of(shared.begin(), shared.end(), [](std::size_t k) { return k > 0; });
     if (any) worst = walk(shared);
   }
   out.relays = worst.relays;
