@@ -662,6 +662,15 @@ def check(a):
             if res is not None and not res.get("cuts", 0) > 0:
                 problems.append(f"{name} P={CUTS_CHECK_RANKS} grouped_allgather_p2p w=2 [zigzag, docs 8192]: "
                                 "the run has no cuts")
+            # Stretches side by side: p2p with zigzag and documents, where
+            # cut parts send at once and two of their states reach one rank's
+            # port together (ChainProfile::port_waits). Before the model
+            # priced the shared ports this read 1.38 on Ethernet at P = 16,
+            # H = 4 (1.65 with H = 32); 1.00 now, nvlink-ib 0.95.
+            folded_within(a.ranks[0], "p2p [zigzag, docs 8192]",
+                          bench_args({"method": "p2p", "knob": ""}, a.heads, facts["cost"], a.repeat, a.warmup,
+                                     "zigzag", 8192),
+                          a.tolerance)
             # Latency-bound collectives, folded: the all-gather with one head,
             # where each collective's agreement (ceil(log2 m) latencies before
             # it, add_agreement) is a third of the time. Before the model
