@@ -148,14 +148,15 @@ namespace {
 // For each relay j (the step into part j that changes run, leaving in
 // slot[j]): how many other relays hold one of its two ports in that slot, the
 // port it leaves through and the one it arrives at (a rank's node port for
-// relays inside a node of `node` ranks, its NIC across nodes; every relay
-// crosses when node is 0). chain_profile's ports.
+// relays inside a node, its NIC for those where across(j)). chain_profile's
+// ports.
+template <class Across>
 std::vector<std::size_t> port_sharing(const PartOwners& owners, const std::vector<std::size_t>& run_of,
-                                      std::size_t node, const std::vector<std::size_t>& slot) {
+                                      const Across& across, const std::vector<std::size_t>& slot) {
   const std::size_t n = owners.size();
   using Port = std::array<std::size_t, 4>;  // rank, across nodes, leaving, slot
   auto ports = [&](std::size_t j) {
-    const std::size_t a = node == 0 || owners[j] / node != owners[j - 1] / node ? 1 : 0;
+    const std::size_t a = across(j) ? 1 : 0;
     return std::array{Port{owners[j - 1], a, 1, slot[j]}, Port{owners[j], a, 0, slot[j]}};
   };
   std::map<Port, std::size_t> held;
@@ -237,7 +238,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
       if (run_of[j] != run_of[j - 1]) {
         ++in.relays;
         if (across(j)) ++in.node_relays;
-        if (!shared.empty() && shared[j] > 0) {
+        if (!shared.empty()) {
           in.port_waits += shared[j];
           if (across(j)) in.node_port_waits += shared[j];
         }
@@ -278,7 +279,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   if (w == 1 && order_weight == 0 && n >= 2 && !s.part_cuts.empty()) {
     std::vector<std::size_t> slot(n, 0);
     for (std::size_t j = 1; j < n; ++j) slot[j] = key(done[j - 1]);
-    const std::vector<std::size_t> shared = port_sharing(owners, run_of, node, slot);
+    const std::vector<std::size_t> shared = port_sharing(owners, run_of, across, slot);
     const bool any = std::any_of(shared.begin(), shared.end(), [](std::size_t k) { return k > 0; });
     if (any) worst = walk(shared);
   }
