@@ -671,6 +671,15 @@ def check(a):
                           bench_args({"method": "p2p", "knob": ""}, a.heads, facts["cost"], a.repeat, a.warmup,
                                      "zigzag", 8192),
                           a.tolerance)
+            # Streams side by side: pipelined_p2p c = 2 with zigzag and
+            # documents, H = 32 (segments of 1 MiB), where two streams'
+            # segments cross one rank's NIC (stream_nic_waits). Before the
+            # model priced that this read 1.52 on Ethernet at P = 16 (0.99
+            # now); nvlink-ib 0.76 with and without.
+            folded_within(a.ranks[0], "pipelined_p2p c=2 [zigzag, docs 8192] H=32",
+                          bench_args({"method": "pipelined_p2p", "knob": "c=2"}, 32, facts["cost"], a.repeat,
+                                     a.warmup, "zigzag", 8192),
+                          a.tolerance)
             # Latency-bound collectives, folded: the all-gather with one head,
             # where each collective's agreement (ceil(log2 m) latencies before
             # it, add_agreement) is a third of the time. Before the model

@@ -293,6 +293,34 @@ TEST(CostModel, StretchesSideBySideShareARanksPort) {
   EXPECT_DOUBLE_EQ(find_protocol("p2p").cost(s, {"p2p", 1, 0}).contention_bytes, 0);
 }
 
+// pipelined_p2p's streams through shared NICs, hop by hop (counted by hand,
+// c = 2, zigzag P = 4, cuts at parts 1 and 4, every message between nodes):
+// alone the run ends at hop 5; with the NICs rank 2's takes the offsets of
+// parts 1 (from rank 1) and 4 (from rank 3) one after the other, then sends
+// part 2's second segment before part 5's first, and part 7's last segment
+// arrives at hop 7.
+TEST(CostModel, StreamsOfSegmentsShareARanksNic) {
+  ProblemShape s{4, 4, 64, 64, 4};
+  s.part_owners = PartOwners::zigzag(4);
+  s.part_cuts.assign(8, false);
+  s.part_cuts[1] = s.part_cuts[4] = true;
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 2);
+  const double half = 4.0 * 64 * 32 * 4;  // a segment: 32 of the 64 columns
+  const CostTerms two = find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, 2});
+  EXPECT_DOUBLE_EQ(two.contention_bytes, 2 * half);
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 1), 0);  // c = 1: ChainProfile::port_waits
+  // Nodes of two ranks: only the hops into parts 2 (rank 1 to 2) and 6
+  // (rank 2 to 1) leave a node, through different NICs, and nothing waits.
+  s.ranks_per_node = 2;
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
+  EXPECT_DOUBLE_EQ(find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, 2}).contention_bytes, 0);
+  s.ranks_per_node = 0;
+  s.part_cuts.clear();  // one chain, one stream: nothing to share
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
+  s.part_cuts.assign(7, false);
+  EXPECT_THROW(stream_nic_waits(s, 2), InvalidArgument);
+}
+
 // Cuts shorten what waits along the chain and what a gather folds; the
 // doubling scan's rounds do not depend on them.
 TEST(CostModel, CutsShortenTheChainsAndTheGathersFolds) {

@@ -146,6 +146,17 @@ struct ChainProfile {
 // for owners over another P, or cuts of another length.
 ChainProfile chain_profile(const ProblemShape& shape, std::size_t width, std::size_t order_weight = 0);
 
+// pipelined_p2p's streams of c >= 2 segments through shared NICs, with
+// cuts: how many segment hops the ranks' NICs (messages between nodes; every
+// message when the nodes are unknown) add to the chain's forward run.
+// stream_makespan (cost_model.cpp) runs the protocol's steps hop by hop with
+// and without them. Node ports are not counted: inside a node a segment
+// holds its port for a small part of its hop (NVLink: 2.8 us of a 1 MiB
+// segment against 3 us of latency), and counting them put nvlink-ib's rows at
+// P = 8 and 16 at 0.62-0.80 of the simulation (docs/scale.md). 0 without
+// cuts or for c < 2 (p2p's relays: ChainProfile::port_waits).
+double stream_nic_waits(const ProblemShape& shape, std::size_t segments);
+
 // One configuration of one protocol. group_size: w for the grouped
 // protocols (1 otherwise); segments: c for pipelined_p2p (0 otherwise).
 struct ProtocolConfig {

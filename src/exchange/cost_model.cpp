@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <queue>
 #include <sstream>
 #include <vector>
 
@@ -275,7 +276,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   // relays leave one after the other). The second walk finds the worst path
   // with these costs. Not for blocks (w > 1: a block's carrier sends its
   // runs) nor pipelined_p2p's streams (order_weight > 0): c segments that
-  // overlap in part, which relay counts do not time (docs/scale.md).
+  // overlap in part, which relay counts do not time (stream_nic_waits).
   if (w == 1 && order_weight == 0 && n >= 2 && !s.part_cuts.empty()) {
     std::vector<std::size_t> slot(n, 0);
     for (std::size_t j = 1; j < n; ++j) slot[j] = key(done[j - 1]);
@@ -289,6 +290,109 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   out.port_waits = worst.port_waits;
   out.node_port_waits = worst.node_port_waits;
   return out;
+}
+
+namespace {
+
+// One run of pipelined_p2p's forward chain in segment hops (a hop: one
+// segment's message; folds free), each rank doing what the protocol does
+// (pipelined_p2p.cpp): first the chain's first part and every cut hand on
+// their offsets, a part's segments one after the other (a segment leaves once
+// the part's previous one has arrived); then its other parts in chain order,
+// each segment once it has arrived. With `nics`, a message between nodes
+// (`across[j]` for the one into part j) holds the sender's NIC out and the
+// receiver's NIC in for its hop, first posted first served (segments of two
+// streams interleave, as they share a link's bandwidth); without, every
+// message moves at once. Returns the last arrival; infinity if a rank waits
+// for ever (not for a valid chain).
+double stream_makespan(const PartOwners& owners, const std::vector<bool>& cuts, std::size_t c,
+                       std::size_t ranks, const std::vector<bool>& across, bool nics) {
+  const std::size_t n = owners.size(), none = n * c;
+  constexpr double kUnknown = -1;
+  std::vector<double> arrival(n * c, kUnknown);  // part j's input segment k: j * c + k
+  for (std::size_t k = 0; k < c; ++k) arrival[k] = 0;
+  // A rank's program: its parts that hand on offsets, then those that fold.
+  struct Step {
+    std::size_t part;
+    bool offset;
+  };
+  std::vector<std::vector<Step>> program(ranks);
+  for (std::size_t j = 0; j + 1 < n; ++j)
+    if (j == 0 || cuts[j]) program[owners[j]].push_back({j, true});
+  for (std::size_t j = 1; j + 1 < n; ++j)
+    if (!cuts[j]) program[owners[j]].push_back({j, false});
+  std::vector<std::size_t> pc(ranks, 0), seg(ranks, 0);
+  std::vector<double> clock(ranks, 0);
+  std::vector<std::vector<std::size_t>> waiting(n * c);  // ranks, by the arrival they wait for
+  struct Post {
+    double time;
+    std::size_t order, key, from, to;
+    bool operator>(const Post& o) const { return time != o.time ? time > o.time : order > o.order; }
+  };
+  std::priority_queue<Post, std::vector<Post>, std::greater<>> posted;
+  std::size_t order = 0;
+  // Runs rank r until it waits for an arrival not yet known.
+  auto advance = [&](std::size_t r) {
+    while (pc[r] < program[r].size()) {
+      const Step step = program[r][pc[r]];
+      const std::size_t j = step.part, k = seg[r], next = j + 1;
+      const bool remote = owners[next] != r;
+      // Its input segment (an offset needs none) and, before a send, the
+      // part's previous segment arrived at the next part.
+      std::size_t need = none;
+      if (!step.offset && arrival[j * c + k] == kUnknown) need = j * c + k;
+      else if (remote && k > 0 && arrival[next * c + k - 1] == kUnknown) need = next * c + k - 1;
+      if (need != none) {
+        waiting[need].push_back(r);
+        return;
+      }
+      double t = clock[r];
+      if (!step.offset) t = std::max(t, arrival[j * c + k]);
+      if (remote && k > 0) t = std::max(t, arrival[next * c + k - 1]);
+      clock[r] = t;
+      if (remote) posted.push({t, order++, next * c + k, r, owners[next]});
+      else arrival[next * c + k] = t;
+      if (++seg[r] == c) {
+        seg[r] = 0;
+        ++pc[r];
+      }
+    }
+  };
+  std::vector<double> out_free(ranks, 0), in_free(ranks, 0);
+  for (std::size_t r = 0; r < ranks; ++r) advance(r);
+  while (!posted.empty()) {
+    const Post m = posted.top();
+    posted.pop();
+    const bool held = nics && across[m.key / c];
+    const double start = held ? std::max({m.time, out_free[m.from], in_free[m.to]}) : m.time;
+    if (held) out_free[m.from] = in_free[m.to] = start + 1;
+    arrival[m.key] = start + 1;
+    std::vector<std::size_t> wake;
+    wake.swap(waiting[m.key]);
+    for (std::size_t r : wake) advance(r);
+  }
+  for (std::size_t r = 0; r < ranks; ++r)
+    if (pc[r] < program[r].size()) return std::numeric_limits<double>::infinity();
+  return *std::max_element(arrival.begin(), arrival.end());
+}
+
+}  // namespace
+
+double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
+  const PartOwners owners = owners_of(s);
+  const std::size_t n = owners.size();
+  if (segments < 2 || n < 2 || s.part_cuts.empty()) return 0;
+  if (s.part_cuts.size() != n) {
+    throw InvalidArgument(fmt::format("cost model: part_cuts has {} entries, expected one per part ({})",
+                                      s.part_cuts.size(), n));
+  }
+  const std::size_t node = detail::rank_node_width(s);
+  std::vector<bool> across(n, true);
+  for (std::size_t j = 1; j < n; ++j) across[j] = node == 0 || owners[j] / node != owners[j - 1] / node;
+  const double alone = stream_makespan(owners, s.part_cuts, segments, s.ranks, across, false);
+  const double shared = stream_makespan(owners, s.part_cuts, segments, s.ranks, across, true);
+  if (!std::isfinite(alone) || !std::isfinite(shared)) return 0;
+  return std::max(0.0, shared - alone);
 }
 
 std::size_t max_segments(std::size_t value_dim) { return std::max<std::size_t>(1, value_dim / 16); }

@@ -211,11 +211,15 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
     t.messages = chain.relays > 0 ? dbl(chain.relays) + extra : 0;
     t.bytes = chain.relays > 0 ? dbl(chain.relays) * wide + extra * rest : 0;
   }
-  // c = 1 is p2p: a hop that shares its port (ChainProfile::port_waits)
-  // carries the other state too. Streams of c >= 2 segments overlap in
-  // part, which the profile's slots do not time: it counts no port waits
-  // for them (docs/scale.md).
+  // Ports that stretches share. c = 1 is p2p: a relay that shares its port
+  // carries the other state too (ChainProfile::port_waits; whole states
+  // share a port's bandwidth, so both arrive late). Streams of c >= 2
+  // segments overlap in part and interleave their segments: the hops the
+  // NICs add when the protocol's steps run segment by segment
+  // (stream_nic_waits; 0 for c = 1, as the profile's are for c >= 2), each
+  // one more widest segment on the network.
   add_port_waits(t, chain, wide);
+  t.contention_bytes += stream_nic_waits(s, c) * wide;
   t.folds = stretch_folds(chain.steps) * wide_share + (chain.steps >= 2 ? extra * rest_share : 0);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {
