@@ -315,6 +315,7 @@ TEST(CostModel, StreamsOfSegmentsShareARanksNic) {
   EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
   EXPECT_DOUBLE_EQ(find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, 2}).contention_bytes, 0);
   s.ranks_per_node = 0;
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 2);  // remembered, by nodes too
   s.part_cuts.clear();  // one chain, one stream: nothing to share
   EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
   s.part_cuts.assign(7, false);
