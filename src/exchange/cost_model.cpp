@@ -404,19 +404,19 @@ std::optional<std::uint32_t> stream_makespan(const std::vector<std::size_t>& own
   return *std::max_element(arrival.begin(), arrival.end());
 }
 
-// The last shapes priced: auto and plan price every segment count of one
-// shape several times over.
+// The last shapes priced, with their waits per segment count (NaN: not yet):
+// auto and plan price every segment count of one shape several times over.
 struct StreamWaitsCache {
   struct Entry {
-    std::size_t ranks, node, segments;
+    std::size_t ranks, node;
     std::vector<std::size_t> owners;
     std::vector<bool> cuts;
-    double waits;
+    std::vector<double> waits;  // by c
   };
   std::mutex mutex;
   std::vector<Entry> entries;
   std::size_t next = 0;
-  static constexpr std::size_t kSize = 32;
+  static constexpr std::size_t kSize = 4;
 };
 
 }  // namespace
@@ -434,12 +434,13 @@ double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
   if (n > (std::size_t{1} << 31) / segments) return 0;
   const std::size_t node = detail::rank_node_width(s);
   static StreamWaitsCache cache;
+  auto same = [&](const StreamWaitsCache::Entry& e) {
+    return e.ranks == s.ranks && e.node == node && e.cuts == s.part_cuts && e.owners == owners.list();
+  };
   {
     const std::lock_guard lock(cache.mutex);
     for (const auto& e : cache.entries)
-      if (e.ranks == s.ranks && e.node == node && e.segments == segments && e.cuts == s.part_cuts &&
-          e.owners == owners.list())
-        return e.waits;
+      if (same(e) && segments < e.waits.size() && !std::isnan(e.waits[segments])) return e.waits[segments];
   }
   std::vector<bool> across(n, true);
   for (std::size_t j = 1; j < n; ++j) across[j] = node == 0 || owners[j] / node != owners[j - 1] / node;
@@ -447,13 +448,19 @@ double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
   const auto shared = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, true);
   const double waits = alone && shared && *shared > *alone ? double(*shared - *alone) : 0.0;
   const std::lock_guard lock(cache.mutex);
-  StreamWaitsCache::Entry entry{s.ranks, node, segments, owners.list(), s.part_cuts, waits};
-  if (cache.entries.size() < StreamWaitsCache::kSize) {
-    cache.entries.push_back(std::move(entry));
-  } else {
-    cache.entries[cache.next] = std::move(entry);
-    cache.next = (cache.next + 1) % StreamWaitsCache::kSize;
+  auto it = std::find_if(cache.entries.begin(), cache.entries.end(), same);
+  if (it == cache.entries.end()) {
+    StreamWaitsCache::Entry entry{s.ranks, node, owners.list(), s.part_cuts, {}};
+    if (cache.entries.size() < StreamWaitsCache::kSize) {
+      it = cache.entries.insert(cache.entries.end(), std::move(entry));
+    } else {
+      it = cache.entries.begin() + static_cast<std::ptrdiff_t>(cache.next);
+      *it = std::move(entry);
+      cache.next = (cache.next + 1) % StreamWaitsCache::kSize;
+    }
   }
+  if (it->waits.size() <= segments) it->waits.resize(segments + 1, std::numeric_limits<double>::quiet_NaN());
+  it->waits[segments] = waits;
   return waits;
 }
 
