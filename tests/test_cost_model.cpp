@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kdacp/cost_model.hpp"
@@ -320,6 +321,41 @@ TEST(CostModel, StreamsOfSegmentsShareARanksNic) {
   EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
   s.part_cuts.assign(7, false);
   EXPECT_THROW(stream_nic_waits(s, 2), InvalidArgument);
+}
+
+// Ranks of one process build their exchanges at once, and auto prices the
+// segments of each (stream_nic_waits remembers four shapes behind a lock):
+// threads pricing eight shapes, which evict each other, get each shape's own
+// waits.
+TEST(CostModel, StreamWaitsFromManyThreadsAtOnce) {
+  auto shape = [](std::size_t k) {
+    ProblemShape s{4, 4, 64, 64, 4};
+    s.part_owners = PartOwners::zigzag(4);
+    s.part_cuts.assign(8, false);
+    const unsigned cuts[] = {0x12, 0x04, 0x22, 0x2e};  // bit j: part j is a cut
+    for (std::size_t j = 0; j < 8; ++j) s.part_cuts[j] = ((cuts[k / 2] >> j) & 1) != 0;
+    s.ranks_per_node = k % 2 == 1 ? 2 : 0;
+    return s;
+  };
+  std::vector<double> expected;
+  for (std::size_t k = 0; k < 8; ++k) expected.push_back(stream_nic_waits(shape(k), 2));
+  EXPECT_DOUBLE_EQ(expected[0], 2);  // StreamsOfSegmentsShareARanksNic's, counted by hand
+  EXPECT_DOUBLE_EQ(expected[1], 0);
+  std::vector<double> values = expected;  // shapes apart, by their waits
+  std::sort(values.begin(), values.end());
+  EXPECT_GE(std::unique(values.begin(), values.end()) - values.begin(), 3);
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < wrong.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (std::size_t i = 0; i < 64; ++i) {
+        const std::size_t k = (i * 3 + t) % 8;
+        if (stream_nic_waits(shape(k), 2) != expected[k]) ++wrong[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int w : wrong) EXPECT_EQ(w, 0);
 }
 
 // Cuts shorten what waits along the chain and what a gather folds; the
