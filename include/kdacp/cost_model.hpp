@@ -153,8 +153,9 @@ ChainProfile chain_profile(const ProblemShape& shape, std::size_t width, std::si
 // and without them. Node ports are not counted: inside a node a segment
 // holds its port for a small part of its hop (NVLink: 2.8 us of a 1 MiB
 // segment against 3 us of latency), and counting them put nvlink-ib's rows at
-// P = 8 and 16 at 0.62-0.80 of the simulation (docs/scale.md). 0 without
-// cuts or for c < 2 (p2p's relays: ChainProfile::port_waits).
+// P = 8 and 16 at 0.62-0.85 of the simulation (docs/scale.md). 0 without
+// cuts, for c < 2 (p2p's relays: ChainProfile::port_waits) and past 2^31
+// segment hops. Remembers the last four shapes (thread-safe).
 double stream_nic_waits(const ProblemShape& shape, std::size_t segments);
 
 // One configuration of one protocol. group_size: w for the grouped
