@@ -6,8 +6,8 @@
 #include <array>
 #include <cmath>
 #include <fstream>
-#include <limits>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -149,6 +149,20 @@ PartOwners owners_of(const ProblemShape& s) {
 
 namespace {
 
+// The shape's cuts, checked against its n parts (empty: none).
+void check_cuts(const ProblemShape& s, std::size_t n) {
+  if (!s.part_cuts.empty() && s.part_cuts.size() != n) {
+    throw InvalidArgument(fmt::format("cost model: part_cuts has {} entries, expected one per part ({})",
+                                      s.part_cuts.size(), n));
+  }
+}
+
+// Whether the step into part j (j >= 1) joins ranks of two nodes of `node`
+// consecutive ranks (every step when node is 0: the nodes unknown).
+bool crosses_nodes(const PartOwners& owners, std::size_t node, std::size_t j) {
+  return node == 0 || owners[j] / node != owners[j - 1] / node;
+}
+
 // For each relay j (the step into part j that changes run, leaving in
 // slot[j]): how many other relays hold one of its two ports in that slot, the
 // port it leaves through and the one it arrives at (a rank's node port for
@@ -180,10 +194,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   const std::size_t p = s.ranks;
   const PartOwners owners = owners_of(s);
   const std::size_t n = owners.size();
-  if (!s.part_cuts.empty() && s.part_cuts.size() != n) {
-    throw InvalidArgument(fmt::format("cost model: part_cuts has {} entries, expected one per part ({})",
-                                      s.part_cuts.size(), n));
-  }
+  check_cuts(s, n);
   const std::size_t w = std::max<std::size_t>(1, width);
   ChainProfile out;
   out.parts = n;
@@ -213,7 +224,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   // nodes; and, apart, by steps.
   auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
   const std::size_t node = detail::rank_node_width(s);  // for any layout
-  auto across = [&](std::size_t j) { return node == 0 || owners[j] / node != owners[j - 1] / node; };
+  auto across = [&](std::size_t j) { return crosses_nodes(owners, node, j); };
   struct Path {
     std::size_t relays = 0, node_relays = 0, order_waits = 0;
     std::size_t port_waits = 0, node_port_waits = 0;
@@ -424,11 +435,8 @@ struct StreamWaitsCache {
 double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
   const PartOwners owners = owners_of(s);
   const std::size_t n = owners.size();
+  check_cuts(s, n);
   if (segments < 2 || n < 2 || s.part_cuts.empty()) return 0;
-  if (s.part_cuts.size() != n) {
-    throw InvalidArgument(fmt::format("cost model: part_cuts has {} entries, expected one per part ({})",
-                                      s.part_cuts.size(), n));
-  }
   // Segment hops are counted in 32 bits: past 2^31 of them (2^28 parts at
   // c = 8) the NICs are not priced.
   if (n > (std::size_t{1} << 31) / segments) return 0;
@@ -443,7 +451,7 @@ double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
       if (same(e) && segments < e.waits.size() && !std::isnan(e.waits[segments])) return e.waits[segments];
   }
   std::vector<bool> across(n, true);
-  for (std::size_t j = 1; j < n; ++j) across[j] = node == 0 || owners[j] / node != owners[j - 1] / node;
+  for (std::size_t j = 1; j < n; ++j) across[j] = crosses_nodes(owners, node, j);
   const auto alone = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, false);
   const auto shared = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, true);
   const double waits = alone && shared && *shared > *alone ? double(*shared - *alone) : 0.0;
