@@ -29,6 +29,10 @@ P = 32 (whose relay acts on the cut flags it gathers) must time within
 each collective's agreement) within 10 %, and each --ulysses U within
 --tolerance. The exit status says whether all held.
 
+--check-doc PAGE reads the results tables of PAGE (docs/scale.md, merged
+from many runs) back and checks them against themselves (make test's
+docs.scale_tables).
+
 Standard library only; run it with any Python 3 (the build's kdacp and
 kdacp-smpi do the work).
 """
@@ -716,6 +720,120 @@ def check(a):
     return 1 if problems else 0
 
 
+# docs/scale.md's tables, read back (--check-doc): a results row, its case
+# label, its times printed in ms to three decimals.
+def doc_ms(cell):
+    return float(cell.split()[0]) / 1e3
+
+
+def parse_doc_row(cells, exact_of):
+    plat, p, label = cells[0], int(cells[1]), cells[2]
+    layout, docs = "contiguous", 0
+    m = re.match(r"^(.*?) \[(.*)\]$", label)
+    if m:
+        label = m.group(1)
+        for part in m.group(2).split(", "):
+            if part == "zigzag":
+                layout = "zigzag"
+            elif part.startswith("docs "):
+                docs = int(part[5:])
+            else:
+                raise ValueError(f"unknown case '{part}'")
+    r = {"platform": plat, "ranks": p, "layout": layout, "docs_mean": docs}
+    if label.startswith("auto -> "):
+        r.update(method="auto", knob="", label="auto", ran=label[len("auto -> "):], exact=True)
+    else:
+        method, _, knob = label.partition(" ")
+        if method not in exact_of:
+            raise ValueError(f"'{method}' is no row of kdacp plan")
+        r.update(method=method, knob=knob, label=label, exact=exact_of[method])
+    if cells[3].startswith("not run: "):
+        r["skipped"] = cells[3][len("not run: "):]
+    else:
+        r.update(sim_forward_s=doc_ms(cells[3]), model_s=doc_ms(cells[5]), ratio=float(cells[6]))
+    return r
+
+
+def check_doc(a):
+    """Every results table of a page like docs/scale.md against itself: no
+    configuration twice, each sim/model the ratio of its two times, and each
+    summary row what summarize() gives for the rows above it (the page's
+    tables are merged from many runs, some by hand). Printed values are
+    rounded, so each comparison allows its rounding."""
+    out = subprocess.run([a.kdacp, "plan", "-P", "8"], capture_output=True, text=True)
+    exact_of = {m.group(1): m.group(2) == "yes" for m in
+                re.finditer(r"^(\w+)(?: [wc]=\d+)?\s+(yes|no)\s", out.stdout, re.M)}
+    if out.returncode != 0 or not exact_of:
+        fail(f"kdacp plan -P 8 failed or printed no rows: {out.stderr.strip()}")
+    text = Path(a.check_doc).read_text()
+    errors, tables, half = [], 0, 0.0005e-3  # half a printed microsecond
+    for block, body in re.findall(r"<!-- (\w+):begin -->\n(.*?)<!-- \1:end -->", text, re.S):
+        if "| configuration | simulated fwd |" not in body:
+            continue
+        tables += 1
+        rows, seen, summary = [], set(), []
+        for line in body.splitlines():
+            if not line.startswith("| ") or line.startswith("| platform |"):
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 9:
+                summary.append((line, cells))
+                continue
+            try:
+                r = parse_doc_row(cells, exact_of)
+            except (ValueError, IndexError) as e:
+                errors.append(f"{block}: cannot read '{line}': {e}")
+                continue
+            key = (r["platform"], r["ranks"], cells[2])
+            if key in seen:
+                errors.append(f"{block}: listed twice: {' '.join(map(str, key))}")
+            seen.add(key)
+            if "ratio" in r:
+                f, mo = r["sim_forward_s"], r["model_s"]
+                lo, hi = (f - half) / (mo + half), (f + half) / max(mo - half, 1e-15)
+                if not lo - 0.005 <= r["ratio"] <= hi + 0.005:
+                    errors.append(f"{block}: {' '.join(map(str, key))}: sim/model {r['ratio']:.2f}, "
+                                  f"but {f * 1e3:.3f} / {mo * 1e3:.3f} ms is {f / mo:.3f}")
+            rows.append(r)
+        expect = {(s["platform"], f"{s['ranks']}{s['case']}"): s for s in summarize(rows)}
+        for line, c in summary:
+            s = expect.pop((c[0], c[1]), None)
+            if s is None:
+                errors.append(f"{block}: summary '{c[0]} {c[1]}' has no rows above it")
+                continue
+            want = [f"{s['within_30']} of {s['rows']}", str(s["skipped"])]
+            if [c[2], c[3]] != want:
+                errors.append(f"{block}: {c[0]} {c[1]}: says '{c[2]}', '{c[3]} not run'; the rows give "
+                              f"'{want[0]}', '{want[1]} not run'")
+            if "auto" not in s:
+                continue
+            exact = sorted(r["sim_forward_s"] for r in rows if r["platform"] == s["platform"]
+                           and r["ranks"] == s["ranks"] and case_label(r) == s["case"] and r["exact"]
+                           and r["method"] != "auto" and "ratio" in r)
+            pick = s["auto_s"]
+            ranks = (1 + sum(1 for t in exact if t < pick - 2 * half), sum(1 for t in exact if t <= pick + 2 * half))
+            m = re.match(r"^(\d+) of (\d+)$", c[8])
+            ok = (c[4] == s["auto"] and abs(doc_ms(c[5]) - pick) <= half
+                  and abs(doc_ms(c[6].rsplit(" ", 2)[1] + " ms") - s["best_s"]) <= half
+                  and (pick - 2 * half) / (s["best_s"] + 2 * half) - 0.005 <= float(c[7])
+                  <= (pick + 2 * half) / max(s["best_s"] - 2 * half, 1e-15) + 0.005
+                  and m is not None and ranks[0] <= int(m.group(1)) <= ranks[1] and int(m.group(2)) == len(exact))
+            if not ok:
+                errors.append(f"{block}: {c[0]} {c[1]}: says auto {c[4]} {c[5]}, best {c[6]}, {c[7]}, rank {c[8]}; "
+                              f"the rows give auto {s['auto']} {pick * 1e3:.3f} ms, best {s['best']} "
+                              f"{s['best_s'] * 1e3:.3f} ms, rank {ranks[0]}..{ranks[1]} of {len(exact)}")
+        for (plat, p) in expect:
+            errors.append(f"{block}: rows of {plat} {p} but no summary row")
+    if tables == 0:
+        errors.append(f"{a.check_doc}: no results table between <!-- name:begin --> and <!-- name:end -->")
+    for e in errors:
+        print("check-doc:", e, file=sys.stderr)
+    if errors:
+        return 1
+    print(f"check-doc: {tables} tables of {a.check_doc}: tables agree with their rows")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     build = ROOT / "build" / "release" / "tools"
@@ -738,6 +856,9 @@ def main():
                     help="only write table.md and plot.svg into --out from results.json files (interrupted or "
                     "partial sweeps); a later file's record replaces an earlier one of the same platform, P and "
                     "configuration")
+    ap.add_argument("--check-doc", metavar="PAGE",
+                    help="only check the results tables of PAGE (docs/scale.md) against themselves: no row twice, "
+                    "each ratio its times', each summary row its rows' (needs --kdacp)")
     ap.add_argument("--tolerance", type=float, default=0.3, help="--check: allowed |simulated/model - 1|")
     ap.add_argument("--configurations", nargs="+", metavar="LABEL",
                     help="only these configurations, named as in the table (e.g. 'grouped_allgather_rd w=512'): "
@@ -757,6 +878,8 @@ def main():
                     help="fold memory and compute: always (times independent of this host's load), where a run "
                     "would exceed --max-memory (auto), never")
     a = ap.parse_args()
+    if a.check_doc:
+        sys.exit(check_doc(a))
     if a.render:
         m, merged = None, {}
         for path in a.render:
