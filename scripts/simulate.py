@@ -765,7 +765,10 @@ def check_doc(a):
                 re.finditer(r"^(\w+)(?: [wc]=\d+)?\s+(yes|no)\s", out.stdout, re.M)}
     if out.returncode != 0 or not exact_of:
         fail(f"kdacp plan -P 8 failed or printed no rows: {out.stderr.strip()}")
-    text = Path(a.check_doc).read_text()
+    try:
+        text = Path(a.check_doc).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"--check-doc {a.check_doc}: cannot read it ({e})")
     errors, tables, half = [], 0, 0.0005e-3  # half a printed microsecond
     for block, body in re.findall(r"<!-- (\w+):begin -->\n(.*?)<!-- \1:end -->", text, re.S):
         if "| configuration | simulated fwd |" not in body:
@@ -806,6 +809,8 @@ def check_doc(a):
                 errors.append(f"{block}: {c[0]} {c[1]}: says '{c[2]}', '{c[3]} not run'; the rows give "
                               f"'{want[0]}', '{want[1]} not run'")
             if "auto" not in s:
+                if any(c[4:]):
+                    errors.append(f"{block}: {c[0]} {c[1]}: names auto's pick '{c[4]}', but no auto row is above")
                 continue
             exact = sorted(r["sim_forward_s"] for r in rows if r["platform"] == s["platform"]
                            and r["ranks"] == s["ranks"] and case_label(r) == s["case"] and r["exact"]
