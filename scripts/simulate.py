@@ -228,7 +228,10 @@ def smpirun(facts, ranks, folder, speed_gf, argv, timeout, folded=False, allgath
         return None, time.monotonic() - t0, f"took over {timeout} s of real time"
     wall = time.monotonic() - t0
     if out.returncode != 0:
-        tail = "\n".join(out.stderr.strip().splitlines()[-6:])
+        # SimGrid's abort ends in a backtrace of "  -> N# address" frames:
+        # the message is above them.
+        said = [l for l in out.stderr.strip().splitlines() if not l.lstrip().startswith("->")]
+        tail = "\n".join(said[-6:])
         return None, wall, f"smpirun exited {out.returncode}: {tail}"
     return out.stdout, wall, None
 
