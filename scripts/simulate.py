@@ -125,6 +125,9 @@ def hostfile(facts, ranks, folder):
 
 UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 BYTES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+# A row of `kdacp plan`'s table: method, knob, exact, time, unit, peak, unit.
+PLAN_ROW = re.compile(r"^(\w+)((?: [wc]=\d+)?)\s+(yes|no)\s+([\d.]+) (ns|us|ms|s)\s+[\d.]+x\s+([\d.]+) "
+                      r"(B|KiB|MiB|GiB|TiB)")
 
 
 # Tokens per rank of `kdacp bench exchange`'s stream (its --docs-mean cuts it
@@ -144,8 +147,7 @@ def plan_rows(kdacp, facts, ranks, heads, layout="contiguous"):
         fail(f"kdacp plan failed: {out.stderr.strip()}")
     rows, auto = [], None
     for line in out.stdout.splitlines():
-        m = re.match(r"^(\w+)((?: [wc]=\d+)?)\s+(yes|no)\s+([\d.]+) (ns|us|ms|s)\s+[\d.]+x\s+([\d.]+) (B|KiB|MiB|GiB|TiB)",
-                     line)
+        m = PLAN_ROW.match(line)
         if m:
             knob = m.group(2).strip()
             rows.append({"method": m.group(1), "knob": knob, "label": (m.group(1) + " " + knob).strip(),
@@ -764,8 +766,7 @@ def check_doc(a):
     tables are merged from many runs, some by hand). Printed values are
     rounded, so each comparison allows its rounding."""
     out = subprocess.run([a.kdacp, "plan", "-P", "8"], capture_output=True, text=True)
-    exact_of = {m.group(1): m.group(2) == "yes" for m in
-                re.finditer(r"^(\w+)(?: [wc]=\d+)?\s+(yes|no)\s", out.stdout, re.M)}
+    exact_of = {m.group(1): m.group(3) == "yes" for m in map(PLAN_ROW.match, out.stdout.splitlines()) if m}
     if out.returncode != 0 or not exact_of:
         fail(f"kdacp plan -P 8 failed or printed no rows: {out.stderr.strip()}")
     try:
@@ -818,14 +819,18 @@ def check_doc(a):
             exact = sorted(r["sim_forward_s"] for r in rows if r["platform"] == s["platform"]
                            and r["ranks"] == s["ranks"] and case_label(r) == s["case"] and r["exact"]
                            and r["method"] != "auto" and "ratio" in r)
-            pick = s["auto_s"]
+            pick, best = s["auto_s"], s["best_s"]
             ranks = (1 + sum(1 for t in exact if t < pick - 2 * half), sum(1 for t in exact if t <= pick + 2 * half))
             m = re.match(r"^(\d+) of (\d+)$", c[8])
-            ok = (c[4] == s["auto"] and abs(doc_ms(c[5]) - pick) <= half
-                  and abs(doc_ms(c[6].rsplit(" ", 2)[1] + " ms") - s["best_s"]) <= half
-                  and (pick - 2 * half) / (s["best_s"] + 2 * half) - 0.005 <= float(c[7])
-                  <= (pick + 2 * half) / max(s["best_s"] - 2 * half, 1e-15) + 0.005
-                  and m is not None and ranks[0] <= int(m.group(1)) <= ranks[1] and int(m.group(2)) == len(exact))
+            try:
+                ok = (c[4] == s["auto"] and abs(doc_ms(c[5]) - pick) <= half
+                      and abs(float(c[6].split()[-2]) / 1e3 - best) <= half
+                      and (pick - 2 * half) / (best + 2 * half) - 0.005 <= float(c[7])
+                      <= (pick + 2 * half) / max(best - 2 * half, 1e-15) + 0.005
+                      and m is not None and ranks[0] <= int(m.group(1)) <= ranks[1]
+                      and int(m.group(2)) == len(exact))
+            except (ValueError, IndexError):
+                ok = False
             if not ok:
                 errors.append(f"{block}: {c[0]} {c[1]}: says auto {c[4]} {c[5]}, best {c[6]}, {c[7]}, rank {c[8]}; "
                               f"the rows give auto {s['auto']} {pick * 1e3:.3f} ms, best {s['best']} "
