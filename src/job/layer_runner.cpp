@@ -202,6 +202,36 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
   return r;
 }
 
+namespace {
+
+// The layer's config for `job` run with `options`: one config, whatever the
+// strategy (kdacp/layer.hpp).
+template <class T>
+LayerConfig layer_config(const LayerJob<T>& job, const LayerRunOptions& options) {
+  LayerConfig c;
+  c.shape = job.data.shape;
+  c.cu_seqlens = job.cu_seqlens;
+  c.layout = options.layout_kind;
+  c.split = options.split;
+  c.parts = options.layout;
+  if (job.storage) {
+    c.storage.fill(job.storage);
+    c.out_storage = job.storage;
+  }
+  c.algorithm = job.algorithm;
+  c.deterministic = job.deterministic;
+  c.keep_forward = job.keep_forward && job.grads();
+  c.protocol = options.method;
+  c.group_size = options.group_size;
+  c.exchange = options.exchange;
+  c.ulysses = options.ulysses;
+  c.extra = options.agree;
+  c.names = options.names;
+  return c;
+}
+
+}  // namespace
+
 template <class T>
 std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Communicator>& world,
                                                     const LayerJob<T>& job, const LayerRunOptions& options,
@@ -209,33 +239,14 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   Communicator& comm = *world;
   const std::size_t ranks = comm.size(), rank = comm.rank();
   const kda::Shape& s = job.data.shape;
-  // Every check before the first message: the job, the layout, the method.
+  // The job's own checks (every process holds the same job), then the
+  // layer's one validation and agreement, before the first message.
   const kda::Sequences seqs = job.sequences();
-  const kda::Layout layout = options.layout ? *options.layout : kda::Layout::contiguous(s.tokens, ranks);
-  if (layout.tokens() != s.tokens || layout.ranks() != ranks)
-    throw InvalidArgument(fmt::format("run_context_parallel: the layout is for T = {} on P = {}, the job has T = {} "
-                                      "on P = {}", layout.tokens(), layout.ranks(), s.tokens, ranks));
-  const ExchangeOptions eo = layer_exchange_options(options.exchange, s, dtype_of<T>(), layout, seqs);
-  const std::size_t width = resolve_ulysses(options.ulysses, options.method, s, layout, eo, sizeof(T));
-  check_ulysses(width, ranks, s);
-  const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
   ThreadPool pool(options.threads_per_rank);
-  kda::LayerChecks checks;
-  checks.agree = options.agree;
-  const ExecPolicy exec{&pool, eo.exec.kernel, job.algorithm, job.deterministic};
-  // One of the two layers; the steps below are one code path over either.
-  std::optional<kda::ContextParallelLayer<T>> plain;
-  std::optional<kda::UlyssesLayer<T>> ulysses;
-  if (width > 1) {
-    ulysses.emplace(mesh, width, options.method, layout, options.group_size, eo, exec, checks);
-    ulysses->state_layer().keep_forward(job.keep_forward && job.grads());
-    if constexpr (std::is_same_v<T, float>)
-      if (job.storage) ulysses->wire_types({job.storage, job.storage, job.storage, job.storage, job.storage}, job.storage);
-  } else {
-    plain.emplace(mesh, options.method, layout, options.group_size, eo, exec, checks);
-    plain->keep_forward(job.keep_forward && job.grads());
-  }
-  const StateExchange& exchange = plain ? plain->exchange() : ulysses->exchange();
+  LayerConfig config = layer_config(job, options);
+  config.pool = &pool;
+  const std::unique_ptr<Layer<T>> layer = make_layer<T>(world, config);
+  const kda::Layout& layout = layer->layout();
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);
   kda::Shape ls = s;
@@ -286,33 +297,28 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
     for (std::vector<T>* f : token_outputs(lr)) fields.push_back(f->data());
   }
 
-  const kda::Stream stream{seqs, layout};
   // forward, backward, their exchanges, the summary, the G pass.
   constexpr std::size_t kTimes = 6;
   double times[kTimes] = {0, 0, 0, 0, 0, 0};
-  auto steps = [&](auto& layer) {
-    for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
+  for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
+    comm.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    const std::shared_ptr<LayerSaved> saved =
+        layer->forward(in, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
+    times[0] = since(t0);
+    times[2] = layer->forward_times().exchange;
+    times[4] = layer->forward_times().summary;
+    if (grads) {
       comm.barrier();
-      auto t0 = std::chrono::steady_clock::now();
-      const auto saved =
-          layer.forward(in, stream, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
-      times[0] = since(t0);
-      times[2] = layer.forward_times().exchange;
-      times[4] = layer.forward_times().summary;
-      if (grads) {
-        comm.barrier();
-        t0 = std::chrono::steady_clock::now();
-        layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
-                       kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
-                       states_of(lr.dh0, seqs, ls));
-        times[1] = since(t0);
-        times[3] = layer.backward_times().exchange;
-        times[5] = layer.backward_times().summary;
-      }
+      t0 = std::chrono::steady_clock::now();
+      layer->backward(in, *saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
+                      kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
+                      states_of(lr.dh0, seqs, ls));
+      times[1] = since(t0);
+      times[3] = layer->backward_times().exchange;
+      times[5] = layer->backward_times().summary;
     }
-  };
-  if (plain) steps(*plain);
-  else steps(*ulysses);
+  }
   copies.clear();  // the input copies are done with
 
   // The slowest rank's times, then every rank's outputs into the whole ones.
@@ -375,9 +381,9 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
       r.phases = LayerPhases{t[4], t[5], t[2] + t[3], t[0] - t[4] - t[2], t[1] - t[5] - t[3], q0};
     }
   }
-  r.method = exchange.method();
-  r.exact = exchange.exact();
-  r.ulysses = width;
+  r.method = layer->method();
+  r.exact = layer->exact();
+  r.ulysses = layer->ulysses_width();
   r.backend = comm.backend();
   r.ranks = ranks;
   if (shared) return std::nullopt;
@@ -409,24 +415,7 @@ double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_byte
   return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
 }
 
-ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
-                                 const std::vector<bool>& cuts) {
-  ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
-  ps.part_owners = layout.owners();
-  ps.part_cuts = cuts;
-  return ps;
-}
 
-ExchangeOptions layer_exchange_options(const ExchangeOptions& given, const kda::Shape& s, DType dtype,
-                                       const kda::Layout& layout, const kda::Sequences& seqs) {
-  ExchangeOptions eo = given;
-  if (!eo.expected_shape) {
-    eo.expected_shape = layer_summary_shape(s);
-    eo.expected_shape->dtype = dtype;
-  }
-  if (eo.expected_cuts.empty()) eo.expected_cuts = layout.cuts(seqs);
-  return eo;
-}
 
 double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
                         std::size_t elem_bytes, double rank_exchange_bytes) {
@@ -445,25 +434,6 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
   return tensors + states + sequence_states + rank_exchange_bytes;
 }
 
-std::size_t choose_ulysses(const kda::Shape& s, const kda::Layout& layout, const ExchangeOptions& eo,
-                           std::size_t elem_bytes) {
-  const std::size_t ranks = layout.ranks();
-  const ProblemShape ps = layer_problem_shape(s, elem_bytes, layout, eo.expected_cuts);
-  UlyssesOptions uo;
-  uo.heads = s.heads * s.batch;  // U divides H (and so HV); the slabs are B·HV
-  for (std::size_t r = 0; r < ranks; ++r) uo.tokens_per_rank = std::max(uo.tokens_per_rank, layout.local_tokens(r));
-  uo.activation_bytes = elem_bytes;
-  // The cost parameters' nodes, else UlyssesOptions' islands (as `kdacp plan`).
-  if (eo.cost.node_ranks > 0) uo.node_size = eo.cost.node_ranks;
-  uo.memory_budget_bytes = eo.memory_budget_bytes;
-  // Each U's exchange: the head groups' layout and cuts on P/U ranks.
-  const auto at = [&](std::size_t state_ranks) {
-    const std::size_t width = ranks / state_ranks;
-    const ExchangeOptions go = kda::ulysses_exchange_options(eo, layout, width);
-    return layer_problem_shape(s, elem_bytes, kda::ulysses_group_layout(layout, width), go.expected_cuts);
-  };
-  return best_ulysses(predict_ulysses(eo.cost, ps, uo, at)).width;
-}
 
 std::size_t resolve_ulysses(std::size_t given, const std::string& method, const kda::Shape& s,
                             const kda::Layout& layout, const ExchangeOptions& eo, std::size_t elem_bytes) {
@@ -578,9 +548,6 @@ bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
          eq(a.dbeta, b.dbeta) && eq(a.ht, b.ht) && eq(a.dh0, b.dh0);
 }
 
-SummaryShape layer_summary_shape(const kda::Shape& s) {
-  return SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim};
-}
 
 Progress::Progress(std::string prefix, double quiet_seconds)
     : prefix_(std::move(prefix)), quiet_seconds_(quiet_seconds) {}
@@ -600,8 +567,7 @@ std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Commun
   check_ulysses(base.ulysses, world->size(), job.data.shape);
   // The exchange runs over the head groups (P/U ranks; U = 1: the world).
   const std::size_t ranks = world->size() / base.ulysses;
-  const kda::Layout layout =
-      base.layout ? *base.layout : kda::Layout::contiguous(job.data.shape.tokens, world->size());
+  const kda::Layout layout = make_layer_layout(layer_config(job, base), world->size());
   // A layout with several parts on a rank, or parts out of rank order, runs
   // only on protocols whose registry row takes layouts.
   const bool plain = kda::ulysses_group_layout(layout, base.ulysses).owners().is_one_per_rank();

@@ -26,18 +26,18 @@ MAY_USE = {
     "layout": ["core"],
     "exchange": ["layout", "mesh", "comm", "kernels", "core"],
     "kda": ["layout", "kernels", "core"],
-    "kda_cp": ["kda", "exchange", "layout", "mesh", "comm", "kernels", "core"],
+    "layer": ["kda", "exchange", "layout", "mesh", "comm", "kernels", "core"],
     "calibrate": ["exchange", "layout", "mesh", "comm", "kernels", "core"],
     "launch": ["comm", "core"],
     "mpi": ["launch", "comm", "core"],
     "conv": ["layout", "comm", "core"],
-    "job": ["kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch", "comm",
+    "job": ["layer", "kda", "calibrate", "exchange", "layout", "mesh", "launch", "comm",
             "kernels", "core"],
-    "testing": ["job", "conv", "kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
+    "testing": ["job", "conv", "layer", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
                 "comm", "kernels", "core"],
-    "python": ["job", "conv", "kda_cp", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
+    "python": ["job", "conv", "layer", "kda", "calibrate", "exchange", "layout", "mesh", "launch",
                "comm", "kernels", "core"],
-    "tools": ["testing", "mpi", "job", "conv", "kda_cp", "kda", "calibrate", "exchange", "layout",
+    "tools": ["testing", "mpi", "job", "conv", "layer", "kda", "calibrate", "exchange", "layout",
               "mesh", "launch", "comm", "kernels", "core"],
 }
 
@@ -55,7 +55,7 @@ HEADER_MODULE = {
     "exchange.hpp": "exchange", "protocol.hpp": "exchange", "cost_model.hpp": "exchange",
     "admission.hpp": "exchange",
     "kda.hpp": "kda",
-    "kda_cp.hpp": "kda_cp", "kda_ulysses.hpp": "kda_cp",
+    "kda_cp.hpp": "layer", "kda_ulysses.hpp": "layer", "layer.hpp": "layer",
     "calibrate.hpp": "calibrate",
     "launch.hpp": "launch",
     "mpi.hpp": "mpi", "launch_mpi.hpp": "mpi",
@@ -64,11 +64,7 @@ HEADER_MODULE = {
 }
 
 # Source files whose module is not their folder's.
-FILE_MODULE = {
-    "src/kda/kda_cp.cpp": "kda_cp",
-    "src/kda/ulysses.cpp": "kda_cp",
-    "src/kda/agreement_fields.hpp": "kda_cp",
-}
+FILE_MODULE = {}
 
 # Outside headers only their owners include (prefix of the <...> path).
 OUTSIDE = {

@@ -14,8 +14,8 @@
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/thread_pool.hpp"
-#include "kda/agreement_fields.hpp"
-#include "kda/layer_finite.hpp"
+#include "layer/agreement_fields.hpp"
+#include "layer/layer_finite.hpp"
 #include "kda/parts.hpp"
 #include "kda/validate.hpp"
 

@@ -11,8 +11,8 @@
 #include <fmt/format.h>
 
 #include "kdacp/error.hpp"
-#include "kda/agreement_fields.hpp"
-#include "kda/layer_finite.hpp"
+#include "layer/agreement_fields.hpp"
+#include "layer/layer_finite.hpp"
 #include "kda/validate.hpp"
 
 namespace kdacp::kda {
