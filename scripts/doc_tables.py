@@ -41,12 +41,11 @@ ANY_MARKER = re.compile(r"<!-- table:([\w-]+):(begin|end) -->")
 
 
 def duration(seconds):
-    """Seconds as a reader compares them: 568 µs, 1.22 ms, 2.24 s."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
+    """Seconds in three significant digits and the unit a reader compares: 51.7 µs, 568 µs,
+    1.22 ms, 15.1 ms, 2.24 s."""
+    for scale, unit in ((1e-6, "µs"), (1e-3, "ms"), (1, "s")):
+        if seconds < scale * 1000 or unit == "s":
+            return f"{seconds / scale:#.3g}".rstrip(".") + f" {unit}"
 
 
 def number(x):
