@@ -1,5 +1,5 @@
 // `kdacp bench exchange`: one protocol configuration timed on the ranks of
-// the chosen backend beside the cost model (kdacp/testing/exchange_bench.hpp).
+// the chosen backend beside the cost model (kdacp/report/exchange_bench.hpp).
 // It is what the simulated-cluster sweep runs on every simulated rank
 // (scripts/simulate.py, docs/scale.md).
 #include <cstdio>
@@ -12,7 +12,7 @@
 #include "exchange_flags.hpp"
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
-#include "kdacp/testing/exchange_bench.hpp"
+#include "kdacp/report/exchange_bench.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::cli {
@@ -21,7 +21,7 @@ namespace {
 struct Args {
   LaunchOptions backend;
   ExchangeFlags exchange;
-  testing::ExchangeBenchConfig bench;
+  report::ExchangeBenchConfig bench;
   std::size_t batch = 1, heads = 32, key_dim = 128, value_dim = 128;
   std::size_t threads = 1;
   bool json = false;
@@ -35,16 +35,16 @@ void run(Args& a) {
   a.bench.options = exchange_options(a.exchange, a.bench.shape);
   check_threads(ranks_per_process(a.backend), a.threads);
   run_ranks(a.backend, [&](const std::shared_ptr<Communicator>& world) {
-    testing::ExchangeBenchConfig cfg = a.bench;
+    report::ExchangeBenchConfig cfg = a.bench;
     std::optional<ThreadPool> pool;
     if (a.threads != 1) {
       pool.emplace(a.threads == 0 ? ThreadPool::default_threads(ranks_per_process(a.backend)) : a.threads);
       cfg.options.exec.pool = &*pool;
     }
-    const testing::ExchangeBenchResult result = testing::bench_exchange(world, cfg);
+    const report::ExchangeBenchResult result = report::bench_exchange(world, cfg);
     if (world->rank() != 0) return;
-    if (a.json) std::printf("%s\n", testing::to_json(result).c_str());
-    else testing::print_exchange_bench(result);
+    if (a.json) std::printf("%s\n", report::to_json(result).c_str());
+    else report::print_exchange_bench(result);
     std::fflush(stdout);
   });
 }
