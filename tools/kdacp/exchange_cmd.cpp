@@ -26,8 +26,8 @@ void add_exchange_command(CLI::App& app) {
   add_int(*cmd, "--repeat", cfg->repeat, "timed repetitions (median reported)", IntRange{1, 100000});
   add_int(*cmd, "--threads", cfg->threads, "kernel threads per rank (0: hardware threads divided among the ranks)",
           kThreadsRange);
-  add_choice(*cmd, "--kernel", cfg->kernel, "fold kernel",
-             {{"best", KernelKind::best}, {"simd", KernelKind::simd}, {"scalar", KernelKind::scalar}});
+  add_mapped_choice(*cmd, "--kernel", cfg->kernel, "fold kernel",
+                    {{"best", KernelKind::best}, {"simd", KernelKind::simd}, {"scalar", KernelKind::scalar}});
   add_path(*cmd, "--summaries", cfg->summaries,
                   "read S.npy [P,B,H,K,V], M.npy [P,B,H,K,K] and optional G.npy (float32, finite) from DIR; "
                   "in-process without --ranks, P is the files' P; otherwise it must equal the ranks of the run",

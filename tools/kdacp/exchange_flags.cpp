@@ -7,11 +7,9 @@
 namespace kdacp::cli {
 
 void add_exchange_flags(CLI::App& cmd, ExchangeFlags& f) {
-  cmd.add_option("--protocol", f.protocol,
-                 "state exchange method; auto picks the predicted-fastest exact protocol "
-                 "(see kdacp plan)")
-      ->check(CLI::IsMember(exchange_methods()))
-      ->capture_default_str();
+  add_choice(cmd, "--protocol", f.protocol,
+             "state exchange method; auto picks the predicted-fastest exact protocol (see kdacp plan)",
+             exchange_methods());
   add_int(cmd, "--group-size", f.group_size,
           "group width w for the protocols that take one (must divide P; see kdacp protocols)",
           IntRange{1, kRanksRange.max});

@@ -68,10 +68,11 @@ CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<s
 CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
                       const RealRange& range);
 
-// One of named choices ("--kernel best|simd|scalar"); another text throws
-// InvalidArgument naming the flag, the text and the choices.
+// One of named choices ("--kernel best|simd|scalar", the help's type
+// name); another text throws InvalidArgument naming the flag, the text and
+// the choices.
 template <class T>
-CLI::Option* add_choice(CLI::App& cmd, const std::string& names, T& value, const std::string& help,
+CLI::Option* add_mapped_choice(CLI::App& cmd, const std::string& names, T& value, const std::string& help,
                         std::vector<std::pair<std::string, T>> choices) {
   const std::string flag = flag_name(names);
   std::vector<std::string> words;
@@ -88,10 +89,14 @@ CLI::Option* add_choice(CLI::App& cmd, const std::string& names, T& value, const
               if (t == word) return void(value = v);
             throw InvalidArgument(fmt::format("{} is '{}', expected one of {}", flag, t, fmt::join(words, ", ")));
           },
-          fmt::format("{}: {}", help, fmt::join(words, ", ")))
+          help)
       ->type_name(fmt::format("{}", fmt::join(words, "|")))
       ->default_str(current);
 }
+
+// A text flag whose value is one of `words`.
+CLI::Option* add_choice(CLI::App& cmd, const std::string& names, std::string& value, const std::string& help,
+                        const std::vector<std::string>& words);
 
 // A quantity with a unit, kept as text and checked at parse time with
 // parse_bytes / parse_seconds / parse_rate; converted where it is used.
@@ -114,6 +119,12 @@ void check_value_heads(std::size_t heads, std::size_t value_heads);
 // directory, or no file, without a word. `what` says which ("a directory").
 CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path, const std::string& help,
                       const std::string& what);
+
+// Every on/off flag of `app` and its subcommands (--json, --deterministic,
+// ...) given twice is an error naming it, as a repeated option with a value
+// is: CLI11 takes the last one otherwise, and `--deterministic=false
+// --deterministic` would silently mean one of them.
+void reject_repeated_flags(CLI::App& app);
 
 // --max-memory: what a command may allocate; empty text means what the
 // machine has available now (max_memory_bytes in kdacp/admission.hpp).

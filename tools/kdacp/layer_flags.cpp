@@ -61,11 +61,10 @@ std::size_t resolve_ulysses_flag(std::size_t given, const std::string& method, c
 }
 
 void add_layout_flags(CLI::App& cmd, LayoutFlags& flags) {
-  cmd.add_option("--layout", flags.layout,
-                 "where tokens live: contiguous (rank r holds the r-th run of tokens) or zigzag (2P parts, rank r "
-                 "holds parts r and 2P-1-r; needs T >= 2P and a protocol that takes layouts)")
-      ->check(CLI::IsMember({"contiguous", "zigzag"}))
-      ->capture_default_str();
+  add_choice(cmd, "--layout", flags.layout,
+             "where tokens live: contiguous (rank r holds the r-th run of tokens) or zigzag (2P parts, rank r holds "
+             "parts r and 2P-1-r; needs T >= 2P and a protocol that takes layouts)",
+             {"contiguous", "zigzag"});
   add_int_list(cmd, "--split", flags.split,
                "tokens per rank of the contiguous layout, P entries summing to T (default: ceil/floor of T/P)",
                IntRange{1, std::uint64_t{1} << 40});

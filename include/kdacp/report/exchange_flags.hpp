@@ -27,9 +27,14 @@ struct ExchangeFlags {
   std::string calibration;           // auto: CostParams JSON from `kdacp calibrate`
 };
 
-// The factory's options for calls of `shape` (auto needs the shape to choose).
-// Reads the calibration file when one is named; bad values throw, naming the
-// flag.
+// Throws InvalidArgument naming the flags for knobs the protocol's registry
+// row does not take (--group-size, --segments) and for more --segments than
+// V/16 of `shape`.
+void check_exchange_flags(const ExchangeFlags& flags, const SummaryShape& shape);
+
+// The factory's options for calls of `shape` (auto needs the shape to choose),
+// after check_exchange_flags. Reads the calibration file when one is named;
+// bad values throw, naming the flag.
 ExchangeOptions exchange_options(const ExchangeFlags& flags, const SummaryShape& shape);
 
 // "auto -> pipelined_p2p c=4 (predicted 1.20 ms per call, 256 KiB extra per
