@@ -15,7 +15,7 @@
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/job.hpp"
-#include "kdacp/testing/run_report.hpp"
+#include "kdacp/report/run_report.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "layer_flags.hpp"
 
@@ -30,7 +30,7 @@ struct RunConfig {
   kda::Shape shape{1, 8192, 4, 0, 128, 128};
   std::size_t value_heads = 0;  // 0: --heads
   bool tokens_given = false;
-  testing::Packing packing;
+  report::Packing packing;
   LayoutFlags layout;
   kda::Algorithm algorithm = defaults::kAlgorithm;
   std::uint64_t seed = 0;
@@ -44,14 +44,14 @@ struct RunConfig {
 void run(RunConfig& cfg) {
   check_layout_flags(cfg.layout);
   kda::Shape shape = cfg.shape;
-  shape.tokens = testing::packed_tokens(cfg.packing, shape.tokens, cfg.tokens_given, std::size_t{1} << 24);
+  shape.tokens = report::packed_tokens(cfg.packing, shape.tokens, cfg.tokens_given, std::size_t{1} << 24);
   check_value_heads(shape.heads, cfg.value_heads);
   shape.value_heads = cfg.value_heads ? cfg.value_heads : shape.heads;
   kda::validate(shape);
   job::LayerJob<float> job;
   // N is known from the flags: the memory admission comes before the
   // packing is drawn (16M --docs take seconds and a GiB to draw).
-  const std::size_t sequences = testing::packed_sequences(cfg.packing, shape.batch, shape.tokens);
+  const std::size_t sequences = report::packed_sequences(cfg.packing, shape.batch, shape.tokens);
   const std::string backend = resolved_backend(cfg.backend);
   const bool in_process = backend == "inprocess";
   if (in_process) layout_of(cfg.layout, shape.tokens, cfg.backend.ranks);
@@ -82,8 +82,8 @@ void run(RunConfig& cfg) {
   // The job's inputs, generated once admitted: before the ranks start
   // in-process, in the world (one rank, one call per process) under a launcher.
   auto generate = [&] {
-    job = testing::synthetic_layer_job(
-        shape, testing::packed_cu_seqlens(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
+    job = report::synthetic_layer_job(
+        shape, report::packed_cu_seqlens(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
     job.algorithm = cfg.algorithm;
     job.keep_forward = !cfg.recompute;
     job.deterministic = cfg.deterministic;
@@ -108,7 +108,7 @@ void run(RunConfig& cfg) {
       generate();
     }
     base.ulysses = resolve_ulysses_flag(cfg.ulysses, "auto", shape, *base.layout, job.sequences(), {}, 4);
-    testing::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
+    report::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
   });
 }
 

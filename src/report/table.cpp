@@ -1,10 +1,10 @@
-#include "kdacp/testing/table.hpp"
+#include "kdacp/report/table.hpp"
 
 #include <algorithm>
 
 #include <fmt/format.h>
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 void Table::print(std::FILE* out) const {
   std::vector<std::size_t> width;
@@ -29,4 +29,4 @@ void Table::print(std::FILE* out) const {
   }
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,4 +1,4 @@
-#include "kdacp/testing/exchange_bench.hpp"
+#include "kdacp/report/exchange_bench.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -11,11 +11,11 @@
 #include "kdacp/protocol.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/testing/synthetic.hpp"
-#include "kdacp/testing/table.hpp"
+#include "kdacp/report/table.hpp"
 #include "kdacp/admission.hpp"
 #include "core/simulation.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 namespace {
 
@@ -257,4 +257,4 @@ void print_exchange_bench(const ExchangeBenchResult& r) {
                 "computed\n");
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,4 +1,4 @@
-#include "kdacp/testing/plot.hpp"
+#include "kdacp/report/plot.hpp"
 
 #include <cstdio>
 #include <filesystem>
@@ -10,7 +10,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/output.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 namespace {
 
 // A gnuplot single-quoted string: a quote is doubled.
@@ -80,4 +80,4 @@ void draw_plot(const std::vector<PlotPanel>& panels, const std::string& file, in
   out.commit();
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,10 +1,10 @@
-// FP32 FMA peak probe (kdacp/testing/bench.hpp), compiled per target like
+// FP32 FMA peak probe (kdacp/report/bench.hpp), compiled per target like
 // kernels/step_hwy.cpp so that it measures the vector width the fold kernels
 // are dispatched to.
 #include "kernels/hwy_targets.hpp"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "testing/peak_hwy.cpp"
+#define HWY_TARGET_INCLUDE "report/peak_hwy.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace kdacp::detail::HWY_NAMESPACE {

@@ -1,4 +1,4 @@
-#include "kdacp/testing/run_report.hpp"
+#include "kdacp/report/run_report.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -11,11 +11,11 @@
 #include <nlohmann/json.hpp>
 
 #include "kdacp/error.hpp"
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 #include "kdacp/testing/synthetic.hpp"
-#include "kdacp/testing/table.hpp"
+#include "kdacp/report/table.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 namespace {
 
 using job::LayerOutputs;
@@ -210,4 +210,4 @@ void run_layer_comparison(const std::shared_ptr<Communicator>& world, const job:
     throw Error(fmt::format("--deterministic: {} not bitwise equal to the single-rank layer", fmt::join(differ, ", ")));
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

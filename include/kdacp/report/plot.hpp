@@ -1,5 +1,5 @@
 // Charts of benchmark and model records drawn by gnuplot (`kdacp bench
-// --plot`, `kdacp plan --plot`). Part of kdacp_testing; gnuplot is a program
+// --plot`, `kdacp plan --plot`). Part of kdacp_report; gnuplot is a program
 // found at run time, never a build dependency.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 struct PlotSeries {
   std::string title;
@@ -33,4 +33,4 @@ struct PlotPanel {
 void draw_plot(const std::vector<PlotPanel>& panels, const std::string& file, int width, int height,
                bool keep_script = false);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,7 +1,8 @@
 // `kdacp plan`'s report: the cost model's predictions (kdacp/job_plan.hpp)
 // for a hypothetical cluster and stream as a table with auto's choices on
 // stdout, and optionally a gnuplot chart of time against P per protocol.
-// Part of kdacp_testing (tables and plots); the CLI parses the flags.
+// Part of kdacp_report (tables and plots); the CLI parses the flags into a
+// PlanFlags and calls run_plan.
 #pragma once
 
 #include <cstddef>
@@ -13,8 +14,9 @@
 
 #include "kdacp/cost_model.hpp"
 #include "kdacp/layout.hpp"
+#include "kdacp/report/packing.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 struct PlanRequest {
   std::size_t ranks = 1024, batch = 1, heads = 32, key_dim = 128, value_dim = 128;
@@ -65,4 +67,36 @@ void print_plan(const PlanRequest& request, const CostParams& params, std::size_
 // exchange_peak_extra_bytes, seconds, speedup_vs_plain}], "pick": U}.
 std::string plan_json(const PlanRequest& request, const CostParams& params, std::size_t budget_bytes);
 
-}  // namespace kdacp::testing
+// `kdacp plan`'s flags as given: quantities as text (parse_seconds,
+// parse_rate, parse_bytes read them, naming the flag), empty or 0 when not
+// given.
+struct PlanFlags {
+  std::size_t ranks = 1024, batch = 1, heads = 32, key_dim = 128, value_dim = 128;
+  std::string alpha, bandwidth, group_alpha, group_bandwidth, calibration, memory_budget, plot;
+  double gflops = 0;
+  // The layout and the cut pattern: without a token count (--tokens,
+  // --seqlens) only the layout's owners are known, and there are no cuts.
+  LayoutFlags layout;
+  Packing packing;
+  std::size_t tokens = 0;  // 0: none given
+  std::uint64_t seed = 0;
+  // Ulysses × state CP (--tokens-per-rank asks for it).
+  std::size_t tokens_per_rank = 0, activation_bytes = 2, node_size = 8;
+  bool json = false;
+  // Which of the flags that need another were given.
+  bool tokens_given = false, tokens_per_rank_given = false, activation_bytes_given = false, node_size_given = false;
+};
+
+// The most tokens `kdacp plan` takes (a hypothetical stream, never allocated).
+inline constexpr std::size_t kPlanMaxTokens = std::size_t{1} << 40;
+
+// The request and cost parameters the flags describe, checked once: throws
+// InvalidArgument naming the flags that do not fit together (--docs or
+// --split without --tokens, --node-size without --tokens-per-rank, ...).
+PlanRequest plan_request(const PlanFlags& flags);
+CostParams plan_params(const PlanFlags& flags);
+
+// `kdacp plan`: print_plan of the flags' request, parameters and budget.
+void run_plan(const PlanFlags& flags);
+
+}  // namespace kdacp::report

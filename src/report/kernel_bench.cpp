@@ -1,4 +1,4 @@
-#include "kdacp/testing/kernel_bench.hpp"
+#include "kdacp/report/kernel_bench.hpp"
 
 #include <algorithm>
 #include <map>
@@ -8,7 +8,7 @@
 #include "kdacp/calibrate.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 namespace {
 
@@ -118,4 +118,4 @@ std::vector<KernelRecord> bench_kernels(const KernelBenchConfig& cfg, const Kern
   return records;
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

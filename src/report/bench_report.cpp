@@ -1,4 +1,4 @@
-#include "kdacp/testing/bench_report.hpp"
+#include "kdacp/report/bench_report.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -11,10 +11,10 @@
 #include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/plot.hpp"
-#include "kdacp/testing/table.hpp"
+#include "kdacp/report/plot.hpp"
+#include "kdacp/report/table.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 namespace {
 
 using nlohmann::json;
@@ -360,4 +360,4 @@ void run_layer_bench(const LayerBenchConfig& cfg, const std::string& max_memory,
                             job::kLayerFloat32Tolerance, fmt::join(failures, "; ")));
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,14 +1,19 @@
-// The packed stream of `kdacp run` and `kdacp plan`: sequences of given
-// lengths (--seqlens L1,L2,...) or a random packing of N documents (--docs
-// N) in one row. The errors name those flags, as the commands take them.
-// Part of kdacp_testing (a --docs packing is drawn by random_cu_seqlens).
+// The stream of `kdacp run`, `kdacp kda` and `kdacp plan` as their flags
+// describe it: sequences of given lengths (--seqlens L1,L2,...) or a random
+// packing of N documents (--docs N) in one row, and where the tokens live
+// (--layout, --split). The errors name those flags, as the commands take
+// them. Part of kdacp_report (a --docs packing is drawn by
+// random_cu_seqlens).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
-namespace kdacp::testing {
+#include "kdacp/layout.hpp"
+
+namespace kdacp::report {
 
 struct Packing {
   std::vector<std::size_t> seqlens;  // packed sequence lengths (sum T)
@@ -35,4 +40,21 @@ std::size_t packed_sequences(const Packing& packing, std::size_t batch, std::siz
 std::vector<std::int64_t> packed_cu_seqlens(const Packing& packing, std::size_t batch, std::size_t tokens,
                                             std::uint64_t seed);
 
-}  // namespace kdacp::testing
+struct LayoutFlags {
+  std::string layout = "contiguous";  // or "zigzag"
+  std::vector<std::size_t> split;     // per-rank token counts (contiguous)
+};
+
+// Throws InvalidArgument for --split with --layout zigzag.
+void check_layout_flags(const LayoutFlags& flags);
+
+// The layout of `tokens` tokens on `ranks` ranks (job::make_layout); what
+// Layout rejects (a split that is not P entries, has a zero or does not sum
+// to T; zigzag with T < 2P; P > T) throws InvalidArgument naming the flag.
+Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
+
+// The flags as the commands print them: "contiguous", "contiguous 3,5,4" or
+// "zigzag".
+std::string layout_name(const LayoutFlags& flags);
+
+}  // namespace kdacp::report

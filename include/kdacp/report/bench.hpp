@@ -1,6 +1,6 @@
 // Measurement helpers behind `kdacp bench` and `kdacp run`: what the hardware
 // can do and how much work the layer is, so that timings can be printed as
-// ratios of it in the same run. Part of kdacp_testing; the exchange never
+// ratios of it in the same run. Part of kdacp_report; the exchange never
 // uses them.
 #pragma once
 

@@ -1,4 +1,4 @@
-#include "kdacp/testing/protocol_bench.hpp"
+#include "kdacp/report/protocol_bench.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -17,7 +17,7 @@
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 namespace {
 
 // pipelined_p2p's column segments in this bench (at most V/16).
@@ -274,4 +274,4 @@ std::vector<ProtocolRecord> bench_protocols(const ProtocolBenchConfig& cfg, cons
   return records;
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

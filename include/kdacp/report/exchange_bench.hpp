@@ -1,7 +1,7 @@
 // `kdacp bench exchange`: one protocol configuration timed on the ranks of
 // any backend (in-process threads, MPI processes, or simulated ranks of the
 // SMPI build, docs/scale.md) beside the cost model's prediction for the same
-// configuration. Part of kdacp_testing.
+// configuration. Part of kdacp_report.
 #pragma once
 
 #include <cstddef>
@@ -13,9 +13,9 @@
 #include "kdacp/comm.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/exchange.hpp"
-#include "kdacp/testing/protocol_bench.hpp"
+#include "kdacp/report/protocol_bench.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 struct ExchangeBenchConfig {
   std::string method = "auto";
@@ -68,4 +68,4 @@ ExchangeBenchResult bench_exchange(const std::shared_ptr<Communicator>& world, c
 std::string to_json(const ExchangeBenchResult& result);
 void print_exchange_bench(const ExchangeBenchResult& result);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,7 +1,7 @@
 // `kdacp bench kernels`: GFLOP/s of the fused fold (kdacp::scan, the loop
 // behind merge) over chains of affine steps, beside the measured FP32 FMA
 // peak, the scalar kernel and an optional baseline (an OpenBLAS loop),
-// all measured in the same run. Part of kdacp_testing.
+// all measured in the same run. Part of kdacp_report.
 #pragma once
 
 #include <cstddef>
@@ -11,10 +11,10 @@
 
 #include "kdacp/kernels.hpp"
 #include "kdacp/tensor.hpp"
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 #include "kdacp/thread_pool.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 // One configuration's inputs: `distinct` stacked slots of S [distinct,slabs,K,V]
 // and M [distinct,slabs,K,K] (contractions with O(1) offsets, so no denormal
@@ -44,7 +44,7 @@ using FoldBaseline = std::function<void(const FoldChain& d, std::size_t chain, D
 // per slab and step, memcpy S into C and C = op(M)·X + C with cblas_sgemm
 // (beta = 1), ping-ponging C as the next X; parallel over slabs with the
 // given pool, OpenBLAS itself set single-threaded by this call. Empty when
-// kdacp_testing was built without OpenBLAS.
+// kdacp_report was built without OpenBLAS.
 FoldBaseline openblas_baseline();
 
 struct KernelBenchConfig {
@@ -76,4 +76,4 @@ struct KernelBenchHooks {
 // Every dims × chains × threads × directions configuration, in that nesting.
 std::vector<KernelRecord> bench_kernels(const KernelBenchConfig& cfg, const KernelBenchHooks& hooks);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

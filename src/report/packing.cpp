@@ -1,11 +1,13 @@
-#include "kdacp/testing/packing.hpp"
+#include "kdacp/report/packing.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kdacp/error.hpp"
+#include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 namespace {
 
@@ -51,4 +53,28 @@ std::vector<std::int64_t> packed_cu_seqlens(const Packing& packing, std::size_t 
   return cu;
 }
 
-}  // namespace kdacp::testing
+void check_layout_flags(const LayoutFlags& flags) {
+  if (flags.layout == "zigzag" && !flags.split.empty())
+    throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");
+}
+
+Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
+  check_layout_flags(flags);
+  const bool zigzag = flags.layout == "zigzag";
+  try {
+    return job::make_layout(zigzag, flags.split, tokens, ranks);
+  } catch (const InvalidArgument& e) {
+    if (zigzag) throw InvalidArgument(fmt::format("--layout zigzag on P = {} ranks: {}", ranks, e.what()));
+    if (!flags.split.empty())
+      throw InvalidArgument(fmt::format("--split {} on P = {} ranks, T = {}: {}", fmt::join(flags.split, ","), ranks,
+                                        tokens, e.what()));
+    throw InvalidArgument(fmt::format("P = {} ranks for T = {} tokens: {}", ranks, tokens, e.what()));
+  }
+}
+
+std::string layout_name(const LayoutFlags& flags) {
+  if (flags.layout == "zigzag" || flags.split.empty()) return flags.layout;
+  return fmt::format("contiguous {}", fmt::join(flags.split, ","));
+}
+
+}  // namespace kdacp::report

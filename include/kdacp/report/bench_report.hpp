@@ -2,7 +2,7 @@
 // protocol_bench.hpp, layer_bench.hpp) as one flat JSON record per measured
 // configuration (the --json output is their array), the human tables drawn
 // from the same records, and the gnuplot chart. nlohmann_json is part of
-// this header's interface (a build-tree dependency of kdacp_testing).
+// this header's interface (a build-tree dependency of kdacp_report).
 #pragma once
 
 #include <string>
@@ -10,11 +10,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kdacp/testing/kernel_bench.hpp"
-#include "kdacp/testing/layer_bench.hpp"
-#include "kdacp/testing/protocol_bench.hpp"
+#include "kdacp/report/kernel_bench.hpp"
+#include "kdacp/report/layer_bench.hpp"
+#include "kdacp/report/protocol_bench.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 // The smoke-test sweeps of `kdacp bench ... --quick`: every code path,
 // seconds instead of minutes.
@@ -61,4 +61,4 @@ void run_protocol_bench(const ProtocolBenchConfig& cfg, const BenchOutput& outpu
 // Error naming the rows whose errors are NaN or above their tolerance.
 void run_layer_bench(const LayerBenchConfig& cfg, const std::string& max_memory, const BenchOutput& output);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

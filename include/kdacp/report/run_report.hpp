@@ -13,7 +13,7 @@
 #include "kdacp/comm.hpp"
 #include "kdacp/job.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 // `kdacp run`'s job, deterministic in seed: kda::synthetic_layer(shape,
 // seed), the default scale, d_o from seed + 1 and, with cu_seqlens (B = 1;
@@ -52,4 +52,4 @@ void run_layer_comparison(const std::shared_ptr<Communicator>& world, const job:
                           const job::LayerRunOptions& base, const std::string& layout, bool json,
                           std::size_t peak_threads, const job::Progress& progress);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,4 +1,4 @@
-#include "kdacp/testing/exchange_check.hpp"
+#include "kdacp/report/exchange_check.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -20,11 +20,11 @@
 #include "kdacp/finite.hpp"
 #include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
+#include "kdacp/report/table.hpp"
 #include "kdacp/testing/synthetic.hpp"
-#include "kdacp/testing/table.hpp"
 #include "kdacp/thread_pool.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 namespace {
 
@@ -474,4 +474,51 @@ void print_exchange_check(const ExchangeCheckResult& run, const std::string& met
   }
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report
+
+namespace kdacp::report {
+
+namespace {
+
+// Errors of every rank against the FP64 chain, the table or JSON, and the
+// verdict: an exact protocol that differs from p2p fails the command.
+void report_check(const ExchangeCheckFlags& cfg, const ExchangeCheckResult& run) {
+  const auto out = cfg.out.empty() ? nullptr : stage_runs_npy(cfg.out, run.shape, run.runs);
+  if (cfg.json) std::printf("%s\n", to_json(run).c_str());
+  else print_exchange_check(run, describe_method(std::string(run.protocol->name), run.prediction, cfg.exchange));
+  if (!std::isfinite(run.max_abs_error) || !std::isfinite(run.max_rel_error))
+    throw Error(fmt::format("results are not finite (max abs error {:g})", run.max_abs_error));
+  if (run.protocol->exact() && !run.equal_to_p2p) throw Error("results differ from the p2p chain");
+  if (out) out->commit();
+}
+
+}  // namespace
+
+void run_exchange_check(ExchangeCheckFlags cfg, const ProcessLauncher* launcher) {
+  // Bad --memory-budget / --calibration fail here, before any rank starts.
+  const SummaryShape shape{cfg.batch, cfg.heads, cfg.key_dim, cfg.value_dim};
+  ExchangeCheck check{cfg.exchange.protocol, cfg.exchange.group_size, exchange_options(cfg.exchange, shape),
+                      cfg.kernel, cfg.threads, 1, cfg.repeat, cfg.max_memory};
+  SummarySource source({cfg.summaries, shape, cfg.seed, cfg.given_batch, cfg.given_heads, cfg.given_k, cfg.given_v,
+                        cfg.max_memory});
+  const bool in_process = resolve_backend(cfg.backend, launcher) == "inprocess";
+  if (!cfg.summaries.empty() && in_process) {
+    const bool given_ranks = cfg.backend.ranks_given;
+    const std::size_t p = source.read_ahead(given_ranks ? std::nullopt : std::optional(kRanksRange));
+    if (!given_ranks) cfg.backend.ranks = p;
+  }
+  check.ranks_here = ranks_per_process(cfg.backend, launcher);
+  check_threads(check.ranks_here, cfg.threads);
+  // In-process the whole world is this process: admit it before its P
+  // threads start (thousands of them take seconds under a sanitizer).
+  if (in_process && source.shape()) admit_exchange_check(check, *source.shape(), cfg.backend.ranks);
+  launch(
+      cfg.backend,
+      [&](const std::shared_ptr<Communicator>& world) {
+        const auto make = [&] { return source(world->size()); };
+        if (const auto result = check_exchange(world, check, make, source.shape())) report_check(cfg, *result);
+      },
+      launcher);
+}
+
+}  // namespace kdacp::report

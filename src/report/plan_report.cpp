@@ -1,4 +1,4 @@
-#include "kdacp/testing/plan_report.hpp"
+#include "kdacp/report/plan_report.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,13 +10,14 @@
 #include <nlohmann/json.hpp>
 
 #include "kdacp/admission.hpp"
+#include "kdacp/error.hpp"
 #include "kdacp/job_plan.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/plot.hpp"
-#include "kdacp/testing/table.hpp"
+#include "kdacp/report/plot.hpp"
+#include "kdacp/report/table.hpp"
 #include "kdacp/units.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 namespace {
 
@@ -223,4 +224,66 @@ std::string plan_json(const PlanRequest& request, const CostParams& params, std:
   return out.dump(2);
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report
+
+namespace kdacp::report {
+
+PlanRequest plan_request(const PlanFlags& c) {
+  check_layout_flags(c.layout);
+  if (!c.tokens_per_rank_given) {
+    if (c.activation_bytes_given)
+      throw InvalidArgument("--activation-bytes needs --tokens-per-rank N, the activations it prices");
+    if (c.node_size_given) throw InvalidArgument("--node-size needs --tokens-per-rank N, the all-to-alls it prices");
+  } else {
+    if (!c.layout.split.empty())
+      throw InvalidArgument("--split describes P ranks, expected no --split with --tokens-per-rank (Ulysses' state "
+                            "exchange runs over P/U ranks)");
+    if (c.tokens_given && (c.tokens % c.ranks != 0 || c.tokens / c.ranks != c.tokens_per_rank))
+      // Both at most 2^40 and P at most 2^20: the product fits.
+      throw InvalidArgument(fmt::format("--tokens-per-rank {} with --tokens {} on P = {} ranks, expected --tokens {} "
+                                        "(or no --tokens)",
+                                        c.tokens_per_rank, c.tokens, c.ranks, c.tokens_per_rank * c.ranks));
+  }
+  PlanRequest r{c.ranks, c.batch, c.heads, c.key_dim, c.value_dim, c.layout.layout == "zigzag", 0, {}, {}};
+  r.tokens = packed_tokens(c.packing, c.tokens, c.tokens_given, kPlanMaxTokens);
+  if (r.tokens == 0) {
+    if (c.packing.docs > 0)
+      throw InvalidArgument(
+          fmt::format("--docs {} needs --tokens T, the stream the documents are packed into", c.packing.docs));
+    if (!c.layout.split.empty()) throw InvalidArgument("--split needs --tokens T (or --seqlens), the tokens it splits");
+  }
+  if (r.tokens > 0) r.cu_seqlens = packed_cu_seqlens(c.packing, c.batch, r.tokens, c.seed);
+  r.layout_at = [layout = c.layout, tokens = r.tokens](std::size_t p) { return layout_of(layout, tokens, p); };
+  if (c.tokens_per_rank_given) {
+    UlyssesOptions u;
+    u.tokens_per_rank = c.tokens_per_rank;
+    u.activation_bytes = c.activation_bytes;
+    u.node_size = c.node_size;
+    r.ulysses = u;
+  }
+  return r;
+}
+
+CostParams plan_params(const PlanFlags& c) {
+  CostParams p = c.calibration.empty() ? CostParams{} : load_cost_params(c.calibration);
+  if (!c.alpha.empty()) p.alpha_s = parse_seconds(c.alpha, "--alpha");
+  if (!c.bandwidth.empty()) p.beta_s_per_byte = 1 / parse_rate(c.bandwidth, "--bandwidth");
+  if (!c.group_alpha.empty()) p.group_alpha_s = parse_seconds(c.group_alpha, "--group-alpha");
+  if (!c.group_bandwidth.empty()) p.group_beta_s_per_byte = 1 / parse_rate(c.group_bandwidth, "--group-bandwidth");
+  if (c.gflops > 0) p.gflops = c.gflops;
+  if (!c.alpha.empty() || !c.bandwidth.empty() || c.gflops > 0) p.source = "command line";
+  return p;
+}
+
+void run_plan(const PlanFlags& flags) {
+  const CostParams params = plan_params(flags);
+  PlanRequest request = plan_request(flags);
+  const std::size_t budget = flags.memory_budget.empty() ? 0 : parse_bytes(flags.memory_budget, "--memory-budget");
+  // Nodes the cost parameters name (node_ranks) are the all-to-alls' islands
+  // unless --node-size says otherwise (then predict_ulysses refuses the mismatch).
+  if (request.ulysses && !flags.node_size_given && params.node_ranks > 0)
+    request.ulysses->node_size = params.node_ranks;
+  print_plan(request, params, budget, flags.plot, flags.json);
+}
+
+}  // namespace kdacp::report

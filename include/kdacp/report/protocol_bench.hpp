@@ -1,6 +1,6 @@
 // `kdacp bench protocols`: forward and backward time of every exact protocol
 // on in-process ranks beside its floor, and its peak extra memory beside the
-// theoretical one. Part of kdacp_testing.
+// theoretical one. Part of kdacp_report.
 //
 // Floor. Each protocol's registry row states its critical path as counts
 // (protocol.hpp CostTerms: fold steps, bytes, messages). The floor prices them
@@ -40,7 +40,7 @@
 #include "kdacp/kernels.hpp"
 #include "kdacp/summary.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 struct ProtocolBenchConfig {
   std::vector<std::size_t> ranks;  // in-process P values
@@ -134,4 +134,4 @@ RankTimes time_rank(const std::shared_ptr<Communicator>& comm, const ProtocolCon
 // every rank gets the result.
 ProtocolTiming slowest_rank(Communicator& comm, const RankTimes& mine);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,4 +1,4 @@
-#include "kdacp/testing/model_validation.hpp"
+#include "kdacp/report/model_validation.hpp"
 
 #include <cstdio>
 #include <filesystem>
@@ -9,9 +9,9 @@
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
-#include "kdacp/testing/table.hpp"
+#include "kdacp/report/table.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 std::vector<ModelRow> validate_synthetic(const std::shared_ptr<Communicator>& comm, const CostParams& params,
                                          const SummaryShape& shape, const ValidationOptions& options) {
@@ -140,4 +140,4 @@ void run_calibration(const CalibrateRequest& request, const ProcessLauncher* lau
   if (saved) saved->commit();
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

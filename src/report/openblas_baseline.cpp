@@ -1,14 +1,14 @@
 // The OpenBLAS loop `kdacp bench kernels` times beside the fused fold. Only
-// kdacp_testing links OpenBLAS; the core library never depends on BLAS.
+// kdacp_report links OpenBLAS; the core library never depends on BLAS.
 #include <cstring>
 
-#include "kdacp/testing/kernel_bench.hpp"
+#include "kdacp/report/kernel_bench.hpp"
 
 #ifdef KDACP_HAVE_OPENBLAS
 #include <cblas.h>
 #endif
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 #ifdef KDACP_HAVE_OPENBLAS
 namespace {
@@ -46,4 +46,4 @@ FoldBaseline openblas_baseline() {
 FoldBaseline openblas_baseline() { return {}; }
 #endif
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

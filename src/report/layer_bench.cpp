@@ -1,4 +1,4 @@
-#include "kdacp/testing/layer_bench.hpp"
+#include "kdacp/report/layer_bench.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,11 +10,11 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
-#include "kdacp/testing/packing.hpp"
+#include "kdacp/report/packing.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 using job::LayerJob;
 using job::LayerOutputs;
@@ -240,4 +240,4 @@ double layer_bench_bytes(const LayerBenchConfig& c) {
   return job + kept + run + cache;
 }
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,6 +1,6 @@
 // The cost model's validation (kdacp/calibrate.hpp) on synthetic summaries,
 // as `kdacp calibrate --validate` runs it: on a given world, or in-process at
-// several P, each in a world of its own. Part of kdacp_testing.
+// several P, each in a world of its own. Part of kdacp_report.
 #pragma once
 
 #include <cstddef>
@@ -14,7 +14,7 @@
 #include "kdacp/launch.hpp"
 #include "kdacp/summary.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 // One validated configuration and the parameters that predicted it.
 struct ModelRow {
@@ -78,4 +78,4 @@ struct CalibrateRequest {
 // their share of the work.
 void run_calibration(const CalibrateRequest& request, const ProcessLauncher* launcher);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

@@ -1,4 +1,4 @@
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 
 namespace kdacp::kda {
 

@@ -1,7 +1,7 @@
 // Checking a state exchange on a live world (`kdacp exchange`): every rank's
 // summaries from one process, timed calls on every rank, the bitwise
 // comparison with the p2p chain and the errors against the FP64 chain, all
-// collected on rank 0. Part of kdacp_testing. Calls that take a
+// collected on rank 0. Part of kdacp_report. Calls that take a
 // communicator are collective.
 #pragma once
 
@@ -16,15 +16,17 @@
 #include "kdacp/comm.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/kernels.hpp"
+#include "kdacp/launch.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
+#include "kdacp/report/exchange_flags.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/testing/reference.hpp"
 #include "kdacp/units.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 // Every rank's summaries, dense: S and G [B,H,K,V], M [B,H,K,K] per rank.
 struct WorldSummaries {
@@ -227,4 +229,27 @@ std::optional<ExchangeCheckResult> check_exchange(const std::shared_ptr<Communic
                                                   const std::function<WorldSummaries()>& make,
                                                   const std::optional<SummaryShape>& shape);
 
-}  // namespace kdacp::testing
+// `kdacp exchange`'s flags as given.
+struct ExchangeCheckFlags {
+  LaunchOptions backend;
+  ExchangeFlags exchange;
+  std::size_t batch = 1, heads = 4, key_dim = 128, value_dim = 128;
+  std::uint64_t seed = 0;
+  std::size_t repeat = 5;
+  std::size_t threads = 0;
+  KernelKind kernel = KernelKind::best;
+  bool json = false;
+  std::string summaries, out, max_memory;  // empty: synthetic summaries, no files written, the machine's memory
+  // Flags given explicitly; they must agree with --summaries files.
+  bool given_batch = false, given_heads = false, given_k = false, given_v = false;
+};
+
+// `kdacp exchange` on the ranks of `flags.backend` (launch with `launcher`):
+// in-process, --summaries is read before the ranks start, so that without
+// --ranks the world takes the files' P; check_exchange, then rank 0 prints
+// (to_json or print_exchange_check) and writes --out. Throws Error when a
+// result is not finite or an exact protocol differs from the p2p chain
+// (then nothing is written).
+void run_exchange_check(ExchangeCheckFlags flags, const ProcessLauncher* launcher);
+
+}  // namespace kdacp::report

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 class Table {
  public:
@@ -20,4 +20,4 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report

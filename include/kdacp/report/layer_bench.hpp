@@ -16,9 +16,9 @@
 #include "kdacp/exchange.hpp"
 #include "kdacp/job.hpp"
 #include "kdacp/kda.hpp"
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 
-namespace kdacp::testing {
+namespace kdacp::report {
 
 struct LayerBenchConfig {
   kda::Shape shape{1, 8192, 4, 4, 128, 128};
@@ -58,7 +58,7 @@ struct LayerBenchConfig {
   std::size_t ulysses = 1;
   // Pack the T tokens into this many documents (0: none, each row one
   // sequence): B = 1 and cu_seqlens of a random packing seeded by `seed`,
-  // the one `kdacp run --docs` draws (testing::packed_cu_seqlens).
+  // the one `kdacp run --docs` draws (report::packed_cu_seqlens).
   std::size_t docs = 0;
 };
 
@@ -125,4 +125,4 @@ std::vector<std::string> layer_bench_failures(const LayerBenchResult& result);
 // and a context-parallel run (layer_run_bytes with the exchange's rank bytes).
 double layer_bench_bytes(const LayerBenchConfig& config);
 
-}  // namespace kdacp::testing
+}  // namespace kdacp::report
