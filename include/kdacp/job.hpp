@@ -111,7 +111,7 @@ template <class T>
 LayerOutputs<T> allocate_outputs(const LayerJob<T>& job);
 
 // One device: the whole stream on this process with `threads` threads
-// (kda::forward_sequences / backward_sequences) with job.algorithm.
+// (make_layer with no world: the one-process strategy of layer_config(job, {})).
 template <class T>
 LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads);
 
@@ -138,6 +138,12 @@ struct LayerRunOptions {
   // its input files or its seed.
   Fingerprint agree;
 };
+
+// The layer's config (kdacp/layer.hpp) of `job` run with `options`: the
+// one every strategy is built from (make_layer), and the one the admission
+// and compare_protocols read the layout of (make_layer_layout).
+template <class T>
+LayerConfig layer_config(const LayerJob<T>& job, const LayerRunOptions& options);
 
 // Collective over `world` (P = world->size(), its ranks in order the CP
 // ranks): every rank builds the layer for options.layout with

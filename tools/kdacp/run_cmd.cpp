@@ -98,16 +98,20 @@ void run(RunConfig& cfg) {
     const job::Progress progress("kdacp run");
     job::LayerRunOptions base;
     base.threads_per_rank = per_rank;
-    base.layout = layout_of(cfg.layout, shape.tokens, world->size());
+    // The layout as the flags say it (each rank builds and agrees on it by
+    // --layout and --split), checked here in the flags' terms first.
+    const kda::Layout layout = layout_of(cfg.layout, shape.tokens, world->size());
+    base.layout_kind = parse_layout_kind(cfg.layout.layout, "--layout");
+    base.split = cfg.layout.split;
     // Under a launcher each process generates the whole job from its seed:
     // every layer built compares it (with the shape, packing and layout the
     // layer compares itself) before its first message.
     base.agree.add_int("--seed", static_cast<long long>(cfg.seed));
     if (!in_process) {
-      admit(*base.layout, true);
+      admit(layout, true);
       generate();
     }
-    base.ulysses = resolve_ulysses_flag(cfg.ulysses, "auto", shape, *base.layout, job.sequences(), {}, 4);
+    base.ulysses = resolve_ulysses_flag(cfg.ulysses, "auto", shape, layout, job.sequences(), {}, 4);
     report::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
   });
 }
