@@ -522,5 +522,39 @@ TEST(ConvCp, HaloOfShortPartsComesFromSeveralRanks) {
   EXPECT_EQ(into_last, 2u);
 }
 
+// Ranks that call with different arguments are each told which before any
+// halo moves: a width, or a final state (its gradient) on one rank only.
+TEST(ConvCp, RanksThatDisagreeAreNamedOnEveryRank) {
+  const Layout l = Layout::contiguous(8, 2);
+  constexpr std::size_t d = 2;
+  // `call(comm, width, final_state, dht)`'s error on each rank.
+  auto messages = [&](auto&& width, auto&& final_state, auto&& final_grad) {
+    std::vector<std::string> out(2);
+    run_in_process(2, [&](const std::shared_ptr<Communicator>& comm) {
+      const std::size_t r = comm->rank(), w = width(r);
+      std::vector<double> x(4 * d, 1.0), wt(d * w, 0.5), y(4 * d), ht(d * w), dht(d * w, 1.0), dx(4 * d),
+          dw(d * w);
+      try {
+        CausalConv c(comm, l, Sequences(1, 8), d, w);
+        const conv::Tensors<double> in{x.data(), wt.data(), nullptr, nullptr, conv::Activation::none};
+        const conv::Saved<double> saved = c.forward<double>(in, y.data(), final_state(r) ? ht.data() : nullptr);
+        c.backward<double>(in, saved, x.data(), final_grad(r) ? dht.data() : nullptr,
+                           {dx.data(), dw.data(), nullptr, nullptr});
+      } catch (const InvalidArgument& e) {
+        out[r] = e.what();
+      }
+    });
+    return out;
+  };
+  auto four = [](std::size_t) { return std::size_t{4}; };
+  auto none = [](std::size_t) { return false; };
+  for (const std::string& m : messages([](std::size_t r) { return std::size_t{r == 1 ? 3u : 4u}; }, none, none))
+    EXPECT_NE(m.find("W (weight's kernel width): rank 0 has 4, rank 1 has 3"), std::string::npos) << m;
+  for (const std::string& m : messages(four, [](std::size_t r) { return r == 1; }, none))
+    EXPECT_NE(m.find("output_final_state: rank 0 has no, rank 1 has yes"), std::string::npos) << m;
+  for (const std::string& m : messages(four, none, [](std::size_t r) { return r == 0; }))
+    EXPECT_NE(m.find("final_state's gradient given: rank 0 has yes, rank 1 has no"), std::string::npos) << m;
+}
+
 }  // namespace
 }  // namespace kdacp

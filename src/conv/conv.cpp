@@ -27,6 +27,7 @@
 
 #include <fmt/format.h>
 
+#include "conv/call.hpp"
 #include "kdacp/comm.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
@@ -64,15 +65,6 @@ std::span<std::byte> bytes(std::vector<T>& v) {
 }
 
 }  // namespace
-
-Activation parse_activation(std::string_view name) {
-  if (name.empty() || name == "none") return Activation::none;
-  if (name == "silu" || name == "swish") return Activation::silu;
-  throw InvalidArgument(fmt::format(
-      "causal_conv1d: activation '{}', expected none, 'silu' or 'swish'", name));
-}
-
-std::string_view activation_name(Activation a) { return a == Activation::silu ? "silu" : "none"; }
 
 struct LocalPart {
   std::size_t index = 0;  // global part (chain position)
@@ -153,6 +145,15 @@ struct CausalConv::Impl {
   }
 
   std::size_t hist_rows() const { return width - 1; }
+  // Under CP: every rank's call agrees before its first message.
+  template <class T>
+  void agree(const Tensors<T>& in, bool final_state, const char* what) const {
+    if (!comm || ranks == 1) return;
+    agree_conv_call(*comm, {batch, seqs.tokens(), dim, width, seqs.boundaries(), parts,
+                            std::is_same_v<T, double> ? "float64" : "float32",
+                            in.activation == Activation::silu ? "silu" : "none", in.bias != nullptr,
+                            in.initial_state != nullptr, final_state}, what);
+  }
   std::size_t owner(std::size_t part) const { return parts[part].rank; }
   // Sequence (row of the states) of piece `pc` of row b.
   std::size_t seq_index(std::optional<std::size_t> s, std::size_t b) const {
@@ -341,6 +342,7 @@ Saved<T> CausalConv::forward(const Tensors<T>& in, std::type_identity_t<T>* y,
   const std::size_t h = m.hist_rows(), d = m.dim, w = m.width, B = m.batch;
   const std::size_t N = m.seqs.count();
   Saved<T> saved;
+  m.agree(in, final_state != nullptr, "causal_conv1d forward");
   saved.history.assign(m.local.size() * B * h * d, T(0));
   m.fill_initial(in.initial_state, saved.history);
   m.exchange_x(in.x, saved.history);
@@ -423,6 +425,7 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
     throw InvalidArgument(fmt::format(
         "causal_conv1d backward: saved history of {} elements, expected {} (another forward's?)",
         saved.history.size(), m.local.size() * B * h * d));
+  m.agree(in, d_final_state != nullptr, "causal_conv1d backward");
 
   // The final state's gradient, summed over the ranks.
   std::vector<double> dht;

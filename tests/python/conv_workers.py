@@ -113,6 +113,27 @@ def conv_worker(rank, world, init_file):
         assert "conv1d_kernel_size=4" in str(e), e
     else:
         raise AssertionError("a width other than the context's passed")
+    # Ranks that call with different arguments are each told which, before
+    # any halo moves (a message of another size would abort its receiver, a
+    # final state gathered by some ranks only would time the others out).
+    layout = _kdacp.Layout.contiguous(t, world)
+    ctx = context(group, layout, "contiguous", None, None, world)
+    tl = layout.local_tokens(rank)
+    other = rank == 1
+
+    def expect(needle, d=2, w=4, dtype=torch.float32, want_ht=False):
+        try:
+            kt.causal_conv1d(torch.ones(1, tl, d, dtype=dtype), torch.ones(d, w, dtype=dtype),
+                             output_final_state=want_ht, cp_context=ctx)
+        except ValueError as e:
+            assert "the ranks disagree" in str(e) and needle in str(e), (needle, e)
+        else:
+            raise AssertionError(f"ranks disagreeing on {needle} passed")
+
+    expect("W (weight's kernel width): ", w=3 if other else 4)
+    expect("D (x's channels): ", d=3 if other else 2)
+    expect("dtype: ", dtype=torch.float64 if other else torch.float32)
+    expect("output_final_state: ", want_ht=other)
     dist.barrier()
     _agreement._BACKENDS.clear()
     dist.destroy_process_group()
