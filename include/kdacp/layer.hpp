@@ -58,6 +58,7 @@ struct LayerNames {
   std::string ulysses = "ulysses";
   std::string algorithm = "algorithm";
   std::string deterministic = "deterministic";
+  std::string keep_forward = "keep_forward";
   std::string dtype = "dtype";
   std::string storage = "storage dtypes q,k,v,g,beta";
   std::string timeout = "timeout";
@@ -113,6 +114,11 @@ struct LayerConfig {
   bool deterministic = defaults::kDeterministic;
   bool keep_forward = defaults::kKeepForward;
   bool check_finite = true;
+  // false: forward and backward run this rank's checks but send no
+  // agreement of the call's arguments; the caller has agreed on them
+  // (kdacp.torch's cp_context agrees at its first call and compares later
+  // calls locally). The construction always agrees.
+  bool agree_calls = true;
 
   // The state exchange: registry method (or "auto"), its group size, and
   // its options (segments, memory budget, reassociation, cost parameters;
@@ -180,6 +186,11 @@ std::size_t choose_ulysses(const kda::Shape& s, const Layout& layout, const Exch
 // What forward returns for its backward; opaque.
 struct LayerSaved;
 
+// Lets the forward cache `saved` holds go (after its first backward): the
+// layer's pool hands it to the next forward; a second backward of `saved`
+// recomputes what it held, the same bits.
+void release_forward_cache(LayerSaved& saved);
+
 // Which states a call is given or asked for (per call: the one-process
 // and the CP strategies alike).
 template <class T>
@@ -225,6 +236,9 @@ class Layer {
   virtual const kda::PhaseTimes& backward_times() const = 0;
   // Bytes of the forward caches the layer holds (in use or for reuse).
   virtual std::size_t forward_cache_bytes() const = 0;
+  // Ulysses: how q, k, v, g, beta, then o (forward) or d_o (backward)
+  // travel its all-to-alls (nullopt: as T); empty without Ulysses.
+  virtual std::vector<std::optional<Half>> wire_types() const { return {}; }
 
  protected:
   Layer(LayerConfig config, Layout layout, std::size_t rank);

@@ -21,8 +21,8 @@ _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
                   "A_log given": False, "dt_bias given": False}
 _CONTEXT_FIELDS = ("layout", "world size", "cu_seqlens length", "cu_seqlens", "split",
                    "conv1d_kernel_size") + _OPTION_FIELDS
-_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale", "algorithm", "deterministic",
-                "initial_state given",
+_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale",
+                "algorithm", "deterministic", "keep_forward", "initial_state given",
                 "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                 "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
 
@@ -64,12 +64,13 @@ class CpContext:
     def local_tokens(self):
         return self.layout.local_tokens(self.rank)
 
-    def _call_row(self, shape, dtype, storage, scale, algorithm, deterministic, h0_given, want_ht,
-                  signature):
+    def _call_row(self, shape, dtype, storage, scale, algorithm, deterministic, keep_forward,
+                  h0_given, want_ht, signature):
         b, _, h, hv, kd, vd = shape
         row = {"B": b, "H": h, "HV": hv, "K": kd, "V": vd, "dtype": dtype,
                "storage dtypes q,k,v,g,beta": storage, "scale": scale,
                "algorithm": algorithm, "deterministic": deterministic,
+               "keep_forward": keep_forward,
                "initial_state given": h0_given,
                "output_final_state": want_ht}
         row.update(signature)
@@ -129,7 +130,7 @@ class CpContext:
                                  f"{want}: this rank's part of the cp_context's layout "
                                  f"{self.layout}")
             row = self._call_row(shape, dtype, _storage_dtypes(q, k, v, g, beta), scale,
-                                 algorithm, deterministic, h0 is not None,
+                                 algorithm, deterministic, keep_forward, h0 is not None,
                                  output_final_state, signature)
         except (ValueError, TypeError) as e:
             error = e

@@ -21,7 +21,7 @@ from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, ULYSSES_AUTO, _ch
                            _activation_bytes)
 
 _KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale", "algorithm",
-               "deterministic", "layout",
+               "deterministic", "keep_forward", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
                "cu_seqlens") + _OPTION_FIELDS
 
@@ -146,8 +146,8 @@ class _KdaFunction(torch.autograd.Function):
         dtypes = [_DTYPES[t.dtype] for t in tensors]
         h0_ptr = 0 if h0 is None else h0.data_ptr()
         grads = ctx.layer.backward(
-            ctx.kdacp_saved, inputs, dtypes, ctx.shape, ctx.scale, ctx.cu, h0_ptr, d_o.data_ptr(),
-            _DTYPES[d_o.dtype], dht_ptr, h0 is not None, ctx.algorithm)
+            ctx.kdacp_saved, inputs, dtypes, ctx.shape, ctx.scale, h0_ptr, d_o.data_ptr(),
+            _DTYPES[d_o.dtype], dht_ptr, h0 is not None)
         grads = [_from_numpy(x, None if t is None else t.dtype) for x, t in zip(grads, tensors + (h0,))]
         for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
             _require_finite_result(x, name, "backward")
@@ -351,6 +351,8 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             fp.add("scale", _float_bits(scale), lambda x: repr(_bits_float(x)))
             fp.add("algorithm", _ALGORITHMS.index(algorithm), lambda x: _ALGORITHMS[x])
             fp.add("deterministic", int(deterministic), lambda x: str(bool(x)))
+            # Each keep_forward builds its own C++ layer, collectively.
+            fp.add("keep_forward", int(keep_forward), lambda x: str(bool(x)))
             fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
             fp.add("initial_state given", int(h0 is not None), lambda x: str(bool(x)))
             fp.add("output_final_state", int(output_final_state), lambda x: str(bool(x)))

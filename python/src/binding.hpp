@@ -121,6 +121,7 @@ struct Pool {
 
 void bind_exchange(pybind11::module_& m);
 void bind_kda(pybind11::module_& m);
+void bind_kda_layer(pybind11::module_& m);
 void bind_checks(pybind11::module_& m);
 void bind_conv(pybind11::module_& m);
 

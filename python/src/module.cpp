@@ -258,6 +258,7 @@ PYBIND11_MODULE(_kdacp, m) {
   });
   kdacp::python::bind_exchange(m);
   kdacp::python::bind_kda(m);
+  kdacp::python::bind_kda_layer(m);
   kdacp::python::bind_checks(m);
   kdacp::python::bind_conv(m);
 }

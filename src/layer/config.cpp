@@ -30,6 +30,7 @@ LayerNames LayerNames::cli() {
   n.ulysses = "--ulysses";
   n.algorithm = "--algorithm";
   n.deterministic = "--deterministic";
+  n.keep_forward = "forward kept (no --recompute)";
   n.dtype = "input dtype";
   n.storage = "input dtypes q,k,v,g,beta";
   n.timeout = "--timeout";
@@ -209,6 +210,7 @@ Fingerprint layer_fingerprint(const LayerConfig& c, std::size_t ranks, std::size
   f.add_text(n.storage, storage);
   f.add_text(n.algorithm, kda::algorithm_name(c.algorithm));
   f.add_flag(n.deterministic, c.deterministic);
+  f.add_flag(n.keep_forward, c.keep_forward);
   f.add_text(n.protocol, c.protocol);
   f.add_int(n.group_size, c.group_size);
   f.add_int(n.segments, static_cast<long long>(c.exchange.segments));

@@ -100,7 +100,9 @@ Fingerprint call_fingerprint(const LayerNames& n, const char* call, double scale
 
 // Runs this rank's `checks`, then agrees over `comm` on `fields` (and on
 // every rank's check error): every rank throws, or none.
-void agree_call(Communicator& comm, const Fingerprint& fields, const char* what, const std::function<void()>& checks) {
+void agree_call(Communicator& comm, bool collective, const Fingerprint& fields, const char* what,
+                const std::function<void()>& checks) {
+  if (!collective) return checks();
   std::string local_error;
   try {
     checks();
@@ -129,6 +131,7 @@ class OneProcessLayer final : public Layer<T> {
   void backward(const kda::Inputs<T>& in, const LayerSaved& saved, kda::SequenceStates<const T> h0, const T* d_o,
                 kda::SequenceStates<const T> dht, const kda::Grads<T>& grads, kda::SequenceStates<T> dh0) override {
     check_call<T>(*this, in, h0, this->config_.names.h0.c_str(), dht, this->config_.names.dht.c_str());
+    if (kda::ForwardCache<T>* kept = saved.saved.kept<T>().get()) kept->rewind();  // a second backward reads it again
     kda::backward_sequences(in, this->sequences(), h0, d_o, dht, grads, dh0, exec(), kda::kDefaultCheckpointInterval,
                             saved.saved.kept<T>().get());
   }
@@ -178,7 +181,7 @@ class ParallelLayer final : public Layer<T> {
   std::shared_ptr<LayerSaved> forward(const kda::Inputs<T>& in, kda::SequenceStates<const T> h0, T* o,
                                       kda::SequenceStates<T> ht) override {
     const LayerNames& n = this->config_.names;
-    agree_call(*comm_, call_fingerprint(n, "forward", in.scale, h0.data != nullptr, n.h0, ht.data != nullptr, n.ht),
+    agree_call(*comm_, this->config_.agree_calls, call_fingerprint(n, "forward", in.scale, h0.data != nullptr, n.h0, ht.data != nullptr, n.ht),
                "the KDA layer's forward", [&] {
                  check_call<T>(*this, in, h0, n.h0.c_str(), ht, n.ht.c_str());
                  kda::check::pointer(o, "", "o");
@@ -195,7 +198,7 @@ class ParallelLayer final : public Layer<T> {
   void backward(const kda::Inputs<T>& in, const LayerSaved& saved, kda::SequenceStates<const T> h0, const T* d_o,
                 kda::SequenceStates<const T> dht, const kda::Grads<T>& grads, kda::SequenceStates<T> dh0) override {
     const LayerNames& n = this->config_.names;
-    agree_call(*comm_,
+    agree_call(*comm_, this->config_.agree_calls,
                call_fingerprint(n, "backward", in.scale, dht.data != nullptr, n.dht, dh0.data != nullptr, n.dh0),
                "the KDA layer's backward", [&] {
                  check_call<T>(*this, in, h0, n.h0.c_str(), dht, n.dht.c_str());
@@ -222,6 +225,15 @@ class ParallelLayer final : public Layer<T> {
   std::size_t forward_cache_bytes() const override {
     return ulysses_ ? ulysses_->state_layer().forward_cache_bytes() : plain_->forward_cache_bytes();
   }
+  std::vector<std::optional<Half>> wire_types() const override {
+    std::vector<std::optional<Half>> out;
+    if constexpr (std::is_same_v<T, float>) {
+      if (!ulysses_) return out;
+      for (const auto& w : ulysses_->wire_inputs()) out.push_back(w);
+      out.push_back(ulysses_->wire_out());
+    }
+    return out;
+  }
 
  private:
   std::shared_ptr<Communicator> comm_;
@@ -231,6 +243,13 @@ class ParallelLayer final : public Layer<T> {
 };
 
 }  // namespace
+
+void release_forward_cache(LayerSaved& s) {
+  s.saved.kept<float>().reset();
+  s.saved.kept<double>().reset();
+  if (s.ulysses_f32) s.ulysses_f32->saved.kept<float>().reset();
+  if (s.ulysses_f64) s.ulysses_f64->saved.kept<double>().reset();
+}
 
 template <class T>
 Layer<T>::Layer(LayerConfig config, Layout layout, std::size_t rank)

@@ -150,15 +150,16 @@ def context_worker(rank, world, init_file):
                 assert methods == [want], (cu, protocol, methods)
             for got, ref in zip(outs[-2], outs[-1]):
                 assert torch.equal(got, ref), cu
-        # kda over a group keeps its layer across packings: it weighs the cuts it is told.
+        # kda over a group weighs each call's own cuts (its cu_seqlens), or the
+        # cuts it is told (expected_cuts).
         from kdacp import _layer
-        for cuts, want in ((None, "allgather"), ([True, False, False, False, True, False, False, False],
-                                                 "p2p")):
+        for cu, cuts, want in ((None, None, "allgather"), ([0, t // 2, t], None, "p2p"),
+                               (None, [True, False, False, False, True, False, False, False], "p2p")):
             extra = {} if cuts is None else {"expected_cuts": cuts}
             kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
-                   torch.sigmoid(mine["beta"]), cu_seqlens=[0, t // 2, t], group=dist.group.WORLD,
+                   torch.sigmoid(mine["beta"]), cu_seqlens=cu, group=dist.group.WORLD,
                    layout="zigzag", protocol="auto", timeout=20, threads=1, **extra)
-            assert list(_layer._LAYERS.values())[-1].method == want, (cuts, want)
+            assert list(_layer._LAYERS.values())[-1].method == want, (cu, cuts, want)
         with pytest.raises(ValueError, match="expected_cuts has 3 flags, expected one per part"):
             kt.kda(mine["q"], mine["k"], mine["v"], -torch.sigmoid(mine["g"]),
                    torch.sigmoid(mine["beta"]), group=dist.group.WORLD, layout="zigzag", protocol="auto",

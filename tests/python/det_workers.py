@@ -164,7 +164,10 @@ def det_worker(rank, world, init_file):
             try:
                 fn(mine["q"], mine["k"], mine["v"], g, beta, deterministic=True, **kw)
             except ValueError as e:
-                assert RULE in str(e) and "starts 100 tokens into its sequence" in str(e), e
+                # The layer's config check, in kdacp.torch's names (split).
+                assert ("start 100 tokens into their sequence" in str(e)
+                        and "choose split so that every cut inside a sequence falls on a 64-token "
+                            "boundary of it" in str(e)), e
             else:
                 raise AssertionError(f"{fn.__name__}: a cut 100 tokens into a sequence passed")
         # recurrent has no grid: the same cut runs.

@@ -1,0 +1,345 @@
+// kdacp._kdacp.KdaLayer, the layer behind kdacp.torch.kda and chunk_kda: it
+// turns each call's arguments into a LayerConfig (kdacp/layer.hpp) and runs
+// the layer make_layer builds for it (one process, state CP or Ulysses ×
+// state CP: the binding never chooses). A layer is built once per distinct
+// config and reused; building one is collective on a group (it agrees on
+// the config), so every rank makes the same calls in the same order, which
+// kdacp.torch's agreement of the call's arguments ensures before this runs.
+// The autograd wiring is Python's; this file runs the C++ forward and
+// backward on the tensors' memory with the GIL released.
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "binding.hpp"
+#include "kda/sequences.hpp"
+#include "kdacp/agreement.hpp"
+#include "kdacp/error.hpp"
+#include "kdacp/half.hpp"
+#include "kdacp/kda.hpp"
+#include "kdacp/layer.hpp"
+#include "kdacp/layout.hpp"
+#include "torch_comm.hpp"
+
+namespace py = pybind11;
+
+namespace kdacp::python {
+namespace {
+
+kda::Shape to_shape(const std::vector<std::size_t>& s) {
+  if (s.size() != 6) throw InvalidArgument("kda shape needs 6 entries (B, T, H, HV, K, V)");
+  return kda::Shape{s[0], s[1], s[2], s[3], s[4], s[5]};
+}
+
+template <class T>
+const T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<const T*>(p);
+}
+
+template <class T>
+T* mut(py::array& a) {
+  return static_cast<T*>(a.mutable_data());
+}
+
+// What forward keeps for backward: the layer that ran it (the backward runs
+// on the same one) and its saved state. The first backward lets the forward
+// cache go (release_forward_cache): the layer's pool hands it to the next
+// forward while autograd still holds this box (the previous step's graph
+// lives until its output is dropped), so a training loop reuses one cache.
+struct SavedBox {
+  std::shared_ptr<void> layer;  // Layer<float> or Layer<double>
+  std::shared_ptr<LayerSaved> saved;
+};
+
+// q, k, v, g, beta as T (16-bit ones widened on first use, without the GIL).
+template <class T>
+struct Tensors {
+  Tensors(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes, const kda::Shape& s)
+      : q(at(p, 0), dtype(dtypes, 0), s.qk_elems(), "q"),
+        k(at(p, 1), dtype(dtypes, 1), s.qk_elems(), "k"),
+        v(at(p, 2), dtype(dtypes, 2), s.v_elems(), "v"),
+        g(at(p, 3), dtype(dtypes, 3), s.g_elems(), "g"),
+        beta(at(p, 4), dtype(dtypes, 4), s.beta_elems(), "beta") {}
+  kda::Inputs<T> get(const kda::Shape& s, double scale) {
+    return kda::Inputs<T>{q.get(), k.get(), v.get(), g.get(), beta.get(), s, static_cast<T>(scale)};
+  }
+  static std::uintptr_t at(const std::vector<std::uintptr_t>& p, std::size_t i) {
+    if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
+    return p[i];
+  }
+  static const std::string& dtype(const std::vector<std::string>& d, std::size_t i) {
+    if (d.size() != 5) throw InvalidArgument("kda needs the dtypes of its 5 input tensors");
+    return d[i];
+  }
+  InputOf<T> q, k, v, g, beta;
+};
+
+// A key for `config`: the hashes of the fields make_layer agrees on.
+std::uint64_t config_key(const LayerConfig& config, std::size_t ranks) {
+  std::uint64_t h = kFnvOffset;
+  const Fingerprint fields = layer_fingerprint(config, ranks, config.ulysses);
+  for (const Fingerprint::Field& f : fields.fields()) {
+    h = fnv1a64(f.name, h);
+    h = fnv1a64(std::as_bytes(std::span(&f.hash, 1)), h);
+  }
+  return h;
+}
+
+class KdaLayer {
+ public:
+  // backend None: one process, the whole stream local. Otherwise the layer
+  // over the group with `layout` (kdacp.Layout, built by the caller once per
+  // context, spanning the group's ranks). ulysses: the Ulysses width (1:
+  // state CP alone). method, group_size, options: the state exchange's.
+  KdaLayer(py::object backend, std::string method, long long group_size, const std::optional<Layout>& layout,
+           const std::string& dtype, ExchangeOptions options, std::size_t threads, std::size_t ulysses)
+      : pool_(threads), f64_(dtype == "float64") {
+    base_.protocol = std::move(method);
+    base_.group_size = group_size;
+    base_.exchange = std::move(options);
+    base_.ulysses = ulysses;
+    base_.names = LayerNames::python();
+    base_.pool = pool_.pool.get();
+    if (backend.is_none()) {
+      base_.protocol = "auto";  // one process exchanges nothing (kdacp.torch passes "none")
+      if (ulysses != 1) throw InvalidArgument(fmt::format("ulysses={} needs a group, got one process", ulysses));
+      return;
+    }
+    if (!layout) throw InvalidArgument("KdaLayer over a group needs its layout, got None");
+    base_.parts = *layout;
+    comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
+  }
+
+  // `algorithm`: "recurrent" or "chunk". keep_forward: the chunk forward
+  // keeps what its backward would recompute. deterministic: the CP layer's
+  // deterministic mode (one process runs that mode's bytes anyway).
+  // `dtypes`: the storage of q, k, v, g, beta (o is stored as v); the
+  // states are in the layer's dtype (float32 for 16-bit inputs).
+  py::tuple forward(const std::vector<std::uintptr_t>& inputs, const std::vector<std::string>& dtypes,
+                    const std::vector<std::size_t>& shape, double scale,
+                    const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0, bool want_ht,
+                    const std::string& algorithm, bool keep_forward, bool deterministic) {
+    return f64_ ? forward_t<double>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, algorithm, keep_forward,
+                                    deterministic)
+                : forward_t<float>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, algorithm, keep_forward,
+                                   deterministic);
+  }
+
+  // The gradients of q, k, v, g, beta are stored as those inputs; d_o as
+  // `d_o_dtype`. The layer is the forward's (`saved`).
+  py::tuple backward(const std::shared_ptr<SavedBox>& saved, const std::vector<std::uintptr_t>& inputs,
+                     const std::vector<std::string>& dtypes, const std::vector<std::size_t>& shape, double scale,
+                     std::uintptr_t h0, std::uintptr_t d_o, const std::string& d_o_dtype, std::uintptr_t dht,
+                     bool want_dh0) {
+    return f64_ ? backward_t<double>(*saved, inputs, dtypes, shape, scale, h0, d_o, d_o_dtype, dht, want_dh0)
+                : backward_t<float>(*saved, inputs, dtypes, shape, scale, h0, d_o, d_o_dtype, dht, want_dh0);
+  }
+
+  // Off: the layers' forward and backward send no agreement of the call's
+  // arguments (a cp_context agreed on them at its first call).
+  void agree_per_call(bool on) {
+    base_.agree_calls = on;
+    layers_f32_.clear();
+    layers_f64_.clear();
+    order_.clear();
+  }
+
+  // Of the layer of the last call ("none", exact, width 1 before any).
+  std::string method() const { return with_last([](const auto& l) { return l.method(); }, std::string("none")); }
+  bool exact() const { return with_last([](const auto& l) { return l.exact(); }, true); }
+  std::size_t ulysses_width() const { return with_last([](const auto& l) { return l.ulysses_width(); }, 1); }
+  // "bfloat16", "float16" or None per tensor on the Ulysses all-to-alls (q,
+  // k, v, g, beta, then o / d_o); empty without Ulysses.
+  std::vector<std::optional<std::string>> wire_types() const {
+    std::vector<std::optional<std::string>> out;
+    for (const auto& w : with_last([](const auto& l) { return l.wire_types(); }, std::vector<std::optional<Half>>{}))
+      out.push_back(w ? std::optional<std::string>(half_name(*w)) : std::nullopt);
+    return out;
+  }
+  // Seconds of the last forward / backward: (local, exchange).
+  py::tuple times(bool forward) const {
+    return with_last(
+        [&](const auto& l) {
+          const kda::PhaseTimes& t = forward ? l.forward_times() : l.backward_times();
+          return py::make_tuple(t.local, t.exchange);
+        },
+        py::make_tuple(0.0, 0.0));
+  }
+  // Bytes of the forward caches every layer holds (in use or for reuse).
+  std::size_t forward_cache_bytes() const {
+    std::size_t n = 0;
+    for (const auto& [key, l] : layers_f32_) n += l->forward_cache_bytes();
+    for (const auto& [key, l] : layers_f64_) n += l->forward_cache_bytes();
+    return n;
+  }
+
+ private:
+  template <class T>
+  std::map<std::uint64_t, std::shared_ptr<Layer<T>>>& layers() {
+    if constexpr (std::is_same_v<T, double>) return layers_f64_;
+    else return layers_f32_;
+  }
+
+  template <class F, class R>
+  R with_last(F&& f, R none) const {
+    if (last_f32_) return f(*last_f32_);
+    if (last_f64_) return f(*last_f64_);
+    return none;
+  }
+
+  // The layer of this call's config: built (collectively on a group) the
+  // first time the config is seen.
+  template <class T>
+  std::shared_ptr<Layer<T>> layer_for(const kda::Shape& local, const std::vector<std::string>& dtypes,
+                                      const std::optional<std::vector<std::int64_t>>& cu, kda::Algorithm algorithm,
+                                      bool keep_forward, bool deterministic) {
+    LayerConfig c = base_;
+    c.shape = local;
+    if (c.parts) c.shape.tokens = c.parts->tokens();
+    if (cu) c.cu_seqlens = *cu;
+    for (std::size_t i = 0; i < 5; ++i) c.storage[i] = parse_half(dtypes[i]);
+    c.out_storage = c.storage[2];  // o (and d_o) as v
+    c.algorithm = algorithm;
+    c.keep_forward = keep_forward;
+    c.deterministic = deterministic;
+    const std::uint64_t key = config_key(c, comm_ ? comm_->size() : 1);
+    std::shared_ptr<Layer<T>>& slot = layers<T>()[key];
+    if (!slot) {
+      try {
+        slot = make_layer<T>(comm_, c);
+      } catch (...) {
+        layers<T>().erase(key);
+        throw;
+      }
+      // At most kMaxLayers configs (a packing per batch would otherwise keep
+      // one per step): the oldest goes first, the same one on every rank, as
+      // every rank builds the same configs in the same order. A forward's
+      // saved box keeps its layer alive for its backward.
+      order_.push_back(key);
+      if (order_.size() > kMaxLayers) {
+        layers<T>().erase(order_.front());
+        order_.erase(order_.begin());
+      }
+    }
+    if constexpr (std::is_same_v<T, double>) last_f64_ = slot, last_f32_.reset();
+    else last_f32_ = slot, last_f64_.reset();
+    return slot;
+  }
+
+  template <class T>
+  py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes,
+                      const std::vector<std::size_t>& shape, double scale,
+                      const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p, bool want_ht,
+                      const std::string& algorithm, bool keep_forward, bool deterministic) {
+    const kda::Shape s = to_shape(shape);
+    Tensors<T> tensors(p, dtypes, s);
+    // Shape, pointers and scale, before any widening reads the memory.
+    kda::validate(kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]), s,
+                                 static_cast<T>(scale)},
+                  "kdacp.torch.kda");
+    const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
+    auto box = std::make_shared<SavedBox>();
+    std::shared_ptr<Layer<T>> layer;
+    {
+      py::gil_scoped_release release;  // building a layer on a group is collective
+      layer = layer_for<T>(s, dtypes, cu, a, keep_forward, deterministic);
+    }
+    box->layer = layer;
+    const kda::Sequences& seqs = layer->sequences();
+    OutputOf<T> o(dtypes[2], {s.batch, s.tokens, s.value_heads, s.value_dim}, "o");
+    py::object ht = py::none();
+    T* ht_data = nullptr;
+    if (want_ht) {
+      py::array arr = new_array(f64_ ? DType::f64 : DType::f32, {seqs.count(), s.value_heads, s.key_dim, s.value_dim});
+      ht_data = mut<T>(arr);
+      ht = arr;
+    }
+    {
+      py::gil_scoped_release release;
+      box->saved = layer->forward(tensors.get(s, scale), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
+                                  kda::sequence_states(ht_data, seqs, s));
+      o.finish("kdacp.torch.kda");
+    }
+    return py::make_tuple(o.array, ht, box);
+  }
+
+  template <class T>
+  py::tuple backward_t(SavedBox& box, const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes,
+                       const std::vector<std::size_t>& shape, double scale, std::uintptr_t h0p, std::uintptr_t d_op,
+                       const std::string& d_o_dtype, std::uintptr_t dhtp, bool want_dh0) {
+    if (!box.layer || !box.saved) throw InvalidArgument("kda backward without the forward's saved state");
+    Layer<T>& layer = *std::static_pointer_cast<Layer<T>>(box.layer);
+    const kda::Shape s = to_shape(shape);
+    Tensors<T> tensors(p, dtypes, s);
+    InputOf<T> d_o(d_op, d_o_dtype, s.v_elems(), "d_o");
+    const kda::Sequences& seqs = layer.sequences();
+    OutputOf<T> dq(dtypes[0], {s.batch, s.tokens, s.heads, s.key_dim}, "dq");
+    OutputOf<T> dk(dtypes[1], {s.batch, s.tokens, s.heads, s.key_dim}, "dk");
+    OutputOf<T> dv(dtypes[2], {s.batch, s.tokens, s.value_heads, s.value_dim}, "dv");
+    OutputOf<T> dg(dtypes[3], {s.batch, s.tokens, s.value_heads, s.key_dim}, "dg");
+    OutputOf<T> dbeta(dtypes[4], {s.batch, s.tokens, s.value_heads}, "dbeta");
+    py::object dh0 = py::none();
+    T* dh0_data = nullptr;
+    if (want_dh0) {
+      py::array arr = new_array(f64_ ? DType::f64 : DType::f32, {seqs.count(), s.value_heads, s.key_dim, s.value_dim});
+      dh0_data = mut<T>(arr);
+      dh0 = arr;
+    }
+    const kda::Grads<T> grads{dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), nullptr};
+    {
+      py::gil_scoped_release release;
+      layer.backward(tensors.get(s, scale), *box.saved, kda::sequence_states(ptr<T>(h0p), seqs, s), d_o.get(),
+                     kda::sequence_states(ptr<T>(dhtp), seqs, s), grads, kda::sequence_states(dh0_data, seqs, s));
+      release_forward_cache(*box.saved);
+      for (OutputOf<T>* out : {&dq, &dk, &dv, &dg, &dbeta}) out->finish("kdacp.torch.kda backward");
+    }
+    return py::make_tuple(dq.array, dk.array, dv.array, dg.array, dbeta.array, dh0);
+  }
+
+  static constexpr std::size_t kMaxLayers = 8;
+  Pool pool_;
+  bool f64_;
+  std::vector<std::uint64_t> order_;  // the layers' keys, oldest first
+  LayerConfig base_;  // the settings every call shares
+  std::shared_ptr<Communicator> comm_;
+  std::map<std::uint64_t, std::shared_ptr<Layer<float>>> layers_f32_;
+  std::map<std::uint64_t, std::shared_ptr<Layer<double>>> layers_f64_;
+  std::shared_ptr<Layer<float>> last_f32_;
+  std::shared_ptr<Layer<double>> last_f64_;
+};
+
+}  // namespace
+
+void bind_kda_layer(py::module_& m) {
+  py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
+  py::class_<KdaLayer>(m, "KdaLayer")
+      .def(py::init<py::object, std::string, long long, const std::optional<Layout>&, const std::string&,
+                    ExchangeOptions, std::size_t, std::size_t>(),
+           py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"), py::arg("dtype"),
+           py::arg("options"), py::arg("threads"), py::arg("ulysses") = 1)
+      .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("dtypes"), py::arg("shape"), py::arg("scale"),
+           py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
+           py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
+           py::arg("keep_forward") = defaults::kKeepForward, py::arg("deterministic") = defaults::kDeterministic)
+      .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("dtypes"), py::arg("shape"),
+           py::arg("scale"), py::arg("h0"), py::arg("d_o"), py::arg("d_o_dtype"), py::arg("dht"), py::arg("want_dh0"))
+      .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))
+      .def_property_readonly("method", &KdaLayer::method)
+      .def_property_readonly("exact", &KdaLayer::exact)
+      .def_property_readonly("ulysses", &KdaLayer::ulysses_width)
+      .def_property_readonly("wire_types", &KdaLayer::wire_types)
+      .def("times", &KdaLayer::times, py::arg("forward"))
+      .def_property_readonly("forward_cache_bytes", &KdaLayer::forward_cache_bytes);
+}
+
+}  // namespace kdacp::python
