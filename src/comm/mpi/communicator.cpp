@@ -39,7 +39,7 @@
 #if defined(KDACP_SMPI)
 #include <simgrid/s4u/Actor.hpp>
 
-#include "comm/smpi/fold.hpp"
+#include "comm/smpi/shared_memory.hpp"
 #endif
 
 #include <algorithm>
@@ -60,7 +60,7 @@ namespace kdacp {
 
 namespace {
 
-// Folded simulation (comm/smpi/fold.hpp): the flops a rank's fold steps
+// Shared-memory mode (comm/smpi/shared_memory.hpp): the flops a rank's fold steps
 // charged since its last MPI call go on its clock before the next one.
 inline void charge_compute() {
 #if defined(KDACP_SMPI)
