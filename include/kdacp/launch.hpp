@@ -22,8 +22,9 @@ struct LaunchOptions {
   bool ranks_given = false;  // under a launcher, `ranks` must then equal its world size
   double timeout_s = defaults::kTimeoutSeconds;  // seconds any rank waits for a peer before failing
   // The caller keeps only the run's timing, not its results (kdacp bench
-  // exchange): only then may the SMPI build run folded (KDACP_SMPI_FOLD=1,
-  // docs/scale.md), where results are meaningless; it refuses otherwise.
+  // exchange): only then may the SMPI build run in its shared-memory mode
+  // (KDACP_SMPI_SHARED_MEMORY=1, docs/scale.md), where results are
+  // meaningless; it refuses otherwise.
   bool timing_only = false;
 };
 

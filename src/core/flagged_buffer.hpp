@@ -3,7 +3,7 @@
 // affine_pairs.hpp) and travel in the same messages as the data.
 //
 // Outside a simulation it is a Buffer's storage (the block cache of
-// memory.hpp). In the SMPI build's folded mode (core/simulation.hpp) every
+// memory.hpp). In the SMPI build's shared-memory mode (core/simulation.hpp) every
 // rank's large blocks map the same pages, so flags written there are any
 // rank's: the grouped relay read cuts where there were none and waited for
 // states it did not need (grouped_allgather_p2p w = 2 at P = 64 with zigzag

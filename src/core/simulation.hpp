@@ -1,5 +1,5 @@
 // Internal: what a network simulator may replace in one process that runs
-// every rank (the SMPI build's folded mode, docs/scale.md). Folding keeps
+// every rank (the SMPI build's shared-memory mode, docs/scale.md). It keeps
 // the protocols, their messages and their sizes, and drops the data: large
 // Buffer blocks come from the simulator (SimGrid's shared malloc, where every
 // rank's block maps the same physical pages) and the float fold steps are
@@ -22,7 +22,7 @@ struct SimulationHooks {
   // [i·stride + offset, i·stride + offset + length), for every i whose stripe
   // starts inside it, are this rank's own memory and travel in messages as
   // they are (the flags that decide what a protocol does next); the rest is
-  // folded as allocate's blocks are. Freed by deallocate.
+  // shared as allocate's blocks are. Freed by deallocate.
   void* (*allocate_flagged)(std::size_t bytes, std::size_t stride, std::size_t offset, std::size_t length) = nullptr;
   // When set, a float step C = op(M)·X + S of a K×K map on K×V states is
   // not computed: compute(2·K·K·V) is called instead and C is left as it is.

@@ -67,11 +67,11 @@ ExchangeBenchResult bench_ulysses(const std::shared_ptr<Communicator>& world, co
   if (want == options.end()) throw Error(fmt::format("--ulysses {}: the cost model did not price U = {}", u, u));
   // Every rank sends and receives its activations and its output.
   const double rank_bytes = 2 * (want->in_bytes + want->out_bytes);
-  const bool folded = detail::simulation_hooks().allocate != nullptr;
-  if (!(rank_bytes < 0x1p50))  // before any cast to size_t (a folded run admits no memory)
+  const bool shared_memory = detail::simulation_hooks().allocate != nullptr;
+  if (!(rank_bytes < 0x1p50))  // before any cast to size_t (a shared-memory run admits no memory)
     throw InvalidArgument(fmt::format("--ulysses {}: {} of activations per rank, expected less than 1 PiB",
                                       u, format_bytes(rank_bytes)));
-  if (!folded) {
+  if (!shared_memory) {
     const double in_process = world->backend() == "inprocess" ? double(p) : 1.0;
     require_memory(in_process * rank_bytes, max_memory_bytes(""), fmt::format("kdacp bench exchange --ulysses {}", u),
                    max_memory_name(""));
@@ -139,7 +139,7 @@ ExchangeBenchResult bench_ulysses(const std::shared_ptr<Communicator>& world, co
   res.predicted_exchange_seconds = want->exchange.seconds;
   res.timing = slowest_rank(*world, total);
   res.all_to_all = slowest_rank(*world, a2a);
-  res.folded = folded;
+  res.shared_memory = shared_memory;
   return res;
 }
 
@@ -176,7 +176,7 @@ ExchangeBenchResult bench_exchange(const std::shared_ptr<Communicator>& world, c
                             protocol_label(r.prediction.config)));
   r.calls = mine.forward.size();
   r.timing = slowest_rank(*world, mine);
-  r.folded = detail::simulation_hooks().compute != nullptr;
+  r.shared_memory = detail::simulation_hooks().compute != nullptr;
   return r;
 }
 
@@ -208,7 +208,7 @@ std::string to_json(const ExchangeBenchResult& r) {
          {"predicted_seconds", pred.seconds},
          {"predicted_peak_bytes", pred.peak_extra_bytes},
          {"cost_source", c.options.cost.source},
-         {"folded", r.folded}};
+         {"shared_memory", r.shared_memory}};
   if (c.ulysses > 1) {
     j["label"] = fmt::format("ulysses U={} + {}", c.ulysses, protocol_label(pred.config));
     j["ulysses"] = c.ulysses;
@@ -252,9 +252,9 @@ void print_exchange_bench(const ExchangeBenchResult& r) {
                 c.ulysses, c.tokens_per_rank, c.activation_bytes, r.all_to_all.forward_seconds * 1e3,
                 r.all_to_all.backward_seconds * 1e3, r.predicted_all_to_all_seconds * 1e3, r.ranks / c.ulysses,
                 r.predicted_exchange_seconds * 1e3);
-  if (r.folded)
-    std::printf("folded (KDACP_SMPI_FOLD=1): every fold step charged as its flops at the platform's speed, no data "
-                "computed\n");
+  if (r.shared_memory)
+    std::printf("shared-memory mode (KDACP_SMPI_SHARED_MEMORY=1): every fold step charged as its flops at the "
+                "platform's speed, no data computed\n");
 }
 
 }  // namespace kdacp::report

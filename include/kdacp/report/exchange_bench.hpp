@@ -51,9 +51,10 @@ struct ExchangeBenchResult {
   std::string method_run;  // the protocol that ran (auto: its choice)
   Prediction prediction;   // the model's, for the configuration that ran
   ProtocolTiming timing;   // slowest rank per call, median over calls
-  // A folded simulation (docs/scale.md): fold steps charged as flops, not
-  // computed; the times are the simulation's, the data were not computed.
-  bool folded = false;
+  // A simulation in the shared-memory mode (docs/scale.md): fold steps
+  // charged as flops, not computed; the times are the simulation's, the data
+  // were not computed.
+  bool shared_memory = false;
   // With config.ulysses > 1: the two all-to-alls of a direction (slowest rank
   // per call, median over calls; forward_seconds holds them too) and the
   // model's figures; `prediction` is then the exchange's configuration with

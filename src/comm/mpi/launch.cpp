@@ -19,7 +19,7 @@
 #include "kdacp/mpi.hpp"
 
 #if defined(KDACP_SMPI)
-#include "comm/smpi/fold.hpp"
+#include "comm/smpi/shared_memory.hpp"
 #endif
 
 namespace kdacp {
@@ -85,12 +85,12 @@ void run_mpi(const LaunchOptions& options, const RankFn& fn) {
   std::shared_ptr<Communicator> world;
   try {
 #if defined(KDACP_SMPI)
-    // Before any message: a bad KDACP_SMPI_FOLD, or a folded run whose
-    // results would be kept.
-    if (smpi::folded() && !options.timing_only)
+    // Before any message: a bad KDACP_SMPI_SHARED_MEMORY, or a
+    // shared-memory run whose results would be kept.
+    if (smpi::shared_memory() && !options.timing_only)
       throw InvalidArgument(
-          "KDACP_SMPI_FOLD=1 folds memory and compute, so every result is meaningless bytes: only `bench "
-          "exchange` (a timing) runs folded");
+          "KDACP_SMPI_SHARED_MEMORY=1 shares every rank's buffers and charges compute as flops, so every result "
+          "is meaningless bytes: only `bench exchange` (a timing) runs in the shared-memory mode");
 #endif
     MpiOptions mo;
     mo.timeout = std::chrono::milliseconds(static_cast<long long>(options.timeout_s * 1000));

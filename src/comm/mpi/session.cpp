@@ -9,21 +9,11 @@
 
 #include <fmt/format.h>
 
+#include "comm/mpi/internal.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/mpi.hpp"
 
 namespace kdacp {
-
-namespace {
-
-std::string error_text(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
-  return std::string(text, static_cast<std::size_t>(len));
-}
-
-}  // namespace
 
 MpiSession::MpiSession() : MpiSession(nullptr, nullptr) {}
 
@@ -42,7 +32,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   }
   const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &thread_level_);
   if (rc != MPI_SUCCESS)
-    throw Error("MpiSession: MPI_Init_thread(MPI_THREAD_SERIALIZED) failed: " + error_text(rc));
+    throw Error("MpiSession: MPI_Init_thread(MPI_THREAD_SERIALIZED) failed: " + mpi::error_text(rc));
   owns_ = true;
 }
 

@@ -1,4 +1,4 @@
-#include "comm/smpi/fold.hpp"
+#include "comm/smpi/shared_memory.hpp"
 
 #include <mpi.h>
 #include <simgrid/s4u/Actor.hpp>
@@ -24,7 +24,7 @@ namespace kdacp::smpi {
 
 namespace {
 
-// The value of KDACP_SMPI_FOLD seen at load: 0 off, 1 on, -1 invalid.
+// The value of KDACP_SMPI_SHARED_MEMORY seen at load: 0 off, 1 on, -1 invalid.
 int g_setting = 0;
 std::string g_text;
 
@@ -40,21 +40,21 @@ std::size_t actor() { return static_cast<std::size_t>(simgrid::s4u::this_actor::
 
 // SMPI's global shared malloc maps one file that it creates in /tmp, and on
 // a disk file system every first write to a page after the kernel wrote it
-// back faults (dirty tracking): 15 % of a folded run's host time, charged
-// to the simulated clock (P = 16, nvlink-ib). The blocks are therefore
+// back faults (dirty tracking): 15 % of a shared-memory run's host time,
+// charged to the simulated clock (P = 16, nvlink-ib). The blocks are therefore
 // mapped again, in place, from one memory file (tmpfs, no write-back): SMPI
 // still knows them as shared (it skips copying them in messages and frees
-// them), their pages are memory. kFoldFileBytes equals the
+// them), their pages are memory. kMemoryFileBytes equals the
 // smpi/shared-malloc-blocksize that scripts/simulate.py passes.
-constexpr std::size_t kFoldFileBytes = std::size_t{1} << 30;
+constexpr std::size_t kMemoryFileBytes = std::size_t{1} << 30;
 int g_memfd = -1;
 
 int memory_file() {
   std::lock_guard lock(g_mu);
   if (g_memfd < 0) {
-    const int fd = memfd_create("kdacp-fold", 0);
+    const int fd = memfd_create("kdacp-shared-memory", 0);
     if (fd < 0) return -1;
-    if (ftruncate(fd, static_cast<off_t>(kFoldFileBytes)) != 0) {
+    if (ftruncate(fd, static_cast<off_t>(kMemoryFileBytes)) != 0) {
       close(fd);
       return -1;
     }
@@ -68,8 +68,8 @@ void* allocate(std::size_t bytes) {
   static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
   const int fd = memory_file();
   if (p == nullptr || fd < 0 || reinterpret_cast<std::uintptr_t>(p) % page != 0) return p;
-  for (std::size_t at = 0; at < bytes; at += kFoldFileBytes) {
-    const std::size_t len = std::min(kFoldFileBytes, bytes - at);
+  for (std::size_t at = 0; at < bytes; at += kMemoryFileBytes) {
+    const std::size_t len = std::min(kMemoryFileBytes, bytes - at);
     if (mmap(static_cast<char*>(p) + at, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
         MAP_FAILED)
       break;  // the rest stays on SMPI's file: slower first writes, the same data
@@ -110,8 +110,8 @@ void* allocate_flagged(std::size_t bytes, std::size_t stride, std::size_t offset
     // in pieces no longer than the memory file.
     const std::size_t begin = (shared[i] + page - 1) / page * page;
     const std::size_t end = shared[i + 1] == bytes ? bytes : shared[i + 1] / page * page;
-    for (std::size_t at = begin; at < end; at += kFoldFileBytes) {
-      const std::size_t len = std::min(kFoldFileBytes, end - at);
+    for (std::size_t at = begin; at < end; at += kMemoryFileBytes) {
+      const std::size_t len = std::min(kMemoryFileBytes, end - at);
       if (mmap(static_cast<char*>(p) + at, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
           MAP_FAILED)
         return p;  // the rest stays on SMPI's file: slower first writes, the same data
@@ -129,7 +129,7 @@ void charge(double flops) {
 
 // Installed when smpirun loads the program, before any rank allocates.
 const bool g_installed = [] {
-  const char* env = std::getenv("KDACP_SMPI_FOLD");
+  const char* env = std::getenv("KDACP_SMPI_SHARED_MEMORY");
   const std::string_view v = env ? env : "0";
   g_text = std::string(v);
   g_setting = v == "1" ? 1 : v == "0" ? 0 : -1;
@@ -146,11 +146,12 @@ const bool g_installed = [] {
 
 }  // namespace
 
-bool folded() {
+bool shared_memory() {
   (void)g_installed;
   if (g_setting < 0)
-    throw InvalidArgument(fmt::format("KDACP_SMPI_FOLD is '{}', expected 0 (ranks compute real data) or 1 "
-                                      "(folded memory and compute, docs/scale.md)",
+    throw InvalidArgument(fmt::format("KDACP_SMPI_SHARED_MEMORY is '{}', expected 0 (ranks compute real data) or 1 "
+                                      "(the shared-memory mode: shared buffers, compute charged as flops; "
+                                      "docs/scale.md)",
                                       g_text));
   return g_setting == 1;
 }
