@@ -15,12 +15,8 @@
 //     gemm_zero_b is gemm on a B of +0 (signed zeros in A and C included);
 //     exp_row is exp_vec's operation sequence (and within a few ulp of
 //     std::exp); lane_dot and transpose are their definitions.
-#include "kernels/hwy_targets.hpp"
-
-#undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "test_kernels_targets.cpp"
-#include <hwy/foreach_target.h>  // IWYU pragma: keep
-#include <hwy/highway.h>
+#define KDACP_PER_TARGET_FILE "test_kernels_targets.cpp"
+#include "kernels/per_target.h"
 #include <hwy/tests/test_util-inl.h>
 
 #include "kernels/gemm-inl.h"
@@ -155,12 +151,10 @@ T lane_dot_definition(const T* x, const T* y, std::size_t n) {
 
 #endif  // KDACP_TEST_KERNELS_TARGETS_SHARED_
 
-HWY_BEFORE_NAMESPACE();
 // The scalar definitions inlined here must not be contracted into FMAs on
-// the targets that have them (as in the kernels' own files).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+// the targets that have them (KDACP_TARGET_BEGIN turns contraction off, as
+// in the kernels' own files).
+KDACP_TARGET_BEGIN;
 namespace kdacp::detail::HWY_NAMESPACE {
 
 void StepMatchesItsDefinition() {
@@ -387,7 +381,7 @@ void LaneDotAndTransposeMatchTheirDefinitions() {
 }
 
 }  // namespace kdacp::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
 #if HWY_ONCE
 namespace kdacp::detail {

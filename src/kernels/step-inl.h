@@ -4,9 +4,9 @@
 // blocking (kRows rows × 2 vectors) never changes a result. On targets with
 // FMA (HWY_NATIVE_FMA) that is step_scalar's std::fma bit for bit, the same
 // instruction as simd-inl.h's fused_mul_add; without it, MulAdd rounds the
-// product first (simd-inl.h's FMA policy says why it stays so). Included
-// once per Highway target by step_hwy.cpp (and by the tests), hence the
-// toggle guard instead of #pragma once.
+// product first (the FMA policy, table.hpp, says where the step fuses).
+// Installed in the kernel table per Highway target by step_hwy.cpp (and
+// included by the tests), hence the toggle guard instead of #pragma once.
 #if defined(KDACP_KERNELS_STEP_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDACP_KERNELS_STEP_INL_H_
 #undef KDACP_KERNELS_STEP_INL_H_
@@ -14,12 +14,14 @@
 #define KDACP_KERNELS_STEP_INL_H_
 #endif
 
+#include "kernels/per_target.h"
+
 #include <hwy/highway.h>
 
 #include <algorithm>
 #include <cstddef>
 
-HWY_BEFORE_NAMESPACE();
+KDACP_TARGET_BEGIN;
 namespace kdacp::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -126,6 +128,6 @@ inline void Step(const float* m, std::size_t ldm, const float* x, std::size_t ld
 }
 
 }  // namespace kdacp::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
 #endif  // KDACP_KERNELS_STEP_INL_H_
