@@ -1,10 +1,10 @@
 // The kernel table (src/kernels/table.hpp) on every compiled target the CPU
 // supports: with the targets narrowed to one (hwy::SetSupportedTargetsForTest),
 // make_kernel_table installs that target's entries over the reference ones,
-// and every entry point of kda.hpp — both algorithms — run on them must
-// give the reference entries' bits (the baseline target's KDA kernels) and
-// those of the table the library chose: o, the final state, the summary, G
-// and every gradient, bitwise.
+// and every entry point of kda.hpp — both algorithms — and the affine step
+// run on them must give the reference entries' bits (the baseline target's
+// KDA kernels, step_scalar) and those of the table the library chose:
+// o, the final state, the summary, G and every gradient, bitwise.
 #include <gtest/gtest.h>
 
 // The library's target set (before any Highway header).
@@ -90,6 +90,20 @@ void expect_bitwise(const std::vector<T>& got, const std::vector<T>& want, const
                         << " outputs differ, first at " << first;
 }
 
+// One slab step C = op(M)·X + S with strided rows, C aliasing S exactly.
+template <class T>
+std::vector<T> run_step(const KernelTable& table, std::size_t k, std::size_t v, bool transpose) {
+  const std::size_t ldm = k + 3, ldx = v + 5, lds = v + 1;
+  std::mt19937_64 rng(k * 1000 + v);
+  std::uniform_real_distribution<double> uni(-1.0, 1.0);
+  std::vector<T> m(k * ldm), x(k * ldx), s(k * lds);
+  for (auto& e : m) e = T(uni(rng) / double(k));
+  for (auto* a : {&x, &s})
+    for (auto& e : *a) e = T(uni(rng));
+  table.of<T>().step(m.data(), ldm, x.data(), ldx, s.data(), lds, s.data(), lds, k, v, transpose);
+  return s;
+}
+
 // Every target against the reference entries and the library's choice. K, V
 // multiples of 8 and 16 (whole vectors) and ragged (vector tails and partial
 // lane groups); grouped value heads, B > 1, a ragged last chunk; weak gates,
@@ -123,6 +137,12 @@ void expect_every_target_is_the_reference() {
       expect_bitwise(c.run(table, runs[i].algorithm), want[i], what + " against the reference");
       expect_bitwise(c.run(chosen, runs[i].algorithm), want[i], what + " (the library's choice)");
     }
+    for (std::size_t k : {1, 3, 8, 9, 17, 33})
+      for (std::size_t v : {1, 7, 16, 17, 31, 48, 70})
+        for (bool transpose : {false, true})
+          expect_bitwise(run_step<T>(table, k, v, transpose), run_step<T>(reference, k, v, transpose),
+                         std::string(table.target) + " step k=" + std::to_string(k) +
+                             " v=" + std::to_string(v) + (transpose ? " backward" : " forward"));
   }
   hwy::SetSupportedTargetsForTest(0);
 }

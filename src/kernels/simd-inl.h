@@ -1,12 +1,12 @@
 // Per-target SIMD primitives of the kernels whose results must be the same
-// bits on every Highway target (the chunk kernels):
+// bits on every Highway target (the step, the chunk kernels):
 // the fused multiply-add, element-wise loops on whole vectors, a dot
 // product in a fixed order, exp on vectors, a blocked transpose. The tile
 // GEMM built on them is gemm-inl.h. Included once per Highway target, hence
 // the toggle guard instead of #pragma once.
 //
-// fused_mul_add is the chunk kernels' fused multiply-add (the FMA policy:
-// kernels/table.hpp).
+// fused_mul_add is the one fused multiply-add of every kernel (the FMA
+// policy: kernels/table.hpp).
 #if defined(KDACP_KERNELS_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDACP_KERNELS_SIMD_INL_H_
 #undef KDACP_KERNELS_SIMD_INL_H_

@@ -16,26 +16,28 @@
 // The reference entries: step_scalar (plain loops) for the step; for the KDA
 // kernels, their per-target source compiled for the baseline target
 // (HWY_STATIC_TARGET: no instruction set beyond the compiler's default).
-// Every target's KDA entries give the same bits as the reference's, and so
-// does its step where the target has FMA (the FMA policy below); the tests
+// Every target's entries give the same bits as the reference's; the tests
 // run every compiled target through make_kernel_table and compare
 // (test_kernels_targets.cpp, test_kda_dispatch.cpp, test_kda_chunk.cpp).
 //
 // The FMA policy, for every kernel in the table:
-//   - A product-and-sum that is meant to be fused is fused_mul_add
-//     (simd-inl.h): acc + a·b rounded once on every target (std::fma's
-//     result). The chunk kernels (gemm-inl.h, exp_vec) use it.
-//   - The step (step-inl.h) calls hn::MulAdd, which is that same instruction
-//     on every target with FMA (HWY_NATIVE_FMA: AVX2, AVX-512, NEON on
-//     AArch64; test_kernels_targets checks both against std::fma per
-//     target). On the targets without FMA (SSE4, SSSE3, SSE2: x86 CPUs
-//     before Haswell) hn::MulAdd rounds the product first.
-//   - The recurrent kernels (kda_recurrent-inl.h,
-//     kda_recurrent_backward-inl.h) fuse nothing: every product is rounded,
-//     then summed. Fusing any of them would change every recurrent output's
-//     bits.
+//   - Fused: each multiply-add of a matrix product's accumulation chain,
+//     acc = fma(a_k, b_k, acc) for k in order from acc = S (the step,
+//     step-inl.h) or acc = 0 (the chunk kernels' tile GEMM, gemm-inl.h), and
+//     the Horner steps of exp_vec — always through fused_mul_add
+//     (simd-inl.h), which rounds once on every target: the hardware FMA where
+//     the target has one (HWY_NATIVE_FMA), std::fma per lane where it does
+//     not. So every target equals the reference (std::fma) bit for bit, on
+//     CPUs with and without FMA; the price, on CPUs without (x86 before
+//     Haswell), is a library fma per lane: the step tens of times slower.
+//     Fused, a term is one instruction and one rounding instead of two.
+//   - Not fused: everything else — element-wise updates, the recurrent
+//     kernels' row and rank-1 updates and their partial-sum dots, lane_dot:
+//     each product is rounded, then added. The recurrent kernels stay so
+//     because fusing them would change every recurrent output's bits.
 //   - The compiler fuses nothing on its own: contraction is off in every
-//     per-target section (KDACP_TARGET_BEGIN, per_target.h).
+//     per-target section (KDACP_TARGET_BEGIN, per_target.h); it would fuse
+//     on the targets with FMA and not on the others.
 // The exact exchange protocols and the chain fold with the same step entry,
 // so they agree bit for bit under any policy followed by that entry.
 #pragma once
