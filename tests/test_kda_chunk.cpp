@@ -14,7 +14,7 @@
 #include <vector>
 
 // The library's target set (before any Highway header).
-#include "kernels/hwy_targets.hpp"
+#include "kernels/per_target.h"
 
 #include <hwy/targets.h>
 
@@ -30,6 +30,7 @@
 #include "kdacp/protocol.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "kernels/table.hpp"
 
 namespace kdacp::kda {
 namespace {
@@ -429,9 +430,9 @@ TEST(KdaChunk, BitwiseEqualAcrossTargets) {
     EXPECT_FALSE(targets.empty());
     for (int64_t target : targets) {
       hwy::SetSupportedTargetsForTest(target);
-      const detail::ChunkKernelSet* set = detail::dispatched_chunk_kernels();
-      const auto got_f = run_kernels(set->f32, df);
-      const auto got_d = run_kernels(set->f64, dd);
+      const kdacp::detail::KernelTable table = kdacp::detail::make_kernel_table();
+      const auto got_f = run_kernels(table.f32.chunk, df);
+      const auto got_d = run_kernels(table.f64.chunk, dd);
       for (std::size_t i = 0; i < want_f.size(); ++i) {
         EXPECT_TRUE(same_bits(got_f[i], want_f[i])) << hwy::TargetName(target) << " float #" << i << " g_min " << g_min;
         EXPECT_TRUE(same_bits(got_d[i], want_d[i])) << hwy::TargetName(target) << " double #" << i << " g_min " << g_min;

@@ -2,11 +2,10 @@
 // the CPU supports, through Highway's test macros, each against its
 // definition written as plain scalar code, bit for bit:
 //   - the affine step (step-inl.h): per element acc = S[i][j], then
-//     MulAdd(op(M)[i][k], X[k][j], acc) for k in order, with that target's
-//     MulAdd rounding: std::fma where the target has FMA (step_scalar
-//     itself), a rounded product then a sum where it does not. Sizes sweep
-//     around the vector and tile widths, strided rows, both directions and C
-//     aliasing S.
+//     std::fma(op(M)[i][k], X[k][j], acc) for k in order on every target
+//     (the FMA policy, src/kernels/table.hpp), which is step_scalar. Sizes
+//     sweep around the vector and tile widths, strided rows, both directions
+//     and C aliasing S.
 //   - the chunk kernels' primitives (simd-inl.h, gemm-inl.h): fused_mul_add
 //     is std::fma on every target (and hn::MulAdd where the target has FMA,
 //     the step's operation); the tile GEMM is, per element, the fused chain
@@ -15,12 +14,9 @@
 //     gemm_zero_b is gemm on a B of +0 (signed zeros in A and C included);
 //     exp_row is exp_vec's operation sequence (and within a few ulp of
 //     std::exp); lane_dot and transpose are their definitions.
-#include "kernels/hwy_targets.hpp"
+#define KDACP_PER_TARGET_FILE "test_kernels_targets.cpp"
+#include "kernels/per_target.h"
 
-#undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "test_kernels_targets.cpp"
-#include <hwy/foreach_target.h>  // IWYU pragma: keep
-#include <hwy/highway.h>
 #include <hwy/tests/test_util-inl.h>
 
 #include "kernels/gemm-inl.h"
@@ -60,22 +56,15 @@ struct StepOperands {
     for (auto& e : s) e = rng.uniform(-1, 1);
   }
 
-  // The step's definition with `fused` (std::fma) or separately rounded
-  // multiply-adds.
-  std::vector<float> expected(bool transpose, bool fused) const {
+  // The step's definition: per element, fused multiply-adds in order.
+  std::vector<float> expected(bool transpose) const {
     std::vector<float> c(k * v);
     for (std::size_t i = 0; i < k; ++i)
       for (std::size_t j = 0; j < v; ++j) {
         float acc = s[i * lds + j];
         for (std::size_t kk = 0; kk < k; ++kk) {
           const float a = transpose ? m[kk * ldm + i] : m[i * ldm + kk];
-          const float b = x[kk * ldx + j];
-          if (fused) {
-            acc = std::fma(a, b, acc);
-          } else {
-            const float product = a * b;
-            acc = product + acc;
-          }
+          acc = std::fma(a, x[kk * ldx + j], acc);
         }
         c[i * v + j] = acc;
       }
@@ -155,12 +144,10 @@ T lane_dot_definition(const T* x, const T* y, std::size_t n) {
 
 #endif  // KDACP_TEST_KERNELS_TARGETS_SHARED_
 
-HWY_BEFORE_NAMESPACE();
 // The scalar definitions inlined here must not be contracted into FMAs on
-// the targets that have them (as in the kernels' own files).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+// the targets that have them (KDACP_TARGET_BEGIN turns contraction off, as
+// in the kernels' own files).
+KDACP_TARGET_BEGIN;
 namespace kdacp::detail::HWY_NAMESPACE {
 
 void StepMatchesItsDefinition() {
@@ -169,7 +156,7 @@ void StepMatchesItsDefinition() {
     for (std::size_t v : {1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 48, 70}) {
       const StepOperands op(k, v);
       for (bool transpose : {false, true}) {
-        const std::vector<float> want = op.expected(transpose, HWY_NATIVE_FMA != 0);
+        const std::vector<float> want = op.expected(transpose);
         std::vector<float> c(k * v);
         Step(op.m.data(), op.ldm, op.x.data(), op.ldx, op.s.data(), op.lds, c.data(), v, k, v,
              transpose);
@@ -182,12 +169,10 @@ void StepMatchesItsDefinition() {
         for (std::size_t i = 0; i < k; ++i)
           std::memcpy(rows.data() + i * v, inplace.data() + i * op.lds, v * sizeof(float));
         expect_same_bits(rows, want, k, v, transpose, target);
-        if (HWY_NATIVE_FMA) {
-          std::vector<float> scalar(k * v);
-          step_scalar(op.m.data(), op.ldm, op.x.data(), op.ldx, op.s.data(), op.lds,
-                      scalar.data(), v, k, v, transpose);
-          expect_same_bits(c, scalar, k, v, transpose, "step_scalar");
-        }
+        std::vector<float> scalar(k * v);
+        step_scalar(op.m.data(), op.ldm, op.x.data(), op.ldx, op.s.data(), op.lds, scalar.data(),
+                    v, k, v, transpose);
+        expect_same_bits(scalar, want, k, v, transpose, "step_scalar");
       }
     }
   }
@@ -387,7 +372,7 @@ void LaneDotAndTransposeMatchTheirDefinitions() {
 }
 
 }  // namespace kdacp::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
 #if HWY_ONCE
 namespace kdacp::detail {

@@ -4,8 +4,8 @@
 // (backward, read by index, never materialised). Every implementation
 // computes each element as acc = S[i][j]; acc = fma(op(M)[i][k], X[k][j], acc)
 // for k = 0..K-1 in order, so the value of an element never depends on
-// blocking, thread count or protocol (SPEC §5); on hosts with FMA the scalar
-// and SIMD kernels agree bit for bit.
+// blocking, thread count or protocol (SPEC §5), and the scalar and SIMD
+// kernels agree bit for bit on every CPU.
 #pragma once
 
 #include <cstddef>

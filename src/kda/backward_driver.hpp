@@ -1,5 +1,5 @@
 // Internal to the KDA module: the backward's loop over (batch, value head)
-// pairs, shared by the recurrent (kda_math.cpp) and chunkwise (chunk.cpp)
+// pairs, shared by the recurrent (recurrent.cpp) and chunkwise (chunk.cpp)
 // algorithms, which differ only in how they compute one pair.
 #pragma once
 

@@ -1,64 +1,21 @@
-// Dispatch and threading of the chunkwise KDA algorithm (chunk-inl.h), as
-// kda_math.cpp does for the recurrent one: the per-head kernels are compiled
-// once per Highway target and the best one is chosen once per process; the
-// B·HV (batch, value head) pairs are split over the pool, each computed by
-// one thread with the same code, so results do not depend on the pool size.
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-
-#include "kernels/hwy_targets.hpp"
-
-#undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "kda/chunk.cpp"
-#include <hwy/foreach_target.h>  // IWYU pragma: keep
-#include <hwy/highway.h>
-
-#include "kda/chunk-inl.h"
-
-HWY_BEFORE_NAMESPACE();
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-namespace kdacp::kda::detail::HWY_NAMESPACE {
-
-template <class T>
-constexpr ChunkKernels<T> chunk_kernels_of() {
-  return {&chunk_forward_head<T>, &chunk_summary_head<T>, &chunk_incoming_grad_head<T>,
-          &chunk_backward_head<T>};
-}
-
-constexpr ChunkKernelSet kChunkKernels{chunk_kernels_of<float>(), chunk_kernels_of<double>()};
-
-const ChunkKernelSet* ChooseChunkKernels() { return &kChunkKernels; }
-
-}  // namespace kdacp::kda::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
-
-#if HWY_ONCE
-#include <type_traits>
-#include <vector>
+// The chunkwise KDA algorithm (Algorithm::chunk) over the heads of a call,
+// as recurrent.cpp does for the recurrence: the B·HV (batch, value head)
+// pairs are split over the pool, each computed by one thread with the same
+// per-head kernel of the kernel table (kernels/kda_chunk-inl.h), so results
+// do not depend on the pool size.
+#include "kda/chunk.hpp"
 
 #include "kda/backward_driver.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda::detail {
 
-HWY_EXPORT(ChooseChunkKernels);
-
 template <class T>
 const ChunkKernels<T>& chosen_chunk_kernels() {
-  static const ChunkKernelSet* const set = HWY_DYNAMIC_DISPATCH(ChooseChunkKernels)();
-  if constexpr (std::is_same_v<T, float>) {
-    return set->f32;
-  } else {
-    return set->f64;
-  }
+  return kdacp::detail::kernel_table().of<T>().chunk;
 }
-
-const ChunkKernelSet* dispatched_chunk_kernels() {
-  return HWY_DYNAMIC_DISPATCH(ChooseChunkKernels)();
-}
+template const ChunkKernels<float>& chosen_chunk_kernels<float>();
+template const ChunkKernels<double>& chosen_chunk_kernels<double>();
 
 template <class T>
 void chunk_summary_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, T* state,
@@ -131,7 +88,6 @@ void backward_chunked(const ChunkKernels<T>& kern, const Inputs<T>& in, const T*
 }
 
 #define KDACP_KDA_CHUNK_INSTANTIATE(T)                                                       \
-  template const ChunkKernels<T>& chosen_chunk_kernels<T>();                                 \
   template void chunk_summary_chunked<T>(const ChunkKernels<T>&, const Inputs<T>&, T*, T*,   \
                                          const ExecPolicy&);                                 \
   template void forward_chunked<T>(const ChunkKernels<T>&, const Inputs<T>&, const T*, T*,   \
@@ -147,4 +103,3 @@ KDACP_KDA_CHUNK_INSTANTIATE(double)
 #undef KDACP_KDA_CHUNK_INSTANTIATE
 
 }  // namespace kdacp::kda::detail
-#endif  // HWY_ONCE

@@ -2,7 +2,7 @@
 // C - A·B, with A read through row and column strides (so Aᵀ costs nothing)
 // and the known zeros of triangular operands skipped. Every element of C is
 // fused_mul_add(a_{p-1}, b_{p-1}, ... fused_mul_add(a_0, b_0, 0)) in order
-// of the inner index (simd-inl.h's FMA policy), then combined once with C:
+// of the inner index (the FMA policy, table.hpp), then combined once with C:
 // vectorised along C's columns only, so neither the vector width nor the
 // tiling changes a bit. Included once per Highway target, hence the toggle
 // guard instead of #pragma once.
@@ -13,9 +13,7 @@
 #define KDACP_KERNELS_GEMM_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/highway.h>
 
@@ -25,10 +23,7 @@
 
 #include "kernels/simd-inl.h"
 
-HWY_BEFORE_NAMESPACE();
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -170,6 +165,6 @@ bool gemm_zero_b(std::size_t m, std::size_t n_cols, std::size_t p, const T* a, s
 }
 
 }  // namespace kdacp::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
 #endif  // KDACP_KERNELS_GEMM_INL_H_

@@ -1,26 +1,12 @@
 // Per-target SIMD primitives of the kernels whose results must be the same
-// bits on every Highway target (the chunk kernels, src/kda/chunk*-inl.h):
+// bits on every Highway target (the step, the chunk kernels):
 // the fused multiply-add, element-wise loops on whole vectors, a dot
 // product in a fixed order, exp on vectors, a blocked transpose. The tile
 // GEMM built on them is gemm-inl.h. Included once per Highway target, hence
 // the toggle guard instead of #pragma once.
 //
-// The FMA policy, one for the whole project:
-//   - A product-and-sum that is meant to be fused is fused_mul_add below:
-//     acc + a·b rounded once on every target (std::fma's result). The chunk
-//     kernels (gemm-inl.h, exp_vec) use it.
-//   - The step kernel (step-inl.h) calls hn::MulAdd, which is that same
-//     instruction on every target with FMA (HWY_NATIVE_FMA: AVX2, AVX-512,
-//     NEON on AArch64; test_kernels_targets checks both against std::fma per
-//     target). On the targets without FMA (SSE4, SSSE3, SCALAR: x86 CPUs
-//     before Haswell) hn::MulAdd rounds the product first; the step keeps
-//     that there, because fused_mul_add would change its bits on those
-//     targets and put a per-lane std::fma in its inner loop.
-//   - The recurrent kernels (src/kda/recurrent-inl.h, reverse-inl.h) fuse
-//     nothing: every product is rounded, then summed. Fusing any of them
-//     would change every recurrent output's bits.
-//   - Nothing else is fused: the compiler's contraction of a*b+c is off in
-//     every file that includes this one (the pragmas here and there).
+// fused_mul_add is the one fused multiply-add of every kernel (the FMA
+// policy: kernels/table.hpp).
 #if defined(KDACP_KERNELS_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDACP_KERNELS_SIMD_INL_H_
 #undef KDACP_KERNELS_SIMD_INL_H_
@@ -28,9 +14,7 @@
 #define KDACP_KERNELS_SIMD_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/highway.h>
 
@@ -38,10 +22,7 @@
 #include <cmath>
 #include <cstddef>
 
-HWY_BEFORE_NAMESPACE();
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -179,6 +160,6 @@ void transpose(const T* HWY_RESTRICT src, std::size_t rows, std::size_t cols, st
 }
 
 }  // namespace kdacp::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
 #endif  // KDACP_KERNELS_SIMD_INL_H_

@@ -1,12 +1,10 @@
 // Per-target affine step C = op(M)·X + S (kernels.hpp), vectorised over the
 // columns j of X; each accumulator lane computes acc = S[i][j] then
-// MulAdd(op(M)[i][k], X[k][j], acc) for k = 0..K-1 in order, so the register
-// blocking (kRows rows × 2 vectors) never changes a result. On targets with
-// FMA (HWY_NATIVE_FMA) that is step_scalar's std::fma bit for bit, the same
-// instruction as simd-inl.h's fused_mul_add; without it, MulAdd rounds the
-// product first (simd-inl.h's FMA policy says why it stays so). Included
-// once per Highway target by step_hwy.cpp (and by the tests), hence the
-// toggle guard instead of #pragma once.
+// fused_mul_add(op(M)[i][k], X[k][j], acc) for k = 0..K-1 in order (the FMA
+// policy, table.hpp), so the register blocking (kRows rows × 2 vectors)
+// never changes a result and every target gives step_scalar's std::fma bits.
+// Installed in the kernel table per Highway target by step_hwy.cpp (and
+// included by the tests), hence the toggle guard instead of #pragma once.
 #if defined(KDACP_KERNELS_STEP_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KDACP_KERNELS_STEP_INL_H_
 #undef KDACP_KERNELS_STEP_INL_H_
@@ -14,12 +12,16 @@
 #define KDACP_KERNELS_STEP_INL_H_
 #endif
 
+#include "kernels/per_target.h"
+
 #include <hwy/highway.h>
 
 #include <algorithm>
 #include <cstddef>
 
-HWY_BEFORE_NAMESPACE();
+#include "kernels/simd-inl.h"
+
+KDACP_TARGET_BEGIN;
 namespace kdacp::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -60,7 +62,7 @@ HWY_INLINE void Tile(D d, const float* m, std::size_t ldm, const float* x, std::
     for (std::size_t q = 0; q < kCols; ++q) xv[q] = hn::LoadU(d, x + kk * ldx + j0 + q * n);
     for (std::size_t r = 0; r < kRows; ++r) {
       const V a = hn::Set(d, MAt<kTranspose>(m, ldm, i0 + r, kk));
-      for (std::size_t q = 0; q < kCols; ++q) acc[r][q] = hn::MulAdd(a, xv[q], acc[r][q]);
+      for (std::size_t q = 0; q < kCols; ++q) acc[r][q] = fused_mul_add(d, a, xv[q], acc[r][q]);
     }
   }
   for (std::size_t r = 0; r < kRows; ++r)
@@ -79,7 +81,8 @@ HWY_INLINE void ScalarColumns(const float* m, std::size_t ldm, const float* x, s
     for (std::size_t j = j0; j < j1; ++j) {
       auto acc = hn::LoadU(d1, s + i * lds + j);
       for (std::size_t kk = 0; kk < k; ++kk)
-        acc = hn::MulAdd(hn::Set(d1, MAt<kTranspose>(m, ldm, i, kk)), hn::LoadU(d1, x + kk * ldx + j), acc);
+        acc = fused_mul_add(d1, hn::Set(d1, MAt<kTranspose>(m, ldm, i, kk)), hn::LoadU(d1, x + kk * ldx + j),
+                            acc);
       hn::StoreU(acc, d1, c + i * ldc + j);
     }
 }
@@ -126,6 +129,6 @@ inline void Step(const float* m, std::size_t ldm, const float* x, std::size_t ld
 }
 
 }  // namespace kdacp::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
 #endif  // KDACP_KERNELS_STEP_INL_H_

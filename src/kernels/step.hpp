@@ -1,6 +1,6 @@
-// Internal: the one-slab affine step kernels behind affine_step(), scan(),
-// merge() and the reassociating protocols' helpers, and the one place that
-// chooses among them.
+// Internal: the one-slab affine step behind affine_step(), scan(), merge()
+// and the reassociating protocols' helpers, as the kernel table
+// (kernels/table.hpp) holds it, and the one place that chooses the entry.
 #pragma once
 
 #include <cstddef>
@@ -22,23 +22,19 @@ void step_scalar_f64(const double* m, std::size_t ldm, const double* x, std::siz
                      const double* s, std::size_t lds, double* c, std::size_t ldc, std::size_t k,
                      std::size_t v, bool transpose);
 
-// One Highway target's SIMD step and the target's name.
-struct StepTarget {
-  StepFn<float> step;
-  const char* name;
-};
-
-// The step for element type T: float gets the scalar reference for
-// KernelKind::scalar, else the SIMD step of the best target this CPU
-// supports, chosen once per process; double always gets the scalar kernel
-// with the same operation order.
+// The step for element type T: the reference entry for KernelKind::scalar,
+// else the kernel table's (the SIMD step of the best target this CPU
+// supports in float; the reference in double, which no target overrides).
+// Under a folded simulation (core/simulation.hpp) a step that charges its
+// flops instead.
 template <class T>
 StepFn<T> step_kernel(KernelKind kind);
 template <>
 StepFn<float> step_kernel<float>(KernelKind kind);
 template <>
 StepFn<double> step_kernel<double>(KernelKind kind);
-// The target step_kernel<float> runs for best and simd.
+// The target whose entries the kernel table holds (step_kernel<float> runs
+// its step for best and simd).
 const char* simd_target();
 
 }  // namespace kdacp::detail

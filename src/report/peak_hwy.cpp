@@ -1,12 +1,8 @@
 // FP32 FMA peak probe (kdacp/report/bench.hpp), compiled per target like
 // kernels/step_hwy.cpp so that it measures the vector width the fold kernels
 // are dispatched to.
-#include "kernels/hwy_targets.hpp"
-
-#undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "report/peak_hwy.cpp"
-#include <hwy/foreach_target.h>  // IWYU pragma: keep
-#include <hwy/highway.h>
+#define KDACP_PER_TARGET_FILE "report/peak_hwy.cpp"
+#include "kernels/per_target.h"
 
 #include <algorithm>
 #include <chrono>

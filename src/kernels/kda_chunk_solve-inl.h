@@ -1,32 +1,27 @@
-// Per-target triangular solves of the chunk kernels (chunk-inl.h has the
+// Per-target triangular solves of the chunk kernels (kda_chunk-inl.h has the
 // math): the forward's (I + Diag(β) L)⁻¹ Diag(β) and the backward's
 // (I + Diag(β) L)⁻ᵀ, each by blocks of kSub rows, one product for the rows
 // outside a block and substitution inside it. Included once per Highway
 // target, hence the toggle guard instead of #pragma once.
-#if defined(KDACP_KDA_CHUNK_SOLVE_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef KDACP_KDA_CHUNK_SOLVE_INL_H_
-#undef KDACP_KDA_CHUNK_SOLVE_INL_H_
+#if defined(KDACP_KERNELS_KDA_CHUNK_SOLVE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KERNELS_KDA_CHUNK_SOLVE_INL_H_
+#undef KDACP_KERNELS_KDA_CHUNK_SOLVE_INL_H_
 #else
-#define KDACP_KDA_CHUNK_SOLVE_INL_H_
+#define KDACP_KERNELS_KDA_CHUNK_SOLVE_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/highway.h>
 
 #include <algorithm>
 #include <cstddef>
 
-#include "kda/chunk.hpp"
+#include "kernels/kda_chunk.hpp"
 #include "kernels/gemm-inl.h"
 #include "kernels/simd-inl.h"
 
-HWY_BEFORE_NAMESPACE();
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::kda::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gemm-inl.h
@@ -99,6 +94,6 @@ void chunk_solve_adjoint(std::size_t c, T* Z, std::size_t ldz, std::size_t nz, T
 }
 
 }  // namespace kdacp::kda::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
-#endif  // KDACP_KDA_CHUNK_SOLVE_INL_H_
+#endif  // KDACP_KERNELS_KDA_CHUNK_SOLVE_INL_H_

@@ -1,18 +1,43 @@
-// Per-target KDA kernels of the forward direction (SPEC §9): the sweep that
-// produces every forward state, and the chunk summary. Included once per
-// Highway target by kda_math.cpp (and by the tests), hence the toggle guard
-// instead of #pragma once. Why the results are the same bits on every target:
-// kda_math.cpp.
-#if defined(KDACP_KDA_RECURRENT_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef KDACP_KDA_RECURRENT_INL_H_
-#undef KDACP_KDA_RECURRENT_INL_H_
+// Per-target kernels of the token-by-token KDA recurrence (SPEC §9),
+// forward direction: the sweep that produces every forward state, and the
+// chunk summary (kda_recurrent_backward-inl.h has the reverse sweep).
+// Installed in the kernel table per Highway target by kda_recurrent_hwy.cpp,
+// hence the toggle guard instead of #pragma once.
+//
+// Work is O(T·K·V) per (batch, value head), all of it row operations on the
+// K×V state (V contiguous elements a row): scale a row, axpy a row into a
+// V-vector, dot a row with a V-vector, rank-1 update. Each token makes one
+// pass over the rows, doing all of a row's work for the end of one token and
+// the start of the next. Columns are independent in the recurrence, so the
+// forward-direction passes (sweep, the transfer M, incoming_grad) walk the
+// rows once per strip of columns (kStripVecs vectors) with the per-column
+// accumulators in registers; backward's step walks the columns once per pair
+// of rows (kStepRows) with its per-row dots in registers. Neither changes any
+// element's operations or their order, so results are the same bits as the
+// plain row loops. Dots keep kLanes partial sums so they vectorise without
+// reassociation flags and still sum in a fixed order.
+//
+// Recomputed states must equal the forward's bit for bit (backward's
+// checkpoint interval may not change results), so every forward state comes
+// from one function, sweep().
+//
+// Results are bitwise identical across targets (tests/test_kda_dispatch.cpp
+// compares every compiled target with the reference entries) because
+//  - every element-wise loop computes each element with the same operations
+//    in the same order whatever the vector width,
+//  - dots sum into kLanes<T> fixed partial sums (64 bytes: 16 floats, one
+//    AVX-512 vector, two AVX2 or four SSE4 ones), then tree_sum's fixed
+//    pairwise order, the same association for every width, and
+//  - nothing is fused (the FMA policy, kernels/table.hpp: these are row
+//    updates and dots, which round every product).
+#if defined(KDACP_KERNELS_KDA_RECURRENT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KERNELS_KDA_RECURRENT_INL_H_
+#undef KDACP_KERNELS_KDA_RECURRENT_INL_H_
 #else
-#define KDACP_KDA_RECURRENT_INL_H_
+#define KDACP_KERNELS_KDA_RECURRENT_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/highway.h>
 
@@ -20,14 +45,9 @@
 #include <cstddef>
 #include <vector>
 
-#include "kda/kda_kernels.hpp"
+#include "kernels/kda_heads.hpp"
 
-HWY_BEFORE_NAMESPACE();
-// Contraction off, as in kda_math.cpp: HWY_AFTER_NAMESPACE's pop_options
-// ends it with this section.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::kda::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -289,6 +309,6 @@ void summary_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t kd, st
 }
 
 }  // namespace kdacp::kda::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
-#endif  // KDACP_KDA_RECURRENT_INL_H_
+#endif  // KDACP_KERNELS_KDA_RECURRENT_INL_H_

@@ -1,16 +1,16 @@
-// Per-target KDA kernels of the reverse direction: backward's gradients and
-// incoming_grad's state gradient. Included once per Highway target after
-// recurrent-inl.h, whose sweep recomputes the forward states.
-#if defined(KDACP_KDA_REVERSE_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef KDACP_KDA_REVERSE_INL_H_
-#undef KDACP_KDA_REVERSE_INL_H_
+// Per-target kernels of the token-by-token KDA recurrence, reverse
+// direction: backward's gradients and incoming_grad's state gradient.
+// Included once per Highway target after kda_recurrent-inl.h, whose sweep
+// recomputes the forward states; why the results are the same bits on every
+// target: kda_recurrent-inl.h.
+#if defined(KDACP_KERNELS_KDA_RECURRENT_BACKWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KERNELS_KDA_RECURRENT_BACKWARD_INL_H_
+#undef KDACP_KERNELS_KDA_RECURRENT_BACKWARD_INL_H_
 #else
-#define KDACP_KDA_REVERSE_INL_H_
+#define KDACP_KERNELS_KDA_RECURRENT_BACKWARD_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/highway.h>
 
@@ -18,15 +18,10 @@
 #include <cstddef>
 #include <vector>
 
-#include "kda/kda_kernels.hpp"
-#include "kda/recurrent-inl.h"
+#include "kernels/kda_heads.hpp"
+#include "kernels/kda_recurrent-inl.h"
 
-HWY_BEFORE_NAMESPACE();
-// Contraction off, as in kda_math.cpp: HWY_AFTER_NAMESPACE's pop_options
-// ends it with this section.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::kda::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -406,6 +401,6 @@ void incoming_grad_head(const HeadInputs<T>& h, std::size_t tokens, std::size_t 
 }
 
 }  // namespace kdacp::kda::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
-#endif  // KDACP_KDA_REVERSE_INL_H_
+#endif  // KDACP_KERNELS_KDA_RECURRENT_BACKWARD_INL_H_

@@ -1,10 +1,10 @@
 // Per-target kernels of the chunkwise (WY/UT) KDA algorithm (SPEC §9,
-// Algorithm::chunk), in four files: chunk_forward-inl.h (a chunk's factors,
-// the state update, forward, summary, incoming gradient),
-// chunk_backward-inl.h, chunk_solve-inl.h (both triangular solves),
-// chunk_exact-inl.h (strong gates); on the SIMD primitives of src/kernels
-// (gemm-inl.h, simd-inl.h). Included once per Highway target by chunk.cpp,
-// hence the toggle guard instead of #pragma once.
+// Algorithm::chunk), in four files: kda_chunk_forward-inl.h (a chunk's
+// factors, the state update, forward, summary, incoming gradient),
+// kda_chunk_backward-inl.h, kda_chunk_solve-inl.h (both triangular solves),
+// kda_chunk_exact-inl.h (strong gates); on the SIMD primitives gemm-inl.h
+// and simd-inl.h. Installed in the kernel table per Highway target by
+// kda_chunk_hwy.cpp, hence the toggle guard instead of #pragma once.
 //
 // The math, for one (batch, value head) and one chunk of c ≤ kChunk tokens
 // (local index t = 0..c-1) entering with state S_0 (K×n):
@@ -41,21 +41,21 @@
 // subtracted: under strong decay dg is of the size of α, and the rounding
 // of such O(1) pairs would swamp it.
 //
-// Bitwise agreement across targets (see kda_math.cpp): matrix products
-// vectorise along the output's columns only; every output element is
+// Bitwise agreement across targets: matrix products vectorise along the
+// output's columns only; every output element is
 // fma(a_{p-1}, b_{p-1}, ... fma(a_0, b_0, 0)) in order of the inner index
-// (explicit fused multiply-adds, exact on every target: kernels/simd-inl.h's
-// FMA policy), then combined once with the destination; no implicit FMA
-// contraction elsewhere; dots (the exact fallback) are scalar loops in a
-// fixed order (lane_dot).
-#if defined(KDACP_KDA_CHUNK_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef KDACP_KDA_CHUNK_INL_H_
-#undef KDACP_KDA_CHUNK_INL_H_
+// (explicit fused multiply-adds, exact on every target: the FMA policy of
+// kernels/table.hpp), then combined once with the destination; nothing else
+// is fused; dots (the exact fallback) are loops in a fixed order
+// (lane_dot).
+#if defined(KDACP_KERNELS_KDA_CHUNK_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KERNELS_KDA_CHUNK_INL_H_
+#undef KDACP_KERNELS_KDA_CHUNK_INL_H_
 #else
-#define KDACP_KDA_CHUNK_INL_H_
+#define KDACP_KERNELS_KDA_CHUNK_INL_H_
 #endif
 
-#include "kda/chunk_backward-inl.h"
-#include "kda/chunk_forward-inl.h"
+#include "kernels/kda_chunk_backward-inl.h"
+#include "kernels/kda_chunk_forward-inl.h"
 
-#endif  // KDACP_KDA_CHUNK_INL_H_
+#endif  // KDACP_KERNELS_KDA_CHUNK_INL_H_

@@ -1,19 +1,17 @@
 // Per-target exact handling of strong gates in the chunk kernels
-// (chunk-inl.h, "Strong decay"): which key channels of a sub-chunk leave the
+// (kda_chunk-inl.h, "Strong decay"): which key channels of a sub-chunk leave the
 // range where the diagonal block may be factorised, and those channels'
 // share of the diagonal block of L and P (forward) and its adjoint
 // (backward), pair by pair with running products. Included once per Highway
 // target, hence the toggle guard instead of #pragma once.
-#if defined(KDACP_KDA_CHUNK_EXACT_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef KDACP_KDA_CHUNK_EXACT_INL_H_
-#undef KDACP_KDA_CHUNK_EXACT_INL_H_
+#if defined(KDACP_KERNELS_KDA_CHUNK_EXACT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KERNELS_KDA_CHUNK_EXACT_INL_H_
+#undef KDACP_KERNELS_KDA_CHUNK_EXACT_INL_H_
 #else
-#define KDACP_KDA_CHUNK_EXACT_INL_H_
+#define KDACP_KERNELS_KDA_CHUNK_EXACT_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/highway.h>
 
@@ -22,13 +20,10 @@
 #include <cstddef>
 #include <limits>
 
-#include "kda/chunk.hpp"
+#include "kernels/kda_chunk.hpp"
 #include "kernels/simd-inl.h"
 
-HWY_BEFORE_NAMESPACE();
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::kda::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gemm-inl.h
@@ -198,6 +193,6 @@ void exact_block_backward(const T* k, const T* q, const T* al, std::size_t b, st
 }
 
 }  // namespace kdacp::kda::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
-#endif  // KDACP_KDA_CHUNK_EXACT_INL_H_
+#endif  // KDACP_KERNELS_KDA_CHUNK_EXACT_INL_H_

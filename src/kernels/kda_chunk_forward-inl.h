@@ -1,18 +1,16 @@
-// Per-target forward kernels of the chunkwise algorithm (chunk-inl.h has
+// Per-target forward kernels of the chunkwise algorithm (kda_chunk-inl.h has
 // the math): a chunk's state-independent factors (chunk_prepare), the state
 // update over one chunk, and the per-head forward, summary and incoming
 // gradient. Included once per Highway target, hence the toggle guard
 // instead of #pragma once.
-#if defined(KDACP_KDA_CHUNK_FORWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef KDACP_KDA_CHUNK_FORWARD_INL_H_
-#undef KDACP_KDA_CHUNK_FORWARD_INL_H_
+#if defined(KDACP_KERNELS_KDA_CHUNK_FORWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KDACP_KERNELS_KDA_CHUNK_FORWARD_INL_H_
+#undef KDACP_KERNELS_KDA_CHUNK_FORWARD_INL_H_
 #else
-#define KDACP_KDA_CHUNK_FORWARD_INL_H_
+#define KDACP_KERNELS_KDA_CHUNK_FORWARD_INL_H_
 #endif
 
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
+#include "kernels/per_target.h"
 
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
@@ -21,17 +19,14 @@
 #include <cstddef>
 #include <type_traits>
 
-#include "kda/chunk.hpp"
-#include "kda/chunk_exact-inl.h"
-#include "kda/chunk_solve-inl.h"
-#include "kda/kda_kernels.hpp"
+#include "kernels/kda_chunk.hpp"
+#include "kernels/kda_chunk_exact-inl.h"
+#include "kernels/kda_chunk_solve-inl.h"
+#include "kernels/kda_heads.hpp"
 #include "kernels/gemm-inl.h"
 #include "kernels/simd-inl.h"
 
-HWY_BEFORE_NAMESPACE();
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+KDACP_TARGET_BEGIN;
 namespace kdacp::kda::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using namespace ::kdacp::detail::HWY_NAMESPACE;  // src/kernels: simd-inl.h, gemm-inl.h
@@ -424,6 +419,6 @@ void chunk_incoming_grad_head(const HeadInputs<T>& h, std::size_t tokens, std::s
 }
 
 }  // namespace kdacp::kda::detail::HWY_NAMESPACE
-HWY_AFTER_NAMESPACE();
+KDACP_TARGET_END;
 
-#endif  // KDACP_KDA_CHUNK_FORWARD_INL_H_
+#endif  // KDACP_KERNELS_KDA_CHUNK_FORWARD_INL_H_
