@@ -1,5 +1,5 @@
 // Internal to the context-parallel layer: the local math each rank runs on
-// its parts of a stream (kda_cp.cpp), implemented beside the single-rank path
+// its parts of a stream (layer/context_parallel.cpp), implemented beside the single-rank path
 // in sequences.cpp. Terms (stream, part, piece, cut): kda/sequences.hpp.
 #pragma once
 

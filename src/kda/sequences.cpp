@@ -1,5 +1,5 @@
 // Packed sequences, initial and final states on the per-head kernels of
-// kda_math.cpp and chunk.cpp: each piece of a part is run by the same kernel
+// recurrent.cpp and chunk.cpp: each piece of a part is run by the same kernel
 // on the piece's tokens as a call of kda::forward / backward on those tokens
 // would, so no recurrence is written twice and a piece's results are the
 // bits the kernels give for it.

@@ -6,8 +6,8 @@
 //    "kda::<op>: "; kda::validate(Inputs, op) is the same Inputs check;
 //  - kda::forward_sequences / backward_sequences (kda/sequences.hpp);
 //  - ContextParallelLayer::forward / backward (kda_cp.hpp): prefix "", the
-//    layer names itself and the rank (on_rank, kda_cp.cpp).
-// Internal, unchecked: detail::*_on (kda_math.cpp, also per target in
+//    layer names itself and the rank (on_rank, layer/context_parallel.cpp).
+// Internal, unchecked: detail::*_on (kda.cpp / recurrent.cpp, also per target in
 // tests/test_kda_dispatch.cpp), the part_* calls (kda/parts.hpp) and the
 // per-piece calls of sequences.cpp.
 //

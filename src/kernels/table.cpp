@@ -45,7 +45,7 @@ const KernelTable& kernel_table() {
 }
 
 namespace {
-// The folded simulation's step (core/simulation.hpp): its flops, charged.
+// The shared-memory simulation's step (core/simulation.hpp): its flops, charged.
 void step_charged(const float*, std::size_t, const float*, std::size_t, const float*, std::size_t,
                   float*, std::size_t, std::size_t k, std::size_t v, bool) {
   simulation_hooks().compute(2.0 * static_cast<double>(k) * static_cast<double>(k) *

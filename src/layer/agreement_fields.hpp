@@ -1,6 +1,6 @@
 // The fields of the KDA layers' agreements (kdacp/agreement.hpp): what
 // every rank must build a layer with and pass to each call. One definition
-// for the context-parallel layer (kda_cp.cpp) and the Ulysses layer
+// for the context-parallel layer (context_parallel.cpp) and the Ulysses layer
 // (ulysses.cpp), so that both compare the same things under the same names.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Internal to the context-parallel layer (kda_cp.cpp): the scan of its
+// Internal to the context-parallel layer (context_parallel.cpp): the scan of its
 // outputs for NaN / ±Inf (LayerChecks::check_finite) and the names and
 // shapes of the tensors it reports.
 #pragma once
