@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "exchange/cost_terms.hpp"
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/npy.hpp"
 #include "kdacp/protocol.hpp"
@@ -217,7 +217,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   // next cut, which receives but need not wait (the backward chain has the
   // same stretches, mirrored). A rank (a block, for width w) handles its
   // parts one after the other in chain order, waiting for each part's state
-  // (p2p.cpp, layouts.cpp): a stretch that passes a rank also waits for that
+  // (p2p.cpp, runs.cpp): a stretch that passes a rank also waits for that
   // rank's earlier parts. The critical path is the longest path over both
   // kinds of edges (chain order is a topological order of them): by relays,
   // (plus order_weight per edge of the second kind), then relays across
@@ -716,7 +716,7 @@ void add_run_folds(CostTerms& t, const ProblemShape& s, const Runs& runs) {
 
 // add_layout_runs' scan over the runs.
 void add_run_scan(CostTerms& t, const ProblemShape& s, const Runs& runs, std::size_t w) {
-  auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };  // as layouts.cpp
+  auto carrier = [&](std::size_t run) { return runs.block[run] * w + w - 1; };  // as runs.cpp
   const std::size_t m = runs.size(), rounds = ceil_log2(m), node = rank_node_width(s);
   // Leaves (the members are ranks, whatever the layout): a leaf's uplinks
   // carry leaf/o ranks' bandwidth in each direction.

@@ -204,8 +204,8 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 
 // The runs of a layout for blocks of w ranks (run r held by its block's
 // carrier, the block's last rank) in recursive doubling (cost_model.cpp,
-// where the protocols' own run decomposition, layouts.hpp, is at hand):
-// - The scan over the runs, as rd_exclusive_scan_parts (layouts.cpp) runs
+// where the protocols' own run decomposition, runs.hpp, is at hand):
+// - The scan over the runs, as rd_exclusive_scan_parts (runs.cpp) runs
 //   it: in each round every position q sends to q + 2^k, and a carrier
 //   holding several positions sends (and receives) all of theirs. A round
 //   takes as long as the busiest carrier's network messages in one direction
@@ -224,7 +224,7 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 //   the run's start or a cut to the next cut), for the longest run of each.
 void add_layout_runs(CostTerms& t, const ProblemShape& s, std::size_t w);
 
-// Recursive doubling over a layout's runs (layouts.hpp) for blocks of w
+// Recursive doubling over a layout's runs (runs.hpp) for blocks of w
 // ranks: the block gathers k slots per rank, its carrier folds each run into
 // a pair and scans the runs (add_layout_runs), then broadcasts their incoming
 // states; every rank folds inside its runs. Memory: the slots, per run three

@@ -10,7 +10,7 @@
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 namespace kdacp::detail {
 namespace {
@@ -34,7 +34,7 @@ class GroupedRdExchange final : public StateExchange {
 
   // The block gathers all its ranks' parts in one collective, the owners
   // scan the pairs of the block's runs of consecutive parts, and every rank
-  // folds its parts inside their run in the chain's order (layouts.hpp).
+  // folds its parts inside their run in the chain's order (runs.hpp).
   // One part per rank is one run per block: each owner folds its block into
   // one pair, the owners scan the P/w pairs, and every rank folds its prefix
   // of the block from the block's incoming state.

@@ -6,7 +6,7 @@
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 namespace kdacp::detail {
 namespace {
@@ -20,7 +20,7 @@ class RecursiveDoublingExchange final : public CommExchange {
   // The scan runs over the chain of runs of consecutive parts per rank, each
   // run folded into one pair, each rank standing for all of its runs
   // (messages between its own runs stay local), and every part then folds
-  // inside its run from the run's incoming state (layouts.hpp). One part per
+  // inside its run from the run's incoming state (runs.hpp). One part per
   // rank is the scan over the ranks' own pairs: one run per rank, nothing
   // packed, the scan's three pairs, its result the part's.
   std::vector<State> run(const Call& c) override {

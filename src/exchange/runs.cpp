@@ -1,4 +1,4 @@
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 #include <algorithm>
 #include <cstring>
