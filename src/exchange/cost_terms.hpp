@@ -18,6 +18,21 @@ inline std::size_t ceil_log2(std::size_t n) {
 
 inline double dbl(std::size_t n) { return static_cast<double>(n); }
 
+// InvalidArgument naming the parameter (cost_params.cpp): non-positive α/β/γ,
+// negative group values, an oversubscription below 1, leaves that are not
+// whole nodes.
+void check_cost_params(const CostParams& params);
+// InvalidArgument unless P, B·H, K, V and the element size are positive.
+void check_cost_shape(const ProblemShape& shape);
+// InvalidArgument unless the shape's cuts are none or one per part (n).
+void check_part_cuts(const ProblemShape& shape, std::size_t n);
+
+// Whether the step into part j (j >= 1) joins ranks of two nodes of `node`
+// consecutive ranks (every step when node is 0: the nodes unknown).
+inline bool crosses_nodes(const PartOwners& owners, std::size_t node, std::size_t j) {
+  return node == 0 || owners[j] / node != owners[j - 1] / node;
+}
+
 // Bytes each packed slot and affine pair carries for its flags (the cut,
 // SPEC §10), so that they travel in the summary's own message; 64 keeps every
 // slot 64-byte aligned.
