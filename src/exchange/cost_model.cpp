@@ -1,5 +1,5 @@
-// The planner: prices the registry rows' cost terms (protocol.hpp) with a
-// machine's parameters, and auto's rule. The parameters (cost_params.cpp),
+// The planner (Planner): prices the registry rows' cost terms (protocol.hpp)
+// with a machine's parameters, and auto's rule. The parameters (cost_params.cpp),
 // the chain profile (chain_profile.cpp), pipelined_p2p's streams
 // (pipelined_p2p.cpp), the runs (runs_cost.cpp) and Ulysses
 // (ulysses_cost.cpp) each live apart.
@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -83,12 +85,18 @@ const ProtocolDescriptor& checked_row(const ProtocolConfig& config, const Proble
 
 }  // namespace
 
-std::size_t best_segments(const CostParams& params, const ProblemShape& given,
-                          const std::string& method) {
-  check_cost_params(params);
+Planner::Planner(CostParams params)
+    : params_(std::move(params)), waits_(std::make_unique<StreamWaitsCache>()) {}
+
+double Planner::stream_nic_waits(const ProblemShape& shape, std::size_t segments) const {
+  return kdacp::stream_nic_waits(shape, segments, waits_.get());
+}
+
+std::size_t Planner::best_segments(const ProblemShape& given, const std::string& method) const {
+  check_cost_params(params_);
   check_cost_shape(given);
   ProblemShape shape = given;
-  fill_machine(params, shape);
+  fill_machine(params_, shape);
   ProtocolConfig config;
   const ProtocolDescriptor& row = checked_row({method, 1, 0}, shape, config);
   if (!row.takes_segments) return 0;
@@ -96,31 +104,28 @@ std::size_t best_segments(const CostParams& params, const ProblemShape& given,
   double best_time = std::numeric_limits<double>::infinity();
   for (std::size_t c = 1; c <= max_segments(shape.value_dim); ++c) {
     config.segments = c;
-    const double time = seconds_of(params, shape, row.cost(shape, config));
+    const double time = seconds_of(params_, shape, row.cost(shape, config, waits_.get()));
     if (time < best_time) best = c, best_time = time;
   }
   return best;
 }
 
-Prediction predict(const CostParams& params, const ProblemShape& given,
-                   const ProtocolConfig& config) {
-  check_cost_params(params);
+Prediction Planner::predict(const ProblemShape& given, const ProtocolConfig& config) const {
+  check_cost_params(params_);
   check_cost_shape(given);
   ProblemShape shape = given;
-  fill_machine(params, shape);
+  fill_machine(params_, shape);
   Prediction out;
   const ProtocolDescriptor& row = checked_row(config, shape, out.config);
-  if (row.takes_segments && out.config.segments == 0)
-    out.config.segments = best_segments(params, shape, out.config.method);
-  const CostTerms terms = row.cost(shape, out.config);
+  if (row.takes_segments && out.config.segments == 0) out.config.segments = best_segments(shape, out.config.method);
+  const CostTerms terms = row.cost(shape, out.config, waits_.get());
   out.exact = row.exact();
-  out.seconds = seconds_of(params, shape, terms);
+  out.seconds = seconds_of(params_, shape, terms);
   out.peak_extra_bytes = terms.peak_extra_bytes;
   return out;
 }
 
-std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape& shape,
-                                    bool include_reassociating) {
+std::vector<Prediction> Planner::predict_all(const ProblemShape& shape, bool include_reassociating) const {
   check_cost_shape(shape);
   std::vector<Prediction> out;
   for (const ProtocolDescriptor* row : protocol_registry()) {
@@ -128,28 +133,27 @@ std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape
     if (row->takes_group_size) {
       // w = 1 and w = P are the chain and the allgather: weighed as themselves.
       for (std::size_t w = 2; w < shape.ranks; ++w)
-        if (shape.ranks % w == 0) out.push_back(predict(params, shape, {std::string(row->name), w, 0}));
+        if (shape.ranks % w == 0) out.push_back(predict(shape, {std::string(row->name), w, 0}));
     } else {
-      out.push_back(predict(params, shape, {std::string(row->name), 1, 0}));
+      out.push_back(predict(shape, {std::string(row->name), 1, 0}));
     }
   }
   return out;
 }
 
-std::vector<Prediction> best_per_protocol(const CostParams& params, const ProblemShape& shape) {
+std::vector<Prediction> Planner::best_per_protocol(const ProblemShape& shape) const {
   std::vector<Prediction> best;
   // predict_all lists a row's configurations next to each other.
-  for (const Prediction& p : predict_all(params, shape, true)) {
+  for (const Prediction& p : predict_all(shape, true)) {
     if (best.empty() || best.back().config.method != p.config.method) best.push_back(p);
     else if (p.seconds < best.back().seconds) best.back() = p;
   }
   return best;
 }
 
-Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
-                           std::size_t memory_budget_bytes, bool allow_reassociation,
-                           bool layouts_only) {
-  const auto all = predict_all(params, shape, allow_reassociation);
+Prediction Planner::choose_protocol(const ProblemShape& shape, std::size_t memory_budget_bytes,
+                                    bool allow_reassociation, bool layouts_only) const {
+  const auto all = predict_all(shape, allow_reassociation);
   const Prediction* best = nullptr;
   std::size_t least_memory = std::numeric_limits<std::size_t>::max();
   for (const Prediction& p : all) {
@@ -164,6 +168,31 @@ Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
         memory_budget_bytes, least_memory));
   }
   return *best;
+}
+
+// The free functions: one call of a planner of their own.
+
+std::size_t best_segments(const CostParams& params, const ProblemShape& shape, const std::string& method) {
+  return Planner(params).best_segments(shape, method);
+}
+
+Prediction predict(const CostParams& params, const ProblemShape& shape, const ProtocolConfig& config) {
+  return Planner(params).predict(shape, config);
+}
+
+std::vector<Prediction> predict_all(const CostParams& params, const ProblemShape& shape,
+                                    bool include_reassociating) {
+  return Planner(params).predict_all(shape, include_reassociating);
+}
+
+std::vector<Prediction> best_per_protocol(const CostParams& params, const ProblemShape& shape) {
+  return Planner(params).best_per_protocol(shape);
+}
+
+Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
+                           std::size_t memory_budget_bytes, bool allow_reassociation,
+                           bool layouts_only) {
+  return Planner(params).choose_protocol(shape, memory_budget_bytes, allow_reassociation, layouts_only);
 }
 
 }  // namespace kdacp

@@ -43,7 +43,7 @@ class GroupedExchange final : public StateExchange {
   RunLayout layout_;
 };
 
-CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
+CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache*) {
   const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
   CostTerms t;
   if (has_layout(s) || !s.part_cuts.empty()) {

@@ -50,7 +50,7 @@ class GroupedRdExchange final : public StateExchange {
 
 // Owners fold their group into one pair (w-1 state folds and w-1 K×K
 // products), scan across the blocks, broadcast; everyone folds its prefix.
-CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config) {
+CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache*) {
   const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
   CostTerms t;
   if (has_layout(s)) {

@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <queue>
 #include <vector>
@@ -195,7 +194,7 @@ class PipelinedExchange final : public CommExchange {
 // widest segment and the c - 1 others share the rest. (Simulated at P = 8
 // and 64 on Ethernet, c = 7 of 8 units ran 1.19x the model that priced
 // every segment V/c wide.)
-CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
+CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache* waits) {
   CostTerms t;
   const std::size_t p = s.ranks, c = config.segments;
   const std::size_t more = c > 0 ? c - 1 : 0;  // segments after the first
@@ -225,7 +224,7 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   // (stream_nic_waits; 0 for c = 1, as the profile's are for c >= 2), each
   // one more widest segment on the network.
   add_port_waits(t, chain, wide);
-  t.contention_bytes += stream_nic_waits(s, c) * wide;
+  t.contention_bytes += stream_nic_waits(s, c, waits) * wide;
   t.folds = stretch_folds(chain.steps) * wide_share + (chain.steps >= 2 ? extra * rest_share : 0);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {
@@ -370,24 +369,9 @@ std::optional<std::uint32_t> stream_makespan(const std::vector<std::size_t>& own
   return *std::max_element(arrival.begin(), arrival.end());
 }
 
-// The last shapes priced, with their waits per segment count (NaN: not yet):
-// auto and plan price every segment count of one shape several times over.
-struct StreamWaitsCache {
-  struct Entry {
-    std::size_t ranks, node;
-    std::vector<std::size_t> owners;
-    std::vector<bool> cuts;
-    std::vector<double> waits;  // by c
-  };
-  std::mutex mutex;
-  std::vector<Entry> entries;
-  std::size_t next = 0;
-  static constexpr std::size_t kSize = 4;
-};
-
 }  // namespace
 
-double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
+double stream_nic_waits(const ProblemShape& s, std::size_t segments, StreamWaitsCache* cache) {
   const PartOwners owners = owners_of(s);
   const std::size_t n = owners.size();
   check_part_cuts(s, n);
@@ -396,13 +380,12 @@ double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
   // c = 8) the NICs are not priced.
   if (n > (std::size_t{1} << 31) / segments) return 0;
   const std::size_t node = rank_node_width(s);
-  static StreamWaitsCache cache;
   auto same = [&](const StreamWaitsCache::Entry& e) {
     return e.ranks == s.ranks && e.node == node && e.cuts == s.part_cuts && e.owners == owners.list();
   };
-  {
-    const std::lock_guard lock(cache.mutex);
-    for (const auto& e : cache.entries)
+  if (cache != nullptr) {
+    const std::lock_guard lock(cache->mutex_);
+    for (const auto& e : cache->entries_)
       if (same(e) && segments < e.waits.size() && !std::isnan(e.waits[segments])) return e.waits[segments];
   }
   std::vector<bool> across(n, true);
@@ -410,16 +393,18 @@ double stream_nic_waits(const ProblemShape& s, std::size_t segments) {
   const auto alone = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, false);
   const auto shared = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, true);
   const double waits = alone && shared && *shared > *alone ? double(*shared - *alone) : 0.0;
-  const std::lock_guard lock(cache.mutex);
-  auto it = std::find_if(cache.entries.begin(), cache.entries.end(), same);
-  if (it == cache.entries.end()) {
+  if (cache == nullptr) return waits;
+  const std::lock_guard lock(cache->mutex_);
+  auto& entries = cache->entries_;
+  auto it = std::find_if(entries.begin(), entries.end(), same);
+  if (it == entries.end()) {
     StreamWaitsCache::Entry entry{s.ranks, node, owners.list(), s.part_cuts, {}};
-    if (cache.entries.size() < StreamWaitsCache::kSize) {
-      it = cache.entries.insert(cache.entries.end(), std::move(entry));
+    if (entries.size() < StreamWaitsCache::kSize) {
+      it = entries.insert(entries.end(), std::move(entry));
     } else {
-      it = cache.entries.begin() + static_cast<std::ptrdiff_t>(cache.next);
+      it = entries.begin() + static_cast<std::ptrdiff_t>(cache->next_);
       *it = std::move(entry);
-      cache.next = (cache.next + 1) % StreamWaitsCache::kSize;
+      cache->next_ = (cache->next_ + 1) % StreamWaitsCache::kSize;
     }
   }
   if (it->waits.size() <= segments) it->waits.resize(segments + 1, std::numeric_limits<double>::quiet_NaN());

@@ -34,7 +34,7 @@ class RecursiveDoublingExchange final : public CommExchange {
 // Cuts do not shorten the scan: its rounds are fixed by the positions.
 // With a layout the positions are the runs of consecutive parts per rank
 // (zigzag: 2P-1), a rank standing for up to runs_per_block of them per round.
-CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&) {
+CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCache*) {
   CostTerms t;
   if (!has_layout(s)) {
     add_recursive_doubling(t, s, s.ranks, 1, node_width(s));
