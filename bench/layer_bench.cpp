@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "kdacp/kda.hpp"
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace {

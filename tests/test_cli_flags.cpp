@@ -24,8 +24,8 @@
 #include "kdacp/npy.hpp"
 #include "kdacp/output.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/layer_bench.hpp"
-#include "kdacp/testing/bench_report.hpp"
+#include "kdacp/report/layer_bench.hpp"
+#include "kdacp/report/bench_report.hpp"
 #include "kdacp/job_npy.hpp"
 #include "kdacp/job.hpp"
 #include "kdacp/testing/synthetic.hpp"
@@ -200,7 +200,7 @@ TEST(LayerJob, LayoutOfAnotherStreamIsRefused) {
       job::run_context_parallel(job, 3, opts, 30);
       ADD_FAILURE() << other.str() << " accepted";
     } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find("the layout is for T = "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(" tokens on "), std::string::npos) << e.what();
     }
   }
 }
@@ -375,7 +375,7 @@ TEST(LayerJob, LayerReusesItsForwardCache) {
 
 // A progress callback that checks each call: a positive time, `done`
 // counting up from 1 in `calls`, and `total`.
-testing::LayerBenchProgress counting_progress(std::size_t& calls, std::size_t total) {
+report::LayerBenchProgress counting_progress(std::size_t& calls, std::size_t total) {
   return [&calls, total](const std::string&, kda::Algorithm, double s, std::size_t done, std::size_t all) {
     EXPECT_GT(s, 0);
     EXPECT_EQ(done, ++calls);
@@ -384,8 +384,8 @@ testing::LayerBenchProgress counting_progress(std::size_t& calls, std::size_t to
 }
 
 // A bench of `shape` on one rank and `ranks`, `repeats` runs, a short peak.
-testing::LayerBenchConfig small_bench(const kda::Shape& shape, std::size_t ranks, std::size_t repeats) {
-  testing::LayerBenchConfig c;
+report::LayerBenchConfig small_bench(const kda::Shape& shape, std::size_t ranks, std::size_t repeats) {
+  report::LayerBenchConfig c;
   c.shape = shape;
   c.ranks = ranks;
   c.repeats = repeats;
@@ -397,15 +397,15 @@ testing::LayerBenchConfig small_bench(const kda::Shape& shape, std::size_t ranks
 // order, the baseline at speed-up 1 and error 0, the other within float's
 // tolerance but not bitwise equal, rates of the recurrent flop count.
 TEST(LayerBench, RecordsPerAlgorithmAndRun) {
-  testing::LayerBenchConfig c = small_bench(kda::Shape{1, 150, 1, 2, 16, 32}, 3, 2);
+  report::LayerBenchConfig c = small_bench(kda::Shape{1, 150, 1, 2, 16, 32}, 3, 2);
   std::size_t calls = 0;
-  const testing::LayerBenchResult res = testing::bench_layer(c, counting_progress(calls, 8));
+  const report::LayerBenchResult res = report::bench_layer(c, counting_progress(calls, 8));
   EXPECT_EQ(calls, 8u);
   EXPECT_GT(res.peak.gflops, 0);
   ASSERT_EQ(res.records.size(), 4u);
   const double flops = 34.0 * 150 * 2 * 16 * 32;
   for (std::size_t i = 0; i < 4; ++i) {
-    const testing::LayerBenchRecord& r = res.records[i];
+    const report::LayerBenchRecord& r = res.records[i];
     EXPECT_EQ(r.mode, i < 2 ? "single" : "cp");
     EXPECT_EQ(r.algorithm, i % 2 ? kda::Algorithm::chunk : kda::Algorithm::recurrent);
     EXPECT_EQ(r.ranks, i < 2 ? 1u : 3u);
@@ -425,17 +425,17 @@ TEST(LayerBench, RecordsPerAlgorithmAndRun) {
       EXPECT_LT(r.max_rel_error, 5e-5);
     }
   }
-  for (const testing::LayerBenchRecord& r : res.records) EXPECT_EQ(r.cold_seconds, 0.0);  // not asked for
-  EXPECT_GT(testing::layer_bench_bytes(c), 0);
-  testing::LayerBenchConfig bad = c;
+  for (const report::LayerBenchRecord& r : res.records) EXPECT_EQ(r.cold_seconds, 0.0);  // not asked for
+  EXPECT_GT(report::layer_bench_bytes(c), 0);
+  report::LayerBenchConfig bad = c;
   bad.repeats = 0;
-  EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(bad), InvalidArgument);
   bad = c;
   bad.algorithms.clear();
-  EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(bad), InvalidArgument);
   bad = c;
   bad.ranks = 151;
-  EXPECT_THROW(testing::bench_layer(bad), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(bad), InvalidArgument);
 }
 
 
@@ -518,26 +518,26 @@ TEST(CliFlags, InputsMustBeRegularFiles) {
 // --cold: a fresh layer's first step per repeat and algorithm, timed beside
 // the warm ones (twice the runs), its median in cold_seconds.
 TEST(LayerBench, ColdStepsAreTimedBesideTheWarmOnes) {
-  testing::LayerBenchConfig c = small_bench(kda::Shape{1, 100, 1, 1, 16, 16}, 2, 1);
+  report::LayerBenchConfig c = small_bench(kda::Shape{1, 100, 1, 1, 16, 16}, 2, 1);
   c.cold = true;
   std::size_t calls = 0;
-  const testing::LayerBenchResult res = testing::bench_layer(c, counting_progress(calls, 8));
+  const report::LayerBenchResult res = report::bench_layer(c, counting_progress(calls, 8));
   EXPECT_EQ(calls, 8u);
   ASSERT_EQ(res.records.size(), 4u);
-  for (const testing::LayerBenchRecord& r : res.records) EXPECT_GT(r.cold_seconds, 0.0);
+  for (const report::LayerBenchRecord& r : res.records) EXPECT_GT(r.cold_seconds, 0.0);
 }
 
 // --phases: each record's slowest rank's summary, G pass, exchange, forward
 // and backward, warm and cold; they sum to that rank's forward+backward, the
 // summary and G only in CP, and cold minus warm is the allocation column.
 TEST(LayerBench, PhasesSumToTheSlowestRanksStep) {
-  testing::LayerBenchConfig c = small_bench(kda::Shape{1, 120, 1, 2, 16, 16}, 3, 1);
+  report::LayerBenchConfig c = small_bench(kda::Shape{1, 120, 1, 2, 16, 16}, 3, 1);
   c.cold = true;
   c.phases = true;
-  const testing::LayerBenchResult res = testing::bench_layer(c);
+  const report::LayerBenchResult res = report::bench_layer(c);
   ASSERT_EQ(res.records.size(), 4u);
   const double eps = 1e-9;
-  for (const testing::LayerBenchRecord& r : res.records) {
+  for (const report::LayerBenchRecord& r : res.records) {
     const bool cp = r.mode == "cp";
     for (const job::LayerPhases& p : {r.phases, r.cold_phases}) {
       for (double x : {p.summary, p.incoming_grad, p.exchange, p.forward, p.backward}) EXPECT_GE(x, 0.0);
@@ -568,7 +568,7 @@ TEST(LayerBench, PhasesSumToTheSlowestRanksStep) {
     }
   }
   // In the JSON records: the same fields, and allocation = cold - warm.
-  const nlohmann::json recs = testing::layer_bench_records(c, false, nullptr);
+  const nlohmann::json recs = report::layer_bench_records(c, false, nullptr);
   ASSERT_EQ(recs.size(), 4u);
   for (const nlohmann::json& j : recs) {
     for (const char* prefix : {"phase_", "cold_phase_"}) {
@@ -585,7 +585,7 @@ TEST(LayerBench, PhasesSumToTheSlowestRanksStep) {
   c.phases = false;  // without --phases the records stay as they were
   c.cold = false;
   c.ranks = 0;
-  for (const nlohmann::json& j : testing::layer_bench_records(c, false, nullptr))
+  for (const nlohmann::json& j : report::layer_bench_records(c, false, nullptr))
     EXPECT_FALSE(j.contains("phase_total_seconds"));
 }
 
@@ -601,8 +601,8 @@ TEST(LayerErrors, NaNOrAboveToleranceIsNamed) {
   EXPECT_EQ(job::layer_error_tolerance("recursive_doubling", 8, 128),
             job::kLayerFloat32Tolerance + error_bound(find_protocol("recursive_doubling"), 8, 128));
   EXPECT_GT(error_bound(find_protocol("recursive_doubling"), 8, 128), 0);
-  testing::LayerBenchResult res;
-  testing::LayerBenchRecord base, ok, bad;
+  report::LayerBenchResult res;
+  report::LayerBenchRecord base, ok, bad;
   base.mode = ok.mode = "single";
   bad.mode = "cp";
   base.algorithm = kda::Algorithm::recurrent;
@@ -610,11 +610,11 @@ TEST(LayerErrors, NaNOrAboveToleranceIsNamed) {
   base.rel_errors.assign(6, 0);
   ok.rel_errors.assign(6, 1e-6);
   bad.rel_errors = {1e-6, 1e-6, 1e-6, 1e-6, nan, 3e-4};
-  for (testing::LayerBenchRecord* r : {&base, &ok, &bad}) r->tolerance = job::kLayerFloat32Tolerance;
+  for (report::LayerBenchRecord* r : {&base, &ok, &bad}) r->tolerance = job::kLayerFloat32Tolerance;
   res.records = {base, ok};
-  EXPECT_TRUE(testing::layer_bench_failures(res).empty());
+  EXPECT_TRUE(report::layer_bench_failures(res).empty());
   res.records.push_back(bad);
-  EXPECT_EQ(testing::layer_bench_failures(res),
+  EXPECT_EQ(report::layer_bench_failures(res),
             std::vector<std::string>{"context-parallel chunk vs recurrent: dg nan, dbeta 0.0003"});
 }
 

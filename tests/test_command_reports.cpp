@@ -16,17 +16,17 @@
 #include "kdacp/error.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/protocol.hpp"
-#include "kdacp/testing/bench_report.hpp"
-#include "kdacp/testing/model_validation.hpp"
-#include "kdacp/testing/packing.hpp"
-#include "kdacp/testing/plan_report.hpp"
+#include "kdacp/report/bench_report.hpp"
+#include "kdacp/report/model_validation.hpp"
+#include "kdacp/report/packing.hpp"
+#include "kdacp/report/plan_report.hpp"
 #include "kdacp/testing/synthetic.hpp"
 
 namespace kdacp {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::Packing;
+using report::Packing;
 
 // The message of what `fn` throws as E ("" when it throws nothing).
 template <class E, class F>
@@ -40,59 +40,59 @@ std::string message_of(F&& fn) {
 }
 
 TEST(Packing, TokensAreTheLengthsSum) {
-  EXPECT_EQ(testing::packed_tokens(Packing{}, 77, true, 100), 77u);
+  EXPECT_EQ(report::packed_tokens(Packing{}, 77, true, 100), 77u);
   const Packing lens{{3, 5, 4}, 0};
-  EXPECT_EQ(testing::packed_tokens(lens, 0, false, 100), 12u);
-  EXPECT_EQ(testing::packed_tokens(lens, 12, true, 100), 12u);
-  EXPECT_EQ(message_of<InvalidArgument>([&] { testing::packed_tokens(lens, 13, true, 100); }),
+  EXPECT_EQ(report::packed_tokens(lens, 0, false, 100), 12u);
+  EXPECT_EQ(report::packed_tokens(lens, 12, true, 100), 12u);
+  EXPECT_EQ(message_of<InvalidArgument>([&] { report::packed_tokens(lens, 13, true, 100); }),
             "--seqlens sum to 12, expected --tokens 13 (or leave --tokens out)");
-  EXPECT_EQ(message_of<InvalidArgument>([&] { testing::packed_tokens(lens, 0, false, 11); }),
+  EXPECT_EQ(message_of<InvalidArgument>([&] { report::packed_tokens(lens, 0, false, 11); }),
             "--seqlens sum to more than the most tokens this command takes, 11");
-  EXPECT_EQ(message_of<InvalidArgument>([&] { testing::packed_tokens(Packing{{3}, 2}, 0, false, 100); }),
+  EXPECT_EQ(message_of<InvalidArgument>([&] { report::packed_tokens(Packing{{3}, 2}, 0, false, 100); }),
             "--seqlens and --docs exclude each other");
 }
 
 TEST(Packing, SequencesAreCountedBeforeTheyAreDrawn) {
-  EXPECT_EQ(testing::packed_sequences(Packing{}, 3, 10), 3u);
-  EXPECT_EQ(testing::packed_sequences(Packing{{3, 5, 4}, 0}, 1, 12), 3u);
-  EXPECT_EQ(testing::packed_sequences(Packing{{}, 9}, 1, 12), 9u);
-  EXPECT_EQ(message_of<InvalidArgument>([] { testing::packed_sequences(Packing{{}, 2}, 2, 12); }),
+  EXPECT_EQ(report::packed_sequences(Packing{}, 3, 10), 3u);
+  EXPECT_EQ(report::packed_sequences(Packing{{3, 5, 4}, 0}, 1, 12), 3u);
+  EXPECT_EQ(report::packed_sequences(Packing{{}, 9}, 1, 12), 9u);
+  EXPECT_EQ(message_of<InvalidArgument>([] { report::packed_sequences(Packing{{}, 2}, 2, 12); }),
             "--docs packs sequences into one row, expected --batch 1, not 2");
-  EXPECT_EQ(message_of<InvalidArgument>([] { testing::packed_sequences(Packing{{6, 6}, 0}, 3, 12); }),
+  EXPECT_EQ(message_of<InvalidArgument>([] { report::packed_sequences(Packing{{6, 6}, 0}, 3, 12); }),
             "--seqlens packs sequences into one row, expected --batch 1, not 3");
-  EXPECT_EQ(message_of<InvalidArgument>([] { testing::packed_sequences(Packing{{}, 13}, 1, 12); }),
+  EXPECT_EQ(message_of<InvalidArgument>([] { report::packed_sequences(Packing{{}, 13}, 1, 12); }),
             "--docs 13 is more documents than T = 12 tokens (each document needs a token)");
 }
 
 TEST(Packing, CuSeqlensOfLengthsOrOfRandomDocuments) {
-  EXPECT_TRUE(testing::packed_cu_seqlens(Packing{}, 2, 10, 0).empty());
-  EXPECT_EQ(testing::packed_cu_seqlens(Packing{{3, 5, 4}, 0}, 1, 12, 0), (std::vector<std::int64_t>{0, 3, 8, 12}));
+  EXPECT_TRUE(report::packed_cu_seqlens(Packing{}, 2, 10, 0).empty());
+  EXPECT_EQ(report::packed_cu_seqlens(Packing{{3, 5, 4}, 0}, 1, 12, 0), (std::vector<std::int64_t>{0, 3, 8, 12}));
   // --docs draws with the command's --seed + 2, so that plan and run pack alike.
   for (std::uint64_t seed : {0u, 7u}) {
-    const auto cu = testing::packed_cu_seqlens(Packing{{}, 5}, 1, 40, seed);
+    const auto cu = report::packed_cu_seqlens(Packing{{}, 5}, 1, 40, seed);
     EXPECT_EQ(cu, kda::random_cu_seqlens(40, 5, seed + 2));
     EXPECT_EQ(cu.size(), 6u);
   }
-  EXPECT_THROW(testing::packed_cu_seqlens(Packing{{}, 5}, 2, 40, 0), InvalidArgument);
+  EXPECT_THROW(report::packed_cu_seqlens(Packing{{}, 5}, 2, 40, 0), InvalidArgument);
 }
 
 TEST(PlanReport, FormatsSeconds) {
-  EXPECT_EQ(testing::format_seconds(0), "0");
-  EXPECT_EQ(testing::format_seconds(12.34e-6), "12.3 us");
-  EXPECT_EQ(testing::format_seconds(4.561e-3), "4.56 ms");
-  EXPECT_EQ(testing::format_seconds(1.2344), "1.234 s");
+  EXPECT_EQ(report::format_seconds(0), "0");
+  EXPECT_EQ(report::format_seconds(12.34e-6), "12.3 us");
+  EXPECT_EQ(report::format_seconds(4.561e-3), "4.56 ms");
+  EXPECT_EQ(report::format_seconds(1.2344), "1.234 s");
 }
 
 // Without tokens only the owners are known; with a packing, the parts where
 // a sequence starts are cuts.
 TEST(PlanReport, ShapeOfTheLayoutAndItsCuts) {
-  testing::PlanRequest r;
+  report::PlanRequest r;
   r.batch = 2;
   r.heads = 3;
   r.key_dim = 32;
   r.value_dim = 64;
   r.zigzag = true;
-  ProblemShape s = testing::plan_shape_at(r, 4);
+  ProblemShape s = report::plan_shape_at(r, 4);
   EXPECT_EQ(s.ranks, 4u);
   EXPECT_EQ(s.slabs, 6u);
   EXPECT_EQ(s.key_dim, 32u);
@@ -106,20 +106,20 @@ TEST(PlanReport, ShapeOfTheLayoutAndItsCuts) {
   r.tokens = 16;
   r.cu_seqlens = {0, 4, 6, 16};
   r.layout_at = [](std::size_t p) { return Layout::contiguous(16, p); };
-  s = testing::plan_shape_at(r, 4);
+  s = report::plan_shape_at(r, 4);
   ASSERT_TRUE(s.part_owners);
   EXPECT_EQ(s.part_owners->list(), (std::vector<std::size_t>{0, 1, 2, 3}));
   // Parts [0,4) [4,8) [8,12) [12,16): a sequence starts in the first two.
   EXPECT_EQ(s.part_cuts, Layout::contiguous(16, 4).cuts(Sequences(1, 16, r.cu_seqlens)));
-  EXPECT_EQ(testing::plan_shape_at(r, 2).ranks, 2u);
+  EXPECT_EQ(report::plan_shape_at(r, 2).ranks, 2u);
 }
 
 TEST(PlanReport, PrintsEveryRowAndAutosChoice) {
-  testing::PlanRequest r;
+  report::PlanRequest r;
   r.ranks = 8;
   r.heads = 4;
   ::testing::internal::CaptureStdout();
-  testing::print_plan(r, CostParams{}, 0, "");
+  report::print_plan(r, CostParams{}, 0, "");
   std::fflush(stdout);
   const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_NE(out.find("cluster: P=8, B*H=4, K=128, V=128; alpha 5.0 us, bandwidth 45 GB/s"), std::string::npos) << out;
@@ -137,12 +137,12 @@ TEST(PlanReport, PrintsEveryRowAndAutosChoice) {
 // H and P) and the model's pick, in the text and in the JSON; without it,
 // neither mentions Ulysses.
 TEST(PlanReport, UlyssesTableAndJson) {
-  testing::PlanRequest r;
+  report::PlanRequest r;
   r.ranks = 1024;
   r.heads = 32;
   auto capture = [&](bool json) {
     ::testing::internal::CaptureStdout();
-    testing::print_plan(r, CostParams{}, 0, "", json);
+    report::print_plan(r, CostParams{}, 0, "", json);
     std::fflush(stdout);
     return ::testing::internal::GetCapturedStdout();
   };
@@ -185,13 +185,13 @@ TEST(PlanReport, UlyssesTableAndJson) {
 
 // A layout that does not fit P fails before anything is printed.
 TEST(PlanReport, LayoutErrorsComeFirst) {
-  testing::PlanRequest r;
+  report::PlanRequest r;
   r.ranks = 4;
   r.tokens = 6;
   r.zigzag = true;
   r.layout_at = [](std::size_t p) { return Layout::zigzag(6, p); };
   ::testing::internal::CaptureStdout();
-  EXPECT_THROW(testing::print_plan(r, CostParams{}, 0, ""), InvalidArgument);
+  EXPECT_THROW(report::print_plan(r, CostParams{}, 0, ""), InvalidArgument);
   std::fflush(stdout);
   EXPECT_EQ(::testing::internal::GetCapturedStdout(), "");
 }
@@ -202,13 +202,13 @@ TEST(Calibration, MeasuresSavesAndValidates) {
   const fs::path dir = fs::temp_directory_path() / "kdacp_test_calibration";
   fs::remove_all(dir);
   fs::create_directories(dir);
-  testing::CalibrateRequest request;
+  report::CalibrateRequest request;
   request.backend.backend = "inprocess";
   request.backend.ranks = 2;
   request.out = (dir / "calib.json").string();
   request.calibration = {20, std::size_t{1} << 16, 1, 0.01, SummaryShape{1, 1, 16, 16}};
   ::testing::internal::CaptureStdout();
-  testing::run_calibration(request, nullptr);
+  report::run_calibration(request, nullptr);
   std::fflush(stdout);
   const std::string measured = ::testing::internal::GetCapturedStdout();
   ASSERT_TRUE(fs::exists(request.out)) << measured;
@@ -225,7 +225,7 @@ TEST(Calibration, MeasuresSavesAndValidates) {
   request.json = true;
   ::testing::internal::CaptureStdout();
   ::testing::internal::CaptureStderr();
-  testing::run_calibration(request, nullptr);
+  report::run_calibration(request, nullptr);
   std::fflush(stdout);
   std::fflush(stderr);
   const std::string records = ::testing::internal::GetCapturedStdout();
@@ -239,10 +239,10 @@ TEST(Calibration, MeasuresSavesAndValidates) {
 
 // `kdacp bench layer` refuses a run larger than --max-memory before it starts.
 TEST(LayerBenchReport, AdmissionComesFirst) {
-  testing::LayerBenchConfig c;
-  testing::make_quick(c);
+  report::LayerBenchConfig c;
+  report::make_quick(c);
   ::testing::internal::CaptureStdout();
-  const std::string msg = message_of<OutOfMemory>([&] { testing::run_layer_bench(c, "1KiB", {}); });
+  const std::string msg = message_of<OutOfMemory>([&] { report::run_layer_bench(c, "1KiB", {}); });
   std::fflush(stdout);
   EXPECT_EQ(::testing::internal::GetCapturedStdout(), "");
   EXPECT_NE(msg.find("kdacp bench layer on 2 ranks"), std::string::npos) << msg;

@@ -9,7 +9,7 @@
 #include "kdacp/kda_cp.hpp"
 #include "kdacp/launch.hpp"
 #include "kdacp/mesh.hpp"
-#include "kdacp/testing/layer_bench.hpp"
+#include "kdacp/report/layer_bench.hpp"
 
 namespace kdacp {
 namespace {
@@ -25,8 +25,8 @@ TEST(Defaults, EveryCppDefaultIsTheHeaders) {
   EXPECT_EQ(ExecPolicy{}.algorithm, defaults::kAlgorithm);
   EXPECT_EQ(job::LayerJob<float>{}.algorithm, defaults::kAlgorithm);
   EXPECT_EQ(job::LayerJob<double>{}.keep_forward, defaults::kKeepForward);
-  EXPECT_EQ(testing::LayerBenchConfig{}.keep_forward, defaults::kKeepForward);
-  EXPECT_EQ(testing::LayerBenchConfig{}.timeout_s, defaults::kTimeoutSeconds);
+  EXPECT_EQ(report::LayerBenchConfig{}.keep_forward, defaults::kKeepForward);
+  EXPECT_EQ(report::LayerBenchConfig{}.timeout_s, defaults::kTimeoutSeconds);
   EXPECT_EQ(LaunchOptions{}.timeout_s, defaults::kTimeoutSeconds);
   EXPECT_EQ(InProcessOptions{}.timeout, defaults::kTimeout);
   InProcessWorld world(1);

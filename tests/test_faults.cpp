@@ -457,7 +457,7 @@ TEST_P(Faults, FailingRankIsNamedOnEveryRankWaitingForIt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Registry, Faults, ::testing::Values(2, 4, 7),
-                         [](const auto& info) { return "P" + std::to_string(info.param); });
+                         [](const auto& info) { return std::string("P").append(std::to_string(info.param)); });
 
 TEST(FaultInjector, RejectsPlansItCannotCarryOut) {
   auto plan = [](Fault f) { return testing::FaultInjector(4, {f}); };

@@ -11,7 +11,7 @@
 
 #include "kdacp/kernels.hpp"
 #include "kdacp/memory.hpp"
-#include "kdacp/testing/bench.hpp"
+#include "kdacp/report/bench.hpp"
 #include "kdacp/testing/synthetic.hpp"
 #include "kdacp/thread_pool.hpp"
 

@@ -19,7 +19,7 @@
 #include "kda_sequence_reference.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/kernels.hpp"
-#include "kdacp/testing/layer_bench.hpp"
+#include "kdacp/report/layer_bench.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::kda {
@@ -284,26 +284,26 @@ TEST(SequenceItems, PartsAreKernelCallsOnTheirPieces) {
 // `kdacp bench layer --docs N`: the layer over N packed documents on one
 // rank and in CP, every algorithm within its tolerance of the first.
 TEST(LayerBench, DocsPackTheStream) {
-  testing::LayerBenchConfig c;
+  report::LayerBenchConfig c;
   c.shape = Shape{1, 300, 1, 2, 16, 16};
   c.ranks = 3;
   c.repeats = 1;
   c.peak_seconds = 0.01;
   c.docs = 40;
-  const testing::LayerBenchResult res = testing::bench_layer(c);
+  const report::LayerBenchResult res = report::bench_layer(c);
   ASSERT_EQ(res.records.size(), 4u);
-  for (const testing::LayerBenchRecord& r : res.records) {
+  for (const report::LayerBenchRecord& r : res.records) {
     EXPECT_GT(r.forward_seconds, 0);
     EXPECT_EQ(r.rel_errors.size(), 6u);
     EXPECT_LE(r.max_rel_error, r.tolerance) << r.mode << " " << algorithm_name(r.algorithm);
   }
-  EXPECT_TRUE(testing::layer_bench_failures(res).empty());
+  EXPECT_TRUE(report::layer_bench_failures(res).empty());
   // The packing's own checks, before anything runs.
   c.docs = 301;
-  EXPECT_THROW(testing::bench_layer(c), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(c), InvalidArgument);
   c.docs = 2;
   c.shape.batch = 2;
-  EXPECT_THROW(testing::bench_layer(c), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(c), InvalidArgument);
 }
 
 }  // namespace

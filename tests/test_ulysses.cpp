@@ -22,8 +22,8 @@
 #include "kdacp/kda_ulysses.hpp"
 #include "kda_cp_stream_runner.hpp"
 #include "kdacp/job.hpp"
-#include "kdacp/testing/layer_bench.hpp"
-#include "kdacp/testing/run_report.hpp"
+#include "kdacp/report/layer_bench.hpp"
+#include "kdacp/report/run_report.hpp"
 
 namespace kdacp::kda {
 namespace {
@@ -440,7 +440,7 @@ TEST(UlyssesAuto, ChoosesThePlansWidthAndRunsIt) {
   EXPECT_THROW(resolve_ulysses(kUlyssesAuto, "p2p", small, l8, options(small, l8), 4), InvalidArgument);
 
   const LayerJob<float> job = [&] {
-    LayerJob<float> j = testing::synthetic_layer_job(small, {0, 100, 256}, 3);
+    LayerJob<float> j = report::synthetic_layer_job(small, {0, 100, 256}, 3);
     j.d_o.assign(small.v_elems(), 0.5f);
     return j;
   }();
@@ -463,32 +463,32 @@ TEST(UlyssesAuto, ChoosesThePlansWidthAndRunsIt) {
 // in the same run, every algorithm within its tolerance, the width recorded;
 // their memory counted; a width that does not divide H refused before any run.
 TEST(UlyssesBench, RunsBesidePlainStateCp) {
-  testing::LayerBenchConfig c;
+  report::LayerBenchConfig c;
   c.shape = kda::Shape{1, 128, 4, 4, 16, 16};
   c.single = false;
   c.ranks = 4;
   c.repeats = 1;
   c.peak_seconds = 0.01;
-  const double plain_bytes = testing::layer_bench_bytes(c);
+  const double plain_bytes = report::layer_bench_bytes(c);
   c.ulysses = 2;
-  EXPECT_GT(testing::layer_bench_bytes(c), plain_bytes);
-  const testing::LayerBenchResult res = testing::bench_layer(c);
+  EXPECT_GT(report::layer_bench_bytes(c), plain_bytes);
+  const report::LayerBenchResult res = report::bench_layer(c);
   ASSERT_EQ(res.records.size(), 4u);  // cp recurrent, cp chunk, ulysses recurrent, ulysses chunk
   for (std::size_t i = 0; i < 4; ++i) {
-    const testing::LayerBenchRecord& r = res.records[i];
+    const report::LayerBenchRecord& r = res.records[i];
     EXPECT_EQ(r.mode, i < 2 ? "cp" : "cp ulysses");
     EXPECT_EQ(r.ulysses, i < 2 ? 1u : 2u);
     EXPECT_EQ(r.ranks, 4u);
     EXPECT_GT(r.forward_seconds, 0);
     EXPECT_LE(r.max_rel_error, r.tolerance) << r.mode;
   }
-  EXPECT_EQ(testing::layer_run_label("cp ulysses", 2), "Ulysses U=2 x CP");
+  EXPECT_EQ(report::layer_run_label("cp ulysses", 2), "Ulysses U=2 x CP");
   c.ulysses = 3;
-  EXPECT_THROW(testing::bench_layer(c), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(c), InvalidArgument);
   c.ulysses = kUlyssesAuto;  // needs method auto
-  EXPECT_THROW(testing::bench_layer(c), InvalidArgument);
+  EXPECT_THROW(report::bench_layer(c), InvalidArgument);
   c.method = "auto";
-  const testing::LayerBenchResult picked = testing::bench_layer(c);
+  const report::LayerBenchResult picked = report::bench_layer(c);
   ASSERT_EQ(picked.records.size(), 4u);
   EXPECT_EQ(picked.records[2].ulysses, choose_ulysses(c.shape, kda::Layout::contiguous(128, 4),
                                                       layer_exchange_options(c.exchange, c.shape, DType::f32,

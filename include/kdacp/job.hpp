@@ -19,8 +19,15 @@
 #include "kdacp/defaults.hpp"
 #include "kdacp/half.hpp"
 #include "kdacp/kda_cp.hpp"
+#include "kdacp/layer.hpp"
 
 namespace kdacp::job {
+
+// The layer's plan (kdacp/layer.hpp), under the job's names too.
+using kdacp::choose_ulysses;
+using kdacp::layer_exchange_options;
+using kdacp::layer_problem_shape;
+using kdacp::layer_summary_shape;
 
 // The layout the CLI's --layout and --split ask for, built in one call:
 // Layout::zigzag for `zigzag`, else Layout::contiguous(tokens, ranks,
@@ -104,7 +111,7 @@ template <class T>
 LayerOutputs<T> allocate_outputs(const LayerJob<T>& job);
 
 // One device: the whole stream on this process with `threads` threads
-// (kda::forward_sequences / backward_sequences) with job.algorithm.
+// (make_layer with no world: the one-process strategy of layer_config(job, {})).
 template <class T>
 LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads);
 
@@ -114,8 +121,13 @@ struct LayerRunOptions {
   long long group_size = 1;
   std::size_t threads_per_rank = 1;
   ExchangeOptions exchange;  // expected_shape defaults to the job's summary shape
-  // The layout of the job's T on the world's P (nullopt: Layout::contiguous).
+  // The layout of the job's T on the world's P: `layout_kind` with `split`
+  // (LayerConfig's), or any other `layout` (replaces both).
+  LayoutKind layout_kind = LayoutKind::contiguous;
+  std::vector<std::size_t> split;
   std::optional<kda::Layout> layout;
+  // How the messages name each setting (the CLI's flags by default).
+  LayerNames names = LayerNames::cli();
   // Ulysses × state CP (kda::UlyssesLayer): head groups of U consecutive
   // ranks, the state exchange over P/U; U must divide P, H and HV. 1: the
   // context-parallel layer alone; kUlyssesAuto: the cost model's U
@@ -126,6 +138,12 @@ struct LayerRunOptions {
   // its input files or its seed.
   Fingerprint agree;
 };
+
+// The layer's config (kdacp/layer.hpp) of `job` run with `options`: the
+// one every strategy is built from (make_layer), and the one the admission
+// and compare_protocols read the layout of (make_layer_layout).
+template <class T>
+LayerConfig layer_config(const LayerJob<T>& job, const LayerRunOptions& options);
 
 // Collective over `world` (P = world->size(), its ranks in order the CP
 // ranks): every rank builds the layer for options.layout with
@@ -161,19 +179,7 @@ template <class T>
 LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, const LayerRunOptions& options,
                                      double timeout_s);
 
-// What the cost model knows of the layer's exchange on `layout`: P, B·HV, K,
-// V, elem_bytes, part_owners = layout.owners() and part_cuts = `cuts` (the
-// expected_cuts layer_exchange_options hands auto; empty: none).
-ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
-                                 const std::vector<bool>& cuts = {});
 
-// The exchange options the layer of `s` in `dtype` on `layout` runs
-// `seqs` with: `given`, its expected_shape (unset: [B, HV, K, V] in dtype)
-// and its expected_cuts (unset: layout.cuts(seqs)) filled in, so that auto
-// and pipelined_p2p's segments weigh the stream's cuts. The run, its
-// admission and the benchmarks build from this one place.
-ExchangeOptions layer_exchange_options(const ExchangeOptions& given, const kda::Shape& s, DType dtype,
-                                       const kda::Layout& layout, const kda::Sequences& seqs);
 
 // Bytes of o and, with grads, of the gradients (as large as the inputs
 // q, k, v, g, beta) of `s` in T of elem_bytes.
@@ -210,16 +216,6 @@ double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::L
 // LayerRunOptions::ulysses: the cost model picks U.
 inline constexpr std::size_t kUlyssesAuto = 0;
 
-// The cost model's Ulysses width for the layer of `s` on `layout` with
-// `eo` (layer_exchange_options' result: its cost parameters, memory budget
-// and expected cuts) and activations of elem_bytes: best_ulysses over the
-// U dividing P and H (predict_ulysses, each U's exchange `auto`'s choice on
-// the head groups' layout with HV/U heads; T/P the largest rank's tokens;
-// islands of eo.cost.node_ranks ranks, else UlyssesOptions' default, as
-// `kdacp plan --tokens-per-rank`). Every rank computes the
-// same U from the same arguments.
-std::size_t choose_ulysses(const kda::Shape& s, const kda::Layout& layout, const ExchangeOptions& eo,
-                           std::size_t elem_bytes);
 
 // `given` (LayerRunOptions::ulysses) resolved: choose_ulysses for
 // kUlyssesAuto (InvalidArgument unless `method` is auto), else `given`.
@@ -283,8 +279,6 @@ std::vector<std::string> errors_above(const std::vector<double>& errors, double 
 // Whether o, every gradient, ht and dh0 are bitwise equal.
 bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b);
 
-// The summary shape of the layer's state exchange: [B, HV, K, V].
-SummaryShape layer_summary_shape(const kda::Shape& s);
 
 // Progress lines "<prefix>: <what> (<t> s elapsed)" on stderr, only once
 // more than `quiet_seconds` have passed since construction, so that a short

@@ -15,6 +15,9 @@ def cu_list(cu_seqlens, op=""):
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
             raise ValueError(f"{prefix}cu_seqlens is {cu_seqlens.dtype} with "
                              f"{cu_seqlens.dim()} dims, expected a 1-D int32 or int64 tensor")
+        if cu_seqlens.device.type == "meta":  # no values to read: say so, not torch's error
+            raise ValueError(f"{prefix}cu_seqlens is on the meta device, expected its values on "
+                             "the CPU (or a device it can be copied from)")
         return [int(x) for x in cu_seqlens.tolist()]
     if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
         raise ValueError(f"{prefix}cu_seqlens={cu_seqlens!r}, expected a 1-D integer tensor or "

@@ -13,7 +13,7 @@ from kdacp._comm import check_group
 from kdacp._common import (SINGLE_PROCESS, ULYSSES_AUTO, _check_ulysses, _group_size, _integer,
                            _options, _threads, _timeout, _ulysses, _ulysses_width,
                            _activation_bytes)
-from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, kda
+from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtypes, kda
 
 
 _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
@@ -21,7 +21,7 @@ _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
                   "A_log given": False, "dt_bias given": False}
 _CONTEXT_FIELDS = ("layout", "world size", "cu_seqlens length", "cu_seqlens", "split",
                    "conv1d_kernel_size") + _OPTION_FIELDS
-_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic",
+_CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale", "algorithm", "deterministic",
                 "initial_state given",
                 "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                 "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
@@ -64,10 +64,11 @@ class CpContext:
     def local_tokens(self):
         return self.layout.local_tokens(self.rank)
 
-    def _call_row(self, shape, dtype, scale, algorithm, deterministic, h0_given, want_ht,
+    def _call_row(self, shape, dtype, storage, scale, algorithm, deterministic, h0_given, want_ht,
                   signature):
         b, _, h, hv, kd, vd = shape
-        row = {"B": b, "H": h, "HV": hv, "K": kd, "V": vd, "dtype": dtype, "scale": scale,
+        row = {"B": b, "H": h, "HV": hv, "K": kd, "V": vd, "dtype": dtype,
+               "storage dtypes q,k,v,g,beta": storage, "scale": scale,
                "algorithm": algorithm, "deterministic": deterministic,
                "initial_state given": h0_given,
                "output_final_state": want_ht}
@@ -79,7 +80,8 @@ class CpContext:
         same per-call arguments (or which differ) before any exchange message."""
         fp = _Fingerprint(_CALL_FIELDS)
         if error is None:
-            shows = {"dtype": None, "algorithm": None, "lower_bound": None}
+            shows = {"dtype": None, "storage dtypes q,k,v,g,beta": None, "algorithm": None,
+                     "lower_bound": None}
             for name in _CALL_FIELDS:
                 x = row[name]
                 if name == "scale":
@@ -94,6 +96,13 @@ class CpContext:
                  error=error)
         self._signature = row
 
+    def _check_cu_seqlens(self, cu_seqlens):
+        """A call's cu_seqlens must be None or the context's (its layout and
+        cuts were built from them)."""
+        if cu_seqlens is not None and cu_list(cu_seqlens) != self.cu_seqlens:
+            raise ValueError(f"rank {self.rank}: cu_seqlens {cu_list(cu_seqlens)} differs from its "
+                             f"cp_context's {self.cu_seqlens} (pass None or the same)")
+
     def _kda(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
              algorithm, keep_forward, signature, deterministic):
         """kda over the context's layout. Only the first call sends an
@@ -101,16 +110,15 @@ class CpContext:
         later calls compare theirs with it locally and send nothing but the
         exchange."""
         if self.backend is None:
-            return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
-                       self.cu_seqlens if cu_seqlens is None else cu_seqlens,
+            self._check_cu_seqlens(cu_seqlens)
+            return kda(q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
                        algorithm=algorithm, keep_forward=keep_forward,
                        deterministic=deterministic, **self.options)
         error = None
         row = None
         try:
-            if cu_seqlens is not None and cu_list(cu_seqlens) != self.cu_seqlens:
-                raise ValueError(f"rank {dist.get_rank()}: cu_seqlens differs from its "
-                                 f"cp_context's {self.cu_seqlens} (pass None or the same)")
+            # Inside: the error travels in the first call's agreement.
+            self._check_cu_seqlens(cu_seqlens)
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
                 self.layout_name, algorithm, keep_forward, self.options, deterministic)
@@ -120,7 +128,8 @@ class CpContext:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
                                  f"{want}: this rank's part of the cp_context's layout "
                                  f"{self.layout}")
-            row = self._call_row(shape, dtype, scale, algorithm, deterministic, h0 is not None,
+            row = self._call_row(shape, dtype, _storage_dtypes(q, k, v, g, beta), scale,
+                                 algorithm, deterministic, h0 is not None,
                                  output_final_state, signature)
         except (ValueError, TypeError) as e:
             error = e

@@ -20,7 +20,8 @@ from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, ULYSSES_AUTO, _ch
                            _require_finite_result, _threads, _timeout, _ulysses, _ulysses_width,
                            _activation_bytes)
 
-_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "scale", "algorithm", "deterministic", "layout",
+_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale", "algorithm",
+               "deterministic", "layout",
                "initial_state given", "output_final_state", "cu_seqlens length",
                "cu_seqlens") + _OPTION_FIELDS
 
@@ -72,6 +73,11 @@ def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_s
         _LAYERS.pop(next(iter(_LAYERS)))
     _LAYERS[key] = layer
     return layer
+
+
+def _storage_dtypes(*tensors):
+    """'bfloat16,float32,...': how each of q, k, v, g, beta is stored."""
+    return ",".join(str(t.dtype).replace("torch.", "") for t in tensors)
 
 
 def _check_input(t, name, rule):
@@ -339,6 +345,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                 fp.add(name, n)
             fp.add("dtype", 8 if dtype == "float64" else 4,
                    lambda x: "float64" if x == 8 else "float32")
+            # 16-bit inputs travel Ulysses' all-to-alls as 16 bits: the
+            # storage changes message sizes, not only the compute dtype.
+            fp.add_hash("storage dtypes q,k,v,g,beta", _storage_dtypes(q, k, v, g, beta))
             fp.add("scale", _float_bits(scale), lambda x: repr(_bits_float(x)))
             fp.add("algorithm", _ALGORITHMS.index(algorithm), lambda x: _ALGORITHMS[x])
             fp.add("deterministic", int(deterministic), lambda x: str(bool(x)))

@@ -249,7 +249,7 @@ template <class T>
 void admit_layer_job(const LayerNpy& in, const LayerJob<T>& job, const LayerRunOptions& options, std::size_t ranks,
                      double input_bytes, const std::string& max_memory, bool one_rank_per_process) {
   const kda::Shape& s = job.data.shape;
-  const kda::Layout layout = options.layout ? *options.layout : kda::Layout::contiguous(s.tokens, ranks);
+  const kda::Layout layout = make_layer_layout(layer_config(job, options), ranks);
   SummaryShape summary = layer_summary_shape(s);
   summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
   std::size_t cache_tokens = s.tokens;

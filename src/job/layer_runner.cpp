@@ -179,28 +179,114 @@ LayerOutputs<T> run_single(const LayerJob<T>& job, std::size_t threads) {
   r.method = "single";
   auto in = job.data.inputs(job.scale);
   ThreadPool pool(threads);
-  const ExecPolicy exec{&pool, KernelKind::best, job.algorithm};
-  kda::ForwardCache<T> cache;
-  kda::ForwardCache<T>* keep = job.keep_forward && job.grads() ? &cache : nullptr;
+  // The one-process strategy of the same config the ranks run.
+  LayerConfig config = layer_config(job, LayerRunOptions{});
+  config.pool = &pool;
+  const std::unique_ptr<Layer<T>> layer = make_layer<T>(nullptr, config);
   for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
-    cache.clear();
     auto t0 = std::chrono::steady_clock::now();
-    kda::forward_sequences(in, seqs, states_of(job.h0, seqs, s), r.o.data(), states_of(r.ht, seqs, s), exec,
-                           keep);
+    const std::shared_ptr<LayerSaved> saved =
+        layer->forward(in, states_of(job.h0, seqs, s), r.o.data(), states_of(r.ht, seqs, s));
     r.forward_seconds = since(t0);
     r.phases.forward = r.forward_seconds;
     if (job.grads()) {
       t0 = std::chrono::steady_clock::now();
-      kda::backward_sequences(in, seqs, states_of(job.h0, seqs, s), job.d_o.data(), states_of(job.dht, seqs, s),
-                              kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
-                                            nullptr},
-                              states_of(r.dh0, seqs, s), exec, kda::kDefaultCheckpointInterval, keep);
+      layer->backward(in, *saved, states_of(job.h0, seqs, s), job.d_o.data(), states_of(job.dht, seqs, s),
+                      kda::Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), nullptr},
+                      states_of(r.dh0, seqs, s));
       r.backward_seconds = since(t0);
       r.phases.backward = r.backward_seconds;
     }
   }
   return r;
 }
+
+// The layer's config for `job` run with `options`: one config, whatever the
+// strategy (kdacp/layer.hpp).
+template <class T>
+LayerConfig layer_config(const LayerJob<T>& job, const LayerRunOptions& options) {
+  LayerConfig c;
+  c.shape = job.data.shape;
+  c.cu_seqlens = job.cu_seqlens;
+  c.layout = options.layout_kind;
+  c.split = options.split;
+  c.parts = options.layout;
+  if (job.storage) {
+    c.storage.fill(job.storage);
+    c.out_storage = job.storage;
+  }
+  c.algorithm = job.algorithm;
+  c.deterministic = job.deterministic;
+  c.keep_forward = job.keep_forward && job.grads();
+  c.protocol = options.method;
+  c.group_size = options.group_size;
+  c.exchange = options.exchange;
+  c.ulysses = options.ulysses;
+  c.extra = options.agree;
+  c.names = options.names;
+  return c;
+}
+
+
+namespace {
+
+// Rank r > 0 sends its token outputs `fields` (o, dq, ... of `inners`
+// elements per token, [B,T_local,inner] each) to rank 0, which puts them
+// into `whole` in the global layout: true on the ranks that sent.
+template <class T>
+bool gather_outputs(Communicator& comm, const kda::Layout& layout, const kda::Shape& s,
+                    const std::vector<std::size_t>& inners, const std::vector<T*>& fields, LayerOutputs<T>* whole) {
+  const std::size_t local_tokens = layout.local_tokens(comm.rank());
+  if (comm.rank() != 0) {
+    std::size_t n = 0;
+    for (std::size_t inner : inners) n += s.batch * local_tokens * inner;
+    std::vector<T> packed;
+    packed.reserve(n);
+    for (std::size_t i = 0; i < inners.size(); ++i)
+      packed.insert(packed.end(), fields[i], fields[i] + s.batch * local_tokens * inners[i]);
+    comm.isend(std::as_bytes(std::span(packed)), 0, kOutputsTag)->wait();
+    return true;
+  }
+  const std::vector<std::vector<T>*> full = token_outputs(*whole);
+  for (std::size_t from = 1; from < comm.size(); ++from) {
+    const std::vector<kda::Part> their = layout.local_parts(from);
+    const std::size_t lt = layout.local_tokens(from);
+    std::size_t n = 0;
+    for (std::size_t inner : inners) n += s.batch * lt * inner;
+    // Filled whole by the message: rank `from` packs exactly n elements of
+    // the same layout.
+    const std::unique_ptr<T[]> packed(new T[n]);
+    comm.irecv(std::as_writable_bytes(std::span(packed.get(), n)), from, kOutputsTag)->wait();
+    const T* at = packed.get();
+    for (std::size_t i = 0; i < inners.size(); ++i) {
+      put_parts(at, s.batch, s.tokens, inners[i], their, lt, full[i]->data());
+      at += s.batch * lt * inners[i];
+    }
+  }
+  return false;
+}
+
+// The result's times: each phase's slowest rank, and the phases of the rank
+// whose forward + backward took longest. `all` holds 6 per rank: forward,
+// backward, their exchanges, their summary / G passes.
+template <class T>
+void slowest_times(const std::vector<double>& all, std::size_t ranks, LayerOutputs<T>& r) {
+  r.forward_seconds = r.backward_seconds = r.exchange_seconds = r.summary_seconds = 0;
+  double slowest = -1;
+  for (std::size_t q0 = 0; q0 < ranks; ++q0) {
+    const double* t = &all[6 * q0];
+    r.forward_seconds = std::max(r.forward_seconds, t[0]);
+    r.backward_seconds = std::max(r.backward_seconds, t[1]);
+    r.exchange_seconds = std::max(r.exchange_seconds, t[2] + t[3]);
+    r.summary_seconds = std::max(r.summary_seconds, t[4] + t[5]);
+    if (t[0] + t[1] > slowest) {
+      slowest = t[0] + t[1];
+      r.phases = LayerPhases{t[4], t[5], t[2] + t[3], t[0] - t[4] - t[2], t[1] - t[5] - t[3], q0};
+    }
+  }
+}
+
+}  // namespace
 
 template <class T>
 std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Communicator>& world,
@@ -209,33 +295,14 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   Communicator& comm = *world;
   const std::size_t ranks = comm.size(), rank = comm.rank();
   const kda::Shape& s = job.data.shape;
-  // Every check before the first message: the job, the layout, the method.
+  // The job's own checks (every process holds the same job), then the
+  // layer's one validation and agreement, before the first message.
   const kda::Sequences seqs = job.sequences();
-  const kda::Layout layout = options.layout ? *options.layout : kda::Layout::contiguous(s.tokens, ranks);
-  if (layout.tokens() != s.tokens || layout.ranks() != ranks)
-    throw InvalidArgument(fmt::format("run_context_parallel: the layout is for T = {} on P = {}, the job has T = {} "
-                                      "on P = {}", layout.tokens(), layout.ranks(), s.tokens, ranks));
-  const ExchangeOptions eo = layer_exchange_options(options.exchange, s, dtype_of<T>(), layout, seqs);
-  const std::size_t width = resolve_ulysses(options.ulysses, options.method, s, layout, eo, sizeof(T));
-  check_ulysses(width, ranks, s);
-  const DeviceMesh mesh = DeviceMesh::create(world, {ranks}, {"cp"});
   ThreadPool pool(options.threads_per_rank);
-  kda::LayerChecks checks;
-  checks.agree = options.agree;
-  const ExecPolicy exec{&pool, eo.exec.kernel, job.algorithm, job.deterministic};
-  // One of the two layers; the steps below are one code path over either.
-  std::optional<kda::ContextParallelLayer<T>> plain;
-  std::optional<kda::UlyssesLayer<T>> ulysses;
-  if (width > 1) {
-    ulysses.emplace(mesh, width, options.method, layout, options.group_size, eo, exec, checks);
-    ulysses->state_layer().keep_forward(job.keep_forward && job.grads());
-    if constexpr (std::is_same_v<T, float>)
-      if (job.storage) ulysses->wire_types({job.storage, job.storage, job.storage, job.storage, job.storage}, job.storage);
-  } else {
-    plain.emplace(mesh, options.method, layout, options.group_size, eo, exec, checks);
-    plain->keep_forward(job.keep_forward && job.grads());
-  }
-  const StateExchange& exchange = plain ? plain->exchange() : ulysses->exchange();
+  LayerConfig config = layer_config(job, options);
+  config.pool = &pool;
+  const std::unique_ptr<Layer<T>> layer = make_layer<T>(world, config);
+  const kda::Layout& layout = layer->layout();
 
   const std::vector<kda::Part> parts = layout.local_parts(rank);
   kda::Shape ls = s;
@@ -286,33 +353,28 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
     for (std::vector<T>* f : token_outputs(lr)) fields.push_back(f->data());
   }
 
-  const kda::Stream stream{seqs, layout};
   // forward, backward, their exchanges, the summary, the G pass.
   constexpr std::size_t kTimes = 6;
   double times[kTimes] = {0, 0, 0, 0, 0, 0};
-  auto steps = [&](auto& layer) {
-    for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
+  for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
+    comm.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    const std::shared_ptr<LayerSaved> saved =
+        layer->forward(in, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
+    times[0] = since(t0);
+    times[2] = layer->forward_times().exchange;
+    times[4] = layer->forward_times().summary;
+    if (grads) {
       comm.barrier();
-      auto t0 = std::chrono::steady_clock::now();
-      const auto saved =
-          layer.forward(in, stream, states_of(job.h0, seqs, ls), fields[0], states_of(lr.ht, seqs, ls));
-      times[0] = since(t0);
-      times[2] = layer.forward_times().exchange;
-      times[4] = layer.forward_times().summary;
-      if (grads) {
-        comm.barrier();
-        t0 = std::chrono::steady_clock::now();
-        layer.backward(in, saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
-                       kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
-                       states_of(lr.dh0, seqs, ls));
-        times[1] = since(t0);
-        times[3] = layer.backward_times().exchange;
-        times[5] = layer.backward_times().summary;
-      }
+      t0 = std::chrono::steady_clock::now();
+      layer->backward(in, *saved, states_of(job.h0, seqs, ls), d_o, states_of(dht, seqs, ls),
+                      kda::Grads<T>{fields[1], fields[2], fields[3], fields[4], fields[5], nullptr},
+                      states_of(lr.dh0, seqs, ls));
+      times[1] = since(t0);
+      times[3] = layer->backward_times().exchange;
+      times[5] = layer->backward_times().summary;
     }
-  };
-  if (plain) steps(*plain);
-  else steps(*ulysses);
+  }
   copies.clear();  // the input copies are done with
 
   // The slowest rank's times, then every rank's outputs into the whole ones.
@@ -328,56 +390,18 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   if (shared) {
     comm.barrier();  // every rank's tokens are in *shared
     if (rank != 0) return std::nullopt;
-  } else if (rank != 0) {
-    auto packed_elems = [&] {
-      std::size_t n = 0;
-      for (std::size_t inner : inners) n += s.batch * ls.tokens * inner;
-      return n;
-    };
-    std::vector<T> packed;
-    packed.reserve(packed_elems());
-    for (std::size_t i = 0; i < inners.size(); ++i)
-      packed.insert(packed.end(), fields[i], fields[i] + s.batch * ls.tokens * inners[i]);
-    for (std::vector<T>* f : token_outputs(lr)) std::vector<T>().swap(*f);  // packed holds them now
-    comm.isend(std::as_bytes(std::span(packed)), 0, kOutputsTag)->wait();
-    return std::nullopt;
   } else {
-    const std::vector<std::vector<T>*> full = token_outputs(*whole);
-    for (std::size_t from = 1; from < ranks; ++from) {
-      const std::vector<kda::Part> their = layout.local_parts(from);
-      const std::size_t lt = layout.local_tokens(from);
-      std::size_t n = 0;
-      for (std::size_t inner : inners) n += s.batch * lt * inner;
-      // Filled whole by the message: rank `from` packs exactly n elements
-      // of the same layout.
-      const std::unique_ptr<T[]> packed(new T[n]);
-      comm.irecv(std::as_writable_bytes(std::span(packed.get(), n)), from, kOutputsTag)->wait();
-      const T* at = packed.get();
-      for (std::size_t i = 0; i < inners.size(); ++i) {
-        put_parts(at, s.batch, s.tokens, inners[i], their, lt, full[i]->data());
-        at += s.batch * lt * inners[i];
-      }
-    }
+    const bool sent = gather_outputs(comm, layout, s, inners, fields, whole);
+    for (std::vector<T>* f : token_outputs(lr)) std::vector<T>().swap(*f);  // sent or in the whole outputs
+    if (sent) return std::nullopt;
   }
   LayerOutputs<T>& r = *whole;
   r.ht = std::move(lr.ht);
   r.dh0 = std::move(lr.dh0);
-  r.forward_seconds = r.backward_seconds = r.exchange_seconds = r.summary_seconds = 0;
-  double slowest = -1;
-  for (std::size_t q0 = 0; q0 < ranks; ++q0) {
-    const double* t = &all_times[kTimes * q0];
-    r.forward_seconds = std::max(r.forward_seconds, t[0]);
-    r.backward_seconds = std::max(r.backward_seconds, t[1]);
-    r.exchange_seconds = std::max(r.exchange_seconds, t[2] + t[3]);
-    r.summary_seconds = std::max(r.summary_seconds, t[4] + t[5]);
-    if (t[0] + t[1] > slowest) {
-      slowest = t[0] + t[1];
-      r.phases = LayerPhases{t[4], t[5], t[2] + t[3], t[0] - t[4] - t[2], t[1] - t[5] - t[3], q0};
-    }
-  }
-  r.method = exchange.method();
-  r.exact = exchange.exact();
-  r.ulysses = width;
+  slowest_times(all_times, ranks, r);
+  r.method = layer->method();
+  r.exact = layer->exact();
+  r.ulysses = layer->ulysses_width();
   r.backend = comm.backend();
   r.ranks = ranks;
   if (shared) return std::nullopt;
@@ -401,303 +425,14 @@ LayerOutputs<T> run_context_parallel(const LayerJob<T>& job, std::size_t ranks, 
   return result;
 }
 
-double layer_output_bytes(const kda::Shape& s, bool grads, std::size_t elem_bytes) {
-  // In double: a shape too large for size_t products must still be refused.
-  const double bt = double(s.batch) * double(s.tokens), hv = double(s.value_heads);
-  const double qk = bt * double(s.heads) * double(s.key_dim), v = bt * hv * double(s.value_dim);
-  const double g = bt * hv * double(s.key_dim), beta = bt * hv;
-  return (v + (grads ? 2 * qk + v + g + beta : 0.0)) * double(elem_bytes);
-}
-
-ProblemShape layer_problem_shape(const kda::Shape& s, std::size_t elem_bytes, const kda::Layout& layout,
-                                 const std::vector<bool>& cuts) {
-  ProblemShape ps{layout.ranks(), s.batch * s.value_heads, s.key_dim, s.value_dim, elem_bytes};
-  ps.part_owners = layout.owners();
-  ps.part_cuts = cuts;
-  return ps;
-}
-
-ExchangeOptions layer_exchange_options(const ExchangeOptions& given, const kda::Shape& s, DType dtype,
-                                       const kda::Layout& layout, const kda::Sequences& seqs) {
-  ExchangeOptions eo = given;
-  if (!eo.expected_shape) {
-    eo.expected_shape = layer_summary_shape(s);
-    eo.expected_shape->dtype = dtype;
-  }
-  if (eo.expected_cuts.empty()) eo.expected_cuts = layout.cuts(seqs);
-  return eo;
-}
-
-double layer_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, bool grads,
-                        std::size_t elem_bytes, double rank_exchange_bytes) {
-  std::size_t local = 0;
-  const std::size_t parts = layout.owners().max_per_rank();
-  for (std::size_t r = 0; r < layout.ranks(); ++r) local = std::max(local, layout.local_tokens(r));
-  const double share = double(local) / double(s.tokens);
-  const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
-  const double state = double(s.batch) * kv;
-  // The largest rank's slices of the inputs and of its outputs, and rank 0's
-  // outputs gathered in the global layout.
-  const double tensors = share * (layer_output_bytes(s, true, elem_bytes) + layer_output_bytes(s, grads, elem_bytes)) +
-                         layer_output_bytes(s, grads, elem_bytes);
-  const double states = state * (double(local) / 64 + 5 * double(parts)) * double(elem_bytes);
-  const double sequence_states = double(sequences) * kv * 5 * double(elem_bytes);
-  return tensors + states + sequence_states + rank_exchange_bytes;
-}
-
-std::size_t choose_ulysses(const kda::Shape& s, const kda::Layout& layout, const ExchangeOptions& eo,
-                           std::size_t elem_bytes) {
-  const std::size_t ranks = layout.ranks();
-  const ProblemShape ps = layer_problem_shape(s, elem_bytes, layout, eo.expected_cuts);
-  UlyssesOptions uo;
-  uo.heads = s.heads * s.batch;  // U divides H (and so HV); the slabs are B·HV
-  for (std::size_t r = 0; r < ranks; ++r) uo.tokens_per_rank = std::max(uo.tokens_per_rank, layout.local_tokens(r));
-  uo.activation_bytes = elem_bytes;
-  // The cost parameters' nodes, else UlyssesOptions' islands (as `kdacp plan`).
-  if (eo.cost.node_ranks > 0) uo.node_size = eo.cost.node_ranks;
-  uo.memory_budget_bytes = eo.memory_budget_bytes;
-  // Each U's exchange: the head groups' layout and cuts on P/U ranks.
-  const auto at = [&](std::size_t state_ranks) {
-    const std::size_t width = ranks / state_ranks;
-    const ExchangeOptions go = kda::ulysses_exchange_options(eo, layout, width);
-    return layer_problem_shape(s, elem_bytes, kda::ulysses_group_layout(layout, width), go.expected_cuts);
-  };
-  return best_ulysses(predict_ulysses(eo.cost, ps, uo, at)).width;
-}
-
-std::size_t resolve_ulysses(std::size_t given, const std::string& method, const kda::Shape& s,
-                            const kda::Layout& layout, const ExchangeOptions& eo, std::size_t elem_bytes) {
-  if (given != kUlyssesAuto) return given;
-  if (!find_protocol(method).chooser())
-    throw InvalidArgument(fmt::format("Ulysses width auto prices each U with the exact protocol auto chooses, "
-                                      "expected protocol auto, got {}",
-                                      method));
-  return choose_ulysses(s, layout, eo, elem_bytes);
-}
-
-void check_ulysses(std::size_t width, std::size_t ranks, const kda::Shape& s) {
-  if (width == 0 || ranks % width != 0 || s.heads % width != 0 || s.value_heads % width != 0)
-    throw InvalidArgument(fmt::format("Ulysses width U = {}: expected a divisor of P = {}, H = {} and HV = {}", width,
-                                      ranks, s.heads, s.value_heads));
-}
-
-double ulysses_rank_bytes(const kda::Shape& s, std::size_t sequences, const kda::Layout& layout, std::size_t width,
-                          bool grads, std::size_t elem_bytes) {
-  if (width <= 1) return 0;
-  const kda::Layout group = kda::ulysses_group_layout(layout, width);
-  std::size_t own = 0, together = 0;  // the most tokens of one rank, of one group
-  for (std::size_t r = 0; r < layout.ranks(); ++r) own = std::max(own, layout.local_tokens(r));
-  for (std::size_t c = 0; c < group.ranks(); ++c) together = std::max(together, group.local_tokens(c));
-  const double per_token_in = double(s.heads) * 2 * double(s.key_dim) +
-                              double(s.value_heads) * (double(s.value_dim) + double(s.key_dim) + 1);
-  const double per_token_out = double(s.value_heads) * double(s.value_dim);
-  const double b = double(s.batch), u = double(width), e = double(elem_bytes);
-  const double slice_in = b * double(together) * per_token_in / u, rank_in = b * double(own) * per_token_in;
-  const double slice_out = b * double(together) * per_token_out / u;
-  // Kept inputs (and gradients), o (and d_o) slices, send + receive buffers
-  // (the largest all-to-all: the inputs'), and per sequence the h0 slice,
-  // the ht / dh0 slots and dht's blocks.
-  const double tensors = (grads ? 2 : 1) * (slice_in + slice_out) + 2 * std::max(rank_in, slice_in);
-  const double states = double(sequences) * double(s.value_heads) * double(s.key_dim) * double(s.value_dim) * 4;
-  return (tensors + states) * e;
-}
-
 bool layer_in_place(const kda::Shape& s, const kda::Layout& layout) {
   for (std::size_t r = 0; r < layout.ranks(); ++r)
     if (!in_place_offset(s, layout, r)) return false;
   return true;
 }
 
-double layer_run_bytes(const kda::Shape& s, std::size_t sequences, std::size_t ranks, bool grads,
-                       std::size_t elem_bytes, double rank_exchange_bytes, std::size_t parts, bool in_place) {
-  const double kv = double(s.value_heads) * double(s.key_dim) * double(s.value_dim);
-  const double state = double(s.batch) * kv;
-  // The ranks' slices of the inputs (as large as the gradients) and of the
-  // outputs unless in place, the outputs, checkpoints every 64 tokens, per
-  // rank S, M, the incoming state and G, and per rank its dht, ht and dh0
-  // [N,HV,K,V] beside the job's h0 and dht.
-  const double slices =
-      in_place ? 0.0 : layer_output_bytes(s, true, elem_bytes) + layer_output_bytes(s, grads, elem_bytes);
-  const double tensors = slices + layer_output_bytes(s, grads, elem_bytes);
-  const double states = state * (double(s.tokens) / 64 + 5 * double(parts ? parts : ranks)) * double(elem_bytes);
-  const double sequence_states = double(sequences) * kv * (3 * double(ranks) + 2) * double(elem_bytes);
-  return tensors + states + sequence_states + double(ranks) * rank_exchange_bytes;
-}
-
-namespace {
-
-// ||a - b||_F / ||b||_F (||a - b||_F when b is zero); a and b have one size.
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const double d = double(a[i]) - double(b[i]);
-    num += d * d;
-    den += double(b[i]) * double(b[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-}  // namespace
-
-std::vector<double> relative_errors(const LayerOutputs<float>& got, const LayerOutputs<float>& want) {
-  std::vector<double> errs;
-  for (auto [a, b] : {std::pair{&got.o, &want.o}, {&got.dq, &want.dq}, {&got.dk, &want.dk},
-                      {&got.dv, &want.dv}, {&got.dg, &want.dg}, {&got.dbeta, &want.dbeta}})
-    errs.push_back(relative_error(*a, *b));
-  if (!got.ht.empty() && !want.ht.empty()) errs.push_back(relative_error(got.ht, want.ht));
-  if (!got.dh0.empty() && !want.dh0.empty()) errs.push_back(relative_error(got.dh0, want.dh0));
-  return errs;
-}
-
-double layer_error_tolerance(const std::string& method, std::size_t ranks, std::size_t key_dim) {
-  double bound = 0;
-  for (const ProtocolDescriptor* row : protocol_registry())
-    if (row->name == method) bound = error_bound(*row, ranks, key_dim);
-  return kLayerFloat32Tolerance + bound;
-}
-
-std::vector<std::string> errors_above(const std::vector<double>& errors, double tolerance) {
-  std::vector<std::string> out;
-  for (std::size_t i = 0; i < errors.size(); ++i) {
-    if (errors[i] <= tolerance) continue;  // false for NaN
-    const std::string name = i < kLayerErrorNames.size() ? kLayerErrorNames[i] : "?";
-    char value[32] = "nan";
-    if (!std::isnan(errors[i])) std::snprintf(value, sizeof value, "%.3g", errors[i]);
-    out.push_back(name + " " + value);
-  }
-  return out;
-}
-
-bool same_bits(const LayerOutputs<float>& a, const LayerOutputs<float>& b) {
-  auto eq = [](const std::vector<float>& x, const std::vector<float>& y) {
-    // memcmp must not see the null data() of an empty vector (ht, dh0 without sequences).
-    return x.size() == y.size() &&
-           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
-  };
-  return eq(a.o, b.o) && eq(a.dq, b.dq) && eq(a.dk, b.dk) && eq(a.dv, b.dv) && eq(a.dg, b.dg) &&
-         eq(a.dbeta, b.dbeta) && eq(a.ht, b.ht) && eq(a.dh0, b.dh0);
-}
-
-SummaryShape layer_summary_shape(const kda::Shape& s) {
-  return SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim};
-}
-
-Progress::Progress(std::string prefix, double quiet_seconds)
-    : prefix_(std::move(prefix)), quiet_seconds_(quiet_seconds) {}
-
-void Progress::note(const std::string& what) const {
-  const double t = since(t0_);
-  if (t > quiet_seconds_) std::fprintf(stderr, "%s: %s (%.1f s elapsed)\n", prefix_.c_str(), what.c_str(), t);
-}
-
-std::optional<ProtocolComparison> compare_protocols(const std::shared_ptr<Communicator>& world,
-                                                    const LayerJob<float>& job, const LayerRunOptions& base,
-                                                    const Progress& progress) {
-  const bool lead = world->rank() == 0;
-  if (!job.grads()) throw InvalidArgument("compare_protocols: the job has no d_o (it compares gradients too)");
-  if (base.ulysses == kUlyssesAuto)
-    throw InvalidArgument("compare_protocols: Ulysses width auto, expected a width (resolve_ulysses)");
-  check_ulysses(base.ulysses, world->size(), job.data.shape);
-  // The exchange runs over the head groups (P/U ranks; U = 1: the world).
-  const std::size_t ranks = world->size() / base.ulysses;
-  const kda::Layout layout =
-      base.layout ? *base.layout : kda::Layout::contiguous(job.data.shape.tokens, world->size());
-  // A layout with several parts on a rank, or parts out of rank order, runs
-  // only on protocols whose registry row takes layouts.
-  const bool plain = kda::ulysses_group_layout(layout, base.ulysses).owners().is_one_per_rank();
-  ProtocolComparison cmp;
-  for (const ProtocolDescriptor* row : protocol_registry()) {
-    if (row->chooser()) continue;
-    const std::string method(row->name);
-    long long width = 1;
-    if (row->takes_group_size) {
-      if (ranks < 4 || ranks % 2 != 0) continue;  // needs 1 < w < P dividing P
-      width = static_cast<long long>(ranks / 2);
-    }
-    std::string label = method;
-    if (width > 1) label += fmt::format(" w={}", width);
-    if (!plain && !row->takes_layouts) {
-      cmp.runs.push_back({{}, width, label, {}, "n/a: protocol does not take layouts"});
-      continue;
-    }
-    if (lead) progress.note("running " + method);
-    LayerRunOptions opts = base;
-    opts.method = method;
-    opts.group_size = width;
-    auto out = run_context_parallel(world, job, opts);
-    cmp.runs.push_back({out ? std::move(*out) : LayerOutputs<float>{}, width, label, {}, {}});
-  }
-  if (!lead) return std::nullopt;
-  const LayerOutputs<float>* first_exact = nullptr;
-  for (ProtocolRun& r : cmp.runs) {
-    if (!r.skipped.empty() || !r.out.exact) continue;
-    if (!first_exact) first_exact = &r.out;
-    r.bitwise = same_bits(r.out, *first_exact);
-    cmp.all_bitwise = cmp.all_bitwise && *r.bitwise;
-  }
-  return cmp;
-}
-
-double layer_cache_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens, std::size_t pieces,
-                         std::size_t elem_bytes) {
-  if (algorithm != kda::Algorithm::chunk) return 0;
-  // A piece of t tokens keeps ⌈t/C⌉ - 1 < t/C states and L, P of c×c per
-  // chunk of c ≤ C tokens (≤ 2·C·t in all): however the tokens are cut.
-  (void)pieces;
-  const double c = double(kda::kChunkSize);
-  const double per_pair = std::ceil(double(tokens) / c) * double(s.key_dim) * double(s.value_dim) +
-                          2 * c * double(tokens) + 2 * double(tokens) * double(s.value_dim);
-  return double(s.batch) * double(s.value_heads) * per_pair * double(elem_bytes);
-}
-
-double layer_backward_records_bytes(const kda::Shape& s, kda::Algorithm algorithm, std::size_t tokens,
-                                    std::size_t pieces, std::size_t elem_bytes, bool keep_forward,
-                                    std::size_t threads) {
-  const double cache = layer_cache_bytes(s, algorithm, tokens, pieces, elem_bytes);
-  if (keep_forward) return cache;
-  // One record per (row, value head) in flight: a thread's scratch.
-  const double pairs = double(s.batch) * double(s.value_heads);
-  return cache * std::min(double(std::max<std::size_t>(threads, 1)), pairs) / pairs;
-}
-
-double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, const kda::Layout& layout,
-                               bool one_rank_per_process, bool keep_forward, std::size_t ulysses) {
-  const std::size_t ranks = layout.ranks();
-  const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
-  // compare_protocols runs only the rows that take the layout when it is not
-  // the plain one.
-  const bool plain = !has_layout(ps);
-  Prediction hungriest;
-  std::size_t protocols = 0;
-  for (const Prediction& p : predict_all(CostParams{}, ps, true)) {
-    if (!plain && !find_protocol(p.config.method).takes_layouts) continue;
-    ++protocols;
-    if (p.peak_extra_bytes >= hungriest.peak_extra_bytes) hungriest = p;
-  }
-  const double kept_states =
-      2 * double(sequences) * double(shape.value_heads) * double(shape.key_dim) * double(shape.value_dim);
-  const double kept = double(protocols + 2) * (layer_output_bytes(shape, true, sizeof(float)) + kept_states * sizeof(float));
-  const double exchange = exchange_rank_bytes(ps, hungriest);
-  // The single-rank run's cache (the whole stream) is as large as all P
-  // ranks' together, and never held at the same time as theirs.
-  const std::size_t pieces = sequences + layout.parts().size();
-  const double cache =
-      keep_forward ? layer_cache_bytes(shape, kda::Algorithm::chunk, shape.tokens, pieces, sizeof(float)) : 0.0;
-  // The Ulysses layer's buffers per rank: of the width given, or the widest
-  // of any width auto may pick (a width that does not divide P, H and HV is
-  // refused by the run, naming it).
-  double ulysses_extra = 0;
-  for (std::size_t u = 2; u <= ranks; ++u) {
-    if (ulysses != kUlyssesAuto && u != ulysses) continue;
-    if (ranks % u != 0 || shape.heads % u != 0 || shape.value_heads % u != 0) continue;
-    ulysses_extra = std::max(ulysses_extra, ulysses_rank_bytes(shape, sequences, layout, u, true, sizeof(float)));
-  }
-  if (one_rank_per_process)
-    return kept + cache + layer_rank_bytes(shape, sequences, layout, true, sizeof(float), exchange) + ulysses_extra;
-  return kept + cache + layer_run_bytes(shape, sequences, ranks, true, sizeof(float), exchange, layout.parts().size()) +
-         double(ranks) * ulysses_extra;
-}
-
+template LayerConfig layer_config<float>(const LayerJob<float>&, const LayerRunOptions&);
+template LayerConfig layer_config<double>(const LayerJob<double>&, const LayerRunOptions&);
 template struct LayerJob<float>;
 template struct LayerJob<double>;
 template LayerOutputs<float> allocate_outputs<float>(const LayerJob<float>&);

@@ -403,6 +403,42 @@ def case_run_warmup(kdacp, d):
     assert rc == 0 and "timed step after 1 untimed step" in text, text
 
 
+# The command line: whatever notices a wrong flag (the flag parser or kdacp's
+# own checks), it is exit 2 with one "kdacp: error:" line naming the flag;
+# --help and --version exit 0.
+def case_parse_bad_bool(kdacp, d):
+    expect_error(kdacp, ["kda", "--deterministic=maybe"], "kdacp: error:", "--deterministic", "maybe")
+    expect_error(kdacp, ["run", "--json=perhaps"], "kdacp: error:", "--json", "perhaps")
+
+
+def case_parse_repeated(kdacp, d):
+    expect_error(kdacp, ["run", "--seed", "1", "--seed", "2"], "kdacp: error:", "--seed")
+    expect_error(kdacp, ["plan", "-T", "8", "--tokens", "8"], "kdacp: error:", "--tokens")
+    expect_error(kdacp, ["exchange", "--json", "--json"], "kdacp: error:", "--json")
+
+
+def case_parse_unknown(kdacp, d):
+    expect_error(kdacp, ["run", "--bogus"], "kdacp: error:", "--bogus")
+    expect_error(kdacp, ["exchange", "extra"], "kdacp: error:", "extra")
+    expect_error(kdacp, ["bench"], "kdacp: error:", "subcommand")
+
+
+def case_parse_missing_value(kdacp, d):
+    expect_error(kdacp, ["run", "--tokens"], "kdacp: error:", "--tokens")
+    expect_error(kdacp, ["kda", "--inputs"], "kdacp: error:", "--inputs")
+    expect_error(kdacp, ["kda", "--out", d], "kdacp: error:", "--inputs")  # a required flag left out
+
+
+def case_parse_bad_choice(kdacp, d):
+    expect_error(kdacp, ["run", "--layout", "diagonal"], "kdacp: error:", "--layout", "diagonal", "zigzag")
+    expect_error(kdacp, ["exchange", "--backend", "tcp"], "kdacp: error:", "--backend", "tcp", "inprocess")
+    expect_error(kdacp, ["exchange", "--protocol", "ring"], "kdacp: error:", "--protocol", "ring", "p2p")
+    expect_error(kdacp, ["bench", "kernels", "--direction", "up"], "kdacp: error:", "--direction", "up", "forward")
+    for args in (["--help"], ["--version"], ["run", "--help"]):
+        rc, out = run(kdacp, *args)
+        assert rc == 0 and "kdacp: error" not in out, (args, rc, out)
+
+
 def main():
     kdacp, case = os.path.abspath(sys.argv[1]), sys.argv[2]
     with tempfile.TemporaryDirectory() as d:

@@ -105,7 +105,7 @@ def main():
             r = kda(kdacp, "--inputs", d, "--out", out, "-P", "2", "--split", "100,924",
                     "--deterministic", ok=False)
             assert r.returncode != 0, r.stdout
-            assert "starts 100 tokens into its sequence" in r.stderr and "multiple of 64" in r.stderr, r.stderr
+            assert "rank 1's tokens [100, 1024) start 100 tokens into their sequence" in r.stderr and "multiple of 64" in r.stderr, r.stderr
             assert not os.path.exists(out) or not os.listdir(out), os.listdir(out)
     print(f"deterministic ok: {runs} runs byte-equal to P = 1{' (incl. mpirun)' if mpi else ''}")
 

@@ -89,10 +89,24 @@ def main():
         ok &= check("kda q.npy", mpmd(mpiexec, flags, kda + ["--inputs", same], kda + ["--inputs", other]),
                     ["--inputs q.npy: rank 0 has hash #", ", rank 1 has hash #"], out)
         # Per-rank --seed of `kdacp run`.
-        run = [kdacp, "run", "--backend", "mpi", "--timeout", str(TIMEOUT), "--tokens", "64", "--heads", "1",
-               "--key-dim", "16", "--value-dim", "16"]
+        run_any = [kdacp, "run", "--backend", "mpi", "--timeout", str(TIMEOUT), "--heads", "1",
+                   "--key-dim", "16", "--value-dim", "16"]
+        run = run_any + ["--tokens", "64"]
         ok &= check("run --seed", mpmd(mpiexec, flags, run + ["--seed", "0"], run + ["--seed", "1"]),
                     ["--seed: rank 0 has 0, rank 1 has 1"])
+        # Layer settings the ranks were given differently: each rank is told
+        # the flag it typed, never an internal field.
+        for name, a, b, needle in [
+                ("--split", ["--split", "40,24"], ["--split", "32,32"], "--split: rank 0 has [40,24], rank 1 has [32,32]"),
+                ("--layout", ["--layout", "zigzag"], [], "--layout: rank 0 has zigzag, rank 1 has contiguous"),
+                ("--tokens", [], ["--tokens", "128"], "--tokens: rank 0 has 64, rank 1 has 128")]:
+            rank1 = run_any + b if name == "--tokens" else run + b
+            ok &= check("run " + name, mpmd(mpiexec, flags, run + a, rank1), [needle])
+        ok &= check("run --seqlens", mpmd(mpiexec, flags, run + ["--seqlens", "32,32"], run + ["--seqlens", "16,48"]),
+                    ["--seqlens: rank 0 has [0,32,64], rank 1 has [0,16,64]"])
+        ok &= check("kda --protocol", mpmd(mpiexec, flags, kda + ["--inputs", same, "--protocol", "p2p"],
+                                           kda + ["--inputs", same, "--protocol", "allgather"]),
+                    ["--protocol: rank 0 has p2p, rank 1 has allgather"], out)
         # The same arguments still run (the checks do not refuse agreement).
         r = subprocess.run(mpmd(mpiexec, flags, kda + ["--inputs", same], kda + ["--inputs", same]),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3 * TIMEOUT)

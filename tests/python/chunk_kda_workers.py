@@ -379,6 +379,17 @@ def ulysses_worker(rank, world, init_file):
     with pytest.raises(ValueError, match="ulysses"):
         kt.kda(*[x.detach() for x in mine], cu_seqlens=cu, group=dist.group.WORLD, timeout=20,
                threads=1, ulysses=1 if rank == 1 else 2)
+    # One rank's q stored as bfloat16, the others' float32: the same compute
+    # dtype, but 16-bit inputs travel the all-to-alls as 16 bits, so every
+    # rank is told (before any all-to-all, which would not match in size).
+    mixed = [x.detach().float() for x in mine_f]
+    if rank == 1:
+        mixed[0] = mixed[0].to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"storage dtypes q,k,v,g,beta"):
+        kt.kda(*mixed, cu_seqlens=cu, group=dist.group.WORLD, timeout=20, threads=1, ulysses=2)
+    ctx_m = kt.build_cp_context(cu, dist.group.WORLD, split=counts, timeout=20, threads=1, ulysses=2)
+    with pytest.raises(ValueError, match=r"storage dtypes q,k,v,g,beta"):
+        kt.chunk_kda(*mixed, cp_context=ctx_m)
     with pytest.raises(ValueError, match="not of the state exchange"):
         kt.build_kda_state_cp(dist.group.WORLD, ulysses=2)
     finish()

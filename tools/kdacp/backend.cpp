@@ -18,12 +18,10 @@ const ProcessLauncher* launcher() {
 }
 
 void add_backend_flags(CLI::App& cmd, LaunchOptions& opts) {
-  cmd.add_option("--backend", opts.backend,
-                 "where ranks run: inprocess (threads of this process), mpi (one process per "
-                 "rank under mpirun) or auto (mpi when launched by mpirun with more than one "
-                 "process)")
-      ->check(CLI::IsMember({"auto", "inprocess", "mpi"}))
-      ->capture_default_str();
+  add_choice(cmd, "--backend", opts.backend,
+             "where ranks run: inprocess (threads of this process), mpi (one process per rank under mpirun) or "
+             "auto (mpi when launched by mpirun with more than one process)",
+             {"auto", "inprocess", "mpi"});
   add_int(cmd, "--ranks,-P", opts.ranks,
           "number of in-process ranks (context-parallel size P); under mpirun P is the number of processes",
           kRanksRange)

@@ -16,15 +16,15 @@
 #include "kdacp/admission.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/job.hpp"
-#include "kdacp/testing/bench_report.hpp"
+#include "kdacp/report/bench_report.hpp"
 #include "layer_flags.hpp"
 
 namespace kdacp::cli {
 namespace {
 
 struct BenchArgs {
-  testing::KernelBenchConfig kernels{{64, 128, 256}, {1, 4, 16, 64}, {1, 0}, 16, {}, 0.2};
-  testing::ProtocolBenchConfig protocols{{2, 4, 8, 16}, {1, 16, 64}, 128, {}, 0.2};
+  report::KernelBenchConfig kernels{{64, 128, 256}, {1, 4, 16, 64}, {1, 0}, 16, {}, 0.2};
+  report::ProtocolBenchConfig protocols{{2, 4, 8, 16}, {1, 16, 64}, 128, {}, 0.2};
   std::vector<std::string> directions{"forward", "backward"};
   double min_time = 0.2;  // each timing repeats this long (at least three runs)
   bool json = false;
@@ -38,22 +38,22 @@ void run(const std::string& mode, BenchArgs& args) {
   auto& pc = args.protocols;
   kc.min_time = pc.min_time = args.min_time;
   if (args.quick) {
-    testing::make_quick(kc);
-    testing::make_quick(pc);
+    report::make_quick(kc);
+    report::make_quick(pc);
   }
   // Kernels sweep the directions as given; protocols forward first.
   for (const std::string& d : args.directions)
     kc.directions.push_back(d == "forward" ? Direction::forward : Direction::backward);
   for (Direction d : {Direction::forward, Direction::backward})
     if (std::count(kc.directions.begin(), kc.directions.end(), d) > 0) pc.directions.push_back(d);
-  const testing::BenchOutput output{args.json, !args.quiet, args.plot};
-  if (mode == "kernels") testing::run_kernel_bench(kc, output);
-  else testing::run_protocol_bench(pc, output);
+  const report::BenchOutput output{args.json, !args.quiet, args.plot};
+  if (mode == "kernels") report::run_kernel_bench(kc, output);
+  else report::run_protocol_bench(pc, output);
 }
 
-// `kdacp bench layer`: the CLI's side of testing::bench_layer.
+// `kdacp bench layer`: the CLI's side of report::bench_layer.
 struct LayerArgs {
-  testing::LayerBenchConfig layer;
+  report::LayerBenchConfig layer;
   std::size_t value_heads = 0;  // 0: H
   std::vector<std::string> algorithms{"recurrent", "chunk"};
   ExchangeFlags exchange;
@@ -62,12 +62,12 @@ struct LayerArgs {
 };
 
 void run_layer(LayerArgs& a) {
-  testing::LayerBenchConfig& c = a.layer;
+  report::LayerBenchConfig& c = a.layer;
   c.keep_forward = !a.recompute;
   c.algorithms.clear();
   for (const std::string& name : a.algorithms) c.algorithms.push_back(parse_algorithm_flag(name, "--algorithms"));
   if (a.quick) {
-    testing::make_quick(c);
+    report::make_quick(c);
     a.value_heads = 0;
   }
   check_value_heads(c.shape.heads, a.value_heads);
@@ -79,7 +79,7 @@ void run_layer(LayerArgs& a) {
   c.method = a.exchange.protocol;
   c.group_size = a.exchange.group_size;
   c.exchange = exchange_options(a.exchange, job::layer_summary_shape(c.shape));
-  testing::run_layer_bench(c, a.max_memory, testing::BenchOutput{a.json, !a.quiet, ""});
+  report::run_layer_bench(c, a.max_memory, report::BenchOutput{a.json, !a.quiet, ""});
 }
 
 void add_layer_command(CLI::App& bench) {
@@ -88,7 +88,7 @@ void add_layer_command(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand(
       "layer", "the KDA layer's forward+backward per algorithm (recurrent, chunk) on one rank and in CP: "
                "time, GFLOP/s vs the FP32 peak, speed-up and error against the first algorithm");
-  testing::LayerBenchConfig& c = a->layer;
+  report::LayerBenchConfig& c = a->layer;
   add_layer_shape_flags(*cmd, c.shape, a->value_heads, "sequence length");
   add_int(*cmd, "--ranks,-P", c.ranks, "in-process ranks of the context-parallel runs (0: one rank only)",
           IntRange{0, kRanksRange.max});

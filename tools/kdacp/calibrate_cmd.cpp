@@ -3,7 +3,7 @@
 // JSON for `kdacp plan --calibration` and auto. With --validate it then runs
 // every configuration the model weighs on the same backend and prints the
 // predicted time beside the measured one. The measurements are
-// kdacp/calibrate.hpp, the command's flow kdacp/testing/model_validation.hpp
+// kdacp/calibrate.hpp, the command's flow kdacp/report/model_validation.hpp
 // (run_calibration); this file parses the flags.
 #include <memory>
 #include <string>
@@ -15,7 +15,7 @@
 #include "kdacp/calibrate.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
-#include "kdacp/testing/model_validation.hpp"
+#include "kdacp/report/model_validation.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::cli {
@@ -43,7 +43,7 @@ void run_calibrate(const CalibrateConfig& cfg) {
     throw InvalidArgument("--calibration loads parameters for --validate; pass --validate too");
   const std::size_t threads =
       cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
-  testing::CalibrateRequest request;
+  report::CalibrateRequest request;
   request.backend = cfg.backend;
   request.out = cfg.out;
   if (!cfg.calibration.empty()) request.loaded = load_cost_params(cfg.calibration);
@@ -53,7 +53,7 @@ void run_calibrate(const CalibrateConfig& cfg) {
   request.validate_ranks = cfg.validate_ranks;
   request.min_time = cfg.min_time;
   request.json = cfg.json;
-  testing::run_calibration(request, launcher());
+  report::run_calibration(request, launcher());
 }
 
 }  // namespace

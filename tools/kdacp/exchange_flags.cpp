@@ -1,21 +1,15 @@
 #include "exchange_flags.hpp"
 
-#include <fmt/format.h>
-
-#include "kdacp/admission.hpp"
-#include "kdacp/cost_model.hpp"
-#include "kdacp/protocol.hpp"
 #include "flags.hpp"
+#include "kdacp/protocol.hpp"
 #include "kdacp/units.hpp"
 
 namespace kdacp::cli {
 
 void add_exchange_flags(CLI::App& cmd, ExchangeFlags& f) {
-  cmd.add_option("--protocol", f.protocol,
-                 "state exchange method; auto picks the predicted-fastest exact protocol "
-                 "(see kdacp plan)")
-      ->check(CLI::IsMember(exchange_methods()))
-      ->capture_default_str();
+  add_choice(cmd, "--protocol", f.protocol,
+             "state exchange method; auto picks the predicted-fastest exact protocol (see kdacp plan)",
+             exchange_methods());
   add_int(cmd, "--group-size", f.group_size,
           "group width w for the protocols that take one (must divide P; see kdacp protocols)",
           IntRange{1, kRanksRange.max});
@@ -32,26 +26,6 @@ void add_exchange_flags(CLI::App& cmd, ExchangeFlags& f) {
   add_path(cmd, "--calibration", f.calibration,
            "auto: cost parameters from `kdacp calibrate` (default: the built-in InfiniBand-like machine)",
            "a JSON file name");
-}
-
-ExchangeOptions exchange_options(const ExchangeFlags& f, const SummaryShape& shape) {
-  ExchangeOptions o;
-  o.segments = f.segments;
-  o.allow_reassociation = f.allow_reassociation;
-  if (!f.memory_budget.empty())
-    o.memory_budget_bytes = parse_bytes(f.memory_budget, "--memory-budget");
-  if (!f.calibration.empty()) o.cost = load_cost_params(f.calibration);
-  o.expected_shape = shape;
-  return o;
-}
-
-std::string describe_method(const std::string& method, const std::optional<Prediction>& pred,
-                            const ExchangeFlags& flags) {
-  if (!pred) return method;
-  return fmt::format("{} -> {} (predicted {:.3g} ms per call, {} extra per rank, {})", flags.protocol,
-                     protocol_label(pred->config), pred->seconds * 1e3,
-                     format_bytes(static_cast<double>(pred->peak_extra_bytes)),
-                     pred->exact ? "exact" : "reassociating");
 }
 
 }  // namespace kdacp::cli

@@ -40,6 +40,13 @@ CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<s
       ->type_name("N,N,...");
 }
 
+CLI::Option* add_choice(CLI::App& cmd, const std::string& names, std::string& value, const std::string& help,
+                        const std::vector<std::string>& words) {
+  std::vector<std::pair<std::string, std::string>> choices;
+  for (const std::string& w : words) choices.emplace_back(w, w);
+  return add_mapped_choice<std::string>(cmd, names, value, help, std::move(choices));
+}
+
 CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
                       const RealRange& range) {
   const std::string flag = flag_name(names);
@@ -92,6 +99,13 @@ CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path
           },
           help)
       ->type_name("PATH");
+}
+
+void reject_repeated_flags(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options())
+    if (opt->get_expected_max() == 0 && opt != app.get_help_ptr() && opt != app.get_version_ptr())
+      opt->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+  for (CLI::App* sub : app.get_subcommands({})) reject_repeated_flags(*sub);
 }
 
 CLI::Option* add_max_memory(CLI::App& cmd, std::string& text) {

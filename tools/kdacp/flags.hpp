@@ -8,12 +8,15 @@
 #include <array>
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "kdacp/error.hpp"
+#include "kdacp/report/exchange_flags.hpp"
 #include "kdacp/summary.hpp"
 #include "kdacp/units.hpp"
 
@@ -21,7 +24,7 @@ namespace kdacp::cli {
 
 inline constexpr IntRange kDimRange{kMinDim, kMaxDim, kDimMultiple};  // K, V
 inline constexpr IntRange kSizeRange{1, 65536};                       // B, H, B·H
-inline constexpr IntRange kRanksRange{1, 4096};                       // P of a run
+using report::kRanksRange;                                            // P of a run
 inline constexpr RealRange kPositive{0, std::numeric_limits<double>::max(), true};
 inline constexpr RealRange kMinTimeRange{0, 3600, true};  // seconds a measurement repeats
 
@@ -65,6 +68,36 @@ CLI::Option* add_int_list(CLI::App& cmd, const std::string& names, std::vector<s
 CLI::Option* add_real(CLI::App& cmd, const std::string& names, double& value, const std::string& help,
                       const RealRange& range);
 
+// One of named choices ("--kernel best|simd|scalar", the help's type
+// name); another text throws InvalidArgument naming the flag, the text and
+// the choices.
+template <class T>
+CLI::Option* add_mapped_choice(CLI::App& cmd, const std::string& names, T& value, const std::string& help,
+                        std::vector<std::pair<std::string, T>> choices) {
+  const std::string flag = flag_name(names);
+  std::vector<std::string> words;
+  std::string current;
+  for (const auto& [word, v] : choices) {
+    words.push_back(word);
+    if (v == value) current = word;
+  }
+  return cmd
+      .add_option_function<std::string>(
+          names,
+          [&value, flag, choices, words](const std::string& t) {
+            for (const auto& [word, v] : choices)
+              if (t == word) return void(value = v);
+            throw InvalidArgument(fmt::format("{} is '{}', expected one of {}", flag, t, fmt::join(words, ", ")));
+          },
+          help)
+      ->type_name(fmt::format("{}", fmt::join(words, "|")))
+      ->default_str(current);
+}
+
+// A text flag whose value is one of `words`.
+CLI::Option* add_choice(CLI::App& cmd, const std::string& names, std::string& value, const std::string& help,
+                        const std::vector<std::string>& words);
+
 // A quantity with a unit, kept as text and checked at parse time with
 // parse_bytes / parse_seconds / parse_rate; converted where it is used.
 enum class Quantity { bytes, seconds, rate };
@@ -86,6 +119,12 @@ void check_value_heads(std::size_t heads, std::size_t value_heads);
 // directory, or no file, without a word. `what` says which ("a directory").
 CLI::Option* add_path(CLI::App& cmd, const std::string& names, std::string& path, const std::string& help,
                       const std::string& what);
+
+// Every on/off flag of `app` and its subcommands (--json, --deterministic,
+// ...) given twice is an error naming it, as a repeated option with a value
+// is: CLI11 takes the last one otherwise, and `--deterministic=false
+// --deterministic` would silently mean one of them.
+void reject_repeated_flags(CLI::App& app);
 
 // --max-memory: what a command may allocate; empty text means what the
 // machine has available now (max_memory_bytes in kdacp/admission.hpp).

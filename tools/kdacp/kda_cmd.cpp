@@ -44,7 +44,8 @@ struct KdaConfig {
 template <class T>
 job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in, const job::LayerJob<T>& job,
                                  std::size_t ranks, double input_bytes) {
-  kda::Layout layout = layout_of(cfg.layout, job.data.shape.tokens, ranks);
+  // Checked in the flags' terms; the layer builds it from --layout and --split.
+  const kda::Layout layout = layout_of(cfg.layout, job.data.shape.tokens, ranks);
   SummaryShape summary = job::layer_summary_shape(job.data.shape);
   summary.dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
   job::LayerRunOptions opts;
@@ -52,9 +53,10 @@ job::LayerRunOptions run_options(const KdaConfig& cfg, const job::LayerNpy& in, 
   opts.group_size = cfg.exchange.group_size;
   opts.threads_per_rank = cfg.threads ? cfg.threads : ThreadPool::default_threads(ranks_per_process(cfg.backend));
   opts.exchange = exchange_options(cfg.exchange, summary);
-  opts.layout = std::move(layout);
+  opts.layout_kind = parse_layout_kind(cfg.layout.layout, "--layout");
+  opts.split = cfg.layout.split;
   opts.ulysses = cfg.ulysses;
-  resolve_ulysses_flag(cfg.ulysses, opts.method, job.data.shape, *opts.layout, job.sequences(), opts.exchange,
+  resolve_ulysses_flag(cfg.ulysses, opts.method, job.data.shape, layout, job.sequences(), opts.exchange,
                        sizeof(T));
   job::admit_layer_job(in, job, opts, ranks, input_bytes, cfg.max_memory,
                        resolved_backend(cfg.backend) != "inprocess");

@@ -61,11 +61,10 @@ std::size_t resolve_ulysses_flag(std::size_t given, const std::string& method, c
 }
 
 void add_layout_flags(CLI::App& cmd, LayoutFlags& flags) {
-  cmd.add_option("--layout", flags.layout,
-                 "where tokens live: contiguous (rank r holds the r-th run of tokens) or zigzag (2P parts, rank r "
-                 "holds parts r and 2P-1-r; needs T >= 2P and a protocol that takes layouts)")
-      ->check(CLI::IsMember({"contiguous", "zigzag"}))
-      ->capture_default_str();
+  add_choice(cmd, "--layout", flags.layout,
+             "where tokens live: contiguous (rank r holds the r-th run of tokens) or zigzag (2P parts, rank r holds "
+             "parts r and 2P-1-r; needs T >= 2P and a protocol that takes layouts)",
+             {"contiguous", "zigzag"});
   add_int_list(cmd, "--split", flags.split,
                "tokens per rank of the contiguous layout, P entries summing to T (default: ceil/floor of T/P)",
                IntRange{1, std::uint64_t{1} << 40});
@@ -107,31 +106,7 @@ CLI::Option* add_deterministic_flag(CLI::App& cmd, bool& deterministic) {
                       "chunk a cut inside a sequence must fall on a multiple of 64 tokens of that sequence");
 }
 
-void check_layout_flags(const LayoutFlags& flags) {
-  if (flags.layout == "zigzag" && !flags.split.empty())
-    throw InvalidArgument("--split applies to --layout contiguous only, not to --layout zigzag");
-}
-
-kda::Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks) {
-  check_layout_flags(flags);
-  const bool zigzag = flags.layout == "zigzag";
-  try {
-    return job::make_layout(zigzag, flags.split, tokens, ranks);
-  } catch (const InvalidArgument& e) {
-    if (zigzag) throw InvalidArgument(fmt::format("--layout zigzag on P = {} ranks: {}", ranks, e.what()));
-    if (!flags.split.empty())
-      throw InvalidArgument(fmt::format("--split {} on P = {} ranks, T = {}: {}", fmt::join(flags.split, ","), ranks,
-                                        tokens, e.what()));
-    throw InvalidArgument(fmt::format("P = {} ranks for T = {} tokens: {}", ranks, tokens, e.what()));
-  }
-}
-
-std::string layout_name(const LayoutFlags& flags) {
-  if (flags.layout == "zigzag" || flags.split.empty()) return flags.layout;
-  return fmt::format("contiguous {}", fmt::join(flags.split, ","));
-}
-
-void add_packing_flags(CLI::App& cmd, testing::Packing& packing, std::size_t max_tokens, const std::string& what) {
+void add_packing_flags(CLI::App& cmd, report::Packing& packing, std::size_t max_tokens, const std::string& what) {
   add_int_list(cmd, "--seqlens", packing.seqlens,
                "pack sequences of these lengths into one row (B = 1; T defaults to their sum)" + what,
                IntRange{1, max_tokens});

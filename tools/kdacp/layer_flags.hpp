@@ -12,7 +12,7 @@
 
 #include "kdacp/kda.hpp"
 #include "kdacp/job.hpp"
-#include "kdacp/testing/packing.hpp"
+#include "kdacp/report/packing.hpp"
 
 namespace kdacp::cli {
 
@@ -37,25 +37,10 @@ kda::Algorithm parse_algorithm_flag(const std::string& text, const std::string& 
 CLI::Option* add_layer_shape_flags(CLI::App& cmd, kda::Shape& shape, std::size_t& value_heads,
                                    const std::string& tokens_help);
 
-struct LayoutFlags {
-  std::string layout = "contiguous";
-  std::vector<std::size_t> split;  // per-rank token counts (contiguous)
-};
+using report::LayoutFlags;
 
-// Adds --layout contiguous|zigzag and --split n0,n1,...
+// Adds --layout contiguous|zigzag and --split n0,n1,... (report::LayoutFlags).
 void add_layout_flags(CLI::App& cmd, LayoutFlags& flags);
-
-// Throws InvalidArgument for --split with --layout zigzag.
-void check_layout_flags(const LayoutFlags& flags);
-
-// The layout of `tokens` tokens on `ranks` ranks (job::make_layout); what
-// Layout rejects (a split that is not P entries, has a zero or does not sum
-// to T; zigzag with T < 2P; P > T) throws InvalidArgument naming the flag.
-kda::Layout layout_of(const LayoutFlags& flags, std::size_t tokens, std::size_t ranks);
-
-// The flags as the commands print them: "contiguous", "contiguous 3,5,4" or
-// "zigzag".
-std::string layout_name(const LayoutFlags& flags);
 
 // Adds --ulysses U|auto (LayerRunOptions::ulysses: an integer in [1, 65536],
 // or auto = job::kUlyssesAuto; default 1): Ulysses x state CP.
@@ -74,7 +59,7 @@ std::size_t resolve_ulysses_flag(std::size_t given, const std::string& method, c
 // Adds --seqlens L1,L2,... (each at most max_tokens; `what` ends the help
 // text, e.g. what the command does with them) and --docs N, the packed
 // sequences in one row of `kdacp run` and `kdacp plan`
-// (kdacp/testing/packing.hpp checks and draws them).
-void add_packing_flags(CLI::App& cmd, testing::Packing& packing, std::size_t max_tokens, const std::string& what);
+// (kdacp/report/packing.hpp checks and draws them).
+void add_packing_flags(CLI::App& cmd, report::Packing& packing, std::size_t max_tokens, const std::string& what);
 
 }  // namespace kdacp::cli

@@ -5,14 +5,15 @@
 #include <new>
 
 #include "commands.hpp"
+#include "flags.hpp"
 #include "kdacp/error.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{
       "kdacp: context-parallel state exchange of Kimi Delta Attention and other linear "
       "attentions with an affine recurrent state.\n"
-      "Exit status: 0 success, 1-127 an error (2: bad input, a file or the run failed; 105-110: a flag "
-      "CLI11 could not parse), 3: a bug (internal error)"};
+      "Exit status: 0 success; 2 an error, with a message saying what (a flag, an input, a file, memory, "
+      "a peer or the results); 3 a bug (internal error)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "kdacp 0.1.0");
   kdacp::cli::add_run_command(app);
@@ -22,10 +23,16 @@ int main(int argc, char** argv) {
   kdacp::cli::add_plan_command(app);
   kdacp::cli::add_calibrate_command(app);
   kdacp::cli::add_protocols_command(app);
+  kdacp::cli::reject_repeated_flags(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version end the parse as a "success"; every other parse
+    // failure (unknown or repeated flag, missing or unreadable value) is an
+    // error like any other: exit 2, one line naming the flag.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "kdacp: error: %s (--help lists the flags)\n", e.what());
+    return 2;
   } catch (const kdacp::Error& e) {
     std::fprintf(stderr, "kdacp: error: %s\n", e.what());
     return 2;

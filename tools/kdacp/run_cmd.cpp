@@ -15,7 +15,7 @@
 #include "flags.hpp"
 #include "kdacp/admission.hpp"
 #include "kdacp/job.hpp"
-#include "kdacp/testing/run_report.hpp"
+#include "kdacp/report/run_report.hpp"
 #include "kdacp/thread_pool.hpp"
 #include "layer_flags.hpp"
 
@@ -30,7 +30,7 @@ struct RunConfig {
   kda::Shape shape{1, 8192, 4, 0, 128, 128};
   std::size_t value_heads = 0;  // 0: --heads
   bool tokens_given = false;
-  testing::Packing packing;
+  report::Packing packing;
   LayoutFlags layout;
   kda::Algorithm algorithm = defaults::kAlgorithm;
   std::uint64_t seed = 0;
@@ -44,14 +44,14 @@ struct RunConfig {
 void run(RunConfig& cfg) {
   check_layout_flags(cfg.layout);
   kda::Shape shape = cfg.shape;
-  shape.tokens = testing::packed_tokens(cfg.packing, shape.tokens, cfg.tokens_given, std::size_t{1} << 24);
+  shape.tokens = report::packed_tokens(cfg.packing, shape.tokens, cfg.tokens_given, std::size_t{1} << 24);
   check_value_heads(shape.heads, cfg.value_heads);
   shape.value_heads = cfg.value_heads ? cfg.value_heads : shape.heads;
   kda::validate(shape);
   job::LayerJob<float> job;
   // N is known from the flags: the memory admission comes before the
   // packing is drawn (16M --docs take seconds and a GiB to draw).
-  const std::size_t sequences = testing::packed_sequences(cfg.packing, shape.batch, shape.tokens);
+  const std::size_t sequences = report::packed_sequences(cfg.packing, shape.batch, shape.tokens);
   const std::string backend = resolved_backend(cfg.backend);
   const bool in_process = backend == "inprocess";
   if (in_process) layout_of(cfg.layout, shape.tokens, cfg.backend.ranks);
@@ -82,8 +82,8 @@ void run(RunConfig& cfg) {
   // The job's inputs, generated once admitted: before the ranks start
   // in-process, in the world (one rank, one call per process) under a launcher.
   auto generate = [&] {
-    job = testing::synthetic_layer_job(
-        shape, testing::packed_cu_seqlens(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
+    job = report::synthetic_layer_job(
+        shape, report::packed_cu_seqlens(cfg.packing, shape.batch, shape.tokens, cfg.seed), cfg.seed);
     job.algorithm = cfg.algorithm;
     job.keep_forward = !cfg.recompute;
     job.deterministic = cfg.deterministic;
@@ -98,17 +98,21 @@ void run(RunConfig& cfg) {
     const job::Progress progress("kdacp run");
     job::LayerRunOptions base;
     base.threads_per_rank = per_rank;
-    base.layout = layout_of(cfg.layout, shape.tokens, world->size());
+    // The layout as the flags say it (each rank builds and agrees on it by
+    // --layout and --split), checked here in the flags' terms first.
+    const kda::Layout layout = layout_of(cfg.layout, shape.tokens, world->size());
+    base.layout_kind = parse_layout_kind(cfg.layout.layout, "--layout");
+    base.split = cfg.layout.split;
     // Under a launcher each process generates the whole job from its seed:
     // every layer built compares it (with the shape, packing and layout the
     // layer compares itself) before its first message.
     base.agree.add_int("--seed", static_cast<long long>(cfg.seed));
     if (!in_process) {
-      admit(*base.layout, true);
+      admit(layout, true);
       generate();
     }
-    base.ulysses = resolve_ulysses_flag(cfg.ulysses, "auto", shape, *base.layout, job.sequences(), {}, 4);
-    testing::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
+    base.ulysses = resolve_ulysses_flag(cfg.ulysses, "auto", shape, layout, job.sequences(), {}, 4);
+    report::run_layer_comparison(world, job, base, layout_name(cfg.layout), cfg.json, hw, progress);
   });
 }
 

@@ -1,0 +1,226 @@
+// LayerConfig: its layout, its one validation in the caller's names, and the
+// fingerprint every rank agrees on (kdacp/layer.hpp).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kdacp/error.hpp"
+#include "kdacp/layer.hpp"
+#include "kdacp/protocol.hpp"
+
+namespace kdacp {
+
+LayerNames LayerNames::cli() {
+  LayerNames n;
+  n.tokens = "--tokens";
+  n.shape = "--batch,--heads,--value-heads,--key-dim,--value-dim";
+  n.cu_seqlens = "--seqlens";
+  n.layout = "--layout";
+  n.split = "--split";
+  n.protocol = "--protocol";
+  n.group_size = "--group-size";
+  n.segments = "--segments";
+  n.memory_budget = "--memory-budget";
+  n.allow_reassociation = "--allow-reassociation";
+  n.calibration = "--calibration";
+  n.ulysses = "--ulysses";
+  n.algorithm = "--algorithm";
+  n.deterministic = "--deterministic";
+  n.dtype = "input dtype";
+  n.storage = "input dtypes q,k,v,g,beta";
+  n.timeout = "--timeout";
+  n.scale = "--scale";
+  n.h0 = "h0 given";
+  n.ht = "ht requested";
+  n.d_o = "d_o dtype";
+  n.dht = "dht given";
+  n.dh0 = "dh0 requested";
+  n.conv = "convolution width";
+  return n;
+}
+
+const char* layout_kind_name(LayoutKind kind) { return kind == LayoutKind::zigzag ? "zigzag" : "contiguous"; }
+
+LayoutKind parse_layout_kind(const std::string& value, const std::string& name) {
+  if (value == "contiguous") return LayoutKind::contiguous;
+  if (value == "zigzag") return LayoutKind::zigzag;
+  throw InvalidArgument(fmt::format("{} \"{}\": expected contiguous or zigzag", name, value));
+}
+
+namespace {
+
+std::string join(std::span<const std::size_t> v) { return fmt::format("{}", fmt::join(v, ",")); }
+
+// The stream's boundaries: the config's cu_seqlens, checked in its names.
+void check_cu_seqlens(const LayerConfig& c) {
+  const LayerNames& n = c.names;
+  const std::vector<std::int64_t>& cu = c.cu_seqlens;
+  if (cu.empty()) return;
+  if (c.shape.batch != 1)
+    throw InvalidArgument(fmt::format("{} given with B = {}: packed sequences need B = 1", n.cu_seqlens,
+                                      c.shape.batch));
+  if (cu.size() < 2 || cu.front() != 0)
+    throw InvalidArgument(fmt::format("{} [{}]: expected at least 2 entries starting at 0", n.cu_seqlens,
+                                      fmt::join(cu, ",")));
+  for (std::size_t i = 1; i < cu.size(); ++i)
+    if (cu[i] <= cu[i - 1])
+      throw InvalidArgument(fmt::format("{}: entry {} ({}) is not above entry {} ({}): expected strictly "
+                                        "increasing boundaries (no empty sequence)",
+                                        n.cu_seqlens, i, cu[i], i - 1, cu[i - 1]));
+  if (static_cast<std::uint64_t>(cu.back()) != c.shape.tokens)
+    throw InvalidArgument(fmt::format("{} ends at {}, expected {} = {} (the stream's tokens)", n.cu_seqlens, cu.back(),
+                                      n.tokens, c.shape.tokens));
+}
+
+void check_shape(const LayerConfig& c) {
+  const kda::Shape& s = c.shape;
+  const LayerNames& n = c.names;
+  if (s.tokens == 0) throw InvalidArgument(fmt::format("{} = 0: expected at least one token", n.tokens));
+  if (s.batch == 0 || s.heads == 0 || s.value_heads == 0 || s.key_dim == 0 || s.value_dim == 0 ||
+      s.value_heads % s.heads != 0)
+    throw InvalidArgument(fmt::format("{} = {},{},{},{},{}: expected each at least 1 and HV a multiple of H", n.shape,
+                                      s.batch, s.heads, s.value_heads, s.key_dim, s.value_dim));
+}
+
+// The deterministic mode's chunk rule on the user's layout: its ranks, its
+// token positions (kda::check::chunk_boundaries says the same of the
+// layer's own parts, which under Ulysses are head groups).
+void check_deterministic(const LayerConfig& c, const Layout& layout, const kda::Sequences& seqs) {
+  if (!c.deterministic || c.algorithm != kda::Algorithm::chunk) return;
+  const std::vector<std::size_t>& bounds = seqs.boundaries();
+  for (const LayoutPart& p : layout.parts()) {
+    const std::size_t start = *(std::upper_bound(bounds.begin(), bounds.end(), p.begin) - 1);
+    if ((p.begin - start) % kda::kChunkSize != 0)
+      throw InvalidArgument(fmt::format(
+          "{} with {} chunk: rank {}'s tokens [{}, {}) start {} tokens into their sequence (which starts at "
+          "token {}), expected a multiple of {}: choose {} so that every cut inside a sequence falls on a "
+          "{}-token boundary of it (docs/determinism.md), or {} recurrent",
+          c.names.deterministic, c.names.algorithm, p.rank, p.begin, p.end, p.begin - start, start,
+          kda::kChunkSize, c.names.split, kda::kChunkSize, c.names.algorithm));
+  }
+}
+
+void check_ulysses(const LayerConfig& c, std::size_t ranks) {
+  const LayerNames& n = c.names;
+  if (c.ulysses == kLayerUlyssesAuto) {
+    if (!find_protocol(c.protocol).chooser())
+      throw InvalidArgument(fmt::format("{} auto prices each width with the exact protocol auto chooses: expected "
+                                        "{} auto, got {}",
+                                        n.ulysses, n.protocol, c.protocol));
+    return;
+  }
+  const kda::Shape& s = c.shape;
+  if (ranks % c.ulysses != 0 || s.heads % c.ulysses != 0 || s.value_heads % c.ulysses != 0)
+    throw InvalidArgument(fmt::format("{} {}: expected a divisor of the {} ranks, of H = {} and of HV = {}",
+                                      n.ulysses, c.ulysses, ranks, s.heads, s.value_heads));
+}
+
+}  // namespace
+
+Layout make_layer_layout(const LayerConfig& c, std::size_t ranks) {
+  const LayerNames& n = c.names;
+  const std::size_t tokens = c.shape.tokens;
+  if (ranks == 0) throw InvalidArgument("a layer needs at least one rank");
+  if (tokens < ranks)
+    throw InvalidArgument(fmt::format("{} = {} tokens on {} ranks: expected at least one token per rank", n.tokens,
+                                      tokens, ranks));
+  if (c.parts) {
+    if (c.parts->tokens() != tokens || c.parts->ranks() != ranks)
+      throw InvalidArgument(fmt::format("the layout {} is for {} tokens on {} ranks, expected {} = {} on {}",
+                                        c.parts->str(), c.parts->tokens(), c.parts->ranks(), n.tokens, tokens, ranks));
+    return *c.parts;
+  }
+  if (c.layout == LayoutKind::zigzag) {
+    if (tokens < 2 * ranks)
+      throw InvalidArgument(fmt::format("{} zigzag on {} ranks needs {} >= 2 x {} = {}, got {}", n.layout, ranks,
+                                        n.tokens, ranks, 2 * ranks, tokens));
+    Layout z = Layout::zigzag(tokens, ranks);
+    if (!c.split.empty()) {
+      std::vector<std::size_t> own(ranks);
+      for (std::size_t r = 0; r < ranks; ++r) own[r] = z.local_tokens(r);
+      if (own != c.split)
+        throw InvalidArgument(fmt::format("{} {}: {} zigzag over {} ranks of {} tokens holds {} per rank", n.split,
+                                          join(c.split), n.layout, ranks, tokens, join(own)));
+    }
+    return z;
+  }
+  if (c.split.empty()) return Layout::contiguous(tokens, ranks);
+  if (c.split.size() != ranks)
+    throw InvalidArgument(fmt::format("{} {}: {} entries, expected one per rank ({})", n.split, join(c.split),
+                                      c.split.size(), ranks));
+  std::size_t sum = 0;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    if (c.split[r] == 0)
+      throw InvalidArgument(fmt::format("{} {}: rank {} holds no token, expected at least one per rank", n.split,
+                                        join(c.split), r));
+    sum += c.split[r];
+  }
+  if (sum != tokens)
+    throw InvalidArgument(fmt::format("{} {} sums to {} tokens, expected {} = {}", n.split, join(c.split), sum,
+                                      n.tokens, tokens));
+  return Layout::contiguous(tokens, ranks, c.split);
+}
+
+void validate_layer_config(const LayerConfig& c, std::size_t ranks) {
+  check_shape(c);
+  check_cu_seqlens(c);
+  try {
+    find_protocol(c.protocol);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument(fmt::format("{} \"{}\": expected one of {}", c.names.protocol, c.protocol, protocol_names()));
+  }
+  if (c.group_size < 1)
+    throw InvalidArgument(fmt::format("{} {}: expected at least 1", c.names.group_size, c.group_size));
+  check_ulysses(c, ranks);
+  const Layout layout = make_layer_layout(c, ranks);
+  const kda::Sequences seqs = c.cu_seqlens.empty()
+                                  ? kda::Sequences(c.shape.batch, c.shape.tokens)
+                                  : kda::Sequences(1, c.shape.tokens, std::span<const std::int64_t>(c.cu_seqlens));
+  check_deterministic(c, layout, seqs);
+}
+
+Fingerprint layer_fingerprint(const LayerConfig& c, std::size_t ranks, std::size_t width) {
+  const LayerNames& n = c.names;
+  const kda::Shape& s = c.shape;
+  Fingerprint f;
+  f.add_text("call", "layer construction");
+  const std::size_t dims[5] = {s.batch, s.heads, s.value_heads, s.key_dim, s.value_dim};
+  f.add_bytes(n.shape, std::as_bytes(std::span(dims)), list_text(std::span<const std::size_t>(dims)));
+  f.add_int(n.tokens, static_cast<long long>(s.tokens));
+  f.add_bytes(n.cu_seqlens, std::as_bytes(std::span(c.cu_seqlens)),
+              c.cu_seqlens.empty() ? "none" : list_text(std::span<const std::int64_t>(c.cu_seqlens)));
+  f.add_text(n.layout, layout_kind_name(c.layout));
+  f.add_bytes(n.split, std::as_bytes(std::span(c.split)),
+              c.split.empty() ? "default" : list_text(std::span<const std::size_t>(c.split)));
+  f.add_int("ranks", static_cast<long long>(ranks));
+  if (c.parts) {
+    const std::vector<std::size_t> owners = c.parts->owners().list(), lengths = c.parts->part_lengths();
+    f.add_bytes("layout part owners", std::as_bytes(std::span(owners)), list_text(std::span<const std::size_t>(owners)));
+    f.add_bytes("layout part lengths", std::as_bytes(std::span(lengths)),
+                list_text(std::span<const std::size_t>(lengths)));
+  }
+  std::string storage;
+  for (const std::optional<Half>& h : c.storage) storage += std::string(h ? half_name(*h) : "compute") + ",";
+  storage += c.out_storage ? half_name(*c.out_storage) : "compute";
+  f.add_text(n.storage, storage);
+  f.add_text(n.algorithm, kda::algorithm_name(c.algorithm));
+  f.add_flag(n.deterministic, c.deterministic);
+  f.add_text(n.protocol, c.protocol);
+  f.add_int(n.group_size, c.group_size);
+  f.add_int(n.segments, static_cast<long long>(c.exchange.segments));
+  f.add_int(n.memory_budget, static_cast<long long>(c.exchange.memory_budget_bytes));
+  f.add_flag(n.allow_reassociation, c.exchange.allow_reassociation);
+  f.add_hash(n.calibration, fnv1a64(to_json(c.exchange.cost)));
+  f.add_int(n.ulysses + " (as given)", static_cast<long long>(c.ulysses));
+  f.add_int(n.ulysses, static_cast<long long>(width));
+  f.add_int(n.conv, c.conv_width ? static_cast<long long>(*c.conv_width) : -1);
+  f.add_flag("check_finite", c.check_finite);
+  f.append(c.extra);
+  return f;
+}
+
+}  // namespace kdacp
