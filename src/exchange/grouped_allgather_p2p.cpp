@@ -72,7 +72,7 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config, Stre
     }
     return t;
   }
-  const std::size_t node = node_width(s);
+  const std::size_t node = rank_node_width(s);
   add_group_all_gather(t, w, packed_bytes(s), node, &s);
   // The owners' relay: one state per block boundary, each owner folding its
   // whole block before it sends (on nodes: owners w ranks apart).

@@ -57,7 +57,7 @@ CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config, S
     add_layout_doubling(t, s, chain_profile(s, w), w);
     return t;
   }
-  const std::size_t node = node_width(s);
+  const std::size_t node = rank_node_width(s);
   add_group_all_gather(t, w, packed_bytes(s), node, &s);
   if (blocks > 1) {
     t.folds += dbl(w - 1);

@@ -37,7 +37,7 @@ class RecursiveDoublingExchange final : public CommExchange {
 CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCache*) {
   CostTerms t;
   if (!has_layout(s)) {
-    add_recursive_doubling(t, s, s.ranks, 1, node_width(s));
+    add_recursive_doubling(t, s, s.ranks, 1, rank_node_width(s));
     t.peak_extra_bytes = recursive_doubling_memory(s, s.ranks);
     return t;
   }
