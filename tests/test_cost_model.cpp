@@ -305,7 +305,9 @@ TEST(CostModel, StreamsOfSegmentsShareARanksNic) {
   s.part_owners = PartOwners::zigzag(4);
   s.part_cuts.assign(8, false);
   s.part_cuts[1] = s.part_cuts[4] = true;
+  StreamWaitsCache cache;
   EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 2);
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2, &cache), 2);
   const double half = 4.0 * 64 * 32 * 4;  // a segment: 32 of the 64 columns
   const CostTerms two = find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, 2});
   EXPECT_DOUBLE_EQ(two.contention_bytes, 2 * half);
@@ -313,20 +315,19 @@ TEST(CostModel, StreamsOfSegmentsShareARanksNic) {
   // Nodes of two ranks: only the hops into parts 2 (rank 1 to 2) and 6
   // (rank 2 to 1) leave a node, through different NICs, and nothing waits.
   s.ranks_per_node = 2;
-  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2, &cache), 0);
   EXPECT_DOUBLE_EQ(find_protocol("pipelined_p2p").cost(s, {"pipelined_p2p", 1, 2}).contention_bytes, 0);
   s.ranks_per_node = 0;
-  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 2);  // remembered, by nodes too
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2, &cache), 2);  // remembered, by nodes too
   s.part_cuts.clear();  // one chain, one stream: nothing to share
-  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2), 0);
+  EXPECT_DOUBLE_EQ(stream_nic_waits(s, 2, &cache), 0);
   s.part_cuts.assign(7, false);
   EXPECT_THROW(stream_nic_waits(s, 2), InvalidArgument);
 }
 
-// Ranks of one process build their exchanges at once, and auto prices the
-// segments of each (stream_nic_waits remembers four shapes behind a lock):
-// threads pricing eight shapes, which evict each other, get each shape's own
-// waits.
+// Threads of one planner price at once (its StreamWaitsCache remembers four
+// shapes behind a lock): threads pricing eight shapes, which evict each
+// other, get each shape's own waits, as found without the cache.
 TEST(CostModel, StreamWaitsFromManyThreadsAtOnce) {
   auto shape = [](std::size_t k) {
     ProblemShape s{4, 4, 64, 64, 4};
@@ -338,7 +339,8 @@ TEST(CostModel, StreamWaitsFromManyThreadsAtOnce) {
     return s;
   };
   std::vector<double> expected;
-  for (std::size_t k = 0; k < 8; ++k) expected.push_back(stream_nic_waits(shape(k), 2));
+  for (std::size_t k = 0; k < 8; ++k) expected.push_back(stream_nic_waits(shape(k), 2));  // no cache
+  const Planner planner{CostParams{}};
   EXPECT_DOUBLE_EQ(expected[0], 2);  // StreamsOfSegmentsShareARanksNic's, counted by hand
   EXPECT_DOUBLE_EQ(expected[1], 0);
   std::vector<double> values = expected;  // shapes apart, by their waits
@@ -350,12 +352,38 @@ TEST(CostModel, StreamWaitsFromManyThreadsAtOnce) {
     threads.emplace_back([&, t] {
       for (std::size_t i = 0; i < 64; ++i) {
         const std::size_t k = (i * 3 + t) % 8;
-        if (stream_nic_waits(shape(k), 2) != expected[k]) ++wrong[t];
+        if (planner.stream_nic_waits(shape(k), 2) != expected[k]) ++wrong[t];
       }
     });
   }
   for (auto& th : threads) th.join();
   for (int w : wrong) EXPECT_EQ(w, 0);
+}
+
+// A planner prices as each free call does alone (a planner of its own), the
+// second time from its cache: every configuration of a zigzag layout with
+// cuts, on nodes and without.
+TEST(CostModel, APlannerPricesAsEachCallAlone) {
+  const CostParams c;
+  const Planner planner(c);
+  for (std::size_t node : {0u, 2u}) {
+    ProblemShape s{8, 4, 64, 64, 4};
+    s.part_owners = PartOwners::zigzag(8);
+    s.part_cuts.assign(16, false);
+    s.part_cuts[3] = s.part_cuts[6] = s.part_cuts[11] = true;
+    s.ranks_per_node = node;
+    for (int pass = 0; pass < 2; ++pass) {
+      const auto alone = predict_all(c, s, true), planned = planner.predict_all(s, true);
+      ASSERT_EQ(alone.size(), planned.size());
+      for (std::size_t i = 0; i < alone.size(); ++i) {
+        EXPECT_EQ(protocol_label(planned[i].config), protocol_label(alone[i].config));
+        EXPECT_EQ(planned[i].seconds, alone[i].seconds) << protocol_label(alone[i].config);
+        EXPECT_EQ(planned[i].peak_extra_bytes, alone[i].peak_extra_bytes);
+      }
+      EXPECT_EQ(planner.choose_protocol(s, 0, false, true).seconds, choose_protocol(c, s, 0, false, true).seconds);
+      EXPECT_EQ(planner.best_segments(s, "pipelined_p2p"), best_segments(c, s, "pipelined_p2p"));
+    }
+  }
 }
 
 // Cuts shorten what waits along the chain and what a gather folds; the

@@ -12,6 +12,8 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -146,17 +148,45 @@ struct ChainProfile {
 // for owners over another P, or cuts of another length.
 ChainProfile chain_profile(const ProblemShape& shape, std::size_t width, std::size_t order_weight = 0);
 
+class StreamWaitsCache;
+
 // pipelined_p2p's streams of c >= 2 segments through shared NICs, with
 // cuts: how many segment hops the ranks' NICs (messages between nodes; every
 // message when the nodes are unknown) add to the chain's forward run.
-// stream_makespan (cost_model.cpp) runs the protocol's steps hop by hop with
-// and without them. Node ports are not counted: inside a node a segment
+// stream_makespan (pipelined_p2p.cpp) runs the protocol's steps hop by hop
+// with and without them. Node ports are not counted: inside a node a segment
 // holds its port for a small part of its hop (NVLink: 2.8 us of a 1 MiB
 // segment against 3 us of latency), and counting them put nvlink-ib's rows at
 // P = 8 and 16 at 0.62-0.85 of the simulation (docs/scale.md). 0 without
 // cuts, for c < 2 (p2p's relays: ChainProfile::port_waits) and past 2^31
-// segment hops. Remembers the last four shapes (thread-safe).
-double stream_nic_waits(const ProblemShape& shape, std::size_t segments);
+// segment hops. With a cache, found once per shape and segment count while
+// the cache holds the shape.
+double stream_nic_waits(const ProblemShape& shape, std::size_t segments, StreamWaitsCache* cache = nullptr);
+
+// What stream_nic_waits found for the last four shapes, per segment count:
+// auto and plan price every segment count of one shape several times over,
+// and each time the protocol's steps run hop by hop. The planner that prices
+// (Planner) owns one, so two planners in one process share nothing; it is
+// thread-safe, so the threads of one planner may share it.
+class StreamWaitsCache {
+ public:
+  StreamWaitsCache() = default;
+  StreamWaitsCache(const StreamWaitsCache&) = delete;
+  StreamWaitsCache& operator=(const StreamWaitsCache&) = delete;
+
+ private:
+  friend double stream_nic_waits(const ProblemShape& shape, std::size_t segments, StreamWaitsCache* cache);
+  struct Entry {
+    std::size_t ranks = 0, node = 0;  // P and the node width the waits were found for
+    std::vector<std::size_t> owners;
+    std::vector<bool> cuts;
+    std::vector<double> waits;  // by segment count; NaN: not yet
+  };
+  static constexpr std::size_t kSize = 4;
+  std::mutex mutex_;
+  std::vector<Entry> entries_;
+  std::size_t next_ = 0;  // the entry the next new shape replaces once all kSize are taken
+};
 
 // One configuration of one protocol. group_size: w for the grouped
 // protocols (1 otherwise); segments: c for pipelined_p2p (0 otherwise).
@@ -206,6 +236,28 @@ std::vector<Prediction> best_per_protocol(const CostParams& params, const Proble
 Prediction choose_protocol(const CostParams& params, const ProblemShape& shape,
                            std::size_t memory_budget_bytes, bool allow_reassociation,
                            bool layouts_only = false);
+
+// The planner: the functions above with one machine's parameters and the
+// memory they share (StreamWaitsCache), for a caller that prices many
+// configurations of one shape (auto's choice, plan's table). Each free
+// function above is one call of a planner of its own. Thread-safe.
+class Planner {
+ public:
+  explicit Planner(CostParams params);
+  const CostParams& params() const { return params_; }
+  std::size_t best_segments(const ProblemShape& shape, const std::string& method) const;
+  Prediction predict(const ProblemShape& shape, const ProtocolConfig& config) const;
+  std::vector<Prediction> predict_all(const ProblemShape& shape, bool include_reassociating) const;
+  std::vector<Prediction> best_per_protocol(const ProblemShape& shape) const;
+  Prediction choose_protocol(const ProblemShape& shape, std::size_t memory_budget_bytes,
+                             bool allow_reassociation, bool layouts_only = false) const;
+  // The stream waits this planner found (its cache), for the tests.
+  double stream_nic_waits(const ProblemShape& shape, std::size_t segments) const;
+
+ private:
+  CostParams params_;
+  std::unique_ptr<StreamWaitsCache> waits_;  // behind a pointer: a planner moves, a mutex does not
+};
 
 // Ulysses × state CP (docs/protocols.md, "Ulysses × state CP"): a head group
 // of U consecutive ranks trades, by one all-to-all, each rank's T/P tokens of

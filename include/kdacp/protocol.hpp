@@ -44,6 +44,23 @@ struct CostTerms {
   std::size_t peak_extra_bytes = 0;  // largest over ranks; what ExchangeStats measures
 };
 
+// A row's cost terms, called as cost(shape, config[, waits]): `waits` is the
+// pricing planner's memory of pipelined_p2p's stream waits (Planner), none
+// to price afresh. A type of its own so that callers outside a planner need
+// not name the memory.
+struct CostFunction {
+  using Fn = CostTerms (*)(const ProblemShape& shape, const ProtocolConfig& config, StreamWaitsCache* waits);
+  Fn fn = nullptr;
+
+  CostFunction() = default;
+  CostFunction(Fn f) : fn(f) {}  // NOLINT(google-explicit-constructor): rows name their function
+  CostTerms operator()(const ProblemShape& shape, const ProtocolConfig& config,
+                       StreamWaitsCache* waits = nullptr) const {
+    return fn(shape, config, waits);
+  }
+  bool operator==(std::nullptr_t) const { return fn == nullptr; }
+};
+
 enum class ProtocolClass {
   exact,          // the chain's operations in the chain's order: bitwise equal to p2p
   reassociating,  // regroups the products of transfers; within error_bound of FP64
@@ -62,8 +79,8 @@ struct ProtocolDescriptor {
   std::string_view memory{};
   std::string_view use_when{};
   // The critical path for `config` (group_size and segments in force, both
-  // already checked); nullptr for the chooser.
-  CostTerms (*cost)(const ProblemShape& shape, const ProtocolConfig& config) = nullptr;
+  // already checked); none (== nullptr) for the chooser.
+  CostFunction cost{};
   // Documented relative Frobenius error bound against the FP64 chain for
   // transfers of spectral norm <= 1, as a function and as text; nullptr and
   // empty for exact protocols (bound 0).

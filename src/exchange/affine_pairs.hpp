@@ -1,5 +1,5 @@
 // Internal: affine pairs (O, N) per (b,h) and their composition, what the
-// reassociating protocols' recursive-doubling scan (layouts.hpp) combines.
+// reassociating protocols' recursive-doubling scan (runs.hpp) combines.
 //
 // A pair is the map x -> op(N)·x + O, op = identity forward and transpose
 // backward (SPEC §3, §4). Composing outer∘inner (inner first in chain order):
@@ -64,7 +64,7 @@ void compose(const PairView& outer, const PairView& inner, const PairBuffer& des
              bool with_transfer, Direction direction, const ExecPolicy& policy);
 
 // The recursive-doubling exclusive scan itself is rd_exclusive_scan_parts
-// (layouts.hpp): one position per member is the scan over the ranks.
+// (runs.hpp): one position per member is the scan over the ranks.
 //
 // The documented bound of a recursive-doubling scan over P positions: the
 // relative Frobenius error against the FP64 chain is at most

@@ -98,7 +98,7 @@ class AllGatherExchange final : public CommExchange {
   }
 };
 
-CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&) {
+CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCache*) {
   CostTerms t;
   const ChainProfile chain = chain_profile(s, 1);
   // The gather crosses the network: its terms count as network terms. With

@@ -17,12 +17,13 @@ namespace {
 // rank; an explicit segment count overrides the model's (the prediction
 // follows it).
 Prediction auto_choice(const ProblemShape& shape, const ExchangeOptions& o) {
-  Prediction choice = choose_protocol(o.cost, shape, o.memory_budget_bytes, o.allow_reassociation,
-                                      has_layout(shape));
+  const Planner planner(o.cost);  // the choice and a forced segment count price one shape
+  Prediction choice = planner.choose_protocol(shape, o.memory_budget_bytes, o.allow_reassociation,
+                                              has_layout(shape));
   if (find_protocol(choice.config.method).takes_segments && o.segments != 0) {
     ProtocolConfig forced = choice.config;
     forced.segments = o.segments;
-    choice = predict(o.cost, shape, forced);
+    choice = planner.predict(shape, forced);
   }
   return choice;
 }

@@ -18,6 +18,21 @@ inline std::size_t ceil_log2(std::size_t n) {
 
 inline double dbl(std::size_t n) { return static_cast<double>(n); }
 
+// InvalidArgument naming the parameter (cost_params.cpp): non-positive α/β/γ,
+// negative group values, an oversubscription below 1, leaves that are not
+// whole nodes.
+void check_cost_params(const CostParams& params);
+// InvalidArgument unless P, B·H, K, V and the element size are positive.
+void check_cost_shape(const ProblemShape& shape);
+// InvalidArgument unless the shape's cuts are none or one per part (n).
+void check_part_cuts(const ProblemShape& shape, std::size_t n);
+
+// Whether the step into part j (j >= 1) joins ranks of two nodes of `node`
+// consecutive ranks (every step when node is 0: the nodes unknown).
+inline bool crosses_nodes(const PartOwners& owners, std::size_t node, std::size_t j) {
+  return node == 0 || owners[j] / node != owners[j - 1] / node;
+}
+
 // Bytes each packed slot and affine pair carries for its flags (the cut,
 // SPEC §10), so that they travel in the summary's own message; 64 keeps every
 // slot 64-byte aligned.
@@ -44,29 +59,25 @@ inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps -
 
 // Nodes (CostParams::node_ranks, carried by ProblemShape::ranks_per_node):
 // a message between two ranks of one node goes at the group α/β (NVLink), any
-// other at α/β. The rows split their messages by node only for one part per
-// rank in rank order (nodes hold consecutive ranks); node_width() is then the
-// node's width in ranks (P itself when one node holds every rank), else 0:
-// every message a network one, an all-gather group's own at the group α/β.
-// rank_node_width() is the same for collectives over blocks of consecutive
-// ranks (a group's gather and broadcast), whatever the layout: their members
-// are ranks.
+// other at α/β. Nodes hold consecutive ranks: rank_node_width() is the node's
+// width in ranks (P itself when one node holds every rank), else 0: every
+// message a network one, an all-gather group's own at the group α/β. The
+// members of a collective (a group's gather and broadcast) and the positions
+// of one part per rank are ranks; a layout's chain and runs find their nodes
+// by their parts' owners (ChainProfile::node_relays, add_layout_runs).
 inline std::size_t rank_node_width(const ProblemShape& s) {
   const std::size_t n = std::min(s.ranks_per_node, s.ranks);
   return n > 1 && s.ranks % n == 0 ? n : 0;
 }
-inline std::size_t node_width(const ProblemShape& s) { return has_layout(s) ? 0 : rank_node_width(s); }
 
 // Leaf switches (CostParams::leaf_ranks and oversubscription, carried by
 // ProblemShape::ranks_per_leaf and leaf_oversubscription): the leaf's width in
-// ranks when its uplinks are oversubscribed (o > 1), else 0. leaf_width() is
-// under the same conditions as node_width(), rank_leaf_width() as
-// rank_node_width(): for collectives whose members are ranks.
+// ranks when its uplinks are oversubscribed (o > 1), else 0; as
+// rank_node_width(), over ranks.
 inline std::size_t rank_leaf_width(const ProblemShape& s) {
   const std::size_t n = std::min(s.ranks_per_leaf, s.ranks);
   return n > 1 && s.leaf_oversubscription > 1 && s.ranks % n == 0 ? n : 0;
 }
-inline std::size_t leaf_width(const ProblemShape& s) { return has_layout(s) ? 0 : rank_leaf_width(s); }
 // `bytes` that cross leaves in a round where one rank in `stride` sends across
 // at once: the uplinks give each 1/max(1, o/stride) of its bandwidth.
 inline void add_leaf_contention(CostTerms& t, const ProblemShape& s, double bytes, std::size_t stride) {
@@ -167,13 +178,13 @@ inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n, std:
 // every round and waits for that send before its next round, so every round
 // on the critical path is a network one; only a scan inside one node
 // (m·stride <= node) stays at the group α/β. In another leaf switch
-// (leaf_width) from 2^k·stride >= leaf on, where one rank in `stride` sends
+// (rank_leaf_width) from 2^k·stride >= leaf on, where one rank in `stride` sends
 // across at once (add_leaf_contention).
 inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m, std::size_t stride = 1,
                                    std::size_t node = 0) {
   const std::size_t rounds = ceil_log2(m);
   if (rounds == 0) return;
-  const std::size_t leaf = node > 0 ? leaf_width(s) : 0;
+  const std::size_t leaf = node > 0 ? rank_leaf_width(s) : 0;
   const bool inside = node > 0 && m * stride <= node;
   for (std::size_t k = 0; k < rounds; ++k) {
     const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
@@ -203,9 +214,9 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 }
 
 // The runs of a layout for blocks of w ranks (run r held by its block's
-// carrier, the block's last rank) in recursive doubling (cost_model.cpp,
-// where the protocols' own run decomposition, layouts.hpp, is at hand):
-// - The scan over the runs, as rd_exclusive_scan_parts (layouts.cpp) runs
+// carrier, the block's last rank) in recursive doubling (runs_cost.cpp,
+// where the protocols' own run decomposition, runs.hpp, is at hand):
+// - The scan over the runs, as rd_exclusive_scan_parts (runs.cpp) runs
 //   it: in each round every position q sends to q + 2^k, and a carrier
 //   holding several positions sends (and receives) all of theirs. A round
 //   takes as long as the busiest carrier's network messages in one direction
@@ -224,7 +235,7 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 //   the run's start or a cut to the next cut), for the longest run of each.
 void add_layout_runs(CostTerms& t, const ProblemShape& s, std::size_t w);
 
-// Recursive doubling over a layout's runs (layouts.hpp) for blocks of w
+// Recursive doubling over a layout's runs (runs.hpp) for blocks of w
 // ranks: the block gathers k slots per rank, its carrier folds each run into
 // a pair and scans the runs (add_layout_runs), then broadcasts their incoming
 // states; every rank folds inside its runs. Memory: the slots, per run three

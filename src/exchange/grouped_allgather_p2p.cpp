@@ -7,7 +7,7 @@
 // at most two states.
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 namespace kdacp::detail {
 
@@ -30,7 +30,7 @@ class GroupedExchange final : public StateExchange {
   // rank), the carriers (each block's last rank) relay the state entering
   // each of the block's runs of consecutive parts along the chain, and every
   // rank folds its parts inside their run, all in the chain's order
-  // (layouts.hpp). One part per rank is one run per block: one gather, one
+  // (runs.hpp). One part per rank is one run per block: one gather, one
   // relay state per block boundary, one broadcast; the carrier folds its
   // block once, its own result on the way to the state it sends.
   std::vector<State> run(const Call& c) override {
@@ -43,11 +43,11 @@ class GroupedExchange final : public StateExchange {
   RunLayout layout_;
 };
 
-CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
+CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache*) {
   const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
   CostTerms t;
   if (has_layout(s) || !s.part_cuts.empty()) {
-    // The runs of consecutive parts per block (layouts.hpp): one gather of k
+    // The runs of consecutive parts per block (runs.hpp): one gather of k
     // slots per rank, a relay message per run boundary on the longest
     // stretch between cuts, each carrier folding its run, one broadcast of
     // the block's runs' incoming states.
@@ -72,7 +72,7 @@ CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config) {
     }
     return t;
   }
-  const std::size_t node = node_width(s);
+  const std::size_t node = rank_node_width(s);
   add_group_all_gather(t, w, packed_bytes(s), node, &s);
   // The owners' relay: one state per block boundary, each owner folding its
   // whole block before it sends (on nodes: owners w ranks apart).

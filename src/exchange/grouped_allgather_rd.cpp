@@ -10,7 +10,7 @@
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 namespace kdacp::detail {
 namespace {
@@ -34,7 +34,7 @@ class GroupedRdExchange final : public StateExchange {
 
   // The block gathers all its ranks' parts in one collective, the owners
   // scan the pairs of the block's runs of consecutive parts, and every rank
-  // folds its parts inside their run in the chain's order (layouts.hpp).
+  // folds its parts inside their run in the chain's order (runs.hpp).
   // One part per rank is one run per block: each owner folds its block into
   // one pair, the owners scan the P/w pairs, and every rank folds its prefix
   // of the block from the block's incoming state.
@@ -50,14 +50,14 @@ class GroupedRdExchange final : public StateExchange {
 
 // Owners fold their group into one pair (w-1 state folds and w-1 K×K
 // products), scan across the blocks, broadcast; everyone folds its prefix.
-CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config) {
+CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache*) {
   const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
   CostTerms t;
   if (has_layout(s)) {
     add_layout_doubling(t, s, chain_profile(s, w), w);
     return t;
   }
-  const std::size_t node = node_width(s);
+  const std::size_t node = rank_node_width(s);
   add_group_all_gather(t, w, packed_bytes(s), node, &s);
   if (blocks > 1) {
     t.folds += dbl(w - 1);

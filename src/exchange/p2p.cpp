@@ -81,7 +81,7 @@ class P2PExchange final : public CommExchange {
 
 // The critical path is the longest stretch between cuts: one message per
 // step that changes rank, one fold per step after the stretch's first.
-CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&) {
+CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCache*) {
   CostTerms t;
   const ChainProfile chain = chain_profile(s, 1);
   // On nodes, the hops between two ranks of one node go over it (any

@@ -11,6 +11,11 @@
 // blocks directly, and only the received blocks are copied into the
 // row-major result. Memory: two states per rank (receive and send buffers).
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <queue>
 #include <vector>
 
 #include <fmt/format.h>
@@ -189,7 +194,7 @@ class PipelinedExchange final : public CommExchange {
 // widest segment and the c - 1 others share the rest. (Simulated at P = 8
 // and 64 on Ethernet, c = 7 of 8 units ran 1.19x the model that priced
 // every segment V/c wide.)
-CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
+CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache* waits) {
   CostTerms t;
   const std::size_t p = s.ranks, c = config.segments;
   const std::size_t more = c > 0 ? c - 1 : 0;  // segments after the first
@@ -219,7 +224,7 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config) {
   // (stream_nic_waits; 0 for c = 1, as the profile's are for c >= 2), each
   // one more widest segment on the network.
   add_port_waits(t, chain, wide);
-  t.contention_bytes += stream_nic_waits(s, c) * wide;
+  t.contention_bytes += stream_nic_waits(s, c, waits) * wide;
   t.folds = stretch_folds(chain.steps) * wide_share + (chain.steps >= 2 ? extra * rest_share : 0);
   t.work_folds = chain_folds(chain.parts);
   if (has_layout(s)) {
@@ -248,3 +253,163 @@ const ProtocolDescriptor pipelined_p2p_protocol{
 };
 
 }  // namespace kdacp::detail
+
+namespace kdacp {
+
+namespace {
+
+using detail::check_part_cuts;
+using detail::crosses_nodes;
+using detail::rank_node_width;
+
+// One run of pipelined_p2p's forward chain in segment hops (a hop: one
+// segment's message; folds free), each rank doing what the protocol does
+// (pipelined_p2p.cpp): first the chain's first part and every cut hand on
+// their offsets, a part's segments one after the other (a segment leaves once
+// the part's previous one has arrived); then its other parts in chain order,
+// each segment once it has arrived. With `nics`, a message between nodes
+// (`across[j]` for the one into part j) holds the sender's NIC out and the
+// receiver's NIC in for its hop, first posted first served (segments of two
+// streams interleave, as they share a link's bandwidth); without, every
+// message moves at once. Returns the last arrival, in hops; nullopt if a
+// rank waits for ever (not for a valid chain).
+// Cost: O(n c log n) time, 8 n c bytes (P = 65536 with zigzag, c = 8: 8 MiB).
+std::optional<std::uint32_t> stream_makespan(const std::vector<std::size_t>& owners,
+                                             const std::vector<bool>& cuts, std::size_t c,
+                                             std::size_t ranks, const std::vector<bool>& across, bool nics) {
+  const std::size_t n = owners.size();
+  constexpr std::uint32_t kUnknown = std::numeric_limits<std::uint32_t>::max();
+  std::vector<std::uint32_t> arrival(n * c, kUnknown);  // part j's input segment k: j * c + k
+  for (std::size_t k = 0; k < c; ++k) arrival[k] = 0;
+  // The ranks' programs, one after the other: each rank's parts that hand on
+  // offsets, then those that fold, in chain order (part j: 2j + 1 hands on
+  // its offset, 2j folds).
+  std::vector<std::size_t> first(ranks + 1, 0);
+  auto offset = [&](std::size_t j) { return j + 1 < n && (j == 0 || cuts[j]); };
+  auto folds = [&](std::size_t j) { return j > 0 && j + 1 < n && !cuts[j]; };
+  for (std::size_t j = 0; j < n; ++j)
+    if (offset(j) || folds(j)) ++first[owners[j] + 1];
+  for (std::size_t r = 0; r < ranks; ++r) first[r + 1] += first[r];
+  std::vector<std::size_t> steps(first[ranks]), pc(first.begin(), first.end() - 1);
+  for (std::size_t j = 0; j < n; ++j)
+    if (offset(j)) steps[pc[owners[j]]++] = 2 * j + 1;
+  for (std::size_t j = 0; j < n; ++j)
+    if (folds(j)) steps[pc[owners[j]]++] = 2 * j;
+  std::copy(first.begin(), first.end() - 1, pc.begin());
+  std::vector<std::uint32_t> seg(ranks, 0), clock(ranks, 0);
+  constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  std::vector<std::size_t> waits_for(ranks, kNone);  // the arrival a rank waits for
+  // Posted messages by (time, order posted); key_of[order] is the message's
+  // arrival key. Without NICs the order does not matter (each arrives a hop
+  // after it was posted): a stack.
+  std::priority_queue<std::uint64_t, std::vector<std::uint64_t>, std::greater<>> queued;
+  std::vector<std::uint64_t> stacked;
+  auto post = [&](std::uint64_t m) { nics ? queued.push(m) : stacked.push_back(m); };
+  auto take = [&] {
+    std::uint64_t m = 0;
+    if (nics) {
+      m = queued.top();
+      queued.pop();
+    } else {
+      m = stacked.back();
+      stacked.pop_back();
+    }
+    return m;
+  };
+  std::vector<std::uint32_t> key_of;
+  auto advance = [&](std::size_t r) {
+    waits_for[r] = kNone;
+    while (pc[r] < first[r + 1]) {
+      const std::size_t j = steps[pc[r]] / 2, k = seg[r], next = j + 1;
+      const bool hands_offset = steps[pc[r]] % 2 == 1, remote = owners[next] != r;
+      // Its input segment (an offset needs none) and, before a send, the
+      // part's previous segment arrived at the next part.
+      if (!hands_offset && arrival[j * c + k] == kUnknown) {
+        waits_for[r] = j * c + k;
+        return;
+      }
+      if (remote && k > 0 && arrival[next * c + k - 1] == kUnknown) {
+        waits_for[r] = next * c + k - 1;
+        return;
+      }
+      std::uint32_t t = clock[r];
+      if (!hands_offset) t = std::max(t, arrival[j * c + k]);
+      if (remote && k > 0) t = std::max(t, arrival[next * c + k - 1]);
+      clock[r] = t;
+      if (remote) {
+        post(std::uint64_t{t} << 32 | key_of.size());
+        key_of.push_back(static_cast<std::uint32_t>(next * c + k));
+      } else {
+        arrival[next * c + k] = t;
+      }
+      if (++seg[r] == c) {
+        seg[r] = 0;
+        ++pc[r];
+      }
+    }
+  };
+  std::vector<std::uint32_t> out_free(ranks, 0), in_free(ranks, 0);
+  for (std::size_t r = 0; r < ranks; ++r) advance(r);
+  while (!queued.empty() || !stacked.empty()) {
+    const std::uint64_t top = take();
+    const std::uint32_t time = static_cast<std::uint32_t>(top >> 32);
+    const std::size_t key = key_of[top & 0xffffffffu], j = key / c;
+    const std::size_t from = owners[j - 1], to = owners[j];
+    const bool held = nics && across[j];
+    const std::uint32_t start = held ? std::max({time, out_free[from], in_free[to]}) : time;
+    if (held) out_free[from] = in_free[to] = start + 1;
+    arrival[key] = start + 1;
+    // Only the receiver (its input) and the sender (its next segment) wait
+    // for this arrival.
+    if (waits_for[to] == key) advance(to);
+    if (waits_for[from] == key) advance(from);
+  }
+  for (std::size_t r = 0; r < ranks; ++r)
+    if (pc[r] < first[r + 1]) return std::nullopt;
+  return *std::max_element(arrival.begin(), arrival.end());
+}
+
+}  // namespace
+
+double stream_nic_waits(const ProblemShape& s, std::size_t segments, StreamWaitsCache* cache) {
+  const PartOwners owners = owners_of(s);
+  const std::size_t n = owners.size();
+  check_part_cuts(s, n);
+  if (segments < 2 || n < 2 || s.part_cuts.empty()) return 0;
+  // Segment hops are counted in 32 bits: past 2^31 of them (2^28 parts at
+  // c = 8) the NICs are not priced.
+  if (n > (std::size_t{1} << 31) / segments) return 0;
+  const std::size_t node = rank_node_width(s);
+  auto same = [&](const StreamWaitsCache::Entry& e) {
+    return e.ranks == s.ranks && e.node == node && e.cuts == s.part_cuts && e.owners == owners.list();
+  };
+  if (cache != nullptr) {
+    const std::lock_guard lock(cache->mutex_);
+    for (const auto& e : cache->entries_)
+      if (same(e) && segments < e.waits.size() && !std::isnan(e.waits[segments])) return e.waits[segments];
+  }
+  std::vector<bool> across(n, true);
+  for (std::size_t j = 1; j < n; ++j) across[j] = crosses_nodes(owners, node, j);
+  const auto alone = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, false);
+  const auto shared = stream_makespan(owners.list(), s.part_cuts, segments, s.ranks, across, true);
+  const double waits = alone && shared && *shared > *alone ? double(*shared - *alone) : 0.0;
+  if (cache == nullptr) return waits;
+  const std::lock_guard lock(cache->mutex_);
+  auto& entries = cache->entries_;
+  auto it = std::find_if(entries.begin(), entries.end(), same);
+  if (it == entries.end()) {
+    StreamWaitsCache::Entry entry{s.ranks, node, owners.list(), s.part_cuts, {}};
+    if (entries.size() < StreamWaitsCache::kSize) {
+      it = entries.insert(entries.end(), std::move(entry));
+    } else {
+      it = entries.begin() + static_cast<std::ptrdiff_t>(cache->next_);
+      *it = std::move(entry);
+      cache->next_ = (cache->next_ + 1) % StreamWaitsCache::kSize;
+    }
+  }
+  if (it->waits.size() <= segments) it->waits.resize(segments + 1, std::numeric_limits<double>::quiet_NaN());
+  it->waits[segments] = waits;
+  return waits;
+}
+
+}  // namespace kdacp

@@ -6,7 +6,7 @@
 #include "exchange/affine_pairs.hpp"
 #include "exchange/common.hpp"
 #include "exchange/cost_terms.hpp"
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 namespace kdacp::detail {
 namespace {
@@ -20,7 +20,7 @@ class RecursiveDoublingExchange final : public CommExchange {
   // The scan runs over the chain of runs of consecutive parts per rank, each
   // run folded into one pair, each rank standing for all of its runs
   // (messages between its own runs stay local), and every part then folds
-  // inside its run from the run's incoming state (layouts.hpp). One part per
+  // inside its run from the run's incoming state (runs.hpp). One part per
   // rank is the scan over the ranks' own pairs: one run per rank, nothing
   // packed, the scan's three pairs, its result the part's.
   std::vector<State> run(const Call& c) override {
@@ -34,10 +34,10 @@ class RecursiveDoublingExchange final : public CommExchange {
 // Cuts do not shorten the scan: its rounds are fixed by the positions.
 // With a layout the positions are the runs of consecutive parts per rank
 // (zigzag: 2P-1), a rank standing for up to runs_per_block of them per round.
-CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&) {
+CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCache*) {
   CostTerms t;
   if (!has_layout(s)) {
-    add_recursive_doubling(t, s, s.ranks, 1, node_width(s));
+    add_recursive_doubling(t, s, s.ranks, 1, rank_node_width(s));
     t.peak_extra_bytes = recursive_doubling_memory(s, s.ranks);
     return t;
   }

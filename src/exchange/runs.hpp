@@ -1,5 +1,6 @@
-// Internal: what the protocols share to run a layout (SPEC §10), a chain of n
-// parts whose owners are given per chain position, several parts per rank.
+// Internal: the runs of a layout, what the protocols share to run one (SPEC
+// §10): a chain of n parts whose owners are given per chain position, several
+// parts per rank. (The Layout value itself is src/layout/layout.cpp.)
 //
 // The chain over parts is cut into runs: maximal stretches of consecutive
 // chain positions whose owners lie in one block of w consecutive ranks (w = 1:

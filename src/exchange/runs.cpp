@@ -1,4 +1,4 @@
-#include "exchange/layouts.hpp"
+#include "exchange/runs.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -254,17 +254,103 @@ std::vector<State> rd_exclusive_scan_parts(Communicator& comm, std::span<const s
 RunLayout::RunLayout(std::span<const std::size_t> owners, std::size_t ranks, std::size_t width)
     : index(owners, ranks), width(width), runs(index, width) {}
 
+namespace {
+
+// What run_layout_in_runs folds in one of its block's runs: its parts' results
+// and, as the chain's carrier, the run's outgoing state, all in one pass over
+// the run's slots. The targets past the run's last cut do not depend on its
+// incoming state; the others do. A target's state is allocated when its pass
+// runs, so that the results are not held beside the scan.
+constexpr std::size_t kSent = static_cast<std::size_t>(-1);
+struct RunFold {
+  std::size_t run = 0;
+  std::vector<std::size_t> order;  // the run's slots in the direction's order
+  std::vector<std::pair<std::size_t, std::size_t>> wanted;  // steps, part index (kSent: the outgoing state)
+  std::size_t independent = 0;     // wanted[independent..] lie past the last cut
+  bool has_cut = false;
+  bool sends = false;              // the chain carrier sends the run's outgoing state on
+  State sent;
+};
+
+// The gathered slot of part j: its owner's place in the block, then its own.
+std::size_t slot_of(const RunLayout& l, std::size_t j) {
+  return (l.index.owner[j] % l.width) * l.index.per_rank + l.index.local[j];
+}
+
+// The folds of `block_runs` (the direction's order) this rank runs: a direct
+// run of one position needs none, nor a run with nothing of this rank's in it
+// that it does not send on (`chain_carrier`: it sends every run that has a
+// next one).
+std::vector<RunFold> plan_run_folds(const RunsCall& c, const std::vector<std::size_t>& block_runs,
+                                    const PackedSlots& gathered, bool direct, bool chain_carrier) {
+  const LayoutIndex& layout = c.layout->index;
+  const Runs& runs = c.layout->runs;
+  std::vector<RunFold> folds;
+  folds.reserve(block_runs.size());
+  for (std::size_t run : block_runs) {
+    if (direct && runs.first[run] == runs.last[run]) continue;
+    RunFold f;
+    f.run = run;
+    f.sends = chain_carrier && runs.next(run, c.direction);
+    const std::vector<std::size_t> positions = runs.positions(run, c.direction);
+    for (std::size_t t = 0; t < positions.size(); ++t) {
+      const std::size_t j = positions[t];
+      f.order.push_back(slot_of(*c.layout, j));
+      if (layout.owner[j] == c.rank) f.wanted.emplace_back(t, layout.local[j]);
+    }
+    if (f.sends) f.wanted.emplace_back(positions.size(), kSent);
+    if (f.wanted.empty()) continue;
+    const auto cut = last_cut_in(gathered, f.order);
+    f.has_cut = cut.has_value();
+    f.independent = f.wanted.size();
+    if (cut)
+      while (f.independent > 0 && f.wanted[f.independent - 1].first > *cut) --f.independent;
+    folds.push_back(std::move(f));
+  }
+  return folds;
+}
+
+// The doubling carrier's scan: each of its block's runs (`ascending`, in
+// chain order) as one pair, scanned over the carriers. Returns each run's
+// incoming state, in the same order.
+std::vector<State> scan_block_runs(const RunsCall& c, const std::vector<std::size_t>& ascending,
+                                   const PackedSlots& gathered, bool direct) {
+  const Runs& runs = c.layout->runs;
+  std::vector<PairBuffer> aggregates;
+  aggregates.reserve(ascending.size());
+  std::vector<PairView> pairs;
+  const Slots slots = gathered.slots();
+  for (std::size_t run : ascending) {
+    if (direct && runs.first[run] == runs.last[run]) {
+      const PartSummary& part = c.parts[c.layout->index.local[runs.first[run]]];
+      pairs.push_back({part.offset, part.transfer, part.flags.cut});
+      continue;
+    }
+    std::vector<std::size_t> s;
+    for (std::size_t j = runs.first[run]; j <= runs.last[run]; ++j) s.push_back(slot_of(*c.layout, j));
+    if (s.size() == 1) {
+      pairs.push_back({slots.offsets.slot(s[0]), slots.transfers.slot(s[0]), gathered.cut(s[0])});
+    } else {
+      aggregates.emplace_back(c.shape);
+      run_pair(gathered, s, c.direction, aggregates.back(), *c.exec);
+      pairs.push_back(aggregates.back().view());
+    }
+  }
+  return rd_exclusive_scan_parts(*c.cross, runs.block, pairs, c.shape, c.direction, *c.exec);
+}
+
+}  // namespace
+
 std::vector<State> run_layout_in_runs(const RunsCall& c) {
   const LayoutIndex& layout = c.layout->index;
   const Runs& runs = c.layout->runs;
-  const std::size_t w = c.layout->width, k = layout.per_rank;
+  const std::size_t w = c.layout->width;
   const Direction dir = c.direction;
   const ExecPolicy& exec = *c.exec;
   constexpr auto kConsume = FoldFlags::consume_offsets;
   const std::size_t block = c.rank / w, local = c.rank % w;
   const bool carrier = local + 1 == w;
   const bool chain = c.relay == RunRelay::chain;
-  auto slot_of = [&](std::size_t j) { return (layout.owner[j] % w) * k + layout.local[j]; };
   // The chain position a run starts at in the direction's order.
   auto entry = [&](std::size_t run) { return dir == Direction::forward ? runs.first[run] : runs.last[run]; };
   const std::vector<std::size_t> block_runs = runs.of_block(block, dir);
@@ -305,49 +391,13 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
         recvs[run] = c.cross->irecv(state_slice_bytes(incoming, c.shape, slice_of[run]), carrier_of(*prev),
                                     part_tag(entry(run), dir));
 
-  PackedSlots gathered(c.shape, need_slots ? w * k : 0);
+  PackedSlots gathered(c.shape, need_slots ? w * layout.per_rank : 0);
   if (need_slots)
     for (std::size_t i = 0; i < c.parts.size(); ++i)
-      gathered.pack(local * k + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
+      gathered.pack(local * layout.per_rank + i, c.parts[i].offset, c.parts[i].transfer, c.parts[i].flags.cut);
   if (c.intra) c.intra->all_gather(gathered.bytes());
 
-  // What this rank folds in each of its block's runs: its parts' results
-  // and, as the chain's carrier, the run's outgoing state, all in one pass
-  // over the run's slots. The targets past the run's last cut do not depend
-  // on its incoming state; the others do. A target's state is allocated when
-  // its pass runs, so that the results are not held beside the scan.
-  constexpr std::size_t kSent = static_cast<std::size_t>(-1);
-  struct RunFold {
-    std::size_t run = 0;
-    std::vector<std::size_t> order;  // the run's slots in the direction's order
-    std::vector<std::pair<std::size_t, std::size_t>> wanted;  // steps, part index (kSent: the outgoing state)
-    std::size_t independent = 0;     // wanted[independent..] lie past the last cut
-    bool has_cut = false;
-    bool sends = false;              // the chain carrier sends the run's outgoing state on
-    State sent;
-  };
-  std::vector<RunFold> folds;
-  folds.reserve(block_runs.size());
-  for (std::size_t run : block_runs) {
-    if (direct && runs.first[run] == runs.last[run]) continue;
-    RunFold f;
-    f.run = run;
-    f.sends = carrier && chain && runs.next(run, dir);
-    const std::vector<std::size_t> positions = runs.positions(run, dir);
-    for (std::size_t t = 0; t < positions.size(); ++t) {
-      const std::size_t j = positions[t];
-      f.order.push_back(slot_of(j));
-      if (layout.owner[j] == c.rank) f.wanted.emplace_back(t, layout.local[j]);
-    }
-    if (f.sends) f.wanted.emplace_back(positions.size(), kSent);
-    if (f.wanted.empty()) continue;
-    const auto cut = last_cut_in(gathered, f.order);
-    f.has_cut = cut.has_value();
-    f.independent = f.wanted.size();
-    if (cut)
-      while (f.independent > 0 && f.wanted[f.independent - 1].first > *cut) --f.independent;
-    folds.push_back(std::move(f));
-  }
+  std::vector<RunFold> folds = plan_run_folds(c, block_runs, gathered, direct, carrier && chain);
   std::vector<FoldTarget> targets;
   auto fold = [&](RunFold& f, std::size_t begin, std::size_t end, const StateView* in) {
     targets.clear();
@@ -397,29 +447,8 @@ std::vector<State> run_layout_in_runs(const RunsCall& c) {
     // on the simulated cluster of docs/scale.md).
     for (auto& s : sends) s->wait();
   } else if (carrier) {
-    // Each of the block's runs as one pair, in ascending chain order.
     const std::vector<std::size_t> ascending = runs.of_block(block, Direction::forward);
-    std::vector<PairBuffer> aggregates;
-    aggregates.reserve(ascending.size());
-    std::vector<PairView> pairs;
-    const Slots slots = gathered.slots();
-    for (std::size_t run : ascending) {
-      if (direct && runs.first[run] == runs.last[run]) {
-        const PartSummary& part = c.parts[layout.local[runs.first[run]]];
-        pairs.push_back({part.offset, part.transfer, part.flags.cut});
-        continue;
-      }
-      std::vector<std::size_t> s;
-      for (std::size_t j = runs.first[run]; j <= runs.last[run]; ++j) s.push_back(slot_of(j));
-      if (s.size() == 1) {
-        pairs.push_back({slots.offsets.slot(s[0]), slots.transfers.slot(s[0]), gathered.cut(s[0])});
-      } else {
-        aggregates.emplace_back(c.shape);
-        run_pair(gathered, s, dir, aggregates.back(), exec);
-        pairs.push_back(aggregates.back().view());
-      }
-    }
-    std::vector<State> states = rd_exclusive_scan_parts(*c.cross, runs.block, pairs, c.shape, dir, exec);
+    std::vector<State> states = scan_block_runs(c, ascending, gathered, direct);
     if (direct) {
       scanned = std::move(states);
       for (std::size_t i = 0; i < ascending.size(); ++i) scanned_of[ascending[i]] = i;
