@@ -180,7 +180,8 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
     torch.distributed group (its ranks in order are the CP order), or
     SINGLE_PROCESS. layout: "contiguous" (rank r holds the r-th run of
     tokens) or "zigzag". split: tokens per rank for a contiguous layout (any
-    lengths; None: cu_seqlens[-1] / world size, which must divide); with
+    lengths; None: the first T mod P ranks ceil(T/P) tokens, the others
+    floor(T/P), as the CLI's default); with
     zigzag None or zigzag's own counts. protocol, allgather_group_size and
     options as build_kda_state_cp, plus ulysses (U or "auto", as kda's:
     Ulysses x state CP over head groups of U ranks). Checked at build, in the agreement: the
@@ -201,9 +202,10 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
     cu = None
     if cu_seqlens is not None:
         cu = cu_list(cu_seqlens)
-        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens {cu}: expected at least 2 non-decreasing entries "
-                             "from 0")
+        # As the C++ layer's (and the CLI's --seqlens): no empty sequence.
+        if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens {cu}: expected at least 2 strictly increasing entries "
+                             "from 0 (no empty sequence)")
     options = dict(options)
     _options(options)
     timeout_s = _timeout(options)
@@ -247,12 +249,12 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
                 raise ValueError(f"split {split}, but zigzag over {world} ranks of {tokens} "
                                  f"tokens holds {own}")
         else:
-            if split is None:
-                if tokens % world:
-                    raise ValueError(f"{tokens} tokens do not split evenly over {world} ranks: "
-                                     "pass split (tokens per rank)")
-                split = [tokens // world] * world
-            built = _kdacp.Layout.contiguous(tokens, world, split)
+            # split None: the C++ default, as the CLI's (the first T mod P
+            # ranks take one token more).
+            if split is None and tokens < world:
+                raise ValueError(f"{tokens} tokens on {world} ranks: expected at least one "
+                                 "token per rank")
+            built = _kdacp.Layout.contiguous(tokens, world, split or [])
         split = [built.local_tokens(r) for r in range(world)]
         if _ulysses(options) == ULYSSES_AUTO:
             if protocol != "auto":

@@ -91,7 +91,8 @@ def context_worker(rank, world, init_file):
         (torch.float64, 1e-10, "contiguous", counts, sum(counts), "p2p", FLAGS),
         (torch.float64, 1e-10, "zigzag", None, 9 * world + 3, "allgather",
          dict(FLAGS, safe_gate=True, lower_bound=-4.0)),
-        (torch.float32, 5e-5, "contiguous", None, 8 * world, "auto", FLAGS),
+        # No split: the CLI's, the first T mod P ranks one token more.
+        (torch.float32, 5e-5, "contiguous", None, 8 * world + 1, "auto", FLAGS),
     ]
     if world > 2:
         cases = cases[1:2]  # the suite's time: world 2 runs every case and check
@@ -110,6 +111,8 @@ def context_worker(rank, world, init_file):
         ctx = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, conv1d_kernel_size=4,
                                   layout=layout, split=split, protocol=protocol, timeout=20,
                                   threads=1)
+        if layout == "contiguous" and split is None:
+            assert ctx.split == [t // world + (r < t % world) for r in range(world)], ctx.split
         assert (ctx.rank, ctx.world_size, ctx.layout_name) == (rank, world, layout)
         assert ctx.cu_seqlens == cu and ctx.conv1d_kernel_size == 4
         assert ctx.group is dist.group.WORLD and ctx.backend is not None
@@ -223,7 +226,7 @@ def context_worker(rank, world, init_file):
              cp_context=ctx, scale=0.5)
     # Context arguments that differ: named at build.
     with pytest.raises(ValueError, match="cu_seqlens differs"):
-        kt.build_cp_context([0, t - rank, t], dist.group.WORLD, timeout=20)
+        kt.build_cp_context([0, t - 1 - rank, t], dist.group.WORLD, timeout=20)
     with pytest.raises(ValueError, match="layout differs"):
         kt.build_cp_context([0, 2 * world * 4], dist.group.WORLD,
                             layout="zigzag" if rank == 0 else "contiguous", timeout=20)
