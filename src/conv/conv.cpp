@@ -28,11 +28,15 @@
 #include <fmt/format.h>
 
 #include "conv/call.hpp"
+#include "conv/pointwise.hpp"
 #include "kdacp/comm.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 
 namespace kdacp::conv {
+
+using detail::require_finite_result;
+using detail::sigmoid;
 
 namespace {
 
@@ -42,22 +46,6 @@ namespace {
 constexpr int kTagBase = 1 << 17;
 constexpr std::size_t kMaxParts = ((std::size_t{1} << 20) - (std::size_t{1} << 17)) / 16;
 constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
-
-double sigmoid(double z) {
-  if (z >= 0) return 1.0 / (1.0 + std::exp(-z));
-  const double e = std::exp(z);
-  return e / (1.0 + e);
-}
-
-template <class T>
-void require_finite_result(std::span<const T> data, const std::vector<std::size_t>& shape,
-                           const char* name, const char* pass) {
-  if (const auto i = find_non_finite(data))
-    throw NumericalError(fmt::format(
-        "causal_conv1d: the {} produced a non-finite {}: element {} is {} (overflow of the "
-        "input's range); expected finite values",
-        pass, name, index_string(*i, shape), exact_string(data[*i])));
-}
 
 template <class T>
 std::span<std::byte> bytes(std::vector<T>& v) {
@@ -451,15 +439,7 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
   std::vector<double> first(rows, 0.0), next(rows, 0.0), carry(rows, 0.0);
   const std::vector<std::size_t>& bounds = m.seqs.boundaries();
   // Piece pi of local part li, row b: where its ext rows' gradients go.
-  struct Target {
-    T* dx;               // the piece's first token's dx
-    std::size_t len;     // its tokens
-    std::size_t seq;     // its sequence (state row)
-    std::size_t seq_end;  // that sequence's end (global token)
-    std::size_t end;      // the piece's end (global token)
-    bool continues_in;    // it continues a sequence from an earlier part
-    bool continues_out;   // its sequence goes on in a later part
-  };
+  using Target = detail::PieceTarget<T>;
   auto target = [&](std::size_t li, std::size_t b, std::size_t pi) {
     const LocalPart& lp = m.local[li];
     const Piece& pc = lp.pieces[pi];
@@ -509,21 +489,8 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
           for (std::size_t i = 0; i < nb; ++i) {
             const std::size_t p = p0 + i;
             double* gp = g.data() + i * d;
-            if (in.activation == Activation::silu) {
-              for (std::size_t c = 0; c < d; ++c)
-                gp[c] = in.bias ? static_cast<double>(in.bias[c]) : 0.0;
-              for (std::size_t k = 0; k < w; ++k) {
-                const T* src = ext(p + k);
-                const double* wk = wt.data() + k * d;
-                for (std::size_t c = 0; c < d; ++c) gp[c] += wk[c] * static_cast<double>(src[c]);
-              }
-              for (std::size_t c = 0; c < d; ++c) {
-                const double z = gp[c], s = sigmoid(z);
-                gp[c] = static_cast<double>(dys[p * d + c]) * (s * (1.0 + z * (1.0 - s)));
-              }
-            } else {
-              for (std::size_t c = 0; c < d; ++c) gp[c] = static_cast<double>(dys[p * d + c]);
-            }
+            detail::pre_activation_grad(in, wt.data(), d, w, [&](std::size_t k) { return ext(p + k); },
+                                        dys + p * d, gp);
             if (tg.continues_in && p < h)
               std::copy_n(gp, d, first.data() + ((li * B + b) * h + p) * d);
             for (std::size_t c = 0; c < d; ++c) db[c] += gp[c];
@@ -578,13 +545,7 @@ void CausalConv::backward(const Tensors<T>& in, const Saved<T>& saved,
     m.sum_over_ranks(dh0);
     for (std::size_t k = 0; k < dh0.size(); ++k) grads.dinitial_state[k] = static_cast<T>(dh0[k]);
   }
-  require_finite_result<T>({grads.dx, B * m.tokens_local * d}, {B, m.tokens_local, d}, "dx",
-                           "backward");
-  require_finite_result<T>({grads.dweight, d * w}, {d, w}, "dweight", "backward");
-  if (grads.dbias && in.bias) require_finite_result<T>({grads.dbias, d}, {d}, "dbias", "backward");
-  if (in.initial_state)
-    require_finite_result<T>({grads.dinitial_state, N * d * w}, {N, d, w}, "dinitial_state",
-                             "backward");
+  detail::require_finite_grads(in, grads, B, m.tokens_local, d, w, N);
 }
 
 template Saved<float> CausalConv::forward(const Tensors<float>&, float*, float*) const;

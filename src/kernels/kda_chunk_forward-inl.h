@@ -87,14 +87,13 @@ void transpose_rows(const T* HWY_RESTRICT src, std::size_t rows, std::size_t col
   transpose(src, rows, cols, lds, dst, ldd);
 }
 
+// chunk_prepare's stages, one function each (the same operations in the
+// same order: the bytes do not depend on the cut).
+
+// The chunk's rows of k, q (need_q), α = exp(g) (or alpha_all's) and β.
 template <class T>
-void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
-                   std::size_t vd, std::size_t x_lo, std::size_t x_hi, ChunkWork<T>& w,
-                   const T* alpha_all = nullptr, Factors factors = Factors::l_and_p) {
-  const bool need_p = factors == Factors::l_and_p;
-  const bool need_q = factors != Factors::l;  // P and the output's Qg S_0 read q
-  const std::size_t ldx = vd + kd;
-  w.resize(kd, vd);
+void chunk_load(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd, std::size_t vd,
+                ChunkWork<T>& w, const T* alpha_all, bool need_q) {
   T* k = w.k.data();
   T* q = w.q.data();
   T* al = w.alpha.data();
@@ -123,6 +122,14 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
     }
     w.beta[t] = h.beta_at(t0 + t);
   }
+}
+
+// Kg, Qg (need_q) and Kr from the running products of α; a_c.
+template <class T>
+void chunk_decays(std::size_t c, std::size_t kd, ChunkWork<T>& w, bool need_q) {
+  const T* k = w.k.data();
+  const T* q = w.q.data();
+  const T* al = w.alpha.data();
   // Kg, Qg with the running product Π(-1,t]; a_c.
   T* HWY_RESTRICT run = w.run.data();
   T* HWY_RESTRICT kg = w.kg.data();
@@ -163,86 +170,96 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
           if (more) run[i] = run[i] * al[o + i];
         });
   }
+}
 
-  // L (strictly lower) and P (lower), kChunk×kChunk, zero above.
-  // Every row t < c is written whole, [0, c): no separate zero fill.
+// L's and P's (need_p) rows [b, min(b + kSub, c)).
+template <class T>
+void chunk_factor_block(std::size_t b, std::size_t c, std::size_t kd, bool need_p, ChunkWork<T>& w) {
+  const T* k = w.k.data();
+  const T* q = w.q.data();
+  const T* al = w.alpha.data();
+  T* HWY_RESTRICT run = w.run.data();
   T* L = w.L.data();
   T* P = w.P.data();
-  for (std::size_t b = 0; b < (factors == Factors::none ? 0 : c); b += kSub) {
-    const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
-    T* HWY_RESTRICT am = w.amat.data();   // rows [Kf_t; Qf_t], t ∈ σ: (2·nr)×K
-    T* HWY_RESTRICT amt = w.bmat.data();  // K×(2·nr): am transposed
-    // br: ncol×K, row s = Π(s,b] ⊙ k_s (s < b), k_s / F_s (s ∈ σ).
-    T* HWY_RESTRICT fr = w.frows.data();  // nr×K: F_t
-    T* HWY_RESTRICT br = w.brows.data();
-    for (std::size_t t = b; t < e; ++t) {
-      T* f = fr + (t - b) * kd;
-      const T* fp = f - kd;
-      const T* a = al + t * kd;
-      const bool first = t == b;
-      const T* kt = k + t * kd;
-      const T* qt = q + t * kd;
-      T* ak = am + (t - b) * kd;
-      T* aq = am + (nr + t - b) * kd;
-      T* bt = br + t * kd;
-      for_vecs<T>(
-          kd,
-          [&](auto d, std::size_t i) {
-            const auto fv = first ? hn::Set(d, T(1)) : hn::Mul(hn::LoadU(d, fp + i), hn::LoadU(d, a + i));
-            hn::StoreU(fv, d, f + i);
-            const auto kv = hn::LoadU(d, kt + i);
-            hn::StoreU(hn::Mul(kv, fv), d, ak + i);
-            if (need_p) hn::StoreU(hn::Mul(hn::LoadU(d, qt + i), fv), d, aq + i);
-            hn::StoreU(hn::Div(kv, fv), d, bt + i);
-          },
-          [&](std::size_t i) {
-            f[i] = first ? T(1) : fp[i] * a[i];
-            ak[i] = kt[i] * f[i];
-            if (need_p) aq[i] = qt[i] * f[i];
-            bt[i] = kt[i] / f[i];
-          });
-    }
-    // Channels out of the factorisable range take the exact path: their k/F
-    // entries leave the product (zeros), their pairs are added below.
-    classify_channels(fr, br + b * kd, nr, kd, w);
-    for (std::size_t i : w.bad)
-      for (std::size_t s2 = b; s2 < e; ++s2) br[s2 * kd + i] = 0;
-    for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
-    for (std::size_t s2 = b; s2-- > 0;) {
-      const T* a = al + (s2 + 1) * kd;
-      const T* ks = k + s2 * kd;
-      T* bs = br + s2 * kd;
-      for_vecs<T>(
-          kd,
-          [&](auto d, std::size_t i) {
-            const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, a + i));
-            hn::StoreU(r, d, run + i);
-            hn::StoreU(hn::Mul(hn::LoadU(d, ks + i), r), d, bs + i);
-          },
-          [&](std::size_t i) {
-            run[i] = run[i] * a[i];
-            bs[i] = ks[i] * run[i];
-          });
-    }
-    const std::size_t na = need_p ? 2 * nr : nr;
-    transpose_rows(am, na, kd, kd, amt, na);
-    // rt = br · amᵀ (ncol×(2·nr)): element (s, t) is the same fused chain
-    // over the key channels as (am · brᵀ)(t, s), factors swapped.
-    T* r = w.rbuf.data();
-    gemm<GemmOp::set>(ncol, na, kd, br, kd, std::size_t{1}, amt, na, r, na);
-    for (std::size_t t = b; t < e; ++t) {
-      T* lt = L + t * kChunk;
-      T* pt = P + t * kChunk;
-      for (std::size_t s2 = 0; s2 < c; ++s2) lt[s2] = s2 < t ? r[s2 * na + (t - b)] : T(0);
-      if (need_p)
-        for (std::size_t s2 = 0; s2 < c; ++s2) pt[s2] = s2 <= t ? r[s2 * na + (nr + t - b)] : T(0);
-    }
-    // The exact channels' share of the diagonal block.
-    if (!w.bad.empty()) exact_block_forward(k, q, al, b, e, kd, need_p, L, P, w);
+  const std::size_t e = std::min(b + kSub, c), nr = e - b, ncol = e;
+  T* HWY_RESTRICT am = w.amat.data();   // rows [Kf_t; Qf_t], t ∈ σ: (2·nr)×K
+  T* HWY_RESTRICT amt = w.bmat.data();  // K×(2·nr): am transposed
+  // br: ncol×K, row s = Π(s,b] ⊙ k_s (s < b), k_s / F_s (s ∈ σ).
+  T* HWY_RESTRICT fr = w.frows.data();  // nr×K: F_t
+  T* HWY_RESTRICT br = w.brows.data();
+  for (std::size_t t = b; t < e; ++t) {
+    T* f = fr + (t - b) * kd;
+    const T* fp = f - kd;
+    const T* a = al + t * kd;
+    const bool first = t == b;
+    const T* kt = k + t * kd;
+    const T* qt = q + t * kd;
+    T* ak = am + (t - b) * kd;
+    T* aq = am + (nr + t - b) * kd;
+    T* bt = br + t * kd;
+    for_vecs<T>(
+        kd,
+        [&](auto d, std::size_t i) {
+          const auto fv = first ? hn::Set(d, T(1)) : hn::Mul(hn::LoadU(d, fp + i), hn::LoadU(d, a + i));
+          hn::StoreU(fv, d, f + i);
+          const auto kv = hn::LoadU(d, kt + i);
+          hn::StoreU(hn::Mul(kv, fv), d, ak + i);
+          if (need_p) hn::StoreU(hn::Mul(hn::LoadU(d, qt + i), fv), d, aq + i);
+          hn::StoreU(hn::Div(kv, fv), d, bt + i);
+        },
+        [&](std::size_t i) {
+          f[i] = first ? T(1) : fp[i] * a[i];
+          ak[i] = kt[i] * f[i];
+          if (need_p) aq[i] = qt[i] * f[i];
+          bt[i] = kt[i] / f[i];
+        });
   }
+  // Channels out of the factorisable range take the exact path: their k/F
+  // entries leave the product (zeros), their pairs are added below.
+  classify_channels(fr, br + b * kd, nr, kd, w);
+  for (std::size_t i : w.bad)
+    for (std::size_t s2 = b; s2 < e; ++s2) br[s2 * kd + i] = 0;
+  for (std::size_t i = 0; i < kd; ++i) run[i] = 1;
+  for (std::size_t s2 = b; s2-- > 0;) {
+    const T* a = al + (s2 + 1) * kd;
+    const T* ks = k + s2 * kd;
+    T* bs = br + s2 * kd;
+    for_vecs<T>(
+        kd,
+        [&](auto d, std::size_t i) {
+          const auto r = hn::Mul(hn::LoadU(d, run + i), hn::LoadU(d, a + i));
+          hn::StoreU(r, d, run + i);
+          hn::StoreU(hn::Mul(hn::LoadU(d, ks + i), r), d, bs + i);
+        },
+        [&](std::size_t i) {
+          run[i] = run[i] * a[i];
+          bs[i] = ks[i] * run[i];
+        });
+  }
+  const std::size_t na = need_p ? 2 * nr : nr;
+  transpose_rows(am, na, kd, kd, amt, na);
+  // rt = br · amᵀ (ncol×(2·nr)): element (s, t) is the same fused chain
+  // over the key channels as (am · brᵀ)(t, s), factors swapped.
+  T* r = w.rbuf.data();
+  gemm<GemmOp::set>(ncol, na, kd, br, kd, std::size_t{1}, amt, na, r, na);
+  for (std::size_t t = b; t < e; ++t) {
+    T* lt = L + t * kChunk;
+    T* pt = P + t * kChunk;
+    for (std::size_t s2 = 0; s2 < c; ++s2) lt[s2] = s2 < t ? r[s2 * na + (t - b)] : T(0);
+    if (need_p)
+      for (std::size_t s2 = 0; s2 < c; ++s2) pt[s2] = s2 <= t ? r[s2 * na + (nr + t - b)] : T(0);
+  }
+  // The exact channels' share of the diagonal block.
+  if (!w.bad.empty()) exact_block_forward(k, q, al, b, e, kd, need_p, L, P, w);
+}
 
-  // X = (I + Diag(β) L)⁻¹ Diag(β) Y, Y = [V | Kg], columns [x_lo, x_hi), by
-  // blocks of kSub rows: the rows above a block are subtracted with one
+// X = (I + Diag(β) L)⁻¹ Diag(β) [V | Kg] on columns [x_lo, x_hi).
+template <class T>
+void chunk_right_side(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd, std::size_t vd,
+                      std::size_t x_lo, std::size_t x_hi, ChunkWork<T>& w) {
+  const std::size_t ldx = vd + kd;
+  const T* kg = w.kg.data();
+  // By blocks of kSub rows: the rows above a block are subtracted with one
   // product, then forward substitution inside the block.
   T* X = w.x.data();
   for (std::size_t t = 0; t < c; ++t) {
@@ -254,6 +271,22 @@ void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::s
     for (std::size_t j = std::max(x_lo, vd); j < x_hi; ++j) xr[j] = kg[t * kd + j - vd];
   }
   chunk_solve(c, X + x_lo, ldx, x_hi - x_lo, w);
+}
+
+template <class T>
+void chunk_prepare(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size_t kd,
+                   std::size_t vd, std::size_t x_lo, std::size_t x_hi, ChunkWork<T>& w,
+                   const T* alpha_all = nullptr, Factors factors = Factors::l_and_p) {
+  const bool need_p = factors == Factors::l_and_p;
+  const bool need_q = factors != Factors::l;  // P and the output's Qg S_0 read q
+  w.resize(kd, vd);
+  chunk_load(h, t0, c, kd, vd, w, alpha_all, need_q);
+  chunk_decays(c, kd, w, need_q);
+  // L (strictly lower) and P (lower), kChunk×kChunk, zero above. Every
+  // row t < c is written whole, [0, c): no separate zero fill.
+  for (std::size_t b = 0; b < (factors == Factors::none ? 0 : c); b += kSub)
+    chunk_factor_block(b, c, kd, need_p, w);
+  chunk_right_side(h, t0, c, kd, vd, x_lo, x_hi, w);
 }
 
 // The end of one prepared chunk given Δ (c rows of stride ldd, n columns):
