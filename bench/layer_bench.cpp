@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
     if ((algos & (1u << r)) == 0) continue;
     const Inputs<float> in{q.data(), k.data(), v.data(), g.data(), beta.data(), s,
                            default_scale<float>(s.key_dim)};
-    const ExecPolicy exec{&pool, KernelKind::best, run.algorithm};
+    const kda::Exec exec{{&pool, KernelKind::best}, run.algorithm};
     ForwardCache<float> cache;
     ForwardCache<float>* kept = run.keep ? &cache : nullptr;
     const auto timed = [&](std::size_t bit, const std::function<void()>& f) {

@@ -20,7 +20,7 @@ LayerResult<T> single_rank(const LayerData<T>& d, const std::vector<T>& d_o,
                            Algorithm algorithm = Algorithm::recurrent) {
   LayerResult<T> r = alloc<T>(d.shape);
   const auto in = d.inputs(default_scale<T>(d.shape.key_dim));
-  const ExecPolicy exec{nullptr, KernelKind::best, algorithm};
+  const kda::Exec exec{{nullptr, KernelKind::best}, algorithm};
   forward(in, nullptr, r.o.data(), nullptr, exec);
   backward(in, nullptr, d_o.data(), nullptr,
            Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), r.d_incoming0.data()},
@@ -42,7 +42,7 @@ LayerResult<T> context_parallel(const LayerData<T>& d, const std::vector<T>& d_o
     std::vector<T> ldo(ls.v_elems());
     slice_tokens(d_o.data(), s.batch, s.tokens, s.value_heads * s.value_dim, range, ldo.data());
     auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    ContextParallelLayer<T> layer(mesh, method, width, {}, ExecPolicy{nullptr, KernelKind::best, algorithm});
+    ContextParallelLayer<T> layer(mesh, method, width, {}, kda::Exec{{nullptr, KernelKind::best}, algorithm});
     const auto in = local.inputs(default_scale<T>(s.key_dim));
     LayerResult<T> lr = alloc<T>(ls);
     const Saved saved = layer.forward(in, lr.o.data());

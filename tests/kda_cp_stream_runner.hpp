@@ -119,6 +119,12 @@ struct RankData {
   }
 };
 
+// How run_layer's ranks compute: kda::Exec, and the layer's deterministic
+// mode (ContextParallelLayer::deterministic).
+struct RunExec : kda::Exec {
+  bool deterministic = false;
+};
+
 // One forward + backward through the layer. dht[r] is rank r's loss's
 // gradient on ht (empty: none). Without a layout, the layer of the plain
 // constructor over contiguous_stream(counts); with one, the layer built for it.
@@ -127,7 +133,7 @@ struct RankData {
 template <class T>
 CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, std::size_t ranks,
                    const std::vector<std::size_t>& counts, const RowConfig& m,
-                   const std::optional<Layout>& layout = std::nullopt, const ExecPolicy& exec = {},
+                   const std::optional<Layout>& layout = std::nullopt, const RunExec& exec = {},
                    std::size_t threads = 0, bool keep_forward = true) {
   const Case& c = p.c;
   const Shape& s = c.shape;
@@ -141,7 +147,7 @@ CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, 
     options.segments = m.config.segments;
     const auto group = static_cast<long long>(m.config.group_size);
     std::optional<ThreadPool> pool;
-    ExecPolicy mine = exec;
+    kda::Exec mine = exec;
     if (threads > 0) mine.pool = &pool.emplace(threads);
     std::optional<ContextParallelLayer<T>> built;
     if (layout)
@@ -150,6 +156,7 @@ CpRun<T> run_layer(const Problem<T>& p, const std::vector<std::vector<T>>& dht, 
       built.emplace(mesh, m.config.method, group, options, mine);
     ContextParallelLayer<T>& layer = *built;
     layer.keep_forward(keep_forward);
+    layer.deterministic(exec.deterministic);
     const Stream stream =
         layout ? Stream{stream_sequences(c), *layout}
                : layer.contiguous_stream(s.batch, s.tokens, std::span(c.cu), counts);

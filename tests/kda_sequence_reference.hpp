@@ -196,7 +196,7 @@ inline Result<double> reference(const Problem<double>& p) {
 // The single-rank path (forward_sequences / backward_sequences) over the
 // problem's stream with `exec`: o, ht, the gradients and dh0.
 template <class T>
-Result<T> single_rank_path(const Problem<T>& p, const ExecPolicy& exec) {
+Result<T> single_rank_path(const Problem<T>& p, const kda::Exec& exec) {
   const Case& c = p.c;
   Result<T> r(c);
   const Sequences seqs = c.sequences();

@@ -223,7 +223,7 @@ std::vector<Outcome> run_layer(std::size_t ranks, const std::function<RankArgs(s
           LayerChecks checks;
           checks.agree = a.extra;
           ContextParallelLayer<double> layer(mesh, a.method, layout_of(a, ranks, true), a.width, a.options,
-                                             ExecPolicy{nullptr, KernelKind::best, a.algorithm}, checks);
+                                             kda::Exec{{nullptr, KernelKind::best}, a.algorithm}, checks);
           mine.stage = "forward";
           const Stream stream{Sequences(1, kTokens, std::span(a.cu)), layout_of(a, ranks, false)};
           Shape ls = kShape;
@@ -478,7 +478,7 @@ std::vector<FloatRun> run_float(std::size_t ranks, float v_value, float do_value
         auto mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
         LayerChecks checks;
         checks.check_finite = check;
-        ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{nullptr, KernelKind::best, Algorithm::chunk},
+        ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, kda::Exec{{nullptr, KernelKind::best}, Algorithm::chunk},
                                           checks);
         const Stream st = layer.contiguous_stream(1, kTokens);
         Shape ls = kShape;
@@ -583,7 +583,7 @@ TEST(FiniteResults, ThePoolsScanNamesTheFirstElement) {
       auto mesh = DeviceMesh::create(comm, {1}, {"cp"});
       LayerChecks checks;
       checks.check_finite = check;
-      ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{&pool, KernelKind::best, Algorithm::chunk},
+      ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, kda::Exec{{&pool, KernelKind::best}, Algorithm::chunk},
                                         checks);
       try {
         layer.forward(in, layer.contiguous_stream(1, tokens), {}, o.data(), {});

@@ -340,8 +340,7 @@ TEST(LayerJob, LayerReusesItsForwardCache) {
   const std::vector<float> d_o = kda::synthetic_tensor<float>(shape.v_elems(), 17);
   run_in_process(1, [&](const std::shared_ptr<Communicator>& world) {
     const DeviceMesh mesh = DeviceMesh::create(world, {1}, {"cp"});
-    kda::ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, ExecPolicy{nullptr, KernelKind::best,
-                                                                        kda::Algorithm::chunk});
+    kda::ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, kda::Exec{{nullptr, KernelKind::best}, kda::Algorithm::chunk});
     layer.keep_forward(false);
     const auto in = data.inputs(kda::default_scale<float>(shape.key_dim));
     std::vector<float> o(shape.v_elems()), dq(shape.qk_elems()), dk(shape.qk_elems()), dv(shape.v_elems()),

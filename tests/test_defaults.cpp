@@ -22,7 +22,7 @@ TEST(Defaults, TheValuesTheDocsState) {
 }
 
 TEST(Defaults, EveryCppDefaultIsTheHeaders) {
-  EXPECT_EQ(ExecPolicy{}.algorithm, defaults::kAlgorithm);
+  EXPECT_EQ(kda::Exec{}.algorithm, defaults::kAlgorithm);
   EXPECT_EQ(job::LayerJob<float>{}.algorithm, defaults::kAlgorithm);
   EXPECT_EQ(job::LayerJob<double>{}.keep_forward, defaults::kKeepForward);
   EXPECT_EQ(report::LayerBenchConfig{}.keep_forward, defaults::kKeepForward);

@@ -56,7 +56,7 @@ Problem<T> problem(const Case& c) {
 // process, what every CP run must reproduce.
 template <class T>
 Result<T> single(const Problem<T>& p, Algorithm algorithm) {
-  return test::single_rank_path(p, ExecPolicy{nullptr, KernelKind::best, algorithm});
+  return test::single_rank_path(p, kda::Exec{{nullptr, KernelKind::best}, algorithm});
 }
 
 // Rank 0 gives the loss's dht, the others zeros: the sum over ranks is dht.
@@ -130,7 +130,7 @@ void check_ranks(std::size_t ranks) {
         {"zigzag", zigzag_on_tiles(tokens, ranks)}};
     for (Algorithm algorithm : {Algorithm::chunk, Algorithm::recurrent}) {
       const Result<T> want = single(p, algorithm);
-      const ExecPolicy exec{nullptr, KernelKind::best, algorithm, true};
+      const test::RunExec exec{kda::Exec{{nullptr, KernelKind::best}, algorithm}, true};
       std::size_t run = 0;
       const std::vector<RowConfig> all = test::row_configs(ranks, c->shape);
       for (const auto& [name, layout] : layouts)
@@ -190,7 +190,7 @@ TEST(Deterministic, DefaultModeBytesDependOnP) {
   const RowConfig p2p{{"p2p", 1, 0}, true, 0};
   for (Algorithm algorithm : {Algorithm::chunk, Algorithm::recurrent}) {
     const Result<float> want = single(p, algorithm);
-    const ExecPolicy exec{nullptr, KernelKind::best, algorithm, false};
+    const test::RunExec exec{kda::Exec{{nullptr, KernelKind::best}, algorithm}, false};
     // Rank 1's part [64, 192) lies inside [0, 320): no cut, its map composed.
     const std::vector<std::size_t> counts{64, 128, 128, 704};
     const CpRun<float> got =
@@ -205,7 +205,7 @@ TEST(Deterministic, DefaultModeBytesDependOnP) {
 TEST(Deterministic, RecurrentCutsAnywhere) {
   const Problem<double> p = problem<double>(kDocs);
   const Result<double> want = single(p, Algorithm::recurrent);
-  const ExecPolicy exec{nullptr, KernelKind::best, Algorithm::recurrent, true};
+  const test::RunExec exec{kda::Exec{{nullptr, KernelKind::best}, Algorithm::recurrent}, true};
   const RowConfig p2p{{"p2p", 1, 0}, true, 0};
   const std::vector<std::size_t> counts{100, 1, 221, 2, 700};
   const CpRun<double> got =
@@ -217,7 +217,7 @@ TEST(Deterministic, RecurrentCutsAnywhere) {
 // every rank, naming the part and the rule, before any message.
 TEST(Deterministic, ChunkCutOffTheGridIsRefusedOnEveryRank) {
   const Problem<float> p = problem<float>(kDocs);
-  const ExecPolicy exec{nullptr, KernelKind::best, Algorithm::chunk, true};
+  const test::RunExec exec{kda::Exec{{nullptr, KernelKind::best}, Algorithm::chunk}, true};
   const RowConfig p2p{{"p2p", 1, 0}, true, 0};
   const std::vector<std::size_t> counts{128, 100, 796};  // 228 is 100 into [0, 320)
   std::vector<std::string> errors(3);
@@ -240,8 +240,8 @@ TEST(Deterministic, RanksThatDisagreeOnTheModeAreNamed) {
   run_in_process(2, [&](const std::shared_ptr<Communicator>& comm) {
     const std::size_t rank = comm->rank();
     auto mesh = DeviceMesh::create(comm, {2}, {"cp"});
-    ContextParallelLayer<float> layer(mesh, "p2p", 1, {},
-                                      ExecPolicy{nullptr, KernelKind::best, Algorithm::chunk, rank == 0});
+    ContextParallelLayer<float> layer(mesh, "p2p", 1, {}, kda::Exec{{nullptr, KernelKind::best}, Algorithm::chunk});
+    layer.deterministic(rank == 0);
     Shape ls = c.shape;
     ls.tokens = 64;
     auto local = [&](const std::vector<float>& full, std::size_t inner) {

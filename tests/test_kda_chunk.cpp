@@ -65,7 +65,7 @@ struct Data {
 };
 
 // The policy that runs `a` on `pool`.
-ExecPolicy on(Algorithm a, ThreadPool* pool = nullptr) { return ExecPolicy{pool, KernelKind::best, a}; }
+kda::Exec on(Algorithm a, ThreadPool* pool = nullptr) { return kda::Exec{{pool, KernelKind::best}, a}; }
 
 template <class T>
 struct Outputs {
@@ -75,7 +75,7 @@ struct Outputs {
 template <class T>
 Outputs<T> run_all(const Data<T>& d, Algorithm a, ThreadPool* pool = nullptr) {
   const Shape& s = d.shape;
-  const ExecPolicy exec = on(a, pool);
+  const kda::Exec exec = on(a, pool);
   Outputs<T> out;
   out.o.resize(s.v_elems());
   out.o0.resize(s.v_elems());
@@ -397,7 +397,7 @@ std::vector<std::vector<T>> run_kernels(const detail::ChunkKernels<T>& kern, con
                                 std::vector<T>(s.qk_elems()),      std::vector<T>(s.v_elems()),
                                 std::vector<T>(s.g_elems()),       std::vector<T>(s.beta_elems()),
                                 std::vector<T>(s.state_elems())};
-  const ExecPolicy exec{};
+  const kda::Exec exec{};
   // The forward's record (ForwardCache) on this target, and the backward from it.
   std::vector<T> record(ForwardCache<T>::record_elems(s, Algorithm::chunk));
   detail::forward_chunked(kern, in, d.h0.data(), r[0].data(), r[1].data(), exec, record.data());

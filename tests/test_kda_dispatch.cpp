@@ -66,7 +66,7 @@ struct Case {
         m(s.transfer_elems()), gs(s.state_elems()), dq(s.qk_elems()), dk(s.qk_elems()),
         dv(s.v_elems()), dg(s.g_elems()), db(s.beta_elems()), di(s.state_elems());
     ThreadPool pool(2);
-    const ExecPolicy exec{&pool, KernelKind::best, algorithm};
+    const kda::Exec exec{{&pool, KernelKind::best}, algorithm};
     const Grads<T> grads{dq.data(), dk.data(), dv.data(), dg.data(), db.data(), di.data()};
     const KernelSet<T>& kernels = table.of<T>();
     forward_on(kernels, in, incoming.data(), o.data(), fin.data(), exec);

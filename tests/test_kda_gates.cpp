@@ -102,7 +102,7 @@ template <class T>
 Result<T> run_api(const Problem<T>& p, Algorithm algorithm) {
   Result<T> r(p.c);
   const Inputs<T> in = p.inputs();
-  const ExecPolicy exec{nullptr, KernelKind::best, algorithm};
+  const kda::Exec exec{{nullptr, KernelKind::best}, algorithm};
   forward(in, p.h0.data(), r.o.data(), r.ht.data(), exec);
   backward(in, p.h0.data(), p.d_o.data(), p.dht.data(),
            Grads<T>{r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(), r.dh0.data()}, exec);
@@ -213,7 +213,7 @@ TEST(KdaGates, SummaryAndGPassOnTheSweep) {
     auto run = [&](const auto& prob, Algorithm algo) {
       using T = typename std::decay_t<decltype(prob.q)>::value_type;
       const Inputs<T> in = prob.inputs();
-      const ExecPolicy exec{nullptr, KernelKind::best, algo};
+      const kda::Exec exec{{nullptr, KernelKind::best}, algo};
       std::vector<T> st(s.state_elems()), m(s.transfer_elems()), gs(s.state_elems());
       chunk_summary(in, st.data(), m.data(), exec);
       incoming_grad(in, prob.d_o.data(), gs.data(), exec);

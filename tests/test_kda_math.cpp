@@ -20,8 +20,8 @@ namespace kdacp::kda {
 namespace {
 
 // This file tests the recurrent algorithm (the reference); test_kda_chunk.cpp the chunk one.
-const ExecPolicy kRecurrent{nullptr, KernelKind::best, Algorithm::recurrent};
-ExecPolicy recurrent_on(ThreadPool& pool) { return ExecPolicy{&pool, KernelKind::best, Algorithm::recurrent}; }
+const kda::Exec kRecurrent{{nullptr, KernelKind::best}, Algorithm::recurrent};
+kda::Exec recurrent_on(ThreadPool& pool) { return kda::Exec{{&pool, KernelKind::best}, Algorithm::recurrent}; }
 
 
 // Random but well-conditioned inputs: k L2-normalised per token and head,

@@ -28,7 +28,7 @@ namespace {
 
 // The recurrent algorithm: a part chain that cuts a sequence reproduces one
 // device's bits only there (chunk's chunk boundaries move with the cut).
-const ExecPolicy kRecurrent{nullptr, KernelKind::best, Algorithm::recurrent};
+const kda::Exec kRecurrent{{nullptr, KernelKind::best}, Algorithm::recurrent};
 
 using test::Case;
 using test::Problem;
@@ -59,7 +59,7 @@ const Case* const kCases[] = {&kMixed, &kLong, &kWhole, &kTokens, &kRows};
 template <class T>
 Result<T> single_rank(const Problem<T>& p, std::size_t threads) {
   ThreadPool pool(threads);
-  return test::single_rank_path(p, ExecPolicy{&pool, KernelKind::best, Algorithm::recurrent});
+  return test::single_rank_path(p, kda::Exec{{&pool, KernelKind::best}, Algorithm::recurrent});
 }
 
 template <class T>
@@ -271,7 +271,7 @@ void check_chain(const Problem<T>& p, const Result<T>& single, const Result<doub
             [](const Entry& a, const Entry& b) { return a.part.begin < b.part.begin; });
 
   ThreadPool pool(3);
-  const ExecPolicy exec{&pool, KernelKind::best, Algorithm::recurrent};
+  const kda::Exec exec{{&pool, KernelKind::best}, Algorithm::recurrent};
   const std::size_t n = chain.size();
   std::vector<PartInfo> info(n);
   std::vector<std::vector<T>> offset(n, std::vector<T>(s.state_elems())),

@@ -93,7 +93,7 @@ std::vector<float> state_row(const std::vector<float>& states, const Shape& s, s
 // Every sequence run alone by kda::forward / backward on a copy of its
 // tokens, from its h0 row with d_final = its dht row: what the stream's
 // results must equal bit for bit.
-Result<float> one_call_per_sequence(const Problem<float>& p, const ExecPolicy& exec) {
+Result<float> one_call_per_sequence(const Problem<float>& p, const kda::Exec& exec) {
   const Shape& s = p.c.shape;
   Result<float> r(p.c);
   Shape row = s;
@@ -144,11 +144,11 @@ TEST(SequenceItems, EachSequenceIsOneKernelCallBitForBit) {
     const Sequences seqs = c->sequences();
     for (Algorithm algorithm : {Algorithm::recurrent, Algorithm::chunk}) {
       const Result<float> want =
-          one_call_per_sequence(p, ExecPolicy{nullptr, KernelKind::best, algorithm});
+          one_call_per_sequence(p, kda::Exec{{nullptr, KernelKind::best}, algorithm});
       for (std::size_t threads : {0, 1, 3, 8}) {
         for (bool cached : {false, true}) {
           std::unique_ptr<ThreadPool> pool = threads ? std::make_unique<ThreadPool>(threads) : nullptr;
-          const ExecPolicy exec{pool.get(), KernelKind::best, algorithm};
+          const kda::Exec exec{{pool.get(), KernelKind::best}, algorithm};
           ForwardCache<float> cache;
           Result<float> r(*c);
           forward_sequences(p.inputs(), seqs, p.states(p.h0), r.o.data(),
@@ -181,8 +181,8 @@ TEST(SequenceItems, EachSequenceIsOneKernelCallBitForBit) {
 TEST(SequenceItems, PartsAreKernelCallsOnTheirPieces) {
   for (Algorithm algorithm : {Algorithm::recurrent, Algorithm::chunk}) {
     ThreadPool pool(3);
-    const ExecPolicy exec{&pool, KernelKind::best, algorithm};
-    const ExecPolicy alone{nullptr, KernelKind::best, algorithm};
+    const kda::Exec exec{{&pool, KernelKind::best}, algorithm};
+    const kda::Exec alone{{nullptr, KernelKind::best}, algorithm};
     const std::string what = algorithm_name(algorithm);
 
     // No sequence boundary inside the part: one piece.

@@ -63,13 +63,13 @@ CpRun<T> run_ulysses(const Problem<T>& p, const std::vector<std::vector<T>>& dht
   run_in_process(ranks, [&](const std::shared_ptr<Communicator>& comm) {
     const std::size_t rank = comm->rank();
     const DeviceMesh mesh = DeviceMesh::create(comm, {ranks}, {"cp"});
-    ExecPolicy exec;
+    kda::Exec exec;
     exec.algorithm = algorithm;
-    exec.deterministic = deterministic;
     ExchangeOptions options;  // auto prices the whole layer's shape: the layer divides its heads by U
     options.expected_shape =
         SummaryShape{s.batch, s.value_heads, s.key_dim, s.value_dim, std::is_same_v<T, double> ? DType::f64 : DType::f32};
     UlyssesLayer<T> layer(mesh, width, method, layout, 1, options, exec);
+    layer.state_layer().deterministic(deterministic);
     layer.wire_types(wire_in, wire_out);
     const Stream stream{test::stream_sequences(c), layout};
     test::RankData<T> d(p, layout, rank);
@@ -126,7 +126,7 @@ void check_against_state_cp(Algorithm algorithm, const std::string& method) {
     const std::size_t groups = u.ranks / u.width;
     std::vector<std::vector<T>> group_dht(groups, std::vector<T>(u.c.states(), T(0)));
     group_dht[0] = p.dht;
-    ExecPolicy exec;
+    test::RunExec exec;
     exec.algorithm = algorithm;
     const RowConfig row{{method, 1, 0}, true, 0};
     const CpRun<T> want =
@@ -257,7 +257,7 @@ TEST(Ulysses, DeterministicIsTheOneProcessBytes) {
   for (const UlyssesCase& u : cases()) {
     SCOPED_TRACE(u.name);
     const Problem<float> p = test::make_problem(u.c, 501).cast<float>();
-    ExecPolicy exec;
+    kda::Exec exec;
     exec.algorithm = Algorithm::recurrent;
     const test::Result<float> one = test::single_rank_path(p, exec);
     std::vector<std::vector<float>> dht(u.ranks, std::vector<float>(u.c.states(), 0.0f));
@@ -342,10 +342,10 @@ TEST(Ulysses, BadArgumentsOnOneRankThrowOnEveryRankBeforeAnyMessage) {
   expect_every_rank_throws(
       4,
       [&](std::size_t r, const DeviceMesh& mesh) {
-        ExecPolicy exec;
+        kda::Exec exec;
         exec.algorithm = Algorithm::chunk;
-        exec.deterministic = true;
         UlyssesLayer<double> layer(mesh, 2, "p2p", layout, 1, {}, exec);
+        layer.state_layer().deterministic(true);
         Shape ls = c.shape;
         ls.tokens = 8;
         std::vector<double> o(8 * 2 * 16);

@@ -18,7 +18,7 @@ namespace kda {
 //    chunk of kChunkSize tokens a triangular solve and dense C×K, C×C, K×V products;
 //    only one state per chunk crosses chunk boundaries. Every function of
 //    kda.hpp has both (see docs/performance.md for their speed).
-// Chosen per call by ExecPolicy::algorithm (kdacp/kernels.hpp).
+// Chosen per call by kda::Exec::algorithm (kdacp/kernels.hpp).
 enum class Algorithm { recurrent, chunk };
 
 }  // namespace kda
@@ -40,7 +40,7 @@ inline constexpr kda::Algorithm kAlgorithm = kda::Algorithm::chunk;
 inline constexpr bool kKeepForward = true;
 
 // Off: the layer's exchange composes each rank's summary (fast, the bits
-// depend on P and the layout). On (ExecPolicy::deterministic, the CLI's
+// depend on P and the layout). On (LayerConfig::deterministic, the CLI's
 // --deterministic, kdacp.torch's deterministic=True): the state walks from
 // rank to rank in chain order, every output the same bytes for every CP
 // degree, layout and protocol (docs/determinism.md has the rule and cost).

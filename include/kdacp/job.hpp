@@ -48,14 +48,14 @@ struct LayerJob {
   std::vector<T> dht;                    // [N,HV,K,V]; empty: zero
   // Produce ht (and, with d_o, dh0).
   bool final_states = true;
-  // How the layer computes (ExecPolicy::algorithm), on one device and on
+  // How the layer computes (kda::Exec::algorithm), on one device and on
   // every rank alike.
   kda::Algorithm algorithm = defaults::kAlgorithm;
   // With chunk: the forward keeps what the backward recomputes
   // (kda::ForwardCache; ContextParallelLayer::keep_forward), for a faster
   // backward at ≈ 1.25× the inputs' memory (layer_cache_bytes).
   bool keep_forward = defaults::kKeepForward;
-  // The CP layer's deterministic mode (ExecPolicy::deterministic,
+  // The CP layer's deterministic mode (LayerConfig::deterministic,
   // docs/determinism.md): outputs the same bytes for every P and layout.
   bool deterministic = defaults::kDeterministic;
   // Untimed forward+backward steps before the timed one, on the same layer

@@ -91,8 +91,15 @@ using Elem = std::type_identity_t<T>;
 template <class T>
 T default_scale(std::size_t key_dim);
 
-// How the functions below compute: Algorithm (kdacp/defaults.hpp), chosen by
-// ExecPolicy::algorithm, default defaults::kAlgorithm.
+// How the functions below compute: where (the Exec's pool and
+// kernels) and with which Algorithm (kdacp/defaults.hpp).
+// explicit: a function that takes an ExecPolicy and hands it on would
+// otherwise drop the algorithm silently.
+struct Exec : ExecPolicy {
+  Exec() = default;
+  explicit Exec(const ExecPolicy& where, Algorithm how = defaults::kAlgorithm) : ExecPolicy(where), algorithm(how) {}
+  Algorithm algorithm = defaults::kAlgorithm;
+};
 
 // Tokens per chunk of Algorithm::chunk (the last chunk of a call may be
 // shorter). Part of the results' definition: it fixes the rounding.
@@ -128,7 +135,7 @@ void validate(const Inputs<T>& in, const char* op);
 // O(T·K·(K+V)) per value head.
 template <class T>
 void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
-                   const ExecPolicy& exec = {});
+                   const Exec& exec = {});
 
 // What Algorithm::chunk's forward can keep for the backward of the same call
 // (same inputs, same incoming state), so that the backward skips its first
@@ -212,7 +219,7 @@ class ForwardCachePool {
 // ForwardCache; nothing with Algorithm::recurrent). o and S_T are the same.
 template <class T>
 void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
-             const ExecPolicy& exec = {}, ForwardCache<Elem<T>>* keep = nullptr);
+             const Exec& exec = {}, ForwardCache<Elem<T>>* keep = nullptr);
 
 // Gradients of a loss L(o, S_T), in the layouts of the matching inputs.
 // Every pointer is required except d_incoming (skipped when null).
@@ -243,7 +250,7 @@ inline constexpr std::size_t kDefaultCheckpointInterval = 64;
 // first chunk's state); the gradients are bitwise the same.
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
-              const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec = {},
+              const Elem<T>* d_final, const Grads<Elem<T>>& grads, const Exec& exec = {},
               std::size_t checkpoint_interval = kDefaultCheckpointInterval,
               ForwardCache<Elem<T>>* kept = nullptr);
 
@@ -255,7 +262,7 @@ void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
 // d_final = nullptr up to rounding.
 template <class T>
 void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
-                   const ExecPolicy& exec = {});
+                   const Exec& exec = {});
 
 // ---------------------------------------------------------------------------
 // Input transforms of flash-linear-attention's chunk_kda (its "in kernel"

@@ -54,7 +54,7 @@ struct Saved {
   // otherwise): one record per sequence piece of every part, in order.
   std::shared_ptr<ForwardCache<float>> kept_f32;
   std::shared_ptr<ForwardCache<double>> kept_f64;
-  // The forward ran the deterministic mode (ExecPolicy::deterministic):
+  // The forward ran the deterministic mode (deterministic(bool)):
   // its backward does too, and `transfer` is empty.
   bool deterministic = false;
 
@@ -114,7 +114,7 @@ class ContextParallelLayer {
   // layer and is used by one call at a time.
   ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                        long long allgather_group_size = 1, ExchangeOptions options = {},
-                       const ExecPolicy& exec = {}, LayerChecks checks = {});
+                       const Exec& exec = {}, LayerChecks checks = {});
   // The layer for streams laid out by `layout` (P = the mesh's ranks): the
   // exchange is built with options.part_owners = layout.owners(). One part
   // per rank in rank order runs on every method; several parts per rank, or
@@ -123,7 +123,7 @@ class ContextParallelLayer {
   // the others.
   ContextParallelLayer(const DeviceMesh& mesh, const std::string& method, const Layout& layout,
                        long long allgather_group_size = 1, ExchangeOptions options = {},
-                       const ExecPolicy& exec = {}, LayerChecks checks = {});
+                       const Exec& exec = {}, LayerChecks checks = {});
 
   // One sequence per batch row, zero initial state, no final state: rank r
   // holds the r-th run of consecutive tokens (any lengths; the rank needs
@@ -193,14 +193,13 @@ class ContextParallelLayer {
   bool keeps_forward() const { return keep_forward_; }
   std::size_t forward_cache_bytes() const;
 
-  // The algorithm of the following calls (ExecPolicy::algorithm; the
+  // The algorithm of the following calls (kda::Exec::algorithm; the
   // constructor's exec sets it first). A backward runs with its forward's.
   void algorithm(Algorithm a) { exec_.algorithm = a; }
   Algorithm algorithm() const { return exec_.algorithm; }
 
-  // The deterministic mode of the following forwards (ExecPolicy::
-  // deterministic; the constructor's exec sets it first; a backward runs in
-  // its forward's mode). On, the exchange is not used: each part receives
+  // The deterministic mode of the following forwards (off until set; a
+  // backward runs in its forward's mode). On, the exchange is not used: each part receives
   // its incoming state from the part before it in chain order, computed by
   // that part's own forward from its incoming state (and the backward's
   // state gradient likewise in reverse), so o, ht, dq, dk, dv, dg, dbeta,
@@ -213,8 +212,8 @@ class ContextParallelLayer {
   // device's forward for its incoming state: the communicator's timeout
   // must exceed that. dht is still summed over ranks in
   // rank order: the bytes are P-invariant when one rank gives it.
-  void deterministic(bool on) { exec_.deterministic = on; }
-  bool deterministic() const { return exec_.deterministic; }
+  void deterministic(bool on) { deterministic_ = on; }
+  bool deterministic() const { return deterministic_; }
 
   // LayerChecks::check_finite, for the following calls.
   void check_finite(bool on) { check_finite_ = on; }
@@ -259,7 +258,8 @@ class ContextParallelLayer {
 
   std::unique_ptr<StateExchange> exchange_;
   std::shared_ptr<Communicator> comm_;  // mesh.group(0): ht / dh0 broadcasts, dht gather
-  ExecPolicy exec_;
+  Exec exec_;
+  bool deterministic_ = defaults::kDeterministic;
   PhaseTimes fwd_, bwd_;
   bool keep_forward_ = defaults::kKeepForward;
   bool check_finite_ = true;

@@ -82,7 +82,7 @@ class UlyssesLayer {
   // ulysses_exchange_options(options, layout, width). width = 1 is the
   // context-parallel layer with two no-op all-to-alls.
   UlyssesLayer(const DeviceMesh& mesh, std::size_t width, const std::string& method, const Layout& layout,
-               long long allgather_group_size = 1, ExchangeOptions options = {}, const ExecPolicy& exec = {},
+               long long allgather_group_size = 1, ExchangeOptions options = {}, const Exec& exec = {},
                LayerChecks checks = {});
 
   // ContextParallelLayer::forward / backward's contract over `stream` (its
@@ -176,7 +176,7 @@ class UlyssesLayer {
   std::vector<Segment> segments_;  // every member's parts, in member order
   std::vector<std::size_t> member_tokens_;
   std::size_t group_tokens_ = 0;
-  ExecPolicy exec_;
+  Exec exec_;
   bool check_finite_ = true;
   bool agree_calls_ = true;
   std::array<std::optional<Half>, 5> wire_in_{};

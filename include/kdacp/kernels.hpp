@@ -30,15 +30,11 @@ std::string simd_target_name();
 // How a call runs: over (b,h) slabs on `pool` (the caller's, used by one call
 // at a time), with the `kernel` fold step. The KDA math (kda.hpp), the layer
 // (kda_cp.hpp) and the exchange (ExchangeOptions::exec) all take it.
+// Where and with which kernels a call runs. The KDA math adds its algorithm
+// (kda::Exec, kdacp/kda.hpp); the layer's deterministic mode is the layer's.
 struct ExecPolicy {
   ThreadPool* pool = nullptr;  // nullptr: the calling thread only
   KernelKind kernel = KernelKind::best;
-  // How the KDA math computes (kda.hpp); the exchange ignores it.
-  kda::Algorithm algorithm = defaults::kAlgorithm;
-  // kda::ContextParallelLayer's deterministic mode (docs/determinism.md):
-  // the same bytes for every CP degree, layout and protocol; the exchange
-  // ignores it, single-rank calls are that mode's P = 1 already.
-  bool deterministic = defaults::kDeterministic;
 };
 
 // One slab step: C[K×V] = op(M)[K×K]·X[K×V] + S[K×V]; leading dimensions in

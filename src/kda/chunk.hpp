@@ -2,7 +2,7 @@
 // Algorithm::chunk, over the heads of a call (chunk.cpp); its per-head
 // kernels are the kernel table's (kernels/kda_chunk.hpp, the math in
 // kernels/kda_chunk-inl.h). kda.cpp calls the entry points below when
-// ExecPolicy::algorithm is chunk.
+// kda::Exec::algorithm is chunk.
 #pragma once
 
 #include <cstddef>

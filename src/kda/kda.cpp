@@ -1,5 +1,5 @@
 // The entry points of kda.hpp: each validates its arguments once, then runs
-// the algorithm ExecPolicy::algorithm names — the recurrence
+// the algorithm kda::Exec::algorithm names — the recurrence
 // (recurrent.cpp) or the chunkwise algorithm (chunk.cpp) — on the kernel
 // table's per-head kernels (kernels/table.hpp); and the forward cache the
 // chunkwise backward reads.
@@ -30,7 +30,7 @@ template const Kernels<double>& chosen_kernels<double>();
 // first.
 template <class T>
 void chunk_summary_on(const KernelSet<T>& kern, const Inputs<T>& in, T* state, T* transfer,
-                      const ExecPolicy& exec) {
+                      const Exec& exec) {
   if (exec.algorithm == Algorithm::chunk)
     return chunk_summary_chunked(kern.chunk, in, state, transfer, exec);
   chunk_summary_recurrent(kern.recurrent, in, state, transfer, exec);
@@ -38,7 +38,7 @@ void chunk_summary_on(const KernelSet<T>& kern, const Inputs<T>& in, T* state, T
 
 template <class T>
 void forward_on(const KernelSet<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
-                T* final_state, const ExecPolicy& exec, ForwardCache<T>* keep) {
+                T* final_state, const Exec& exec, ForwardCache<T>* keep) {
   if (exec.algorithm == Algorithm::chunk)
     return forward_chunked(kern.chunk, in, incoming, o, final_state, exec,
                            keep ? keep->append(ForwardCache<T>::record_elems(in.shape, exec.algorithm))
@@ -48,7 +48,7 @@ void forward_on(const KernelSet<T>& kern, const Inputs<T>& in, const T* incoming
 
 template <class T>
 void backward_on(const KernelSet<T>& kern, const Inputs<T>& in, const T* incoming, const T* d_o,
-                 const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
+                 const T* d_final, const Grads<T>& grads, const Exec& exec,
                  std::size_t checkpoint_interval, ForwardCache<T>* kept) {
   if (exec.algorithm == Algorithm::chunk)
     return backward_chunked(
@@ -59,7 +59,7 @@ void backward_on(const KernelSet<T>& kern, const Inputs<T>& in, const T* incomin
 
 template <class T>
 void incoming_grad_on(const KernelSet<T>& kern, const Inputs<T>& in, const T* d_o, T* g_state,
-                      const ExecPolicy& exec) {
+                      const Exec& exec) {
   if (exec.algorithm == Algorithm::chunk)
     return incoming_grad_chunked(kern.chunk, in, d_o, g_state, exec);
   incoming_grad_recurrent(kern.recurrent, in, d_o, g_state, exec);
@@ -67,14 +67,14 @@ void incoming_grad_on(const KernelSet<T>& kern, const Inputs<T>& in, const T* d_
 
 #define KDACP_KDA_INSTANTIATE(T)                                                              \
   template void chunk_summary_on<T>(const KernelSet<T>&, const Inputs<T>&, T*, T*,            \
-                                    const ExecPolicy&);                                       \
+                                    const Exec&);                                       \
   template void forward_on<T>(const KernelSet<T>&, const Inputs<T>&, const T*, T*, T*,        \
-                              const ExecPolicy&, ForwardCache<T>*);                           \
+                              const Exec&, ForwardCache<T>*);                           \
   template void backward_on<T>(const KernelSet<T>&, const Inputs<T>&, const T*, const T*,     \
-                               const T*, const Grads<T>&, const ExecPolicy&, std::size_t,     \
+                               const T*, const Grads<T>&, const Exec&, std::size_t,     \
                                ForwardCache<T>*);                                             \
   template void incoming_grad_on<T>(const KernelSet<T>&, const Inputs<T>&, const T*, T*,      \
-                                    const ExecPolicy&);
+                                    const Exec&);
 
 KDACP_KDA_INSTANTIATE(float)
 KDACP_KDA_INSTANTIATE(double)
@@ -131,7 +131,7 @@ T default_scale(std::size_t key_dim) {
 
 template <class T>
 void chunk_summary(const Inputs<T>& in, Elem<T>* state, Elem<T>* transfer,
-                   const ExecPolicy& exec) {
+                   const Exec& exec) {
   check::inputs(in, "kda::chunk_summary: ");
   check::algorithm(exec.algorithm, "kda::chunk_summary: ");
   check::pointer(state, "kda::chunk_summary: ", "state");
@@ -224,7 +224,7 @@ const T* ForwardCache<T>::take(std::size_t elems, const char* op) {
 
 template <class T>
 void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* final_state,
-             const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
+             const Exec& exec, ForwardCache<Elem<T>>* keep) {
   check::inputs(in, "kda::forward: ");
   check::algorithm(exec.algorithm, "kda::forward: ");
   check::pointer(o, "kda::forward: ", "o");
@@ -233,7 +233,7 @@ void forward(const Inputs<T>& in, const Elem<T>* incoming, Elem<T>* o, Elem<T>* 
 
 template <class T>
 void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
-              const Elem<T>* d_final, const Grads<Elem<T>>& grads, const ExecPolicy& exec,
+              const Elem<T>* d_final, const Grads<Elem<T>>& grads, const Exec& exec,
               std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
   const std::string_view where = "kda::backward: ";
   check::inputs(in, where);
@@ -247,7 +247,7 @@ void backward(const Inputs<T>& in, const Elem<T>* incoming, const Elem<T>* d_o,
 
 template <class T>
 void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
-                   const ExecPolicy& exec) {
+                   const Exec& exec) {
   check::inputs(in, "kda::incoming_grad: ");
   check::algorithm(exec.algorithm, "kda::incoming_grad: ");
   check::pointer(d_o, "kda::incoming_grad: ", "d_o");
@@ -257,14 +257,14 @@ void incoming_grad(const Inputs<T>& in, const Elem<T>* d_o, Elem<T>* g_state,
 
 #define KDACP_KDA_INSTANTIATE(T)                                                             \
   template T default_scale<T>(std::size_t);                                                  \
-  template void chunk_summary<T>(const Inputs<T>&, T*, T*, const ExecPolicy&);               \
+  template void chunk_summary<T>(const Inputs<T>&, T*, T*, const Exec&);               \
   template class ForwardCache<T>;                                                            \
   template class ForwardCachePool<T>;                                                        \
-  template void forward<T>(const Inputs<T>&, const T*, T*, T*, const ExecPolicy&,            \
+  template void forward<T>(const Inputs<T>&, const T*, T*, T*, const Exec&,            \
                            ForwardCache<T>*);                                                \
   template void backward<T>(const Inputs<T>&, const T*, const T*, const T*, const Grads<T>&, \
-                            const ExecPolicy&, std::size_t, ForwardCache<T>*);               \
-  template void incoming_grad<T>(const Inputs<T>&, const T*, T*, const ExecPolicy&);
+                            const Exec&, std::size_t, ForwardCache<T>*);               \
+  template void incoming_grad<T>(const Inputs<T>&, const T*, T*, const Exec&);
 
 KDACP_KDA_INSTANTIATE(float)
 KDACP_KDA_INSTANTIATE(double)

@@ -40,20 +40,20 @@ template <class T>
 const Kernels<T>& chosen_kernels();
 
 // The calls of kda.hpp on `kernels` (the recurrent or the chunk entries, as
-// ExecPolicy::algorithm says), without validation: their callers validated
+// kda::Exec::algorithm says), without validation: their callers validated
 // the arguments (kda/validate.hpp lists the entry points).
 template <class T>
 void chunk_summary_on(const KernelSet<T>& kernels, const Inputs<T>& in, T* state, T* transfer,
-                      const ExecPolicy& exec);
+                      const Exec& exec);
 template <class T>
 void forward_on(const KernelSet<T>& kernels, const Inputs<T>& in, const T* incoming, T* o,
-                T* final_state, const ExecPolicy& exec, ForwardCache<T>* keep = nullptr);
+                T* final_state, const Exec& exec, ForwardCache<T>* keep = nullptr);
 template <class T>
 void backward_on(const KernelSet<T>& kernels, const Inputs<T>& in, const T* incoming,
-                 const T* d_o, const T* d_final, const Grads<T>& grads, const ExecPolicy& exec,
+                 const T* d_o, const T* d_final, const Grads<T>& grads, const Exec& exec,
                  std::size_t checkpoint_interval, ForwardCache<T>* kept = nullptr);
 template <class T>
 void incoming_grad_on(const KernelSet<T>& kernels, const Inputs<T>& in, const T* d_o,
-                      T* g_state, const ExecPolicy& exec);
+                      T* g_state, const Exec& exec);
 
 }  // namespace kdacp::kda::detail

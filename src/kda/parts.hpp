@@ -29,7 +29,7 @@ namespace kdacp::kda {
 template <class T>
 PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
-                      const ExecPolicy& exec = {});
+                      const Exec& exec = {});
 
 // Writes o [B,T_local,HV,V] for the part's tokens and ht rows of the
 // sequences ending in the part (ht.data null: none), each exactly the state
@@ -42,7 +42,7 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {},
+                      SequenceStates<Elem<T>> ht, const Exec& exec = {},
                       ForwardCache<Elem<T>>* keep = nullptr, Elem<T>* outgoing = nullptr);
 
 // G for the backward exchange: the gradient w.r.t. the part's incoming state
@@ -54,7 +54,7 @@ PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                             const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
-                            Elem<T>* g_state, const ExecPolicy& exec = {});
+                            Elem<T>* g_state, const Exec& exec = {});
 
 // Gradients of the loss given d_o [B,T_local,HV,V] for the part's tokens, dht,
 // and d_end = the backward exchange's out-gradient for the part's end (the
@@ -71,7 +71,7 @@ PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part
                        const Elem<T>* incoming, SequenceStates<const Elem<T>> h0,
                        const Elem<T>* d_o, const Elem<T>* d_end,
                        SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
-                       SequenceStates<Elem<T>> dh0, const ExecPolicy& exec = {},
+                       SequenceStates<Elem<T>> dh0, const Exec& exec = {},
                        std::size_t checkpoint_interval = kDefaultCheckpointInterval,
                        ForwardCache<Elem<T>>* kept = nullptr);
 

@@ -2,7 +2,7 @@
 // Algorithm::recurrent, over the heads of a call (recurrent.cpp); its
 // per-head kernels are the kernel table's (kernels/kda_heads.hpp, the math
 // in kernels/kda_recurrent-inl.h). kda.cpp calls the entry points below
-// when ExecPolicy::algorithm is recurrent.
+// when kda::Exec::algorithm is recurrent.
 #pragma once
 
 #include <cstddef>

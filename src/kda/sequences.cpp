@@ -113,7 +113,7 @@ inline std::vector<Item> items_of(const std::vector<Span>& spans, std::size_t pa
 // participant makes one Scratch and takes items from a shared counter until
 // none is left.
 template <class Scratch, class Fn>
-void run_items(const ExecPolicy& exec, const std::vector<Item>& items, Fn&& fn) {
+void run_items(const Exec& exec, const std::vector<Item>& items, Fn&& fn) {
   std::atomic<std::size_t> next{0};
   parallel_ranges(exec.pool, participants(exec.pool, items.size()),
                   [&](std::size_t, std::size_t, std::size_t) {
@@ -158,7 +158,7 @@ struct OutRows {
 // detail::forward_on gives on its tokens.
 template <class T>
 void forward_runs(const Inputs<T>& local, const std::vector<ForwardRun<T>>& runs,
-                  const OutRows<T>& o, const ExecPolicy& exec) {
+                  const OutRows<T>& o, const Exec& exec) {
   const Shape& s = local.shape;
   std::vector<Span> spans;
   for (const ForwardRun<T>& r : runs) spans.push_back(r.span);
@@ -213,7 +213,7 @@ struct BackwardRun {
 // afterwards in value-head order as backward_over_heads does.
 template <class T>
 void backward_runs(const Inputs<T>& local, const std::vector<BackwardRun<T>>& runs, Span whole,
-                   const T* d_o, const Grads<T>& grads, const ExecPolicy& exec,
+                   const T* d_o, const Grads<T>& grads, const Exec& exec,
                    std::size_t checkpoint_interval) {
   const Shape& s = local.shape;
   const std::size_t group = s.group(), head_qk = whole.count * s.key_dim;
@@ -278,7 +278,7 @@ void backward_runs(const Inputs<T>& local, const std::vector<BackwardRun<T>>& ru
 template <class T>
 PartInfo forward_impl(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const T* incoming, SequenceStates<const T> h0, T* o,
-                      SequenceStates<T> ht, const ExecPolicy& exec, ForwardCache<T>* keep,
+                      SequenceStates<T> ht, const Exec& exec, ForwardCache<T>* keep,
                       T* outgoing = nullptr) {
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
@@ -307,7 +307,7 @@ template <class T>
 PartInfo backward_impl(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                        const T* incoming, SequenceStates<const T> h0,
                        const T* d_o, const T* d_end, SequenceStates<const T> dht,
-                       const Grads<T>& grads, SequenceStates<T> dh0, const ExecPolicy& exec,
+                       const Grads<T>& grads, SequenceStates<T> dh0, const Exec& exec,
                        std::size_t checkpoint_interval, ForwardCache<T>* kept) {
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
@@ -344,7 +344,7 @@ PartInfo backward_impl(const Inputs<T>& local, const Sequences& seqs, const Part
 template <class T>
 PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
-                      const ExecPolicy& exec) {
+                      const Exec& exec) {
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
   const Shape& s = local.shape;
@@ -385,7 +385,7 @@ PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       const Elem<T>* incoming, SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                      SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep,
+                      SequenceStates<Elem<T>> ht, const Exec& exec, ForwardCache<Elem<T>>* keep,
                       Elem<T>* outgoing) {
   return forward_impl(local, seqs, part, incoming, h0, o, ht, exec, keep, outgoing);
 }
@@ -393,7 +393,7 @@ PartInfo part_forward(const Inputs<T>& local, const Sequences& seqs, const Part&
 template <class T>
 PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                             const Elem<T>* d_o, SequenceStates<const Elem<T>> dht,
-                            Elem<T>* g_state, const ExecPolicy& exec) {
+                            Elem<T>* g_state, const Exec& exec) {
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
   const Shape& s = local.shape;
@@ -481,7 +481,7 @@ PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part
                        const Elem<T>* incoming, SequenceStates<const Elem<T>> h0,
                        const Elem<T>* d_o, const Elem<T>* d_end,
                        SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
-                       SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
+                       SequenceStates<Elem<T>> dh0, const Exec& exec,
                        std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
   return backward_impl(local, seqs, part, incoming, h0, d_o, d_end, dht, grads, dh0, exec,
                        checkpoint_interval, kept);
@@ -490,7 +490,7 @@ PartInfo part_backward(const Inputs<T>& local, const Sequences& seqs, const Part
 template <class T>
 void forward_sequences(const Inputs<T>& in, const Sequences& seqs,
                        SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec, ForwardCache<Elem<T>>* keep) {
+                       SequenceStates<Elem<T>> ht, const Exec& exec, ForwardCache<Elem<T>>* keep) {
   const std::string_view where = "kda::forward_sequences: ";
   check::inputs(in, where);
   check::algorithm(exec.algorithm, where);
@@ -506,7 +506,7 @@ template <class T>
 void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                         SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
                         SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
-                        SequenceStates<Elem<T>> dh0, const ExecPolicy& exec,
+                        SequenceStates<Elem<T>> dh0, const Exec& exec,
                         std::size_t checkpoint_interval, ForwardCache<Elem<T>>* kept) {
   const std::string_view where = "kda::backward_sequences: ";
   check::inputs(in, where);
@@ -529,25 +529,25 @@ void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
 
 #define KDACP_SEQUENCES_INSTANTIATE(T)                                                         \
   template PartInfo part_summary<T>(const Inputs<T>&, const Sequences&, const Part&,            \
-                                    SequenceStates<const T>, T*, T*, const ExecPolicy&);        \
+                                    SequenceStates<const T>, T*, T*, const Exec&);        \
   template PartInfo part_forward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*,  \
                                     SequenceStates<const T>, T*, SequenceStates<T>,             \
-                                    const ExecPolicy&, ForwardCache<T>*, T*);                   \
+                                    const Exec&, ForwardCache<T>*, T*);                   \
   template PartInfo part_incoming_grad<T>(const Inputs<T>&, const Sequences&, const Part&,      \
                                           const T*, SequenceStates<const T>, T*,                \
-                                          const ExecPolicy&);                                   \
+                                          const Exec&);                                   \
   template PartInfo part_backward<T>(const Inputs<T>&, const Sequences&, const Part&, const T*, \
                                      SequenceStates<const T>, const T*, const T*,               \
                                      SequenceStates<const T>, const Grads<T>&,                  \
-                                     SequenceStates<T>, const ExecPolicy&, std::size_t,         \
+                                     SequenceStates<T>, const Exec&, std::size_t,         \
                                      ForwardCache<T>*);                                         \
   template void forward_sequences<T>(const Inputs<T>&, const Sequences&,                        \
                                      SequenceStates<const T>, T*, SequenceStates<T>,            \
-                                     const ExecPolicy&, ForwardCache<T>*);                      \
+                                     const Exec&, ForwardCache<T>*);                      \
   template void backward_sequences<T>(const Inputs<T>&, const Sequences&,                       \
                                       SequenceStates<const T>, const T*,                        \
                                       SequenceStates<const T>, const Grads<T>&,                 \
-                                      SequenceStates<T>, const ExecPolicy&, std::size_t,        \
+                                      SequenceStates<T>, const Exec&, std::size_t,        \
                                       ForwardCache<T>*);
 
 KDACP_SEQUENCES_INSTANTIATE(float)

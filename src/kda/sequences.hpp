@@ -7,7 +7,7 @@
 //
 // Every call slices the tokens of each piece (below) out of the caller's
 // tensors and runs kda::chunk_summary / forward / backward / incoming_grad on
-// them, so layouts, element types, threading (ExecPolicy: bitwise
+// them, so layouts, element types, threading (Exec: bitwise
 // independent of the pool's size) and exactness are those of kda.hpp.
 // Both calls are entry points: every argument is validated once
 // (kda/validate.hpp), and InvalidArgument thrown, before anything is written.
@@ -38,7 +38,7 @@ namespace kdacp::kda {
 template <class T>
 void forward_sequences(const Inputs<T>& in, const Sequences& seqs,
                        SequenceStates<const Elem<T>> h0, Elem<T>* o,
-                       SequenceStates<Elem<T>> ht, const ExecPolicy& exec = {},
+                       SequenceStates<Elem<T>> ht, const Exec& exec = {},
                        ForwardCache<Elem<T>>* keep = nullptr);
 
 // Its gradients: dq, dk, dv, dg, dbeta and, when requested, dh0.
@@ -47,7 +47,7 @@ template <class T>
 void backward_sequences(const Inputs<T>& in, const Sequences& seqs,
                         SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
                         SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads,
-                        SequenceStates<Elem<T>> dh0, const ExecPolicy& exec = {},
+                        SequenceStates<Elem<T>> dh0, const Exec& exec = {},
                         std::size_t checkpoint_interval = kDefaultCheckpointInterval,
                         ForwardCache<Elem<T>>* kept = nullptr);
 

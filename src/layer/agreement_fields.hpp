@@ -61,9 +61,9 @@ inline Fingerprint call_fields(const char* call, const Inputs<T>& in, Algorithm 
 }
 
 template <class T>
-inline Fingerprint call_fields(const char* call, const Inputs<T>& in, const ExecPolicy& exec) {
-  Fingerprint f = call_fields(call, in, exec.algorithm);
-  f.add_flag("deterministic", exec.deterministic);
+inline Fingerprint call_fields(const char* call, const Inputs<T>& in, Algorithm algorithm, bool deterministic) {
+  Fingerprint f = call_fields(call, in, algorithm);
+  f.add_flag("deterministic", deterministic);
   return f;
 }
 

@@ -144,7 +144,7 @@ ExchangeOptions with_layout(const DeviceMesh& mesh, const Layout& layout,
 template <class T>
 ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                                               long long allgather_group_size,
-                                              ExchangeOptions options, const ExecPolicy& exec,
+                                              ExchangeOptions options, const Exec& exec,
                                               LayerChecks checks)
     : comm_(mesh.group(0)), exec_(exec), check_finite_(checks.check_finite) {
   build(mesh, method, allgather_group_size, std::move(options), nullptr, checks.agree);
@@ -153,7 +153,7 @@ ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std:
 template <class T>
 ContextParallelLayer<T>::ContextParallelLayer(const DeviceMesh& mesh, const std::string& method,
                                               const Layout& layout, long long allgather_group_size,
-                                              ExchangeOptions options, const ExecPolicy& exec,
+                                              ExchangeOptions options, const Exec& exec,
                                               LayerChecks checks)
     : comm_(mesh.group(0)), exec_(exec), check_finite_(checks.check_finite) {
   build(mesh, method, allgather_group_size, std::move(options), &layout, checks.agree);
@@ -299,7 +299,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
   std::vector<PartInfo> infos;
   std::vector<State> offsets, transfers;
   std::vector<PartSummary> summaries;
-  Fingerprint fields = call_fields("forward (stream)", in, exec_);
+  Fingerprint fields = call_fields("forward (stream)", in, exec_.algorithm, deterministic_);
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
   fields.add_flag("ht requested", ht.data != nullptr);
@@ -311,7 +311,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
     check::pointer(o, "", "o");
     check::states(h0, seqs, in.shape, "", "h0");
     check::states(ht, seqs, in.shape, "", "ht");
-    if (exec_.deterministic && exec_.algorithm == Algorithm::chunk)
+    if (deterministic_ && exec_.algorithm == Algorithm::chunk)
       check::chunk_boundaries(stream.sequences, stream.layout);
   });
   // After the ht broadcasts, so that no rank stops before its peers' last
@@ -325,7 +325,7 @@ Saved ContextParallelLayer<T>::forward(const Inputs<T>& in, const Stream& stream
                                {"o", o, {s.batch, s.tokens, s.value_heads, s.value_dim}}},
                               inputs, exec_.pool);
   };
-  if (exec_.deterministic) {
+  if (deterministic_) {
     for (const Part& part : parts) infos.push_back(part_info(seqs, part));
     fwd_ = {};
     const auto cache = next_cache();

@@ -142,8 +142,8 @@ class OneProcessLayer final : public Layer<T> {
   std::size_t forward_cache_bytes() const override { return caches_.bytes(); }
 
  private:
-  ExecPolicy exec() const {
-    ExecPolicy e;
+  kda::Exec exec() const {
+    kda::Exec e;
     e.pool = this->config_.pool;
     e.kernel = this->config_.exchange.exec.kernel;
     e.algorithm = this->config_.algorithm;
@@ -163,18 +163,20 @@ class ParallelLayer final : public Layer<T> {
         comm_(world),
         mesh_(DeviceMesh::create(world, {world->size()}, {"cp"})) {
     const LayerConfig& cfg = this->config_;
-    const ExecPolicy exec{cfg.pool, eo.exec.kernel, cfg.algorithm, cfg.deterministic};
+    const kda::Exec exec{{cfg.pool, eo.exec.kernel}, cfg.algorithm};
     kda::LayerChecks checks;
     checks.check_finite = cfg.check_finite;
     if (width > 1) {
       ulysses_.emplace(mesh_, width, cfg.protocol, this->layout_, cfg.group_size, std::move(eo), exec, checks);
       ulysses_->agree_per_call(false);
       ulysses_->state_layer().keep_forward(cfg.keep_forward);
+      ulysses_->state_layer().deterministic(cfg.deterministic);
       if constexpr (std::is_same_v<T, float>) ulysses_->wire_types(cfg.storage, cfg.out_storage);
     } else {
       plain_.emplace(mesh_, cfg.protocol, this->layout_, cfg.group_size, std::move(eo), exec, checks);
       plain_->agree_per_call(false);
       plain_->keep_forward(cfg.keep_forward);
+      plain_->deterministic(cfg.deterministic);
     }
   }
 

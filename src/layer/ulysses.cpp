@@ -60,7 +60,7 @@ ExchangeOptions ulysses_exchange_options(const ExchangeOptions& options, const L
 
 namespace {
 
-double since(std::chrono::steady_clock::time_point t0) {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -174,7 +174,7 @@ std::vector<std::size_t> prefix(const std::vector<std::size_t>& counts) {
 template <class T>
 UlyssesLayer<T>::UlyssesLayer(const DeviceMesh& mesh, std::size_t width, const std::string& method,
                               const Layout& layout, long long allgather_group_size, ExchangeOptions options,
-                              const ExecPolicy& exec, LayerChecks checks)
+                              const Exec& exec, LayerChecks checks)
     : width_(width),
       layout_(layout),
       group_layout_(layout),
@@ -304,10 +304,10 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
                                          Elem<T>* o, SequenceStates<Elem<T>> ht) {
   const std::size_t rank = world_->rank(), u = heads_->rank(), width = width_;
   const Sequences& seqs = stream.sequences;
-  ExecPolicy exec = exec_;
+  Exec exec = exec_;
   exec.algorithm = inner_->algorithm();
-  exec.deterministic = inner_->deterministic();
-  Fingerprint fields = call_fields("ulysses forward", in, exec);
+  const bool deterministic = inner_->deterministic();
+  Fingerprint fields = call_fields("ulysses forward", in, exec.algorithm, deterministic);
   fields.add_text("16-bit wire types (q, k, v, g, beta, o)", wire_text(wire_in_, wire_out_));
   add_stream(fields, stream);
   fields.add_flag("h0 given", h0.data != nullptr);
@@ -318,7 +318,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
     check_stream(stream, layout_, in.shape, rank, width);
     // The state-CP layer's own check, on the layout it runs: before the first
     // all-to-all rather than after it.
-    if (exec.deterministic && exec.algorithm == Algorithm::chunk) check::chunk_boundaries(seqs, group_layout_);
+    if (deterministic && exec.algorithm == Algorithm::chunk) check::chunk_boundaries(seqs, group_layout_);
     check::pointer(o, "", "o");
     check::states(h0, seqs, in.shape, "", "h0");
     check::states(ht, seqs, in.shape, "", "ht");
@@ -332,7 +332,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   auto t0 = std::chrono::steady_clock::now();
   const T* const sources[5] = {in.q, in.k, in.v, in.g, in.beta};
   to_heads(std::span<const T* const>(sources), kinds, s, inputs->data(), 0);
-  fwd_a2a_ = since(t0);
+  fwd_a2a_ = seconds_since(t0);
 
   const std::vector<const T*> field = fields_of<const T, T>(inputs->data(), kinds, bt, width);
   const Inputs<T> gin{field[0], field[1], field[2], field[3], field[4], gs, in.scale};
@@ -353,7 +353,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   to_tokens(std::span<const T* const>(outs), Kinds<T>{{s.value_heads, s.value_dim, wire_out_}}, s,
             std::span<T* const>(dests), 1);
   if (ht.data) gather_states(std::span<T>(ht_slots), ht, ht.sequences * state_row);
-  fwd_a2a_ += since(t0);
+  fwd_a2a_ += seconds_since(t0);
   fwd_.exchange += fwd_a2a_;
 
   if (check_finite_) {
@@ -424,7 +424,7 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
       for (std::size_t i = 0; i < n; ++i)
         if (const T x = got[m * n + i]; x != T(0)) dht_slice[i] += x;
   }
-  bwd_a2a_ = since(t0);
+  bwd_a2a_ = seconds_since(t0);
 
   const std::vector<const T*> field = fields_of<const T, T>(saved.inputs->data(), kinds, bt, width);
   const Inputs<T> gin{field[0], field[1], field[2], field[3], field[4], gs, in.scale};
@@ -444,7 +444,7 @@ void UlyssesLayer<T>::backward(const Inputs<T>& in, const UlyssesSaved<T>& saved
   T* const dests[5] = {grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta};
   to_tokens(std::span<const T* const>(outs), kinds, s, std::span<T* const>(dests), 4);
   if (dh0.data) gather_states(std::span<T>(dh0_slots), dh0, dh0.sequences * state_row);
-  bwd_a2a_ += since(t0);
+  bwd_a2a_ += seconds_since(t0);
   bwd_.exchange += bwd_a2a_;
 
   if (check_finite_) {
