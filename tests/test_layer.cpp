@@ -216,6 +216,42 @@ TEST(Layer, RanksWithDifferentSequencesAreNamedOnEveryRank) {
       {"--split: ranks 0,1 have [43,43,42], rank 2 has [40,40,48]", "--protocol: ranks 0,2 have p2p, rank 1 has allgather"});
 }
 
+// A context (kdacp.torch's build_cp_context) agrees before any call's shape
+// is known: another split or cu_seqlens is named on every rank, and one
+// rank's own argument error reaches the others instead of a timeout.
+TEST(Layer, ContextsThatDifferAreNamedOnEveryRank) {
+  auto context = [](std::vector<std::int64_t> cu, std::vector<std::size_t> split) {
+    LayerConfig c;
+    c.shape.batch = 1;
+    c.shape.tokens = static_cast<std::size_t>(cu.back());
+    c.cu_seqlens = std::move(cu);
+    c.split = std::move(split);
+    return c;
+  };
+  expect_every_rank_names(
+      2,
+      [&](const std::shared_ptr<Communicator>& comm) {
+        agree_layer_context(comm, context({0, 50, 128}, comm->rank() == 0 ? std::vector<std::size_t>{64, 64}
+                                                                           : std::vector<std::size_t>{60, 68}),
+                            "build_cp_context");
+      },
+      {"build_cp_context", "split: rank 0 has [64,64], rank 1 has [60,68]"});
+  expect_every_rank_names(
+      2,
+      [&](const std::shared_ptr<Communicator>& comm) {
+        agree_layer_context(comm, context({0, 128}, {}), "build_cp_context",
+                            comm->rank() == 1 ? "split[0] is '2.5', expected an integer" : "");
+      },
+      {});  // rank 1: its own error; rank 0: that rank 1 rejected its arguments
+  // The same context on every rank: its layout (split None: ceil/floor).
+  run_in_process(3, [&](const std::shared_ptr<Communicator>& comm) {
+    const Layout l = agree_layer_context(comm, context({0, 7, 128}, {}), "build_cp_context");
+    EXPECT_EQ(l.local_tokens(0), 43u);
+    EXPECT_EQ(l.local_tokens(2), 42u);
+  });
+  EXPECT_THROW(agree_layer_context(nullptr, context({0, 5, 5, 12}, {}), "build_cp_context"), InvalidArgument);
+}
+
 // Ulysses moves 16-bit inputs as 16 bits: a rank with another storage type
 // would send messages of another size (a crash inside gloo once).
 TEST(Layer, RanksWithDifferentStorageTypesAreNamedBeforeAnyMessage) {

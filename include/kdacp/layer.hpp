@@ -155,6 +155,22 @@ Layout make_layer_layout(const LayerConfig& config, std::size_t ranks);
 // InvalidArgument naming the setting as config.names spells it.
 void validate_layer_config(const LayerConfig& config, std::size_t ranks);
 
+// A context's checks, before the calls' shapes are known (kdacp.torch's
+// build_cp_context): config.shape.tokens (T) and cu_seqlens, layout and
+// split, protocol and group size, the Ulysses width against P alone. Returns
+// the layout; InvalidArgument in config.names' terms.
+Layout validate_layer_context(const LayerConfig& config, std::size_t ranks);
+
+// Collective over `world` (null: one process): validate_layer_context, then
+// one agreement of the context's fields (T, cu_seqlens, layout, split, the
+// exchange's settings, Ulysses width, convolution width, the timeout, and
+// config.extra), with `local_error` (this rank's own argument error found
+// before the call) shared, so that every rank raises the same
+// InvalidArgument naming what differs and none waits for another. `what`
+// names the call in the message. Returns the layout.
+Layout agree_layer_context(const std::shared_ptr<Communicator>& world, const LayerConfig& config,
+                           const std::string& what, const std::string& local_error = {});
+
 // The fields make_layer agrees on, named as config.names spells them.
 Fingerprint layer_fingerprint(const LayerConfig& config, std::size_t ranks, std::size_t ulysses_width);
 

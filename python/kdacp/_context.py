@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
-from kdacp._agreement import (_OPTION_FIELDS, _Fingerprint, _bits_float, _float_bits,
-                              _group_backend, _options_fingerprint)
+from kdacp._agreement import _Fingerprint, _bits_float, _float_bits, _group_backend
 from kdacp._autograd import cu_list
 from kdacp._comm import check_group
 from kdacp._common import (SINGLE_PROCESS, ULYSSES_AUTO, _check_ulysses, _group_size, _integer,
@@ -19,8 +18,6 @@ from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtyp
 _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
                   "use_beta_sigmoid_in_kernel": False, "lower_bound": None,
                   "A_log given": False, "dt_bias given": False}
-_CONTEXT_FIELDS = ("layout", "world size", "cu_seqlens length", "cu_seqlens", "split",
-                   "conv1d_kernel_size") + _OPTION_FIELDS
 _CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale",
                 "algorithm", "deterministic", "keep_forward", "initial_state given",
                 "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
@@ -201,11 +198,7 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
         conv1d_kernel_size = _integer(conv1d_kernel_size, "conv1d_kernel_size", 1, 1 << 16)
     cu = None
     if cu_seqlens is not None:
-        cu = cu_list(cu_seqlens)
-        # As the C++ layer's (and the CLI's --seqlens): no empty sequence.
-        if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens {cu}: expected at least 2 strictly increasing entries "
-                             "from 0 (no empty sequence)")
+        cu = cu_list(cu_seqlens)  # its values are checked with the layout, in C++
     options = dict(options)
     _options(options)
     timeout_s = _timeout(options)
@@ -224,61 +217,27 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
         check_group(group)
         backend = _group_backend(group, timeout_s)
         world = backend.size
-    fp = _Fingerprint(_CONTEXT_FIELDS)
-    error = None
-    built = None
+    # Arguments converted here; their checks, the layout and the ranks'
+    # agreement are C++'s (agree_layer_context). A conversion error travels
+    # in that agreement, so the other ranks raise too instead of waiting.
+    error = ""
+    tokens, counts, opts, width_u = 0, [], None, 1
     try:
         if split is not None:
             if isinstance(split, torch.Tensor):
                 split = split.tolist()
-            split = [_integer(x, "split", 0, 1 << 62) for x in split]
-            if len(split) != world:
-                raise ValueError(f"split has {len(split)} entries, expected one per rank "
-                                 f"({world})")
-            if cu is not None and sum(split) != cu[-1]:
-                raise ValueError(f"split {split} sums to {sum(split)} tokens, expected "
-                                 f"cu_seqlens[-1] = {cu[-1]}")
-        elif cu is None:
+            counts = [_integer(x, "split", 0, 1 << 62) for x in split]
+        if cu is None and split is None:
             raise ValueError("cu_seqlens=None and split=None: pass split (tokens per rank), "
                              "the layout cannot be known otherwise")
-        tokens = cu[-1] if cu is not None else sum(split)
-        if layout == "zigzag":
-            built = _kdacp.Layout.zigzag(tokens, world)
-            own = [built.local_tokens(r) for r in range(world)]
-            if split is not None and split != own:
-                raise ValueError(f"split {split}, but zigzag over {world} ranks of {tokens} "
-                                 f"tokens holds {own}")
-        else:
-            # split None: the C++ default, as the CLI's (the first T mod P
-            # ranks take one token more).
-            if split is None and tokens < world:
-                raise ValueError(f"{tokens} tokens on {world} ranks: expected at least one "
-                                 "token per rank")
-            built = _kdacp.Layout.contiguous(tokens, world, split or [])
-        split = [built.local_tokens(r) for r in range(world)]
-        if _ulysses(options) == ULYSSES_AUTO:
-            if protocol != "auto":
-                raise ValueError("ulysses='auto' prices each U with the exact protocol auto "
-                                 f"chooses, expected protocol 'auto', got {protocol!r}")
-        elif world % _ulysses(options):
-            raise ValueError(f"ulysses={_ulysses(options)}: expected a divisor of the group's "
-                             f"{world} ranks")
-        fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
-        fp.add("world size", world)
-        fp.add("cu_seqlens length", -1 if cu is None else len(cu),
-               lambda x: "None" if x < 0 else str(x))
-        fp.add_hash("cu_seqlens", b"" if cu is None else
-                    torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
-        fp.add_hash("split", torch.tensor(split, dtype=torch.int64).numpy().tobytes())
-        fp.add("conv1d_kernel_size", -1 if conv1d_kernel_size is None else conv1d_kernel_size,
-               lambda x: "None" if x < 0 else str(x))
-        _options_fingerprint(fp, options, protocol, width, timeout_s)
+        tokens = max(cu[-1], 0) if cu else sum(counts)
+        opts = _options(options)
+        width_u = _ulysses(options)
     except (ValueError, TypeError) as e:
-        error = e
-    if backend is None:
-        if error is not None:
-            raise error
-    else:
-        fp.check(backend, "build_cp_context", ok=error is None, error=error)
+        error = str(e)
+        opts = opts if opts is not None else _options({})
+    built = _kdacp.agree_context(backend, tokens, cu, layout, counts, protocol, width, opts,
+                                 width_u, conv1d_kernel_size, error)  # ValueError naming the setting
+    split = [built.local_tokens(r) for r in range(world)]
     return CpContext(group, backend, built, layout, cu, split, conv1d_kernel_size, protocol,
                      width, options, timeout_s)

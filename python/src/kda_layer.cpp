@@ -321,6 +321,35 @@ class KdaLayer {
 }  // namespace
 
 void bind_kda_layer(py::module_& m) {
+  // kdacp.torch.build_cp_context's one validation and agreement
+  // (agree_layer_context): backend None for one process; ulysses 0: auto;
+  // local_error: this rank's own argument error, shared with the others.
+  m.def(
+      "agree_context",
+      [](py::object backend, std::size_t tokens, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
+         const std::string& layout, const std::vector<std::size_t>& split, const std::string& protocol,
+         long long group_size, ExchangeOptions options, std::size_t ulysses, std::optional<std::size_t> conv,
+         const std::string& local_error) {
+        LayerConfig c;
+        c.names = LayerNames::python();
+        c.shape.batch = 1;  // cu_seqlens packs one row; B is a call's, not the context's
+        c.shape.tokens = tokens;
+        if (cu_seqlens) c.cu_seqlens = *cu_seqlens;
+        c.layout = parse_layout_kind(layout, c.names.layout);
+        c.split = split;
+        c.protocol = protocol;
+        c.group_size = group_size;
+        c.exchange = std::move(options);
+        c.ulysses = ulysses;
+        c.conv_width = conv;
+        std::shared_ptr<Communicator> comm;
+        if (!backend.is_none()) comm = std::make_shared<TorchCommunicator>(std::move(backend));
+        py::gil_scoped_release release;
+        return agree_layer_context(comm, c, "build_cp_context", local_error);
+      },
+      py::arg("backend"), py::arg("tokens"), py::arg("cu_seqlens"), py::arg("layout"), py::arg("split"),
+      py::arg("protocol"), py::arg("group_size"), py::arg("options"), py::arg("ulysses"), py::arg("conv"),
+      py::arg("local_error") = std::string());
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
       .def(py::init<py::object, std::string, long long, const std::optional<Layout>&, const std::string&,

@@ -166,9 +166,9 @@ Layout make_layer_layout(const LayerConfig& c, std::size_t ranks) {
   return Layout::contiguous(tokens, ranks, c.split);
 }
 
-void validate_layer_config(const LayerConfig& c, std::size_t ranks) {
-  check_shape(c);
-  check_cu_seqlens(c);
+namespace {
+
+void check_protocol(const LayerConfig& c) {
   try {
     find_protocol(c.protocol);
   } catch (const InvalidArgument&) {
@@ -176,6 +176,30 @@ void validate_layer_config(const LayerConfig& c, std::size_t ranks) {
   }
   if (c.group_size < 1)
     throw InvalidArgument(fmt::format("{} {}: expected at least 1", c.names.group_size, c.group_size));
+}
+
+}  // namespace
+
+Layout validate_layer_context(const LayerConfig& c, std::size_t ranks) {
+  const LayerNames& n = c.names;
+  if (c.shape.tokens == 0)
+    throw InvalidArgument(fmt::format("{} = 0: expected at least one token ({} or {})", n.tokens, n.cu_seqlens,
+                                      n.split));
+  check_cu_seqlens(c);
+  check_protocol(c);
+  if (c.ulysses == kLayerUlyssesAuto) {
+    check_ulysses(c, ranks);
+  } else if (c.ulysses == 0 || ranks % c.ulysses != 0) {
+    throw InvalidArgument(fmt::format("{}={}: expected a divisor of the group's {} ranks", n.ulysses, c.ulysses,
+                                      ranks));
+  }
+  return make_layer_layout(c, ranks);
+}
+
+void validate_layer_config(const LayerConfig& c, std::size_t ranks) {
+  check_shape(c);
+  check_cu_seqlens(c);
+  check_protocol(c);
   check_ulysses(c, ranks);
   const Layout layout = make_layer_layout(c, ranks);
   const kda::Sequences seqs = c.cu_seqlens.empty()

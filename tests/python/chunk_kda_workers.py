@@ -2,6 +2,7 @@
 spawn): chunk_kda with a CpContext equals one process, and a call on a
 context sends no agreement message."""
 
+import time
 
 import pytest
 import torch
@@ -225,11 +226,18 @@ def context_worker(rank, world, init_file):
         call({k_: (v_[:, :7] if k_ in TOKEN_WISE else v_) for k_, v_ in mine.items()}, FLAGS,
              cp_context=ctx, scale=0.5)
     # Context arguments that differ: named at build.
-    with pytest.raises(ValueError, match="cu_seqlens differs"):
+    with pytest.raises(ValueError, match=r"the ranks disagree.*cu_seqlens: rank"):
         kt.build_cp_context([0, t - 1 - rank, t], dist.group.WORLD, timeout=20)
-    with pytest.raises(ValueError, match="layout differs"):
+    with pytest.raises(ValueError, match=r"the ranks disagree.*layout: rank 0 has zigzag"):
         kt.build_cp_context([0, 2 * world * 4], dist.group.WORLD,
                             layout="zigzag" if rank == 0 else "contiguous", timeout=20)
+    # One rank's argument that does not convert: every rank raises at once
+    # (the error travels in the agreement), none waits for the timeout.
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="split"):
+        kt.build_cp_context(None, dist.group.WORLD, split=[2.5] * world if rank == 1 else [8] * world,
+                            timeout=20)
+    assert time.monotonic() - t0 < 10
     finish()
 
 
