@@ -114,11 +114,13 @@ struct LayerConfig {
   bool deterministic = defaults::kDeterministic;
   bool keep_forward = defaults::kKeepForward;
   bool check_finite = true;
-  // false: forward and backward run this rank's checks but send no
-  // agreement of the call's arguments; the caller has agreed on them
-  // (kdacp.torch's cp_context agrees at its first call and compares later
-  // calls locally). The construction always agrees.
-  bool agree_calls = true;
+  // every_call: each forward and backward agrees on its call's arguments.
+  // first_call: the first forward and the first backward that pass agree;
+  // later calls run this rank's checks and send nothing (the caller holds
+  // its calls to the first one's arguments: kdacp.torch's cp_context). The
+  // construction always agrees.
+  enum class CallAgreement { every_call, first_call };
+  CallAgreement agree_calls = CallAgreement::every_call;
 
   // The state exchange: registry method (or "auto"), its group size, and
   // its options (segments, memory budget, reassociation, cost parameters;

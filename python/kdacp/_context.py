@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
-from kdacp._agreement import _Fingerprint, _bits_float, _float_bits, _group_backend
+from kdacp._agreement import _group_backend
 from kdacp._autograd import cu_list
 from kdacp._comm import check_group
 from kdacp._common import (SINGLE_PROCESS, ULYSSES_AUTO, _check_ulysses, _group_size, _integer,
@@ -73,27 +73,6 @@ class CpContext:
         row.update(signature)
         return row
 
-    def _agree_call(self, row, error):
-        """The first call's one agreement: every rank learns that all passed the
-        same per-call arguments (or which differ) before any exchange message."""
-        fp = _Fingerprint(_CALL_FIELDS)
-        if error is None:
-            shows = {"dtype": None, "storage dtypes q,k,v,g,beta": None, "algorithm": None,
-                     "lower_bound": None}
-            for name in _CALL_FIELDS:
-                x = row[name]
-                if name == "scale":
-                    fp.add(name, _float_bits(x), lambda b: repr(_bits_float(b)))
-                elif name in shows:
-                    fp.add_hash(name, x)
-                elif isinstance(x, bool):
-                    fp.add(name, int(x), lambda b: str(bool(b)))
-                else:
-                    fp.add(name, x)
-        fp.check(self.backend, "chunk_kda (first call on its cp_context)", ok=error is None,
-                 error=error)
-        self._signature = row
-
     def _check_cu_seqlens(self, cu_seqlens):
         """A call's cu_seqlens must be None or the context's (its layout and
         cuts were built from them)."""
@@ -131,11 +110,17 @@ class CpContext:
                                  output_final_state, signature)
         except (ValueError, TypeError) as e:
             error = e
-        if self._signature is None:
-            self._agree_call(row, error)
-        elif error is not None:
+        if error is not None:
+            if self._signature is None:
+                # The peers are in the first call's agreement (the layer's
+                # construction, in C++): they fail with this rank's error.
+                try:
+                    _kdacp.reject_call(self.backend, "chunk_kda (first call on its cp_context)",
+                                       str(error))
+                except ValueError:
+                    pass
             raise error
-        elif row != self._signature:
+        if self._signature is not None and row != self._signature:
             diffs = [f"{n}={row[n]!r} (agreed at the first call: {self._signature[n]!r})"
                      for n in _CALL_FIELDS if row[n] != self._signature[n]]
             raise ValueError(
@@ -156,12 +141,16 @@ class CpContext:
             width = _ulysses_width(self.options, self.layout, opts, (b, shape[2], hv, kd, vd), act)
             layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
                                     self.layout, dtype, opts, threads, width)
-            # The layer's construction agreed (collectively, at this first call of
-            # the shape); its calls need not: the context's first call did.
+            # Its first forward and backward agree on the call's arguments (and
+            # its construction on the config); later calls are held to the
+            # first one's here, locally, and send only the exchange's messages.
             layer.agree_per_call(False)
             self._layers[key] = layer
+        layer.signature([(n, str(v)) for n, v in signature.items()])
         o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                    keep_forward, deterministic, *tensors, h0)
+        if self._signature is None:
+            self._signature = row  # every rank agreed on it (C++), the call ran
         return o, (ht if output_final_state else None)
 
 

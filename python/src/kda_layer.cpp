@@ -129,10 +129,11 @@ class KdaLayer {
                     const std::vector<std::size_t>& shape, double scale,
                     const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0, bool want_ht,
                     const std::string& algorithm, bool keep_forward, bool deterministic) {
+    const Fingerprint& extra = extra_;
     return f64_ ? forward_t<double>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, algorithm, keep_forward,
-                                    deterministic)
+                                    deterministic, extra)
                 : forward_t<float>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, algorithm, keep_forward,
-                                   deterministic);
+                                   deterministic, extra);
   }
 
   // The gradients of q, k, v, g, beta are stored as those inputs; d_o as
@@ -145,10 +146,20 @@ class KdaLayer {
                 : backward_t<float>(*saved, inputs, dtypes, shape, scale, h0, d_o, d_o_dtype, dht, want_dh0);
   }
 
-  // Off: the layers' forward and backward send no agreement of the call's
-  // arguments (a cp_context agreed on them at its first call).
+  // The caller's own settings every rank must share (chunk_kda's in-kernel
+  // transforms), for the following calls: part of their layer's config,
+  // agreed with its construction.
+  void signature(const std::vector<std::pair<std::string, std::string>>& fields) {
+    Fingerprint f;
+    for (const auto& [name, value] : fields) f.add_text(name, value);
+    extra_ = std::move(f);
+  }
+
+  // Off: the layers' first forward and first backward agree on the call's
+  // arguments, later ones send nothing (a cp_context holds its calls to its
+  // first call's arguments, checked locally).
   void agree_per_call(bool on) {
-    base_.agree_calls = on;
+    base_.agree_calls = on ? LayerConfig::CallAgreement::every_call : LayerConfig::CallAgreement::first_call;
     layers_f32_.clear();
     layers_f64_.clear();
     order_.clear();
@@ -202,8 +213,9 @@ class KdaLayer {
   template <class T>
   std::shared_ptr<Layer<T>> layer_for(const kda::Shape& local, const std::vector<std::string>& dtypes,
                                       const std::optional<std::vector<std::int64_t>>& cu, kda::Algorithm algorithm,
-                                      bool keep_forward, bool deterministic) {
+                                      bool keep_forward, bool deterministic, const Fingerprint& extra) {
     LayerConfig c = base_;
+    c.extra = extra;
     c.shape = local;
     if (c.parts) c.shape.tokens = c.parts->tokens();
     if (cu) c.cu_seqlens = *cu;
@@ -240,7 +252,7 @@ class KdaLayer {
   py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes,
                       const std::vector<std::size_t>& shape, double scale,
                       const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p, bool want_ht,
-                      const std::string& algorithm, bool keep_forward, bool deterministic) {
+                      const std::string& algorithm, bool keep_forward, bool deterministic, const Fingerprint& extra) {
     const kda::Shape s = to_shape(shape);
     Tensors<T> tensors(p, dtypes, s);
     // Shape, pointers and scale, before any widening reads the memory.
@@ -252,7 +264,7 @@ class KdaLayer {
     std::shared_ptr<Layer<T>> layer;
     {
       py::gil_scoped_release release;  // building a layer on a group is collective
-      layer = layer_for<T>(s, dtypes, cu, a, keep_forward, deterministic);
+      layer = layer_for<T>(s, dtypes, cu, a, keep_forward, deterministic, extra);
     }
     box->layer = layer;
     const kda::Sequences& seqs = layer->sequences();
@@ -311,6 +323,7 @@ class KdaLayer {
   bool f64_;
   std::vector<std::uint64_t> order_;  // the layers' keys, oldest first
   LayerConfig base_;  // the settings every call shares
+  Fingerprint extra_;  // signature()
   std::shared_ptr<Communicator> comm_;
   std::map<std::uint64_t, std::shared_ptr<Layer<float>>> layers_f32_;
   std::map<std::uint64_t, std::shared_ptr<Layer<double>>> layers_f64_;
@@ -324,6 +337,19 @@ void bind_kda_layer(py::module_& m) {
   // kdacp.torch.build_cp_context's one validation and agreement
   // (agree_layer_context): backend None for one process; ulysses 0: auto;
   // local_error: this rank's own argument error, shared with the others.
+  // A rank whose call's arguments failed its own checks before reaching the
+  // layer: one agreement with that error, which its peers (in their layer's
+  // construction or first call) fail with instead of waiting for it.
+  m.def(
+      "reject_call",
+      [](py::object backend, const std::string& what, const std::string& error) {
+        const auto comm = std::make_shared<TorchCommunicator>(std::move(backend));
+        Fingerprint f;
+        f.add_text("call", "rejected");
+        py::gil_scoped_release release;
+        agree(*comm, f, what, error);
+      },
+      py::arg("backend"), py::arg("what"), py::arg("error"));
   m.def(
       "agree_context",
       [](py::object backend, std::size_t tokens, const std::optional<std::vector<std::int64_t>>& cu_seqlens,
@@ -360,6 +386,7 @@ void bind_kda_layer(py::module_& m) {
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
            py::arg("keep_forward") = defaults::kKeepForward, py::arg("deterministic") = defaults::kDeterministic)
+      .def("signature", &KdaLayer::signature, py::arg("fields"))
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("dtypes"), py::arg("shape"),
            py::arg("scale"), py::arg("h0"), py::arg("d_o"), py::arg("d_o_dtype"), py::arg("dht"), py::arg("want_dh0"))
       .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))

@@ -99,10 +99,11 @@ Fingerprint call_fingerprint(const LayerNames& n, const char* call, double scale
 }
 
 // Runs this rank's `checks`, then agrees over `comm` on `fields` (and on
-// every rank's check error): every rank throws, or none.
-void agree_call(Communicator& comm, bool collective, const Fingerprint& fields, const char* what,
-                const std::function<void()>& checks) {
-  if (!collective) return checks();
+// every rank's check error): every rank throws, or none. first_call: once
+// `agreed`, this rank's checks alone.
+void agree_call(Communicator& comm, LayerConfig::CallAgreement mode, bool& agreed, const Fingerprint& fields,
+                const char* what, const std::function<void()>& checks) {
+  if (mode == LayerConfig::CallAgreement::first_call && agreed) return checks();
   std::string local_error;
   try {
     checks();
@@ -110,6 +111,7 @@ void agree_call(Communicator& comm, bool collective, const Fingerprint& fields, 
     local_error = e.what();
   }
   agree(comm, fields, what, local_error);
+  agreed = true;
 }
 
 template <class T>
@@ -183,7 +185,8 @@ class ParallelLayer final : public Layer<T> {
   std::shared_ptr<LayerSaved> forward(const kda::Inputs<T>& in, kda::SequenceStates<const T> h0, T* o,
                                       kda::SequenceStates<T> ht) override {
     const LayerNames& n = this->config_.names;
-    agree_call(*comm_, this->config_.agree_calls, call_fingerprint(n, "forward", in.scale, h0.data != nullptr, n.h0, ht.data != nullptr, n.ht),
+    agree_call(*comm_, this->config_.agree_calls, forward_agreed_,
+               call_fingerprint(n, "forward", in.scale, h0.data != nullptr, n.h0, ht.data != nullptr, n.ht),
                "the KDA layer's forward", [&] {
                  check_call<T>(*this, in, h0, n.h0.c_str(), ht, n.ht.c_str());
                  kda::check::pointer(o, "", "o");
@@ -200,7 +203,7 @@ class ParallelLayer final : public Layer<T> {
   void backward(const kda::Inputs<T>& in, const LayerSaved& saved, kda::SequenceStates<const T> h0, const T* d_o,
                 kda::SequenceStates<const T> dht, const kda::Grads<T>& grads, kda::SequenceStates<T> dh0) override {
     const LayerNames& n = this->config_.names;
-    agree_call(*comm_, this->config_.agree_calls,
+    agree_call(*comm_, this->config_.agree_calls, backward_agreed_,
                call_fingerprint(n, "backward", in.scale, dht.data != nullptr, n.dht, dh0.data != nullptr, n.dh0),
                "the KDA layer's backward", [&] {
                  check_call<T>(*this, in, h0, n.h0.c_str(), dht, n.dht.c_str());
@@ -242,6 +245,7 @@ class ParallelLayer final : public Layer<T> {
   DeviceMesh mesh_;
   std::optional<kda::ContextParallelLayer<T>> plain_;
   std::optional<kda::UlyssesLayer<T>> ulysses_;
+  bool forward_agreed_ = false, backward_agreed_ = false;  // CallAgreement::first_call
 };
 
 }  // namespace

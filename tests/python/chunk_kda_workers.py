@@ -212,7 +212,7 @@ def context_worker(rank, world, init_file):
     ctx = kt.build_cp_context([0, t], dist.group.WORLD, protocol="p2p", timeout=20, threads=1)
     mine = {k_: (v_[:, rank * 8:(rank + 1) * 8] if k_ in TOKEN_WISE else v_)
             for k_, v_ in x.items()}
-    with pytest.raises(ValueError, match="scale differs"):
+    with pytest.raises(ValueError, match=r"the ranks disagree.*scale: rank 0 has 0.25, rank 1 has 0.5"):
         call(mine, FLAGS, cp_context=ctx, scale=0.25 if rank == 0 else 0.5)
     call(mine, FLAGS, cp_context=ctx, scale=0.5)  # now agreed, and pinned
     # A later call with other arguments raises on its rank before sending (here on
@@ -225,6 +225,14 @@ def context_worker(rank, world, init_file):
     with pytest.raises(ValueError, match="q has 7 tokens, expected 8"):
         call({k_: (v_[:, :7] if k_ in TOKEN_WISE else v_) for k_, v_ in mine.items()}, FLAGS,
              cp_context=ctx, scale=0.5)
+    # A rank whose first call fails its own checks: its peers, in the
+    # layer's agreement, raise at once instead of waiting for it.
+    ctx_f = kt.build_cp_context([0, t], dist.group.WORLD, protocol="p2p", timeout=20, threads=1)
+    t0 = time.monotonic()
+    bad = {k_: (v_[:, :7] if k_ in TOKEN_WISE and rank == 1 else v_) for k_, v_ in mine.items()}
+    with pytest.raises(ValueError, match="q has 7 tokens" if rank == 1 else "rank 1 rejected"):
+        call(bad, FLAGS, cp_context=ctx_f, scale=0.5)
+    assert time.monotonic() - t0 < 10
     # Context arguments that differ: named at build.
     with pytest.raises(ValueError, match=r"the ranks disagree.*cu_seqlens: rank"):
         kt.build_cp_context([0, t - 1 - rank, t], dist.group.WORLD, timeout=20)
