@@ -1,13 +1,18 @@
-// LayerConfig: its layout, its one validation in the caller's names, and the
-// fingerprint every rank agrees on (kdacp/layer.hpp).
+// LayerConfig: its layout, its one validation in the caller's names, the
+// fingerprint every rank agrees on, and a context's agreement (kdacp/layer.hpp).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <chrono>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "kdacp/agreement.hpp"
+#include "kdacp/comm.hpp"
+#include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/layer.hpp"
 #include "kdacp/protocol.hpp"
@@ -182,10 +187,10 @@ void check_protocol(const LayerConfig& c) {
 
 Layout validate_layer_context(const LayerConfig& c, std::size_t ranks) {
   const LayerNames& n = c.names;
+  check_cu_seqlens(c);  // first: a cu_seqlens of one entry is its own error, not "T = 0"
   if (c.shape.tokens == 0)
     throw InvalidArgument(fmt::format("{} = 0: expected at least one token ({} or {})", n.tokens, n.cu_seqlens,
                                       n.split));
-  check_cu_seqlens(c);
   check_protocol(c);
   if (c.ulysses == kLayerUlyssesAuto) {
     check_ulysses(c, ranks);
@@ -207,6 +212,51 @@ void validate_layer_config(const LayerConfig& c, std::size_t ranks) {
                                   : kda::Sequences(1, c.shape.tokens, std::span<const std::int64_t>(c.cu_seqlens));
   check_deterministic(c, layout, seqs);
 }
+
+namespace {
+
+// The state exchange's settings, in c.names' terms: the construction's and
+// a context's fingerprints share them.
+void add_exchange_fields(Fingerprint& f, const LayerConfig& c) {
+  const LayerNames& n = c.names;
+  f.add_text(n.protocol, c.protocol);
+  f.add_int(n.group_size, c.group_size);
+  f.add_int(n.segments, static_cast<long long>(c.exchange.segments));
+  f.add_int(n.memory_budget, static_cast<long long>(c.exchange.memory_budget_bytes));
+  f.add_flag(n.allow_reassociation, c.exchange.allow_reassociation);
+  f.add_hash(n.calibration, fnv1a64(to_json(c.exchange.cost)));
+}
+
+// The fields of a context every rank must share, in config.names' terms.
+Fingerprint context_fingerprint(const LayerConfig& c, std::size_t ranks, std::chrono::milliseconds timeout) {
+  const LayerNames& n = c.names;
+  Fingerprint f;
+  f.add_text("call", "context");
+  f.add_int("world size", static_cast<long long>(ranks));
+  f.add_int(n.tokens, static_cast<long long>(c.shape.tokens));
+  f.add_bytes(n.cu_seqlens, std::as_bytes(std::span(c.cu_seqlens)),
+              c.cu_seqlens.empty() ? "None" : list_text(std::span<const std::int64_t>(c.cu_seqlens)));
+  f.add_text(n.layout, layout_kind_name(c.layout));
+  f.add_bytes(n.split, std::as_bytes(std::span(c.split)),
+              c.split.empty() ? "None" : list_text(std::span<const std::size_t>(c.split)));
+  add_exchange_fields(f, c);
+  // auto's inputs when the caller gives them.
+  const std::optional<SummaryShape>& es = c.exchange.expected_shape;
+  const std::size_t shape[4] = {es ? es->batch : 0, es ? es->heads : 0, es ? es->key_dim : 0, es ? es->value_dim : 0};
+  f.add_bytes("expected_shape", std::as_bytes(std::span(shape)),
+              es ? list_text(std::span<const std::size_t>(shape)) : std::string("None"));
+  std::vector<std::size_t> cuts;
+  for (bool cut : c.exchange.expected_cuts) cuts.push_back(cut ? 1 : 0);
+  f.add_bytes("expected_cuts", std::as_bytes(std::span(cuts)),
+              cuts.empty() ? std::string("None") : list_text(std::span<const std::size_t>(cuts)));
+  f.add_text(n.ulysses, c.ulysses == kLayerUlyssesAuto ? "auto" : std::to_string(c.ulysses));
+  f.add_text(n.conv, c.conv_width ? std::to_string(*c.conv_width) : "None");
+  f.add_real(n.timeout + " (s)", static_cast<double>(timeout.count()) / 1000.0);
+  f.append(c.extra);
+  return f;
+}
+
+}  // namespace
 
 Fingerprint layer_fingerprint(const LayerConfig& c, std::size_t ranks, std::size_t width) {
   const LayerNames& n = c.names;
@@ -235,18 +285,33 @@ Fingerprint layer_fingerprint(const LayerConfig& c, std::size_t ranks, std::size
   f.add_text(n.algorithm, kda::algorithm_name(c.algorithm));
   f.add_flag(n.deterministic, c.deterministic);
   f.add_flag(n.keep_forward, c.keep_forward);
-  f.add_text(n.protocol, c.protocol);
-  f.add_int(n.group_size, c.group_size);
-  f.add_int(n.segments, static_cast<long long>(c.exchange.segments));
-  f.add_int(n.memory_budget, static_cast<long long>(c.exchange.memory_budget_bytes));
-  f.add_flag(n.allow_reassociation, c.exchange.allow_reassociation);
-  f.add_hash(n.calibration, fnv1a64(to_json(c.exchange.cost)));
+  add_exchange_fields(f, c);
   f.add_int(n.ulysses + " (as given)", static_cast<long long>(c.ulysses));
   f.add_int(n.ulysses, static_cast<long long>(width));
   f.add_int(n.conv, c.conv_width ? static_cast<long long>(*c.conv_width) : -1);
   f.add_flag("check_finite", c.check_finite);
   f.append(c.extra);
   return f;
+}
+
+Layout agree_layer_context(const std::shared_ptr<Communicator>& world, const LayerConfig& config,
+                           const std::string& what, const std::string& local_error) {
+  const std::size_t ranks = world ? world->size() : 1;
+  std::string error = local_error;
+  std::optional<Layout> layout;
+  if (error.empty()) {
+    try {
+      layout.emplace(validate_layer_context(config, ranks));
+    } catch (const InvalidArgument& e) {
+      error = e.what();
+    }
+  }
+  if (!world) {
+    if (!error.empty()) throw InvalidArgument(error);
+    return std::move(*layout);
+  }
+  agree(*world, context_fingerprint(config, ranks, world->timeout()), what, error);
+  return std::move(*layout);
 }
 
 }  // namespace kdacp
