@@ -119,6 +119,12 @@ struct Pool {
   std::unique_ptr<ThreadPool> pool;
 };
 
+// A tensor's address from Python as a typed pointer.
+template <class T>
+const T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<const T*>(p);
+}
+
 void bind_exchange(pybind11::module_& m);
 void bind_kda(pybind11::module_& m);
 void bind_kda_layer(pybind11::module_& m);

@@ -28,11 +28,6 @@ namespace py = pybind11;
 namespace kdacp::python {
 namespace {
 
-template <class T>
-const T* ptr(std::uintptr_t p) {
-  return reinterpret_cast<const T*>(p);
-}
-
 // The in-kernel input transforms of chunk_kda (kdacp/kda.hpp), on contiguous
 // tensors' memory (addresses and storage dtypes from Python), results in new
 // arrays: T = float64 for float64 inputs, else float32 (16-bit inputs

@@ -42,11 +42,6 @@ kda::Shape to_shape(const std::vector<std::size_t>& s) {
 }
 
 template <class T>
-const T* ptr(std::uintptr_t p) {
-  return reinterpret_cast<const T*>(p);
-}
-
-template <class T>
 T* mut(py::array& a) {
   return static_cast<T*>(a.mutable_data());
 }
@@ -129,11 +124,10 @@ class KdaLayer {
                     const std::vector<std::size_t>& shape, double scale,
                     const std::optional<std::vector<std::int64_t>>& cu_seqlens, std::uintptr_t h0, bool want_ht,
                     const std::string& algorithm, bool keep_forward, bool deterministic) {
-    const Fingerprint& extra = extra_;
     return f64_ ? forward_t<double>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, algorithm, keep_forward,
-                                    deterministic, extra)
+                                    deterministic)
                 : forward_t<float>(inputs, dtypes, shape, scale, cu_seqlens, h0, want_ht, algorithm, keep_forward,
-                                   deterministic, extra);
+                                   deterministic);
   }
 
   // The gradients of q, k, v, g, beta are stored as those inputs; d_o as
@@ -213,9 +207,9 @@ class KdaLayer {
   template <class T>
   std::shared_ptr<Layer<T>> layer_for(const kda::Shape& local, const std::vector<std::string>& dtypes,
                                       const std::optional<std::vector<std::int64_t>>& cu, kda::Algorithm algorithm,
-                                      bool keep_forward, bool deterministic, const Fingerprint& extra) {
+                                      bool keep_forward, bool deterministic) {
     LayerConfig c = base_;
-    c.extra = extra;
+    c.extra = extra_;
     c.shape = local;
     if (c.parts) c.shape.tokens = c.parts->tokens();
     if (cu) c.cu_seqlens = *cu;
@@ -252,7 +246,7 @@ class KdaLayer {
   py::tuple forward_t(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes,
                       const std::vector<std::size_t>& shape, double scale,
                       const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p, bool want_ht,
-                      const std::string& algorithm, bool keep_forward, bool deterministic, const Fingerprint& extra) {
+                      const std::string& algorithm, bool keep_forward, bool deterministic) {
     const kda::Shape s = to_shape(shape);
     Tensors<T> tensors(p, dtypes, s);
     // Shape, pointers and scale, before any widening reads the memory.
@@ -264,7 +258,7 @@ class KdaLayer {
     std::shared_ptr<Layer<T>> layer;
     {
       py::gil_scoped_release release;  // building a layer on a group is collective
-      layer = layer_for<T>(s, dtypes, cu, a, keep_forward, deterministic, extra);
+      layer = layer_for<T>(s, dtypes, cu, a, keep_forward, deterministic);
     }
     box->layer = layer;
     const kda::Sequences& seqs = layer->sequences();

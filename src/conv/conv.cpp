@@ -139,7 +139,7 @@ struct CausalConv::Impl {
     if (!comm || ranks == 1) return;
     agree_conv_call(*comm, {batch, seqs.tokens(), dim, width, seqs.boundaries(), parts,
                             std::is_same_v<T, double> ? "float64" : "float32",
-                            in.activation == Activation::silu ? "silu" : "none", in.bias != nullptr,
+                            activation_name(in.activation).data(), in.bias != nullptr,
                             in.initial_state != nullptr, final_state}, what);
   }
   std::size_t owner(std::size_t part) const { return parts[part].rank; }

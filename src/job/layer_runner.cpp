@@ -104,6 +104,10 @@ void put_parts(const T* local, std::size_t batch, std::size_t tokens, std::size_
 // own messages are all complete by then.
 constexpr int kOutputsTag = 7411;
 
+// Times each rank reports: forward, backward, their exchanges, their
+// summary / G passes.
+constexpr std::size_t kTimes = 6;
+
 // Where rank `rank`'s local tokens start in the whole stream when they are
 // one range of it that a pointer can stand for: [B,T_local,inner] at
 // full + offset·inner is then the rank's local tensor (B = 1, or the rank
@@ -267,14 +271,14 @@ bool gather_outputs(Communicator& comm, const kda::Layout& layout, const kda::Sh
 }
 
 // The result's times: each phase's slowest rank, and the phases of the rank
-// whose forward + backward took longest. `all` holds 6 per rank: forward,
+// whose forward + backward took longest. `all` holds kTimes per rank: forward,
 // backward, their exchanges, their summary / G passes.
 template <class T>
 void slowest_times(const std::vector<double>& all, std::size_t ranks, LayerOutputs<T>& r) {
   r.forward_seconds = r.backward_seconds = r.exchange_seconds = r.summary_seconds = 0;
   double slowest = -1;
   for (std::size_t q0 = 0; q0 < ranks; ++q0) {
-    const double* t = &all[6 * q0];
+    const double* t = &all[kTimes * q0];
     r.forward_seconds = std::max(r.forward_seconds, t[0]);
     r.backward_seconds = std::max(r.backward_seconds, t[1]);
     r.exchange_seconds = std::max(r.exchange_seconds, t[2] + t[3]);
@@ -354,7 +358,6 @@ std::optional<LayerOutputs<T>> run_context_parallel(const std::shared_ptr<Commun
   }
 
   // forward, backward, their exchanges, the summary, the G pass.
-  constexpr std::size_t kTimes = 6;
   double times[kTimes] = {0, 0, 0, 0, 0, 0};
   for (std::size_t step = 0; step <= job.warmup_steps; ++step) {
     comm.barrier();
