@@ -252,6 +252,77 @@ TEST(Layer, ContextsThatDifferAreNamedOnEveryRank) {
   EXPECT_THROW(agree_layer_context(nullptr, context({0, 5, 5, 12}, {}), "build_cp_context"), InvalidArgument);
 }
 
+// A call whose layout follows from each rank's tokens (kdacp.torch's
+// kda(group=...)): the counts travel in the agreement's one record; any
+// field that differs, or one rank's own error, is named on every rank.
+TEST(Layer, CallsWithTheirOwnSplitGatherTheCountsInTheAgreement) {
+  const Shape s{1, 0, 2, 2, 8, 8};
+  auto call = [](double scale) {
+    Fingerprint f;
+    f.add_real("scale", scale);
+    return f;
+  };
+  run_in_process(3, [&](const std::shared_ptr<Communicator>& comm) {
+    LayerConfig c = config_for(s, {0, 5, 30});
+    c.shape.tokens = comm->rank() == 1 ? 15 : 7 + comm->rank();  // 7, 15, 9
+    const LayerConfig got = agree_layer_call(comm, c, "float64", call(0.25), "kda");
+    EXPECT_EQ(got.split, (std::vector<std::size_t>{7, 15, 9}));
+    EXPECT_EQ(got.shape.tokens, 31u);
+    // T is the sum: cu_seqlens ending at 30 is named by make_layer, on every rank.
+    EXPECT_THROW(make_layer<double>(comm, got), InvalidArgument);
+  });
+  expect_every_rank_names(
+      3,
+      [&](const std::shared_ptr<Communicator>& comm) {
+        LayerConfig c = config_for(s, {});
+        c.shape.tokens = 4;
+        agree_layer_call(comm, c, "float64", call(comm->rank() == 2 ? 0.5 : 0.25), "kda");
+      },
+      {"kda on rank", "scale: ranks 0,1 have 0.25, rank 2 has 0.5"});
+  expect_every_rank_names(
+      2,
+      [&](const std::shared_ptr<Communicator>& comm) {
+        LayerConfig c = config_for(s, {});
+        c.shape.tokens = 4;
+        agree_layer_call(comm, c, comm->rank() == 0 ? "float64" : "float32", call(0.25), "kda");
+      },
+      {"dtype: rank 0 has float64, rank 1 has float32"});
+  expect_every_rank_names(
+      2,
+      [&](const std::shared_ptr<Communicator>& comm) {
+        LayerConfig c = config_for(s, {});
+        c.shape.tokens = 4;
+        agree_layer_call(comm, c, "float64", call(0.25), "kda", comm->rank() == 1 ? "q: element [0,3,0,0] is nan" : "");
+      },
+      {});  // rank 1 its own error, rank 0 that rank 1 rejected its arguments
+  // Zigzag's counts are its own: other counts are named by the layout check.
+  run_in_process(2, [&](const std::shared_ptr<Communicator>& comm) {
+    LayerConfig c = config_for(s, {});
+    c.layout = LayoutKind::zigzag;
+    c.names.split = "tokens per rank";
+    c.shape.tokens = comm->rank() == 0 ? 6 : 10;
+    const LayerConfig got = agree_layer_call(comm, c, "float64", call(0.25), "kda");
+    try {
+      make_layer_layout(got, 2);
+      ADD_FAILURE() << "zigzag accepted counts 6,10";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("tokens per rank 6,10"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// ulysses auto prices the all-to-alls at the bytes they move: 16-bit
+// storage as 2, the compute type's otherwise, a mix as the mean rounded up.
+TEST(Layer, ActivationBytesAreWhatTheAllToAllsMove) {
+  LayerConfig c = config_for(Shape{1, 8, 2, 2, 16, 16}, {});
+  EXPECT_EQ(layer_activation_bytes(c, 4), 4u);
+  EXPECT_EQ(layer_activation_bytes(c, 8), 8u);
+  c.storage.fill(Half::bf16);
+  EXPECT_EQ(layer_activation_bytes(c, 4), 2u);
+  c.storage[3] = std::nullopt;  // a float32 gate among bfloat16 q, k, v, beta
+  EXPECT_EQ(layer_activation_bytes(c, 4), 3u);
+}
+
 // Ulysses moves 16-bit inputs as 16 bits: a rank with another storage type
 // would send messages of another size (a crash inside gloo once).
 TEST(Layer, RanksWithDifferentStorageTypesAreNamedBeforeAnyMessage) {

@@ -81,11 +81,18 @@ std::string list_text(std::span<const std::size_t> values);
 // before the call: it is shared too, so that the other ranks fail with it
 // instead of waiting for this one. Throws InvalidArgument on every rank when
 // any field differs or any rank had an error: the message names each field
-// and the ranks (positions in `comm`) holding each value; the rank with a
+// and the ranks (positions in `comm`; the message gives a subgroup's global
+// ranks) holding each value; the rank with a
 // local error gets that error's text first. A group of one rank returns at once
 // (after throwing its own local error).
 void agree(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
            const std::string& local_error = {});
+
+// agree() that also gathers one value per rank, not compared (each rank's
+// own token count, say): every rank's `value` in rank order, returned once
+// the ranks agree (the same record, the same one all_gather).
+std::vector<std::uint64_t> agree_gather(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
+                                        std::uint64_t value, const std::string& local_error = {});
 
 // The message agree() throws for these records (one per rank, in rank order),
 // or "" when they agree; exposed for tests of the message itself.

@@ -173,6 +173,27 @@ Layout validate_layer_context(const LayerConfig& config, std::size_t ranks);
 Layout agree_layer_context(const std::shared_ptr<Communicator>& world, const LayerConfig& config,
                            const std::string& what, const std::string& local_error = {});
 
+// A call whose layout follows from the tokens each rank holds (kdacp.torch's
+// kda(group=...): each rank passes its own part). config.shape.tokens is
+// this rank's token count and config.split is ignored. Collective over
+// `world` (null: one process): one agreement of everything in the config
+// that must match (shape but T, dtype as `dtype`, storage, algorithm,
+// deterministic, keep_forward, cu_seqlens, layout, the exchange's settings
+// and the caller's expected_shape / expected_cuts, Ulysses, convolution,
+// timeout, config.extra) and the call's own fields `call` (scale, which
+// states are given), gathering each rank's token count in the same record;
+// `local_error` as in agree_layer_context. Returns the config with T the
+// sum and split the counts, for make_layer (whose layout check then names
+// counts that zigzag does not hold, the same message on every rank).
+LayerConfig agree_layer_call(const std::shared_ptr<Communicator>& world, LayerConfig config, const char* dtype,
+                             const Fingerprint& call, const std::string& what, const std::string& local_error = {});
+
+// The state exchange's settings alone (protocol, group size, segments,
+// memory budget, reassociation, calibration, expected_shape, expected_cuts)
+// and `timeout`, in config.names' terms: what the ranks of a bare exchange
+// (kdacp.torch's build_kda_state_cp) agree on.
+Fingerprint exchange_fingerprint(const LayerConfig& config, std::chrono::milliseconds timeout);
+
 // The fields make_layer agrees on, named as config.names spells them.
 Fingerprint layer_fingerprint(const LayerConfig& config, std::size_t ranks, std::size_t ulysses_width);
 
@@ -200,6 +221,11 @@ ExchangeOptions layer_exchange_options(const ExchangeOptions& given, const kda::
 // computes the same U from the same arguments.
 std::size_t choose_ulysses(const kda::Shape& s, const Layout& layout, const ExchangeOptions& eo,
                            std::size_t elem_bytes);
+
+// Bytes per element the Ulysses all-to-alls move for q, k, v, g, beta
+// (16-bit storage travels as 16 bits, the rest as compute_bytes): their
+// mean over a token's elements, rounded up. It prices ulysses auto.
+std::size_t layer_activation_bytes(const LayerConfig& config, std::size_t compute_bytes);
 
 // What forward returns for its backward; opaque.
 struct LayerSaved;

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
+from kdacp import _kdacp
+
 # Tag of the p2p messages that make up a view's collectives: above every tag a
 # protocol uses (kTagForward/Backward and the per-part tags, < 2^16).
 VIEW_TAG = 1 << 20
@@ -267,3 +269,41 @@ def backend_for(group, timeout_s):
     members = group_members(g, timeout_s)
     spans = len(members) == dist.get_world_size()
     return GroupBackend(g, members, members, len(members), timeout_s, spans)
+
+
+_BACKENDS = {}
+
+
+def group_backend(group, timeout_s):
+    """One backend per (group, timeout), reused across calls, so the layers
+    cached for it stay valid. Only the first call on a group is collective
+    (it gathers the members, bounded by timeout_s); a new timeout on a known
+    group reuses them, so ranks that pass different timeouts still meet in
+    the agreement that names the difference. The group must be live
+    (check_group)."""
+    key = (id(group), timeout_s)
+    entry = _BACKENDS.get(key)
+    if entry is not None and entry[0] is group:
+        return entry[1]
+    known = next((e[1] for k_, e in _BACKENDS.items() if k_[0] == id(group) and e[0] is group),
+                 None)
+    if known is not None:
+        backend = known.with_timeout(timeout_s)
+    else:
+        try:
+            backend = backend_for(group, timeout_s)
+        except TimeoutError as e:
+            raise RuntimeError(str(e)) from None
+    _BACKENDS[key] = (group, backend)
+    return backend
+
+
+def reject(backend, what, error):
+    """Raises `error`, this rank's own argument error, after one agreement
+    that tells its peers (waiting in their call's agreement, in C++) so
+    that they raise naming this rank instead of waiting for it."""
+    try:
+        _kdacp.reject_call(backend, what, str(error))
+    except ValueError:
+        pass  # the agreement's copy of `error`
+    raise error

@@ -200,41 +200,6 @@ def _ulysses(options):
     return _integer(value, "ulysses", 1, 1 << 16)
 
 
-def _check_ulysses(options, ranks, heads, value_heads, protocol):
-    """ValueError unless ulysses divides the group's ranks, H and HV (or is
-    "auto" with protocol "auto")."""
-    u = _ulysses(options)
-    if u == ULYSSES_AUTO:
-        if protocol != "auto":
-            raise ValueError(f"ulysses='auto' prices each U with the exact protocol auto chooses, "
-                             f"expected protocol 'auto', got {protocol!r}")
-        return u
-    if ranks % u or heads % u or value_heads % u:
-        raise ValueError(f"ulysses={u}: expected a divisor of the group's {ranks} ranks, "
-                         f"H = {heads} and HV = {value_heads}")
-    return u
-
-
-def _activation_bytes(tensors):
-    """Bytes per element the Ulysses all-to-alls move for q, k, v, g, beta:
-    16-bit tensors travel as 16 bits, the others as computed (float32 or
-    float64); the mean over their elements, rounded up."""
-    elems = sum(t.numel() for t in tensors)
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    return -(-size // elems) if elems else 4
-
-
-def _ulysses_width(options, layout, opts, shape, activation_bytes):
-    """The width the layer runs: ulysses, or for "auto" the cost model's
-    (kdacp.choose_ulysses) for shape (B, H, HV, K, V) on `layout` with the
-    exchange options `opts` and activations of `activation_bytes` bytes
-    (_activation_bytes: what the all-to-alls move)."""
-    u = _ulysses(options)
-    if u != ULYSSES_AUTO:
-        return u
-    return _kdacp.choose_ulysses(list(shape), layout, opts, int(activation_bytes))
-
-
 def _segments(options):
     return _integer(options.get("segments", 0), "segments", *_kdacp.segments_range)
 

@@ -6,12 +6,10 @@ import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
-from kdacp._agreement import _group_backend
 from kdacp._autograd import cu_list
-from kdacp._comm import check_group
-from kdacp._common import (SINGLE_PROCESS, ULYSSES_AUTO, _check_ulysses, _group_size, _integer,
-                           _options, _threads, _timeout, _ulysses, _ulysses_width,
-                           _activation_bytes)
+from kdacp._comm import check_group, group_backend, reject
+from kdacp._common import (SINGLE_PROCESS, _group_size, _integer, _options, _threads, _timeout,
+                           _ulysses)
 from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtypes, kda
 
 
@@ -99,7 +97,6 @@ class CpContext:
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
                 self.layout_name, algorithm, keep_forward, self.options, deterministic)
-            _check_ulysses(self.options, self.backend.size, shape[2], shape[3], self.protocol)
             want = self.local_tokens
             if shape[1] != want:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
@@ -114,11 +111,7 @@ class CpContext:
             if self._signature is None:
                 # The peers are in the first call's agreement (the layer's
                 # construction, in C++): they fail with this rank's error.
-                try:
-                    _kdacp.reject_call(self.backend, "chunk_kda (first call on its cp_context)",
-                                       str(error))
-                except ValueError:
-                    pass
+                reject(self.backend, "chunk_kda (first call on its cp_context)", error)
             raise error
         if self._signature is not None and row != self._signature:
             diffs = [f"{n}={row[n]!r} (agreed at the first call: {self._signature[n]!r})"
@@ -128,24 +121,19 @@ class CpContext:
                 f"arguments than at its first call, where every rank agreed on them: "
                 f"{'; '.join(diffs)}; nothing was sent (its peers wait for it until the "
                 f"timeout); build a new context for other arguments")
-        b, _, _, hv, kd, vd = shape
-        act = _activation_bytes(tensors)  # prices ulysses="auto" (16-bit inputs move as 16 bits)
-        key = (dtype, b, hv, kd, vd, act)
-        layer = self._layers.get(key)
+        layer = self._layers.get(dtype)
         if layer is None:
-            # auto (and pipelined_p2p's segments) weigh this batch's cuts:
-            # packed documents shorten the chain.
-            cuts = None if self.cu_seqlens is None else self.layout.cuts(self.cu_seqlens)
-            opts = _options(self.options, expected=(b, hv, kd, vd), expected_dtype=dtype,
-                            expected_cuts=cuts)
-            width = _ulysses_width(self.options, self.layout, opts, (b, shape[2], hv, kd, vd), act)
+            # One C++ layer per config (shapes, storage) inside; it weighs
+            # this batch's cuts (auto, pipelined_p2p's segments) and chooses
+            # ulysses="auto"'s width.
             layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
-                                    self.layout, dtype, opts, threads, width)
+                                    self.layout, dtype, _options(self.options), threads,
+                                    _ulysses(self.options), self.layout_name)
             # Its first forward and backward agree on the call's arguments (and
             # its construction on the config); later calls are held to the
             # first one's here, locally, and send only the exchange's messages.
             layer.agree_per_call(False)
-            self._layers[key] = layer
+            self._layers[dtype] = layer
         layer.signature([(n, str(v)) for n, v in signature.items()])
         o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                    keep_forward, deterministic, *tensors, h0)
@@ -204,7 +192,7 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
                              "(torch.distributed.group.WORLD or a new_group), or "
                              "kdacp.torch.SINGLE_PROCESS for one process")
         check_group(group)
-        backend = _group_backend(group, timeout_s)
+        backend = group_backend(group, timeout_s)
         world = backend.size
     # Arguments converted here; their checks, the layout and the ranks'
     # agreement are C++'s (agree_layer_context). A conversion error travels

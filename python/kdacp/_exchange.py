@@ -4,12 +4,9 @@ and the serial fold (merge_affine_summaries), exported by kdacp.torch."""
 import torch
 
 from kdacp import _kdacp
-from kdacp._agreement import _OPTION_FIELDS, _Fingerprint, _options_fingerprint
 from kdacp._comm import backend_for
 from kdacp._common import (_DTYPES, _check_state_tensor, _desc, _group_size, _options, _threads,
                            _timeout, _ulysses, _viewable)
-
-_SHAPE_FIELDS = ("direction", "B", "H", "K", "V", "dtype")
 
 
 class StateExchange:
@@ -20,20 +17,22 @@ class StateExchange:
         self._protocol = protocol
         self._options = options
         self._cpp = None
-        # Local checks, then one fixed-size collective: every rank learns
+        # Local checks, then one agreement (in C++): every rank learns
         # whether all ranks passed the same protocol, width, options and
         # timeout before anything that depends on them runs (a split, a
-        # protocol's first message).
-        fp = _Fingerprint(_OPTION_FIELDS)
-        error = None
+        # protocol's first message); a rank's own error reaches its peers.
+        self._group_size = 1
         try:
             self._group_size = _group_size(group_size)
-            _options(options)
+            opts = _options(options)
             self._check = bool(options.get("check_ranks", True))
-            _options_fingerprint(fp, options, protocol, self._group_size, backend.timeout_s)
         except (ValueError, TypeError) as e:
-            error = e
-        fp.check(backend, "build_kda_state_cp", ok=error is None, error=error)
+            try:
+                _kdacp.agree_exchange(backend, str(protocol), 1, _options({}), str(e))
+            except ValueError:
+                pass
+            raise e
+        _kdacp.agree_exchange(backend, protocol, self._group_size, opts)
         if protocol != "auto" or "expected_shape" in options:
             self._build(None, None)
 
@@ -95,14 +94,7 @@ class StateExchange:
                 "not differentiable (its result would silently carry no gradient); detach the "
                 "inputs, and use StateExchange.backward for the adjoint")
         if self._check:
-            fp = _Fingerprint(_SHAPE_FIELDS)
-            fp.add("direction", int(forward), lambda x: "forward" if x else "backward")
-            for dim, n in zip("BHKV", (b, h, k, v)):
-                fp.add(dim, n)
-            fp.add("dtype", 8 if offset.dtype == torch.float64 else 4,
-                   lambda x: "float64" if x == 8 else "float32")
-            fp.check(self._backend, f"exchange {'forward' if forward else 'backward'} "
-                     "(different shapes)")
+            _kdacp.agree_exchange_call(self._backend, forward, [b, h, k, v], _DTYPES[offset.dtype])
         if self._cpp is None:
             self._build([b, h, k, v], _DTYPES[offset.dtype])
         with torch.no_grad():

@@ -1,6 +1,7 @@
-"""The differentiable KDA layer (kdacp.torch.kda): its argument checks, the
-agreement of a group's ranks, the C++ layers cached per group and shape, and
-the autograd Function around the C++ forward and backward."""
+"""The differentiable KDA layer (kdacp.torch.kda): its argument conversion
+and local checks, the C++ layers (kdacp._kdacp.KdaLayer) cached per group
+and settings, and the autograd Function around the C++ forward and
+backward. The ranks of a group agree on a call's arguments in C++."""
 
 import atexit
 import math
@@ -9,21 +10,13 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from kdacp import _kdacp
-from kdacp._agreement import (_BACKENDS, _OPTION_FIELDS, _Fingerprint, _bits_float, _float_bits,
-                              _group_backend, _options_fingerprint)
+from kdacp import _comm, _kdacp
 from kdacp._autograd import cu_list, first_order
-from kdacp._comm import check_group
+from kdacp._comm import check_group, group_backend, reject
 from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, ULYSSES_AUTO, _check_tensor,
-                           _check_ulysses, _compute_dtype, _contiguous_cached, _from_numpy,
-                           _group_size, _options,
-                           _require_finite_result, _threads, _timeout, _ulysses, _ulysses_width,
-                           _activation_bytes)
-
-_KDA_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale", "algorithm",
-               "deterministic", "keep_forward", "layout",
-               "initial_state given", "output_final_state", "cu_seqlens length",
-               "cu_seqlens") + _OPTION_FIELDS
+                           _compute_dtype, _contiguous_cached, _expected_cuts, _from_numpy,
+                           _group_size, _options, _parse_bytes, _require_finite_result, _segments,
+                           _threads, _timeout, _ulysses)
 
 _LAYERS = {}
 _LAYER_CACHE_SIZE = 16
@@ -36,39 +29,33 @@ def _release_at_exit():
     destroyed by the user but kept alive by this cache, its worker threads
     ending after Python's state is gone) could crash the process at exit."""
     _LAYERS.clear()
-    _BACKENDS.clear()
+    _comm._BACKENDS.clear()
 
 
 atexit.register(_release_at_exit)
 
 
-def _layout(layout, counts):
-    """The C++ layout (kdacp/layout.hpp) of ranks holding `counts` tokens:
-    "contiguous" with those counts, or "zigzag", whose rule lives in C++
-    alone; zigzag's per-rank token counts must then be its own."""
-    ranks, tokens = len(counts), sum(counts)
-    if layout == "contiguous":
-        return _kdacp.Layout.contiguous(tokens, ranks, counts)
-    built = _kdacp.Layout.zigzag(tokens, ranks)
-    want = [built.local_tokens(r) for r in range(ranks)]
-    if counts != want:
-        raise ValueError(f"rank {dist.get_rank()}: zigzag over {ranks} ranks of "
-                         f"{tokens} tokens holds {want} tokens per rank, got {counts}")
-    return built
+def _option_key(options):
+    """The converted values of the options a layer is built with (equal
+    values, however spelled, share a layer)."""
+    shape = options.get("expected_shape")
+    return (_segments(options), _parse_bytes(options.get("memory_budget_bytes", 0)),
+            bool(options.get("allow_reassociation", False)), options.get("calibration") or "",
+            None if shape is None else tuple(int(x) for x in shape),
+            None if _expected_cuts(options) is None else tuple(_expected_cuts(options)),
+            _ulysses(options))
 
 
-def _layer(backend, key, protocol, group_size, layout, dtype, options, summary_shape=None,
-           heads=None, activation_bytes=4):
+def _layer(backend, protocol, group_size, layout, dtype, threads, options):
+    """The C++ layer of these settings: on a group, the layout's split is
+    each call's tokens per rank, agreed with the call (KdaLayer)."""
+    key = ("single", dtype, threads) if backend is None else \
+        (id(backend), protocol, group_size, layout, dtype, threads, _option_key(options))
     cached = _LAYERS.get(key)
     if cached is not None:
         return cached
-    opts = _options(options, expected=summary_shape, expected_dtype=dtype)
-    width = 1
-    if backend is not None:  # summary_shape (B, HV, K, V) and heads H are given
-        b, hv, kd, vd = summary_shape
-        width = _ulysses_width(options, layout, opts, (b, heads, hv, kd, vd), activation_bytes)
-    layer = _kdacp.KdaLayer(backend, protocol, int(group_size), layout, dtype, opts,
-                            _threads(options), width)
+    layer = _kdacp.KdaLayer(backend, protocol, int(group_size), None, dtype, _options(options),
+                            threads, _ulysses(options), layout)
     if len(_LAYERS) >= _LAYER_CACHE_SIZE:
         _LAYERS.pop(next(iter(_LAYERS)))
     _LAYERS[key] = layer
@@ -313,13 +300,14 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         if _ulysses(options) not in (1, ULYSSES_AUTO):  # auto on one process: U = 1
             raise ValueError(f"ulysses={options['ulysses']!r} needs a group (without one kda runs one "
                              "process)")
-        key = ("single", dtype, threads)
-        layer = _layer(None, key, "none", 1, None, dtype, options)
+        layer = _layer(None, "none", 1, "contiguous", dtype, threads, {})
     else:
         # The group and timeout first (a rank that cannot reach its peers
-        # cannot tell them why); every other check runs locally and its
-        # outcome travels in the agreement row, so a rank with a bad argument
-        # raises its own error and its peers name it, none waits for it.
+        # cannot tell them why). Then the arguments are converted and checked
+        # locally; the layer's C++ agreement compares them across the ranks
+        # (and gathers each rank's token count for the layout) before any
+        # other message. A rank whose own check fails tells its peers in
+        # that agreement: it raises its error, they name it; none waits.
         if group is None:
             raise ValueError(
                 "kda: group=None, expected a process group: torch.distributed.group.WORLD is "
@@ -327,10 +315,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                 "cannot mean the default group here; omit group (or pass "
                 "kdacp.torch.SINGLE_PROCESS) to run one process")
         check_group(group)
-        backend = _group_backend(group, _timeout(options))
-        fp = _Fingerprint(_KDA_FIELDS)
-        error = None
-        t_local = 0
+        backend = group_backend(group, _timeout(options))
         try:
             if not isinstance(protocol, str) or protocol not in _kdacp.exchange_methods():
                 raise ValueError(f"unknown protocol {protocol!r}, expected one of "
@@ -339,43 +324,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
                 algorithm, keep_forward, options, deterministic)
-            b, t_local, h, hv, kd, vd = shape
-            _check_ulysses(options, backend.size, h, hv, protocol)
-            for name, n in (("B", b), ("H", h), ("HV", hv), ("K", kd), ("V", vd)):
-                fp.add(name, n)
-            fp.add("dtype", 8 if dtype == "float64" else 4,
-                   lambda x: "float64" if x == 8 else "float32")
-            # 16-bit inputs travel Ulysses' all-to-alls as 16 bits: the
-            # storage changes message sizes, not only the compute dtype.
-            fp.add_hash("storage dtypes q,k,v,g,beta", _storage_dtypes(q, k, v, g, beta))
-            fp.add("scale", _float_bits(scale), lambda x: repr(_bits_float(x)))
-            fp.add("algorithm", _ALGORITHMS.index(algorithm), lambda x: _ALGORITHMS[x])
-            fp.add("deterministic", int(deterministic), lambda x: str(bool(x)))
-            # Each keep_forward builds its own C++ layer, collectively.
-            fp.add("keep_forward", int(keep_forward), lambda x: str(bool(x)))
-            fp.add("layout", _LAYOUTS.index(layout), lambda x: _LAYOUTS[x])
-            fp.add("initial_state given", int(h0 is not None), lambda x: str(bool(x)))
-            fp.add("output_final_state", int(output_final_state), lambda x: str(bool(x)))
-            fp.add("cu_seqlens length", -1 if cu is None else len(cu),
-                   lambda x: "None" if x < 0 else str(x))
-            fp.add_hash("cu_seqlens", b"" if cu is None else
-                        torch.tensor(cu, dtype=torch.int64).numpy().tobytes())
-            _options_fingerprint(fp, options, protocol, width, backend.timeout_s)
+            layer = _layer(backend, protocol, width, layout, dtype, threads, options)
         except (ValueError, TypeError) as e:  # TypeError: an unknown option
-            error = e
-        what = "kda"
-        extra = fp.check(backend, what, ok=error is None, error=error, extra=[t_local])
-        counts = [int(x) for x in extra[:, 0]]
-        key = (id(backend), protocol, width, layout, tuple(counts), dtype,
-               tuple(sorted((k_, repr(v_)) for k_, v_ in options.items())))
-        # The all-to-alls' bytes per element (16-bit inputs move as 16 bits)
-        # price ulysses="auto": a layer per value.
-        act = _activation_bytes(tensors)
-        key = key + ((b, hv, kd, vd), act)
-        layer = _LAYERS.get(key)
-        if layer is None:  # the layout is built once per context, with its layer
-            layer = _layer(backend, key, protocol, width, _layout(layout, counts), dtype,
-                           options, summary_shape=(b, hv, kd, vd), heads=h, activation_bytes=act)
+            reject(backend, "kdacp.torch.kda", e)
     o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                keep_forward, deterministic, *tensors, h0)
     return o, (ht if output_final_state else None)

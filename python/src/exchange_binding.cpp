@@ -13,6 +13,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/exchange.hpp"
 #include "kdacp/inprocess.hpp"
+#include "kdacp/layer.hpp"
 #include "kdacp/mesh.hpp"
 #include "kdacp/summary.hpp"
 #include "torch_comm.hpp"
@@ -131,9 +132,42 @@ py::array inprocess_exchange(const std::string& method, long long group_size,
   return out;
 }
 
+// build_kda_state_cp's one agreement: protocol, group size, the options
+// that shape the messages and the timeout (threads and check_ranks are each
+// rank's own); local_error: this rank's own argument error, shared.
+void agree_exchange(py::object backend, const std::string& protocol, long long group_size, ExchangeOptions options,
+                    const std::string& local_error) {
+  const auto comm = std::make_shared<TorchCommunicator>(std::move(backend));
+  LayerConfig c;
+  c.names = LayerNames::python();
+  c.protocol = protocol;
+  c.group_size = group_size;
+  c.exchange = std::move(options);
+  py::gil_scoped_release release;
+  agree(*comm, exchange_fingerprint(c, comm->timeout()), "build_kda_state_cp", local_error);
+}
+
+// A StateExchange call's check_ranks agreement: the direction and the
+// summary's shape and dtype, before the protocol's first message.
+void agree_exchange_call(py::object backend, bool forward, const std::vector<std::size_t>& shape,
+                         const std::string& dtype) {
+  const auto comm = std::make_shared<TorchCommunicator>(std::move(backend));
+  Fingerprint f;
+  f.add_text("call", "state exchange call");
+  f.add_text("direction", forward ? "forward" : "backward");
+  f.add_bytes("shape B,H,K,V", std::as_bytes(std::span(shape)), list_text(std::span<const std::size_t>(shape)));
+  f.add_text("dtype", dtype);
+  py::gil_scoped_release release;
+  agree(*comm, f, forward ? "StateExchange.forward" : "StateExchange.backward");
+}
+
 }  // namespace
 
 void bind_exchange(py::module_& m) {
+  m.def("agree_exchange", &agree_exchange, py::arg("backend"), py::arg("protocol"), py::arg("group_size"),
+        py::arg("options"), py::arg("local_error") = std::string());
+  m.def("agree_exchange_call", &agree_exchange_call, py::arg("backend"), py::arg("forward"), py::arg("shape"),
+        py::arg("dtype"));
   m.def("make_options", &make_options, py::arg("segments"), py::arg("memory_budget_bytes"),
         py::arg("allow_reassociation"), py::arg("calibration"), py::arg("expected_shape"),
         py::arg("expected_dtype"), py::arg("expected_cuts") = std::nullopt);

@@ -3,8 +3,9 @@
 // the layer make_layer builds for it (one process, state CP or Ulysses ×
 // state CP: the binding never chooses). A layer is built once per distinct
 // config and reused; building one is collective on a group (it agrees on
-// the config), so every rank makes the same calls in the same order, which
-// kdacp.torch's agreement of the call's arguments ensures before this runs.
+// the config), so every rank makes the same calls in the same order: a
+// group call without a context first agrees on its arguments here
+// (agree_layer_call), a context's calls are held to its first one.
 // The autograd wiring is Python's; this file runs the C++ forward and
 // backward on the tensors' memory with the GIL released.
 #include <pybind11/stl.h>
@@ -93,26 +94,36 @@ std::uint64_t config_key(const LayerConfig& config, std::size_t ranks) {
 class KdaLayer {
  public:
   // backend None: one process, the whole stream local. Otherwise the layer
-  // over the group with `layout` (kdacp.Layout, built by the caller once per
-  // context, spanning the group's ranks). ulysses: the Ulysses width (1:
-  // state CP alone). method, group_size, options: the state exchange's.
+  // over the group: with `layout` (kdacp.Layout, built by the caller once
+  // per context, spanning the group's ranks), or, without one, a layout of
+  // kind `layout_kind` whose split is each call's tokens per rank, agreed on
+  // with the call's arguments (kda(group=...)). ulysses: the Ulysses width
+  // (1: state CP alone; 0: the cost model's). method, group_size, options:
+  // the state exchange's.
   KdaLayer(py::object backend, std::string method, long long group_size, const std::optional<Layout>& layout,
-           const std::string& dtype, ExchangeOptions options, std::size_t threads, std::size_t ulysses)
+           const std::string& dtype, ExchangeOptions options, std::size_t threads, std::size_t ulysses,
+           const std::string& layout_kind)
       : pool_(threads), f64_(dtype == "float64") {
     base_.protocol = std::move(method);
     base_.group_size = group_size;
     base_.exchange = std::move(options);
     base_.ulysses = ulysses;
     base_.names = LayerNames::python();
+    base_.layout = parse_layout_kind(layout_kind, base_.names.layout);
     base_.pool = pool_.pool.get();
     if (backend.is_none()) {
       base_.protocol = "auto";  // one process exchanges nothing (kdacp.torch passes "none")
       if (ulysses != 1) throw InvalidArgument(fmt::format("ulysses={} needs a group, got one process", ulysses));
       return;
     }
-    if (!layout) throw InvalidArgument("KdaLayer over a group needs its layout, got None");
-    base_.parts = *layout;
     comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
+    if (layout) {
+      base_.parts = *layout;
+    } else {
+      // The layout's messages then speak of what the user passed.
+      base_.names.tokens = "the group's tokens (each rank's T summed)";
+      base_.names.split = "tokens per rank (each rank's T)";
+    }
   }
 
   // `algorithm`: "recurrent" or "chunk". keep_forward: the chunk forward
@@ -202,12 +213,11 @@ class KdaLayer {
     return none;
   }
 
-  // The layer of this call's config: built (collectively on a group) the
-  // first time the config is seen.
-  template <class T>
-  std::shared_ptr<Layer<T>> layer_for(const kda::Shape& local, const std::vector<std::string>& dtypes,
-                                      const std::optional<std::vector<std::int64_t>>& cu, kda::Algorithm algorithm,
-                                      bool keep_forward, bool deterministic) {
+  // The config of a call on this layer's settings (T: this rank's tokens
+  // until agree_layer_call, or the context's).
+  LayerConfig call_config(const kda::Shape& local, const std::vector<std::string>& dtypes,
+                          const std::optional<std::vector<std::int64_t>>& cu, kda::Algorithm algorithm,
+                          bool keep_forward, bool deterministic) const {
     LayerConfig c = base_;
     c.extra = extra_;
     c.shape = local;
@@ -218,6 +228,13 @@ class KdaLayer {
     c.algorithm = algorithm;
     c.keep_forward = keep_forward;
     c.deterministic = deterministic;
+    return c;
+  }
+
+  // The layer of config `c`: built (collectively on a group) the first
+  // time the config is seen.
+  template <class T>
+  std::shared_ptr<Layer<T>> layer_for(const LayerConfig& c) {
     const std::uint64_t key = config_key(c, comm_ ? comm_->size() : 1);
     std::shared_ptr<Layer<T>>& slot = layers<T>()[key];
     if (!slot) {
@@ -248,17 +265,36 @@ class KdaLayer {
                       const std::optional<std::vector<std::int64_t>>& cu, std::uintptr_t h0p, bool want_ht,
                       const std::string& algorithm, bool keep_forward, bool deterministic) {
     const kda::Shape s = to_shape(shape);
-    Tensors<T> tensors(p, dtypes, s);
-    // Shape, pointers and scale, before any widening reads the memory.
-    kda::validate(kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]), s,
-                                 static_cast<T>(scale)},
-                  "kdacp.torch.kda");
-    const kda::Algorithm a = kda::parse_algorithm(algorithm.c_str());
+    // A group call without a layout agrees on its arguments and gathers the
+    // ranks' token counts (agree_layer_call) before its layer is chosen;
+    // this rank's own errors travel in that agreement.
+    const bool per_call = comm_ && !base_.parts;
+    std::optional<Tensors<T>> tensors;
+    LayerConfig c;
+    std::string error;
+    try {
+      tensors.emplace(p, dtypes, s);
+      // Shape, pointers and scale, before any widening reads the memory.
+      kda::validate(kda::Inputs<T>{ptr<T>(p[0]), ptr<T>(p[1]), ptr<T>(p[2]), ptr<T>(p[3]), ptr<T>(p[4]), s,
+                                   static_cast<T>(scale)},
+                    "kdacp.torch.kda");
+      c = call_config(s, dtypes, cu, kda::parse_algorithm(algorithm.c_str()), keep_forward, deterministic);
+    } catch (const InvalidArgument& e) {
+      if (!per_call) throw;
+      error = e.what();
+    }
     auto box = std::make_shared<SavedBox>();
     std::shared_ptr<Layer<T>> layer;
     {
-      py::gil_scoped_release release;  // building a layer on a group is collective
-      layer = layer_for<T>(s, dtypes, cu, a, keep_forward, deterministic);
+      py::gil_scoped_release release;  // the agreement and a layer's construction are collective
+      if (per_call) {
+        Fingerprint call;
+        call.add_real(base_.names.scale, scale);
+        call.add_flag(base_.names.h0, h0p != 0);
+        call.add_flag(base_.names.ht, want_ht);
+        c = agree_layer_call(comm_, std::move(c), f64_ ? "float64" : "float32", call, "kdacp.torch.kda", error);
+      }
+      layer = layer_for<T>(c);
     }
     box->layer = layer;
     const kda::Sequences& seqs = layer->sequences();
@@ -272,7 +308,7 @@ class KdaLayer {
     }
     {
       py::gil_scoped_release release;
-      box->saved = layer->forward(tensors.get(s, scale), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
+      box->saved = layer->forward(tensors->get(s, scale), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
                                   kda::sequence_states(ht_data, seqs, s));
       o.finish("kdacp.torch.kda");
     }
@@ -373,9 +409,9 @@ void bind_kda_layer(py::module_& m) {
   py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
   py::class_<KdaLayer>(m, "KdaLayer")
       .def(py::init<py::object, std::string, long long, const std::optional<Layout>&, const std::string&,
-                    ExchangeOptions, std::size_t, std::size_t>(),
+                    ExchangeOptions, std::size_t, std::size_t, const std::string&>(),
            py::arg("backend"), py::arg("method"), py::arg("group_size"), py::arg("layout"), py::arg("dtype"),
-           py::arg("options"), py::arg("threads"), py::arg("ulysses") = 1)
+           py::arg("options"), py::arg("threads"), py::arg("ulysses") = 1, py::arg("layout_kind") = "contiguous")
       .def("forward", &KdaLayer::forward, py::arg("inputs"), py::arg("dtypes"), py::arg("shape"), py::arg("scale"),
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),

@@ -61,7 +61,7 @@ constexpr std::size_t kHeaderBytes = 32;
 constexpr std::size_t kSlotBytes = 16 + kAgreementTextChars + 1;
 
 struct Header {
-  std::uint64_t magic, count, failed, reserved;
+  std::uint64_t magic, count, failed, value;  // value: agree_gather's, not compared
 };
 struct Slot {
   std::uint64_t name, value;
@@ -70,11 +70,11 @@ struct Slot {
 
 // The record: header, then kAgreementFields slots of (name hash, value hash,
 // NUL-terminated text). Fields beyond the last slot are folded into it.
-std::vector<std::byte> encode(const Fingerprint& fp, bool failed) {
+std::vector<std::byte> encode(const Fingerprint& fp, bool failed, std::uint64_t value) {
   std::vector<std::byte> rec(kAgreementRecordBytes);
   const auto& f = fp.fields();
   const std::size_t count = std::min(f.size(), kAgreementFields);
-  const Header h{kMagic, count, failed ? 1u : 0u, 0};
+  const Header h{kMagic, count, failed ? 1u : 0u, value};
   std::memcpy(rec.data(), &h, sizeof h);
   for (std::size_t i = 0; i < count; ++i) {
     std::uint64_t name = fnv1a64(f[i].name), value = f[i].hash;
@@ -192,7 +192,7 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
       continue;
     }
     if (h.failed) failed.push_back(r);
-    slots = std::max<std::size_t>(slots, h.count);
+    else slots = std::max<std::size_t>(slots, h.count);
   }
   if (!failed.empty())
     parts.push_back(fmt::format("{0} rejected {1} own arguments (see {1} error)", ranks_text(failed),
@@ -200,9 +200,11 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
   if (!foreign.empty())
     parts.push_back(ranks_text(foreign) + " sent no agreement record (another collective or "
                                           "another kdacp build at the same point)");
+  // A rank whose own checks failed sent fields that mean nothing: it is
+  // named as such, its fields are not compared.
   auto counted = [&](std::size_t r) {
     const Header h = header_of(rec(r));
-    return h.magic == kMagic && h.count <= kAgreementFields;
+    return h.magic == kMagic && h.count <= kAgreementFields && !h.failed;
   };
   for (std::size_t i = 0; i < slots; ++i) {
     // Ranks by the name hash of field i (0: none), then by its value hash.
@@ -256,26 +258,49 @@ std::string agreement_error(std::span<const std::byte> records, std::size_t rank
   return fmt::format("{}", fmt::join(parts, "; "));
 }
 
-void agree(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
-           const std::string& local_error) {
+namespace {
+
+// "; ranks are positions in the group of global ranks [2,3]" when they are
+// not the global ranks themselves.
+std::string group_note(const Communicator& comm) {
+  const std::vector<std::size_t>& global = comm.global_ranks();
+  bool identity = global.size() == comm.size();
+  for (std::size_t r = 0; identity && r < global.size(); ++r) identity = global[r] == r;
+  if (identity) return {};
+  return fmt::format(" (ranks are positions in the group of global ranks {})",
+                     list_text(std::span<const std::size_t>(global)));
+}
+
+}  // namespace
+
+std::vector<std::uint64_t> agree_gather(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
+                                        std::uint64_t value, const std::string& local_error) {
   const std::size_t ranks = comm.size(), rank = comm.rank();
   if (ranks <= 1) {
     if (!local_error.empty()) throw InvalidArgument(local_error);
-    return;
+    return {value};
   }
   std::vector<std::byte> all(ranks * kAgreementRecordBytes);
-  const std::vector<std::byte> mine = encode(fingerprint, !local_error.empty());
+  const std::vector<std::byte> mine = encode(fingerprint, !local_error.empty(), value);
   std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(rank * kAgreementRecordBytes));
   comm.all_gather(all);
   const std::string diff = agreement_error(all, ranks, fingerprint);
   if (!local_error.empty())
     throw InvalidArgument(diff.empty() || diff.find(';') == std::string::npos
                               ? local_error
-                              : local_error + " [also, across ranks: " + diff + "]");
+                              : local_error + " [also, across ranks: " + diff + "]" + group_note(comm));
   if (!diff.empty())
-    throw InvalidArgument(
-        fmt::format("{} on rank {} of {}: the ranks disagree (checked before any message): {}", what, rank, ranks,
-                    diff));
+    throw InvalidArgument(fmt::format("{} on rank {} of {}: the ranks disagree (checked before any message): {}{}",
+                                      what, rank, ranks, diff, group_note(comm)));
+  std::vector<std::uint64_t> values(ranks);
+  for (std::size_t r = 0; r < ranks; ++r)
+    values[r] = header_of(std::span<const std::byte>(all).subspan(r * kAgreementRecordBytes, kAgreementRecordBytes)).value;
+  return values;
+}
+
+void agree(Communicator& comm, const Fingerprint& fingerprint, const std::string& what,
+           const std::string& local_error) {
+  agree_gather(comm, fingerprint, what, 0, local_error);
 }
 
 }  // namespace kdacp

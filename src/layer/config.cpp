@@ -227,6 +227,38 @@ void add_exchange_fields(Fingerprint& f, const LayerConfig& c) {
   f.add_hash(n.calibration, fnv1a64(to_json(c.exchange.cost)));
 }
 
+void add_expected_fields(Fingerprint& f, const LayerConfig& c);
+
+// What the caller set beside the stream and the exchange: auto's inputs
+// when given, Ulysses, the convolution, the timeout, config.extra.
+void add_caller_fields(Fingerprint& f, const LayerConfig& c, std::chrono::milliseconds timeout) {
+  const LayerNames& n = c.names;
+  add_expected_fields(f, c);
+  f.add_text(n.ulysses, c.ulysses == kLayerUlyssesAuto ? "auto" : std::to_string(c.ulysses));
+  f.add_text(n.conv, c.conv_width ? std::to_string(*c.conv_width) : "None");
+  f.add_real(n.timeout + " (s)", static_cast<double>(timeout.count()) / 1000.0);
+  f.append(c.extra);
+}
+
+// auto's inputs when the caller gives them.
+void add_expected_fields(Fingerprint& f, const LayerConfig& c) {
+  const std::optional<SummaryShape>& es = c.exchange.expected_shape;
+  const std::size_t shape[4] = {es ? es->batch : 0, es ? es->heads : 0, es ? es->key_dim : 0, es ? es->value_dim : 0};
+  f.add_bytes("expected_shape", std::as_bytes(std::span(shape)),
+              es ? list_text(std::span<const std::size_t>(shape)) : std::string("None"));
+  std::vector<std::size_t> cuts;
+  for (bool cut : c.exchange.expected_cuts) cuts.push_back(cut ? 1 : 0);
+  f.add_bytes("expected_cuts", std::as_bytes(std::span(cuts)),
+              cuts.empty() ? std::string("None") : list_text(std::span<const std::size_t>(cuts)));
+}
+
+// "bfloat16,compute,...": q, k, v, g, beta's storage, then o's.
+std::string storage_text(const LayerConfig& c) {
+  std::string storage;
+  for (const std::optional<Half>& h : c.storage) storage += std::string(h ? half_name(*h) : "compute") + ",";
+  return storage + (c.out_storage ? half_name(*c.out_storage) : "compute");
+}
+
 // The fields of a context every rank must share, in config.names' terms.
 Fingerprint context_fingerprint(const LayerConfig& c, std::size_t ranks, std::chrono::milliseconds timeout) {
   const LayerNames& n = c.names;
@@ -239,20 +271,31 @@ Fingerprint context_fingerprint(const LayerConfig& c, std::size_t ranks, std::ch
   f.add_text(n.layout, layout_kind_name(c.layout));
   f.add_bytes(n.split, std::as_bytes(std::span(c.split)),
               c.split.empty() ? "None" : list_text(std::span<const std::size_t>(c.split)));
+  add_caller_fields(f, c, timeout);
+  return f;
+}
+
+// The fields of a call whose split is gathered (agree_layer_call).
+Fingerprint call_fingerprint(const LayerConfig& c, std::size_t ranks, std::chrono::milliseconds timeout,
+                             const char* dtype, const Fingerprint& call) {
+  const LayerNames& n = c.names;
+  const kda::Shape& s = c.shape;
+  Fingerprint f;
+  f.add_text("call", "layer call");
+  f.add_int("world size", static_cast<long long>(ranks));
+  const std::size_t dims[5] = {s.batch, s.heads, s.value_heads, s.key_dim, s.value_dim};
+  f.add_bytes(n.shape, std::as_bytes(std::span(dims)), list_text(std::span<const std::size_t>(dims)));
+  f.add_text(n.dtype, dtype);
+  f.add_text(n.storage, storage_text(c));
+  f.add_text(n.algorithm, kda::algorithm_name(c.algorithm));
+  f.add_flag(n.deterministic, c.deterministic);
+  f.add_flag(n.keep_forward, c.keep_forward);
+  f.add_bytes(n.cu_seqlens, std::as_bytes(std::span(c.cu_seqlens)),
+              c.cu_seqlens.empty() ? "None" : list_text(std::span<const std::int64_t>(c.cu_seqlens)));
+  f.add_text(n.layout, layout_kind_name(c.layout));
   add_exchange_fields(f, c);
-  // auto's inputs when the caller gives them.
-  const std::optional<SummaryShape>& es = c.exchange.expected_shape;
-  const std::size_t shape[4] = {es ? es->batch : 0, es ? es->heads : 0, es ? es->key_dim : 0, es ? es->value_dim : 0};
-  f.add_bytes("expected_shape", std::as_bytes(std::span(shape)),
-              es ? list_text(std::span<const std::size_t>(shape)) : std::string("None"));
-  std::vector<std::size_t> cuts;
-  for (bool cut : c.exchange.expected_cuts) cuts.push_back(cut ? 1 : 0);
-  f.add_bytes("expected_cuts", std::as_bytes(std::span(cuts)),
-              cuts.empty() ? std::string("None") : list_text(std::span<const std::size_t>(cuts)));
-  f.add_text(n.ulysses, c.ulysses == kLayerUlyssesAuto ? "auto" : std::to_string(c.ulysses));
-  f.add_text(n.conv, c.conv_width ? std::to_string(*c.conv_width) : "None");
-  f.add_real(n.timeout + " (s)", static_cast<double>(timeout.count()) / 1000.0);
-  f.append(c.extra);
+  add_caller_fields(f, c, timeout);
+  f.append(call);
   return f;
 }
 
@@ -278,10 +321,7 @@ Fingerprint layer_fingerprint(const LayerConfig& c, std::size_t ranks, std::size
     f.add_bytes("layout part lengths", std::as_bytes(std::span(lengths)),
                 list_text(std::span<const std::size_t>(lengths)));
   }
-  std::string storage;
-  for (const std::optional<Half>& h : c.storage) storage += std::string(h ? half_name(*h) : "compute") + ",";
-  storage += c.out_storage ? half_name(*c.out_storage) : "compute";
-  f.add_text(n.storage, storage);
+  f.add_text(n.storage, storage_text(c));
   f.add_text(n.algorithm, kda::algorithm_name(c.algorithm));
   f.add_flag(n.deterministic, c.deterministic);
   f.add_flag(n.keep_forward, c.keep_forward);
@@ -312,6 +352,31 @@ Layout agree_layer_context(const std::shared_ptr<Communicator>& world, const Lay
   }
   agree(*world, context_fingerprint(config, ranks, world->timeout()), what, error);
   return std::move(*layout);
+}
+
+Fingerprint exchange_fingerprint(const LayerConfig& c, std::chrono::milliseconds timeout) {
+  Fingerprint f;
+  f.add_text("call", "state exchange");
+  add_exchange_fields(f, c);
+  add_expected_fields(f, c);
+  f.add_real(c.names.timeout + " (s)", static_cast<double>(timeout.count()) / 1000.0);
+  return f;
+}
+
+LayerConfig agree_layer_call(const std::shared_ptr<Communicator>& world, LayerConfig config, const char* dtype,
+                             const Fingerprint& call, const std::string& what, const std::string& local_error) {
+  const std::size_t local = config.shape.tokens;
+  if (!world) {
+    if (!local_error.empty()) throw InvalidArgument(local_error);
+    config.split.clear();
+    return config;
+  }
+  const Fingerprint f = call_fingerprint(config, world->size(), world->timeout(), dtype, call);
+  const std::vector<std::uint64_t> counts = agree_gather(*world, f, what, local, local_error);
+  config.split.assign(counts.begin(), counts.end());
+  config.shape.tokens = 0;
+  for (std::size_t n : config.split) config.shape.tokens += n;
+  return config;
 }
 
 }  // namespace kdacp

@@ -54,21 +54,6 @@ constexpr DType dtype_of() {
   return std::is_same_v<T, double> ? DType::f64 : DType::f32;
 }
 
-// Bytes per element the Ulysses all-to-alls move for q, k, v, g, beta (16-bit
-// storage travels as 16 bits): their mean over the elements, rounded up.
-template <class T>
-std::size_t activation_bytes(const LayerConfig& c) {
-  const kda::Shape& s = c.shape;
-  const std::size_t per[5] = {s.heads * s.key_dim, s.heads * s.key_dim, s.value_heads * s.value_dim,
-                              s.value_heads * s.key_dim, s.value_heads};
-  std::size_t elems = 0, bytes = 0;
-  for (std::size_t i = 0; i < 5; ++i) {
-    elems += per[i];
-    bytes += per[i] * (c.storage[i] ? 2 : sizeof(T));
-  }
-  return (bytes + elems - 1) / elems;
-}
-
 // The call's local checks: this rank's inputs are its tokens of the stream.
 template <class T>
 void check_call(const Layer<T>& layer, const kda::Inputs<T>& in, kda::SequenceStates<const T> a, const char* a_name,
@@ -295,7 +280,7 @@ std::unique_ptr<Layer<T>> make_layer(const std::shared_ptr<Communicator>& world,
     layout.emplace(make_layer_layout(config, ranks));
     eo = layer_exchange_options(config.exchange, config.shape, dtype_of<T>(), *layout, sequences_of(config));
     width = config.ulysses == kLayerUlyssesAuto
-                ? choose_ulysses(config.shape, *layout, eo, activation_bytes<T>(config))
+                ? choose_ulysses(config.shape, *layout, eo, layer_activation_bytes(config, sizeof(T)))
                 : config.ulysses;
   } catch (const InvalidArgument& e) {
     local_error = e.what();
@@ -312,6 +297,18 @@ std::unique_ptr<Layer<T>> make_layer(const std::shared_ptr<Communicator>& world,
   // in different collectives.
   agree(*world, fields, "the KDA layer's construction", local_error);
   return std::make_unique<ParallelLayer<T>>(world, config, std::move(*layout), width, std::move(eo));
+}
+
+std::size_t layer_activation_bytes(const LayerConfig& c, std::size_t compute_bytes) {
+  const kda::Shape& s = c.shape;
+  const std::size_t per[5] = {s.heads * s.key_dim, s.heads * s.key_dim, s.value_heads * s.value_dim,
+                              s.value_heads * s.key_dim, s.value_heads};
+  std::size_t elems = 0, bytes = 0;
+  for (std::size_t i = 0; i < 5; ++i) {
+    elems += per[i];
+    bytes += per[i] * (c.storage[i] ? 2 : compute_bytes);
+  }
+  return elems == 0 ? compute_bytes : (bytes + elems - 1) / elems;
 }
 
 template class Layer<float>;

@@ -242,7 +242,7 @@ def context_worker(rank, world, init_file):
     # One rank's argument that does not convert: every rank raises at once
     # (the error travels in the agreement), none waits for the timeout.
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="split" if rank == 1 else "rank 1 rejected"):
         kt.build_cp_context(None, dist.group.WORLD, split=[2.5] * world if rank == 1 else [8] * world,
                             timeout=20)
     assert time.monotonic() - t0 < 10
@@ -361,7 +361,7 @@ def ulysses_worker(rank, world, init_file):
     assert list(_layer._LAYERS.values())[-1].ulysses == 2
     want_o = torch.cat([o_one[:, a:e] for a, e in big_ctx_parts.local_parts(rank)], dim=1)
     assert (o_auto - want_o).abs().max().item() <= 1e-10
-    with pytest.raises(ValueError, match="expected protocol 'auto', got 'p2p'"):
+    with pytest.raises(ValueError, match="expected protocol auto, got p2p"):
         kt.kda(*mine_big, cu_seqlens=cu, group=dist.group.WORLD, protocol="p2p", timeout=20,
                threads=1, ulysses="auto")
 
@@ -393,7 +393,7 @@ def ulysses_worker(rank, world, init_file):
     # Widths that do not fit, and ranks that disagree: ValueError on every rank.
     with pytest.raises(ValueError, match="ulysses=3: expected a divisor of the group's 4 ranks"):
         kt.build_cp_context(cu, dist.group.WORLD, split=counts, timeout=20, ulysses=3)
-    with pytest.raises(ValueError, match=r"ulysses=4: expected a divisor of the group's 4 ranks, H = 2"):
+    with pytest.raises(ValueError, match=r"ulysses 4: expected a divisor of the 4 ranks, of H = 2"):
         kt.kda(*[x.detach() for x in mine], cu_seqlens=cu, group=dist.group.WORLD, timeout=20,
                threads=1, ulysses=4)
     with pytest.raises(ValueError, match="ulysses"):

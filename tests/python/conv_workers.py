@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import kdacp.torch as kt
-from kdacp import _agreement, _kdacp
+from kdacp import _comm, _kdacp
 from conv_reference import causal_conv1d_ref
 
 
@@ -135,6 +135,6 @@ def conv_worker(rank, world, init_file):
     expect("dtype: ", dtype=torch.float64 if other else torch.float32)
     expect("output_final_state: ", want_ht=other)
     dist.barrier()
-    _agreement._BACKENDS.clear()
+    _comm._BACKENDS.clear()
     dist.destroy_process_group()
     time.sleep(0.2)

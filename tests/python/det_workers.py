@@ -164,10 +164,12 @@ def det_worker(rank, world, init_file):
             try:
                 fn(mine["q"], mine["k"], mine["v"], g, beta, deterministic=True, **kw)
             except ValueError as e:
-                # The layer's config check, in kdacp.torch's names (split).
+                # The layer's config check, in kdacp.torch's names: the
+                # context's split, or each rank's T without a context.
+                split_name = "split" if fn is kt.chunk_kda else "tokens per rank (each rank's T)"
                 assert ("start 100 tokens into their sequence" in str(e)
-                        and "choose split so that every cut inside a sequence falls on a 64-token "
-                            "boundary of it" in str(e)), e
+                        and f"choose {split_name} so that every cut inside a sequence falls on a "
+                            "64-token boundary of it" in str(e)), e
             else:
                 raise AssertionError(f"{fn.__name__}: a cut 100 tokens into a sequence passed")
         # recurrent has no grid: the same cut runs.
@@ -181,7 +183,7 @@ def det_worker(rank, world, init_file):
                    torch.sigmoid(mine["beta"]), group=group, timeout=30, algorithm="recurrent",
                    deterministic=rank != last)
         except ValueError as e:
-            assert "deterministic differs" in str(e), e
+            assert "the ranks disagree" in str(e) and "deterministic: " in str(e), e
         else:
             raise AssertionError("ranks passing different deterministic values ran")
     conv_check(rank, world, group)

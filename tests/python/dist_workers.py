@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import kdacp
 import kdacp.torch as kt
-from kdacp import _agreement, _comm, _common, _layer
+from kdacp import _comm, _common, _layer
 from kda_oracle import make_inputs
 
 EXACT = ["p2p", "pipelined_p2p", "allgather", "grouped_allgather_p2p"]
@@ -34,7 +34,7 @@ def finish():
     one takes the GIL during interpreter finalization)."""
     dist.barrier()
     _layer._LAYERS.clear()
-    _agreement._BACKENDS.clear()
+    _comm._BACKENDS.clear()
     dist.destroy_process_group()
     time.sleep(0.2)
 
@@ -213,7 +213,7 @@ def error_worker(rank, world, init_file):
     try:
         ex.forward(torch.randn(1, 2, 16, v), m)
     except ValueError as e:
-        assert "different shapes" in str(e), e
+        assert "the ranks disagree" in str(e) and "shape B,H,K,V: " in str(e), e
     else:
         raise AssertionError("rank %d: mismatched shapes accepted" % rank)
     # kda: ranks disagreeing on the heads.
@@ -221,7 +221,7 @@ def error_worker(rank, world, init_file):
     try:
         kt.kda(q, k, v_, g, beta, group=dist.group.WORLD, protocol="p2p", timeout=5)
     except ValueError as e:
-        assert "different arguments" in str(e), e
+        assert "the ranks disagree" in str(e) and "shape B,H,HV,K,V: " in str(e), e
     else:
         raise AssertionError("rank %d: kda with mismatched heads accepted" % rank)
     dist.barrier()
@@ -287,8 +287,9 @@ def trust_worker(rank, world, init_file):
 
     # A correct call first: the group's backend exists from here on.
     o_ok, _ = run()
-    last = [world - 1]
-    first = list(range(world - 1))
+    # The agreement's names: "rank 2", "ranks 0,1", "ranks 0-2".
+    last = f"rank {world - 1} has"
+    first = "rank 0 has" if world == 2 else f"ranks 0{',' if world == 3 else '-'}{world - 2} have"
     cases = [
         ("scale", dict(scale=0.5 if other else 0.25), ["0.25", "0.5"]),
         ("cu_seqlens", dict(cu_seqlens=[0, 2, 3, 7, 24] if other else [0, 1, 5, 6, 24]), []),
@@ -298,16 +299,16 @@ def trust_worker(rank, world, init_file):
                                       allgather_group_size=2 if other else 1), []),
         ("algorithm", dict(algorithm="recurrent" if other else "chunk"), ["recurrent", "chunk"]),
         ("output_final_state", dict(output_final_state=other), []),
-        ("initial_state given", dict(initial_state=h0 if other else None), []),
-        ("timeout", dict(timeout=7 if other else 10), ["7.0 s", "10.0 s"]),
+        ("initial_state", dict(initial_state=h0 if other else None), []),
+        ("timeout (s)", dict(timeout=7 if other else 10), ["7", "10"]),
         ("segments", dict(protocol="pipelined_p2p", segments=1 if other else 0), []),
         ("memory_budget_bytes", dict(memory_budget_bytes="1MiB" if other else 0), ["1048576"]),
         ("dtype", dict(xs=[x.float() for x in mine] if other else mine), ["float32", "float64"]),
     ]
     for name, kw, shown in cases:
         t0 = time.monotonic()
-        text = _raises(ValueError, lambda: run(**kw), f"{name} differs", "different arguments",
-                       f"global rank(s) {first}", f"global rank(s) {last}", *shown)
+        text = _raises(ValueError, lambda: run(**kw), f"{name}: ", "the ranks disagree",
+                       first, last, *shown)
         assert time.monotonic() - t0 < 5, (name, text)  # the agreement, not a timeout (10 s)
     # Still in step: the same correct call gives the same bits.
     assert torch.equal(run()[0], o_ok)
@@ -331,7 +332,7 @@ def trust_worker(rank, world, init_file):
         if other:
             _raises(TypeError if "unknown" in message else ValueError, lambda: run(**kw), message)
         else:
-            _raises(ValueError, lambda: run(), f"global rank(s) {last} rejected their own arguments")
+            _raises(ValueError, lambda: run(), f"rank {world - 1} rejected its own arguments")
         assert time.monotonic() - t0 < 5, message
     assert torch.equal(run()[0], o_ok)
 
@@ -362,13 +363,13 @@ def trust_worker(rank, world, init_file):
                      ("allgather_group_size", dict(protocol="grouped_allgather_p2p",
                                                    allgather_group_size=2 if other else 1))):
         _raises(ValueError, lambda: kt.build_kda_state_cp(world_group, threads=1, **{
-            "timeout": 10, **kw}), f"{name} differs", f"global rank(s) {last}")
+            "timeout": 10, **kw}), f"{name}", "the ranks disagree", last)
     ex = kt.build_kda_state_cp(world_group, "p2p", timeout=10, threads=1)
     s = torch.randn(1, 2, 16, 32)
     m = torch.randn(1, 2, 16, 16)
     _raises(ValueError, lambda: ex.forward(s.clone().requires_grad_(True), m), "requires grad")
     _raises(ValueError, lambda: ex.forward(s, m) if not other else ex.backward(s, m),
-            "direction differs", "different shapes")
+            "the ranks disagree", "direction: ")
     assert torch.equal(ex.forward(s, m), ex.forward(s, m))
 
     finish()

@@ -163,17 +163,3 @@ def test_mixed_16_bit_and_float32_is_the_float32_call_on_the_same_values():
 
 def test_context_over_gloo_in_bf16():
     spawn(chunk_kda_workers.half_worker, 2, 120)
-
-
-def test_ulysses_prices_the_bytes_its_all_to_alls_move():
-    """ulysses="auto" prices the all-to-alls at the bytes they move: 16-bit
-    tensors travel as 16 bits (2), float32 as 4, a float32 gate among bfloat16
-    q, k, v and beta as their mean rounded up (here 3)."""
-    from kdacp._common import _activation_bytes
-    b, t, h, kd, vd = 1, 8, 2, 16, 16
-    shapes = [(b, t, h, kd), (b, t, h, kd), (b, t, h, vd), (b, t, h, kd), (b, t, h)]
-    assert _activation_bytes([torch.zeros(s, dtype=torch.bfloat16) for s in shapes]) == 2
-    assert _activation_bytes([torch.zeros(s, dtype=torch.float16) for s in shapes]) == 2
-    assert _activation_bytes([torch.zeros(s) for s in shapes]) == 4
-    mixed = [torch.zeros(s, dtype=torch.float32 if i == 3 else torch.bfloat16) for i, s in enumerate(shapes)]
-    assert _activation_bytes(mixed) == 3
