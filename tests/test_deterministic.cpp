@@ -4,15 +4,18 @@
 // uneven, on chunk boundaries) and zigzag ones, every protocol configuration,
 // 1 and 3 threads per rank, the forward cache kept or not, float32 and
 // float64, packed sequences (one of one token) with h0 and dht, HV = 2H and
-// K != V, both algorithms; the recurrent algorithm with cuts anywhere. The
-// default mode's bytes do depend on P (so the comparison can fail), and a
-// chunk cut off its sequence's chunk grid is refused on every rank.
+// K != V, both algorithms; the recurrent algorithm with cuts anywhere;
+// layouts with runs of parts on one rank and several messages between two
+// ranks. The default mode's bytes do depend on P (so the comparison can
+// fail), and a chunk cut off its sequence's chunk grid is refused on every
+// rank.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/sequences.hpp"
@@ -181,6 +184,48 @@ INSTANTIATE_TEST_SUITE_P(Ranks, Deterministic, ::testing::Values(3, 8));
 #else
 INSTANTIATE_TEST_SUITE_P(Ranks, Deterministic, ::testing::Values(1, 2, 3, 4, 8));
 #endif
+
+// Parts at `bounds` (chunk-grid token boundaries) held by `owners`.
+Layout owned_parts(std::size_t ranks, const std::vector<std::size_t>& bounds,
+                   const std::vector<std::size_t>& owners) {
+  std::vector<LayoutPart> parts;
+  for (std::size_t i = 0; i < owners.size(); ++i) parts.push_back({owners[i], bounds[i], bounds[i + 1]});
+  return Layout(ranks, parts);
+}
+
+// The chain's hand-offs beyond zigzag's: a run of three parts on one rank
+// (each hands on to the next in place), one rank holding the first and the
+// last part, two messages from one rank to another in one direction, parts
+// out of rank order, and one rank holding every part (no message at all);
+// kDocs starts a sequence at the boundary 320, where nothing is handed on;
+// kRows hands on at every boundary. Backward included, kept and recomputed.
+TEST(Deterministic, RunsAndRoundTripsOfPartsAreTheSingleRankBytes) {
+  const std::vector<std::size_t> bounds{0, 64, 128, 192, 320, 448, 512, 640, 960, 1024};
+  const std::vector<std::pair<std::string, Layout>> layouts{
+      {"P=3 runs", owned_parts(3, bounds, {1, 1, 1, 0, 2, 0, 2, 0, 1})},
+      {"P=1 parts", owned_parts(1, {0, 192, 320, 640, 1024}, {0, 0, 0, 0})}};
+  const RowConfig p2p{{"p2p", 1, 0}, true, 0};
+  for (const Case* c : {&kDocs, &kRows}) {
+    const Problem<float> p = problem<float>(*c);
+    for (Algorithm algorithm : {Algorithm::chunk, Algorithm::recurrent}) {
+      const Result<float> want = single(p, algorithm);
+      const test::RunExec exec{kda::Exec{{nullptr, KernelKind::best}, algorithm}, true};
+      for (const auto& [name, layout] : layouts)
+        for (bool keep : {true, false}) {
+          const std::size_t ranks = layout.ranks();
+          const std::string what = c->name + ", " + algorithm_name(algorithm) + ", " + name +
+                                   (keep ? "" : ", recompute");
+          const CpRun<float> got =
+              run_layer(p, dht_on_rank0(p, ranks), ranks, {}, p2p, layout, exec, keep ? 1 : 2, keep);
+          EXPECT_EQ(differing(got.r, want), "") << what << ": not the single-rank bytes";
+          for (std::size_t r = 1; r < ranks; ++r) {
+            EXPECT_TRUE(same_bits(got.ht[r], want.ht)) << what << ": ht on rank " << r;
+            EXPECT_TRUE(same_bits(got.dh0[r], want.dh0)) << what << ": dh0 on rank " << r;
+          }
+        }
+    }
+  }
+}
 
 // The comparison above can fail: the default mode composes rank summaries,
 // whose rounding depends on P, so its bytes at P = 4 are not P = 1's (while

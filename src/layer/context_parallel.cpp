@@ -14,6 +14,7 @@
 #include "kdacp/error.hpp"
 #include "kdacp/finite.hpp"
 #include "kdacp/thread_pool.hpp"
+#include "exchange/p2p.hpp"
 #include "layer/agreement_fields.hpp"
 #include "layer/layer_finite.hpp"
 #include "kda/parts.hpp"
@@ -116,14 +117,11 @@ std::vector<T> summed_over_ranks(Communicator& comm, const SequenceStates<const 
   return sum;
 }
 
-// A state's bytes, for a message.
-std::span<std::byte> bytes_of(const State& st) {
-  return {reinterpret_cast<std::byte*>(st.data<unsigned char>()), st.bytes()};
-}
-
-// The chain's message tags: the receiving part's chain position, direction.
-int chain_tag(std::size_t position, bool forward) {
-  return 64 + 2 * static_cast<int>(position) + (forward ? 0 : 1);
+// The deterministic chain's states, [B,HV,K,V] of the layer's element type.
+template <class T>
+SummaryShape summary_shape(const Shape& s) {
+  return {.batch = s.batch, .heads = s.value_heads, .key_dim = s.key_dim, .value_dim = s.value_dim,
+          .dtype = dtype_of<T>()};
 }
 }  // namespace
 
@@ -474,102 +472,82 @@ void ContextParallelLayer<T>::backward(const Inputs<T>& in, const Saved& saved,
   }
 }
 
-// The deterministic chain. Each rank runs its parts in chain order; a part
-// that continues a sequence first receives its incoming state from the part
-// before it (a message, or the rank's own previous part), and a part whose
-// last sequence goes on hands its final state to the next. Every part's
-// walk is then the one-device walk over the same tokens from the same bits.
+// The deterministic chain, walked by the p2p protocol (exchange/p2p.hpp) over
+// comm_, the CP group the registry's p2p runs on. Each rank runs its parts in
+// chain order; a part that continues a sequence first takes its incoming
+// state from the part before it (a message, or the rank's own previous part),
+// and a part whose last sequence goes on hands its final state to the next.
+// Every part's walk is then the one-device walk over the same tokens from the
+// same bits.
 template <class T>
 std::vector<State> ContextParallelLayer<T>::chain_forward(
     const Inputs<T>& in, const Stream& stream, const std::vector<Part>& parts,
     const std::vector<PartInfo>& infos, SequenceStates<const Elem<T>> h0, Elem<T>* o,
     SequenceStates<Elem<T>> ht, ForwardCache<Elem<T>>* cache) {
-  const std::size_t rank = comm_->rank();
   const Shape& s = in.shape;
-  const std::vector<LayoutPart>& layout = stream.layout.parts();
-  const std::vector<std::size_t> chain = stream.layout.owners().parts_of(rank);
-  std::vector<State> incoming, outgoing;
-  std::vector<std::unique_ptr<Request>> sends;
-  for (std::size_t i = 0; i < parts.size(); ++i) {
-    const std::size_t at = chain[i];
-    incoming.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-    auto t0 = std::chrono::steady_clock::now();
-    if (!infos[i].starts_sequence) {
-      if (i > 0 && chain[i - 1] == at - 1)  // the rank's own previous part
-        std::copy_n(outgoing.back().data<T>(), s.state_elems(), incoming.back().data<T>());
-      else
-        comm_->irecv(bytes_of(incoming.back()), layout[at - 1].rank, chain_tag(at, true))->wait();
-    }
-    fwd_.exchange += since(t0);
-    t0 = std::chrono::steady_clock::now();
-    outgoing.emplace_back(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-    part_forward(in, stream.sequences, parts[i],
-                 infos[i].starts_sequence ? nullptr : incoming.back().data<T>(), h0, o, ht, exec_,
-                 cache, infos[i].ends_sequence ? nullptr : outgoing.back().data<T>());
-    fwd_.local += since(t0);
-    if (!infos[i].ends_sequence && layout[at + 1].rank != rank)
-      sends.push_back(comm_->isend(bytes_of(outgoing.back()), layout[at + 1].rank, chain_tag(at + 1, true)));
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto& send : sends) send->wait();
-  fwd_.exchange += since(t0);
-  return incoming;
+  std::vector<detail::ChainInput> inputs;
+  for (const PartInfo& info : infos)
+    inputs.push_back(info.starts_sequence ? detail::ChainInput::none : detail::ChainInput::awaited);
+  const detail::ChainStep step = [&](std::size_t i, const State* incoming) -> detail::ChainOut {
+    const bool hands_on = !infos[i].ends_sequence;
+    State outgoing = hands_on ? State(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>())
+                              : State();
+    part_forward(in, stream.sequences, parts[i], incoming ? incoming->data<T>() : nullptr, h0, o,
+                 ht, exec_, cache, hands_on ? outgoing.data<T>() : nullptr);
+    if (!hands_on) return {};
+    return outgoing;
+  };
+  detail::ChainWalk walk = detail::walk_chain(*comm_, exchange_->part_owners(), comm_->rank(),
+                                              Direction::forward, summary_shape<T>(s), inputs,
+                                              detail::ChainOrder::in_order, step);
+  fwd_.exchange += walk.waiting;
+  fwd_.local += walk.stepping;
+  return std::move(walk.incoming);
 }
 
+// The backward walks the chain the other way: each part's d_end is the
+// gradient its successor computed w.r.t. that successor's incoming state.
 template <class T>
 void ContextParallelLayer<T>::chain_backward(
     const Inputs<T>& in, const Saved& saved, const std::vector<Part>& parts,
     const std::vector<PartInfo>& infos, SequenceStates<const Elem<T>> h0, const Elem<T>* d_o,
     SequenceStates<const Elem<T>> dht, const Grads<Elem<T>>& grads, SequenceStates<Elem<T>> dh0,
     ForwardCache<Elem<T>>* kept) {
-  const std::size_t rank = comm_->rank();
   const Shape& s = in.shape;
   const Stream& stream = *saved.stream;
-  const std::vector<LayoutPart>& layout = stream.layout.parts();
-  const std::vector<std::size_t> chain = stream.layout.owners().parts_of(rank);
   // Where each part's records start in the forward's cache (one per piece).
   std::vector<std::size_t> first_record(parts.size() + 1, 0);
   for (std::size_t i = 0; i < parts.size(); ++i)
     first_record[i + 1] = first_record[i] + kdacp::pieces(stream.sequences, parts[i]).size();
-  std::vector<State> d_start(parts.size());
-  std::vector<std::unique_ptr<Request>> sends;
-  for (std::size_t i = parts.size(); i-- > 0;) {
-    const std::size_t at = chain[i];
-    State d_end(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-    auto t0 = std::chrono::steady_clock::now();
-    if (!infos[i].ends_sequence) {
-      if (i + 1 < parts.size() && chain[i + 1] == at + 1)  // the rank's own next part
-        std::copy_n(d_start[i + 1].data<T>(), s.state_elems(), d_end.data<T>());
-      else
-        comm_->irecv(bytes_of(d_end), layout[at + 1].rank, chain_tag(at, false))->wait();
-    }
-    bwd_.exchange += since(t0);
-    t0 = std::chrono::steady_clock::now();
-    // The gradient w.r.t. the part's incoming state: the predecessor's d_end.
+  std::vector<detail::ChainInput> inputs;
+  for (const PartInfo& info : infos)
+    inputs.push_back(info.ends_sequence ? detail::ChainInput::none : detail::ChainInput::awaited);
+  const detail::ChainStep step = [&](std::size_t i, const State* d_end) -> detail::ChainOut {
+    // The gradient w.r.t. the part's incoming state: its predecessor's d_end.
     Grads<Elem<T>> part_grads = grads;
     part_grads.d_incoming = nullptr;
+    State d_start;
     if (!infos[i].starts_sequence) {
-      d_start[i] = State(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
-      part_grads.d_incoming = d_start[i].data<T>();
+      d_start = State(s.batch, s.value_heads, s.key_dim, s.value_dim, dtype_of<T>());
+      part_grads.d_incoming = d_start.data<T>();
     } else if (i == 0) {
       part_grads.d_incoming = grads.d_incoming;  // dh0's rows, copied
     }
     if (kept) kept->seek(first_record[i]);
     part_backward(in, stream.sequences, parts[i],
                   infos[i].starts_sequence ? nullptr : saved.incoming[i].data<T>(), h0, d_o,
-                  infos[i].ends_sequence ? nullptr : d_end.data<T>(), dht, part_grads, dh0, exec_,
+                  d_end ? d_end->data<T>() : nullptr, dht, part_grads, dh0, exec_,
                   kDefaultCheckpointInterval, kept);
-    bwd_.local += since(t0);
-    if (!infos[i].starts_sequence) {
-      if (i == 0 && grads.d_incoming != nullptr)
-        std::copy_n(d_start[i].data<T>(), s.state_elems(), grads.d_incoming);
-      if (layout[at - 1].rank != rank)
-        sends.push_back(comm_->isend(bytes_of(d_start[i]), layout[at - 1].rank, chain_tag(at - 1, false)));
-    }
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto& send : sends) send->wait();
-  bwd_.exchange += since(t0);
+    if (infos[i].starts_sequence) return {};
+    if (i == 0 && grads.d_incoming != nullptr)
+      std::copy_n(d_start.data<T>(), s.state_elems(), grads.d_incoming);
+    return d_start;
+  };
+  detail::ChainWalk walk = detail::walk_chain(*comm_, exchange_->part_owners(), comm_->rank(),
+                                              Direction::backward, summary_shape<T>(s), inputs,
+                                              detail::ChainOrder::in_order, step);
+  bwd_.exchange += walk.waiting;
+  bwd_.local += walk.stepping;
 }
 
 template <class T>
