@@ -311,6 +311,36 @@ TEST(Layer, CallsWithTheirOwnSplitGatherTheCountsInTheAgreement) {
   });
 }
 
+// The in-kernel transforms are part of the config: checked in the user's
+// names, and a rank that applies others is named before any message.
+TEST(Layer, InputTransformsAreCheckedAndAgreed) {
+  const Shape s{1, 16, 2, 2, 8, 8};
+  LayerConfig c = config_for(s, {});
+  c.transforms.lower_bound = -5.0;
+  try {
+    make_layer<double>(nullptr, c);
+    ADD_FAILURE() << "a lower_bound without the gate was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("lower_bound, A_log or dt_bias without use_gate_in_kernel"),
+              std::string::npos)
+        << e.what();
+  }
+  c.transforms.gate = true;
+  c.transforms.lower_bound = 0.5;
+  EXPECT_THROW(make_layer<double>(nullptr, c), InvalidArgument);
+  expect_every_rank_names(
+      2,
+      [&](const std::shared_ptr<Communicator>& comm) {
+        LayerConfig mine = config_for(s, {});
+        mine.transforms.gate = true;
+        mine.transforms.a_log = true;
+        mine.transforms.beta_sigmoid = true;
+        if (comm->rank() == 1) mine.transforms.lower_bound = -5.0;
+        make_layer<double>(comm, mine);
+      },
+      {"in-kernel transforms: rank 0 has gate,A,sig, rank 1 has gate,A,lb=-5,sig"});
+}
+
 // ulysses auto prices the all-to-alls at the bytes they move: 16-bit
 // storage as 2, the compute type's otherwise, a mix as the mean rounded up.
 TEST(Layer, ActivationBytesAreWhatTheAllToAllsMove) {

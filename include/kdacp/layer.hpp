@@ -69,10 +69,29 @@ struct LayerNames {
   std::string dht = "dht";
   std::string dh0 = "dh0";
   std::string conv = "conv1d_kernel_size";
+  // The transforms, agreed as one field shown as "l2,gate,A,dt,lb=-5,sig"
+  // (q,k l2norm; the gate, with A_log, dt_bias, its lower bound; beta's
+  // sigmoid; "none").
+  std::string transforms = "in-kernel transforms";
+  std::string gate = "use_gate_in_kernel";
+  std::string lower_bound = "lower_bound";
 
   // kdacp.torch's keywords (the defaults above) and the CLI's flags.
   static LayerNames python() { return {}; }
   static LayerNames cli();
+};
+
+// flash-linear-attention's in-kernel input transforms (chunk_kda's flags;
+// kdacp/kda.hpp's passes, applied to the raw inputs before the layer's
+// kernels, their reverse modes after). Each changes every rank's result, so
+// they are part of the config: validated and agreed with it.
+struct InputTransforms {
+  bool qk_l2norm = false;     // q, k <- x / sqrt(sum_K x^2 + 1e-6)
+  bool gate = false;          // g from raw g, A_log and dt_bias (gate_forward)
+  std::optional<double> lower_bound;  // the gate's sigmoid form: finite, < 0
+  bool a_log = false;         // A_log given (else 0)
+  bool dt_bias = false;       // dt_bias given (else 0)
+  bool beta_sigmoid = false;  // beta <- sigmoid(beta)
 };
 
 enum class LayoutKind { contiguous, zigzag };
@@ -133,6 +152,8 @@ struct LayerConfig {
   // (protocol must be auto).
   std::size_t ulysses = 1;
 
+  InputTransforms transforms;
+
   // Width of the short convolution that runs with the layer's layout (its
   // halo messages depend on it); nullopt: none. Agreed on, not run here.
   std::optional<std::size_t> conv_width;
@@ -153,7 +174,8 @@ Layout make_layer_layout(const LayerConfig& config, std::size_t ranks);
 
 // Checks `config` for `ranks` ranks (everything but the communicator):
 // shapes, cu_seqlens, split and layout, protocol and its group size,
-// Ulysses' width, the deterministic mode's chunk rule. Throws
+// Ulysses' width, the deterministic mode's chunk rule, the input transforms
+// (lower_bound, A_log and dt_bias need the gate; lower_bound finite, < 0). Throws
 // InvalidArgument naming the setting as config.names spells it.
 void validate_layer_config(const LayerConfig& config, std::size_t ranks);
 

@@ -134,7 +134,9 @@ class CpContext:
             # first one's here, locally, and send only the exchange's messages.
             layer.agree_per_call(False)
             self._layers[dtype] = layer
-        layer.signature([(n, str(v)) for n, v in signature.items()])
+        layer.transforms(signature["use_qk_l2norm_in_kernel"], signature["use_gate_in_kernel"],
+                         signature["lower_bound"], signature["A_log given"],
+                         signature["dt_bias given"], signature["use_beta_sigmoid_in_kernel"])
         o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                    keep_forward, deterministic, *tensors, h0)
         if self._signature is None:

@@ -10,6 +10,7 @@
 // backward on the tensors' memory with the GIL released.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <map>
@@ -151,13 +152,12 @@ class KdaLayer {
                 : backward_t<float>(*saved, inputs, dtypes, shape, scale, h0, d_o, d_o_dtype, dht, want_dh0);
   }
 
-  // The caller's own settings every rank must share (chunk_kda's in-kernel
-  // transforms), for the following calls: part of their layer's config,
-  // agreed with its construction.
-  void signature(const std::vector<std::pair<std::string, std::string>>& fields) {
-    Fingerprint f;
-    for (const auto& [name, value] : fields) f.add_text(name, value);
-    extra_ = std::move(f);
+  // chunk_kda's in-kernel transforms of the following calls' inputs (run
+  // by kdacp.torch around the layer): part of their layer's config, agreed
+  // with its construction.
+  void transforms(bool qk_l2norm, bool gate, std::optional<double> lower_bound, bool a_log, bool dt_bias,
+                  bool beta_sigmoid) {
+    base_.transforms = InputTransforms{qk_l2norm, gate, lower_bound, a_log, dt_bias, beta_sigmoid};
   }
 
   // Off: the layers' first forward and first backward agree on the call's
@@ -219,7 +219,6 @@ class KdaLayer {
                           const std::optional<std::vector<std::int64_t>>& cu, kda::Algorithm algorithm,
                           bool keep_forward, bool deterministic) const {
     LayerConfig c = base_;
-    c.extra = extra_;
     c.shape = local;
     if (c.parts) c.shape.tokens = c.parts->tokens();
     if (cu) c.cu_seqlens = *cu;
@@ -231,13 +230,20 @@ class KdaLayer {
     return c;
   }
 
+  template <class T>
+  void forget(std::uint64_t key) {
+    layers<T>().erase(key);
+    order_.erase(std::remove(order_.begin(), order_.end(), key), order_.end());
+  }
+
   // The layer of config `c`: built (collectively on a group) the first
   // time the config is seen.
   template <class T>
-  std::shared_ptr<Layer<T>> layer_for(const LayerConfig& c) {
+  std::shared_ptr<Layer<T>> layer_for(const LayerConfig& c, std::optional<std::uint64_t>& built) {
     const std::uint64_t key = config_key(c, comm_ ? comm_->size() : 1);
     std::shared_ptr<Layer<T>>& slot = layers<T>()[key];
     if (!slot) {
+      built = key;
       try {
         slot = make_layer<T>(comm_, c);
       } catch (...) {
@@ -285,6 +291,7 @@ class KdaLayer {
     }
     auto box = std::make_shared<SavedBox>();
     std::shared_ptr<Layer<T>> layer;
+    std::optional<std::uint64_t> built;  // the key of a layer built by this call
     {
       py::gil_scoped_release release;  // the agreement and a layer's construction are collective
       if (per_call) {
@@ -294,7 +301,7 @@ class KdaLayer {
         call.add_flag(base_.names.ht, want_ht);
         c = agree_layer_call(comm_, std::move(c), f64_ ? "float64" : "float32", call, "kdacp.torch.kda", error);
       }
-      layer = layer_for<T>(c);
+      layer = layer_for<T>(c, built);
     }
     box->layer = layer;
     const kda::Sequences& seqs = layer->sequences();
@@ -308,8 +315,17 @@ class KdaLayer {
     }
     {
       py::gil_scoped_release release;
-      box->saved = layer->forward(tensors->get(s, scale), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
-                                  kda::sequence_states(ht_data, seqs, s));
+      try {
+        box->saved = layer->forward(tensors->get(s, scale), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
+                                    kda::sequence_states(ht_data, seqs, s));
+      } catch (...) {
+        // Every rank built it in this call (its construction agreed), and
+        // every rank's first forward failed alike: dropping it on each keeps
+        // the caches in step, so the next call builds (and agrees) on every
+        // rank instead of one rank building while another runs.
+        if (built) forget<T>(*built);
+        throw;
+      }
       o.finish("kdacp.torch.kda");
     }
     return py::make_tuple(o.array, ht, box);
@@ -353,7 +369,6 @@ class KdaLayer {
   bool f64_;
   std::vector<std::uint64_t> order_;  // the layers' keys, oldest first
   LayerConfig base_;  // the settings every call shares
-  Fingerprint extra_;  // signature()
   std::shared_ptr<Communicator> comm_;
   std::map<std::uint64_t, std::shared_ptr<Layer<float>>> layers_f32_;
   std::map<std::uint64_t, std::shared_ptr<Layer<double>>> layers_f64_;
@@ -416,7 +431,8 @@ void bind_kda_layer(py::module_& m) {
            py::arg("cu_seqlens"), py::arg("h0"), py::arg("want_ht"),
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
            py::arg("keep_forward") = defaults::kKeepForward, py::arg("deterministic") = defaults::kDeterministic)
-      .def("signature", &KdaLayer::signature, py::arg("fields"))
+      .def("transforms", &KdaLayer::transforms, py::arg("qk_l2norm"), py::arg("gate"), py::arg("lower_bound"),
+           py::arg("a_log"), py::arg("dt_bias"), py::arg("beta_sigmoid"))
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("dtypes"), py::arg("shape"),
            py::arg("scale"), py::arg("h0"), py::arg("d_o"), py::arg("d_o_dtype"), py::arg("dht"), py::arg("want_dh0"))
       .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <optional>
 #include <span>
@@ -46,6 +47,9 @@ LayerNames LayerNames::cli() {
   n.dht = "dht given";
   n.dh0 = "dh0 requested";
   n.conv = "convolution width";
+  n.transforms = "input transforms";
+  n.gate = "gate from raw g";
+  n.lower_bound = "gate lower bound";
   return n;
 }
 
@@ -123,6 +127,35 @@ void check_ulysses(const LayerConfig& c, std::size_t ranks) {
   if (ranks % c.ulysses != 0 || s.heads % c.ulysses != 0 || s.value_heads % c.ulysses != 0)
     throw InvalidArgument(fmt::format("{} {}: expected a divisor of the {} ranks, of H = {} and of HV = {}",
                                       n.ulysses, c.ulysses, ranks, s.heads, s.value_heads));
+}
+
+void check_transforms(const LayerConfig& c) {
+  const InputTransforms& t = c.transforms;
+  const LayerNames& n = c.names;
+  if (!t.gate && (t.lower_bound || t.a_log || t.dt_bias))
+    throw InvalidArgument(fmt::format("{}, A_log or dt_bias without {}: g is then the ready log-decay and they "
+                                      "would be ignored",
+                                      n.lower_bound, n.gate));
+  if (t.lower_bound && !(std::isfinite(*t.lower_bound) && *t.lower_bound < 0))
+    throw InvalidArgument(fmt::format("{} {}: expected a finite number < 0 (the gate then lies in [{}, 0])",
+                                      n.lower_bound, *t.lower_bound, n.lower_bound));
+}
+
+// One field: the flags and the lower bound's exact bits, shown compactly.
+void add_transform_fields(Fingerprint& f, const LayerConfig& c) {
+  const InputTransforms& t = c.transforms;
+  std::vector<std::string> shown;
+  if (t.qk_l2norm) shown.emplace_back("l2");
+  if (t.gate) shown.emplace_back("gate");
+  if (t.a_log) shown.emplace_back("A");
+  if (t.dt_bias) shown.emplace_back("dt");
+  if (t.lower_bound) shown.push_back(fmt::format("lb={}", *t.lower_bound));
+  if (t.beta_sigmoid) shown.emplace_back("sig");
+  const double lb = t.lower_bound ? *t.lower_bound : 0.0;
+  const std::uint8_t flags[6] = {t.qk_l2norm, t.gate, t.a_log, t.dt_bias, t.lower_bound.has_value(), t.beta_sigmoid};
+  std::uint64_t h = fnv1a64(std::as_bytes(std::span(flags)));
+  h = fnv1a64(std::as_bytes(std::span(&lb, 1)), h);
+  f.add_hash(c.names.transforms, h, shown.empty() ? std::string("none") : fmt::format("{}", fmt::join(shown, ",")));
 }
 
 }  // namespace
@@ -211,6 +244,7 @@ void validate_layer_config(const LayerConfig& c, std::size_t ranks) {
                                   ? kda::Sequences(c.shape.batch, c.shape.tokens)
                                   : kda::Sequences(1, c.shape.tokens, std::span<const std::int64_t>(c.cu_seqlens));
   check_deterministic(c, layout, seqs);
+  check_transforms(c);
 }
 
 namespace {
@@ -294,6 +328,7 @@ Fingerprint call_fingerprint(const LayerConfig& c, std::size_t ranks, std::chron
               c.cu_seqlens.empty() ? "None" : list_text(std::span<const std::int64_t>(c.cu_seqlens)));
   f.add_text(n.layout, layout_kind_name(c.layout));
   add_exchange_fields(f, c);
+  add_transform_fields(f, c);
   add_caller_fields(f, c, timeout);
   f.append(call);
   return f;
@@ -330,6 +365,7 @@ Fingerprint layer_fingerprint(const LayerConfig& c, std::size_t ranks, std::size
   f.add_int(n.ulysses, static_cast<long long>(width));
   f.add_int(n.conv, c.conv_width ? static_cast<long long>(*c.conv_width) : -1);
   f.add_flag("check_finite", c.check_finite);
+  add_transform_fields(f, c);
   f.append(c.extra);
   return f;
 }

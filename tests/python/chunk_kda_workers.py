@@ -214,6 +214,10 @@ def context_worker(rank, world, init_file):
             for k_, v_ in x.items()}
     with pytest.raises(ValueError, match=r"the ranks disagree.*scale: rank 0 has 0.25, rank 1 has 0.5"):
         call(mine, FLAGS, cp_context=ctx, scale=0.25 if rank == 0 else 0.5)
+    # The in-kernel transforms are part of the layer's config (agreed in C++).
+    with pytest.raises(ValueError, match=r"the ranks disagree.*in-kernel transforms: rank 0 has "
+                                         r"l2,gate,A,dt,sig, rank 1 has gate,A,dt,sig"):
+        call(mine, dict(FLAGS, use_qk_l2norm_in_kernel=rank == 0), cp_context=ctx, scale=0.5)
     call(mine, FLAGS, cp_context=ctx, scale=0.5)  # now agreed, and pinned
     # A later call with other arguments raises on its rank before sending (here on
     # every rank alike, so no peer is left waiting for the timeout).
