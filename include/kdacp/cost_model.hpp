@@ -100,8 +100,10 @@ struct ProblemShape {
 // another P than shape.ranks.
 PartOwners owners_of(const ProblemShape& shape);
 // Several parts on a rank, or parts out of rank order: only the rows that
-// take layouts run it.
-inline bool has_layout(const ProblemShape& shape) {
+// take layouts (ProtocolDescriptor::takes_layouts) can run the shape, so
+// auto and plan weigh only those. Not a pricing rule: every row prices one
+// part per rank, explicit or not, as that layout (owners_of).
+inline bool needs_layout_rows(const ProblemShape& shape) {
   return shape.part_owners && !shape.part_owners->is_one_per_rank();
 }
 
@@ -329,7 +331,7 @@ double all_to_all_seconds(const CostParams& params, std::size_t width, double by
 // no cuts), with the group α/β kept only while U < node_size and U divides
 // it (the C ranks of one head slice are U apart, so from U = node_size on no
 // two of them share an island). At U = 1 the exchange is exactly
-// choose_protocol(params, shape, budget, false, has_layout(shape)). Throws
+// choose_protocol(params, shape, budget, false, needs_layout_rows(shape)). Throws
 // InvalidArgument for a zero option, heads that do not divide shape.slabs,
 // or a shape with a layout or cuts and no shape_at.
 std::vector<UlyssesPrediction> predict_ulysses(
