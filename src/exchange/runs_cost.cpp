@@ -116,21 +116,27 @@ void add_run_scan(CostTerms& t, const ProblemShape& s, const Runs& runs, std::si
     }
     // The round's compute on the critical path: a carrier composes its
     // positions' aggregates before it sends them and their prefixes after
-    // it receives, so the busiest sender's compositions, the messages, then
-    // the busiest receiver's (one part per rank: two compositions a round,
-    // the last round's senders and receivers one fold each).
-    for (const auto* side : {&sending, &receiving}) {
-      const std::array<std::size_t, 2>* busiest = &side->front();
+    // it receives, so a message waits for its sender's compositions and its
+    // receiver's wait for it: the costliest message's sender's and
+    // receiver's together (one part per rank: two compositions a round, a
+    // fold on each side in the last).
+    std::array<std::size_t, 2> path{};
+    auto weight = [&](const std::array<std::size_t, 2>& c) {
+      return dbl(c[0]) * fold_weight + dbl(c[1]) * product_weight;
+    };
+    for (std::size_t q = 0; q + d < m; ++q) {
+      const auto& a = sending[carrier(q)];
+      const auto& b = receiving[carrier(q + d)];
+      const std::array<std::size_t, 2> both{a[0] + b[0], a[1] + b[1]};
+      if (weight(both) > weight(path)) path = both;
+    }
+    t.folds += dbl(path[0]);
+    t.products += dbl(path[1]);
+    for (const auto* side : {&sending, &receiving})
       for (const auto& c : *side) {
         t.work_folds += dbl(c[0]);
         t.work_products += dbl(c[1]);
-        if (dbl(c[0]) * fold_weight + dbl(c[1]) * product_weight >
-            dbl((*busiest)[0]) * fold_weight + dbl((*busiest)[1]) * product_weight)
-          busiest = &c;
       }
-      t.folds += dbl((*busiest)[0]);
-      t.products += dbl((*busiest)[1]);
-    }
   }
 }
 
