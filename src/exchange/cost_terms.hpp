@@ -184,10 +184,11 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 //   kind on its own links. With oversubscribed leaves (rank_leaf_width) a
 //   round takes at least the busiest leaf's messages across leaves in one
 //   direction at leaf/o ports' bandwidth (zigzag: two per rank; the
-//   difference goes to contention_bytes). Compute: each round the busiest
-//   carrier's compositions, counted position by position with the runs'
-//   cuts (a run is a cut when one of its parts is): a composition after a
-//   cut costs nothing, one before a cut no product.
+//   difference goes to contention_bytes). Compute: each round the costliest
+//   message's sender's compositions (before it sends) and receiver's (after
+//   it receives), counted position by position with the runs' cuts (a run
+//   is a cut when one of its parts is): a composition after a cut costs
+//   nothing, one before a cut no product.
 // - The folds inside the runs: the carrier's fold of each run into a pair
 //   (its parts from the run's last cut on: a cut's pair is constant, the
 //   parts before it add nothing) and every rank's fold inside its runs (from
