@@ -45,7 +45,7 @@ TEST(LayerAdmission, AutoNamesTheProtocolTheLayerRuns) {
     const job::LayerOutputs<float> out = job::run_context_parallel(job, ranks, opts, 30);
     ran.push_back(out.method);
     const ProblemShape ps = job::layer_problem_shape(shape, sizeof(float), layout);
-    EXPECT_EQ(has_layout(ps), zigzag) << layout.str();
+    EXPECT_EQ(needs_layout_rows(ps), zigzag) << layout.str();
     ExchangeOptions eo;
     eo.expected_shape = job::layer_summary_shape(shape);
     EXPECT_EQ(predict_exchange(ps, "auto", 1, eo).config.method, out.method) << layout.str();
@@ -136,7 +136,7 @@ TEST(LayerAdmission, LayoutCutsFollowThePacking) {
   // (two steps in): 0 -> 1 -> 2, then 5 -> 6 -> 7 is the critical path.
   EXPECT_EQ(chain_profile(ps, 1).steps, 5u);
   EXPECT_TRUE(contiguous.owners().is_one_per_rank());
-  EXPECT_FALSE(has_layout(job::layer_problem_shape(kda::Shape{1, 8, 1, 1, 16, 16}, 4, contiguous)));
+  EXPECT_FALSE(needs_layout_rows(job::layer_problem_shape(kda::Shape{1, 8, 1, 1, 16, 16}, 4, contiguous)));
 }
 
 // Under a launcher each process holds one rank: its estimate is one rank's

@@ -100,8 +100,10 @@ struct ProblemShape {
 // another P than shape.ranks.
 PartOwners owners_of(const ProblemShape& shape);
 // Several parts on a rank, or parts out of rank order: only the rows that
-// take layouts run it.
-inline bool has_layout(const ProblemShape& shape) {
+// take layouts (ProtocolDescriptor::takes_layouts) can run the shape, so
+// auto and plan weigh only those. Not a pricing rule: every row prices one
+// part per rank, explicit or not, as that layout (owners_of).
+inline bool needs_layout_rows(const ProblemShape& shape) {
   return shape.part_owners && !shape.part_owners->is_one_per_rank();
 }
 
@@ -120,7 +122,8 @@ struct ChainProfile {
   std::size_t relays = 0;
   // Of those relays, the ones between ranks of different nodes
   // (ProblemShape::ranks_per_node, nodes holding consecutive ranks, any
-  // layout); all of them when the nodes are unknown or do not divide P.
+  // layout); all of them when the nodes are unknown or do not divide P. For
+  // width w a relay goes between the two blocks' carriers (their last ranks).
   std::size_t node_relays = 0;
   // Along it: the steps into a part from an earlier part of the same block
   // (a block handles its parts in chain order): a local step (zigzag's middle)
@@ -140,6 +143,28 @@ struct ChainProfile {
   std::size_t runs = 1;           // runs in the chain
   std::size_t runs_per_block = 1; // the most runs one block holds
   std::size_t longest_run = 1;    // parts in the longest run
+  // What the protocols hold, as their code allocates it (p2p.cpp,
+  // pipelined_p2p.cpp, runs.cpp, allgather.cpp): the most over ranks (or
+  // blocks) and over both directions. Cuts aside: a cut part is priced as a
+  // part that folds (cuts shorten the time, never the buffers), an offset
+  // as dense. One part per rank is the layout like any other.
+  // p2p, over ranks: the states a rank's parts fold and send to another
+  // rank, each held until the call ends, and one more when it hands a state
+  // to a part of its own (that part's buffer and the state moved into it).
+  // The chain's first part sends its offset as it is.
+  std::size_t chain_sends = 0;
+  // pipelined_p2p, over ranks: a receive buffer per part with a part before
+  // it, a send buffer per part whose next part is on another rank.
+  std::size_t stream_buffers = 0;
+  // The blocks' relay (grouped_allgather_p2p, blocks of `width`): a carrier
+  // holds a state per run of its block with a run before it (received,
+  // then broadcast) and one per run with a run after it (sent).
+  std::size_t relay_states = 0;
+  // allgather, over ranks: the gather holds the parts rank by rank, k slots
+  // per rank, and a part folds the positions from its rank's previous part
+  // (or the chain's start) on: whether some part's positions are not
+  // consecutive slots, so that its fold alternates with a temporary state.
+  bool split_folds = false;
 };
 // The profile of `shape` for blocks of `width` ranks. The worst path is the
 // one with the most relays + port_waits + order_weight · order_waits (then
@@ -306,7 +331,7 @@ double all_to_all_seconds(const CostParams& params, std::size_t width, double by
 // no cuts), with the group α/β kept only while U < node_size and U divides
 // it (the C ranks of one head slice are U apart, so from U = node_size on no
 // two of them share an island). At U = 1 the exchange is exactly
-// choose_protocol(params, shape, budget, false, has_layout(shape)). Throws
+// choose_protocol(params, shape, budget, false, needs_layout_rows(shape)). Throws
 // InvalidArgument for a zero option, heads that do not divide shape.slabs,
 // or a shape with a layout or cuts and no shape_at.
 std::vector<UlyssesPrediction> predict_ulysses(

@@ -21,7 +21,7 @@ ProblemShape plan_problem_shape(std::size_t slabs, std::size_t key_dim, std::siz
                                 const Layout& layout, const std::optional<Sequences>& seqs);
 
 struct PlanPredictions {
-  // predict_all's rows (reassociating included); with a layout (has_layout)
+  // predict_all's rows (reassociating included); with a layout (needs_layout_rows)
   // only those of protocols that take layouts.
   std::vector<Prediction> rows;
   std::vector<std::string> without_layouts;  // the methods left out, in registry order

@@ -122,9 +122,10 @@ CostTerms allgather_cost(const ProblemShape& s, const ProtocolConfig&, StreamWai
   t.folds = stretch_folds(chain.steps);
   t.work_folds = chain.parts >= 3 ? dbl(chain.parts - 1) * dbl(chain.parts - 2) / 2 : 0;
   t.peak_extra_bytes = s.ranks * chain.per_rank * packed_bytes(s);
-  // A layout's fold with two or more stretches of consecutive slots
-  // alternates between the result and one temporary.
-  if (has_layout(s)) t.peak_extra_bytes += state_bytes(s);
+  // A fold over two or more stretches of consecutive slots alternates
+  // between the result and one temporary (never for one part per rank:
+  // slot j is position j).
+  if (chain.split_folds) t.peak_extra_bytes += state_bytes(s);
   return t;
 }
 

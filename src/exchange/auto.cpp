@@ -19,7 +19,7 @@ namespace {
 Prediction auto_choice(const ProblemShape& shape, const ExchangeOptions& o) {
   const Planner planner(o.cost);  // the choice and a forced segment count price one shape
   Prediction choice = planner.choose_protocol(shape, o.memory_budget_bytes, o.allow_reassociation,
-                                              has_layout(shape));
+                                              needs_layout_rows(shape));
   if (find_protocol(choice.config.method).takes_segments && o.segments != 0) {
     ProtocolConfig forced = choice.config;
     forced.segments = o.segments;

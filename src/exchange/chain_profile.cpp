@@ -38,7 +38,6 @@ void check_part_cuts(const ProblemShape& s, std::size_t n) {
 namespace {
 
 using detail::check_part_cuts;
-using detail::crosses_nodes;
 using detail::rank_node_width;
 
 // For each relay j (the step into part j that changes run, leaving in
@@ -64,6 +63,58 @@ std::vector<std::size_t> port_sharing(const PartOwners& owners, const std::vecto
     if (run_of[j] != run_of[j - 1])
       for (const Port& port : ports(j)) shared[j] = std::max(shared[j], held[port] - 1);
   return shared;
+}
+
+// ChainProfile's buffers (chain_sends, stream_buffers, relay_states,
+// split_folds), counted as the protocols allocate them.
+void count_buffers(ChainProfile& out, const PartOwners& owners, const std::vector<std::size_t>& run_of,
+                   std::size_t w) {
+  const std::size_t n = owners.size(), p = owners.ranks();
+  std::vector<std::size_t> sends(p), local(p), buffers(p);
+  for (const bool forward : {true, false}) {
+    std::fill(sends.begin(), sends.end(), 0);
+    std::fill(local.begin(), local.end(), 0);
+    std::fill(buffers.begin(), buffers.end(), 0);
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t r = owners[j];
+      const bool has_prev = forward ? j > 0 : j + 1 < n;
+      const bool has_next = forward ? j + 1 < n : j > 0;
+      const bool next_here = has_next && owners[forward ? j + 1 : j - 1] == r;
+      if (next_here) local[r] = 1;
+      if (has_next && !next_here && has_prev) ++sends[r];
+      buffers[r] += (has_prev ? 1 : 0) + (has_next && !next_here ? 1 : 0);
+    }
+    for (std::size_t r = 0; r < p; ++r) {
+      out.chain_sends = std::max(out.chain_sends, sends[r] + local[r]);
+      out.stream_buffers = std::max(out.stream_buffers, buffers[r]);
+    }
+  }
+  // Runs fed and runs sent on: the same count in both directions.
+  std::vector<std::size_t> relayed(p / w + 1, 0);
+  for (std::size_t j = 0; j < n; ++j) {
+    if (j > 0 && run_of[j] == run_of[j - 1]) continue;
+    relayed[owners[j] / w] += (run_of[j] > 0 ? 1 : 0) + (run_of[j] + 1 < out.runs ? 1 : 0);
+  }
+  out.relay_states = *std::max_element(relayed.begin(), relayed.end());
+  // The gather's slot of each part (allgather.cpp: rank by rank, k each),
+  // and `breaks`: how many adjacent positions before u are not adjacent
+  // slots. A part folds the positions from its rank's previous part on
+  // (forward [start, j), backward (j, start]).
+  std::vector<std::size_t> held(p, 0), slot(n), breaks(n, 0);
+  for (std::size_t j = 0; j < n; ++j) slot[j] = owners[j] * out.per_rank + held[owners[j]]++;
+  for (std::size_t u = 1; u < n; ++u) breaks[u] = breaks[u - 1] + (slot[u] != slot[u - 1] + 1 ? 1 : 0);
+  std::vector<std::size_t> last(p, n);  // each rank's previous part, forward
+  for (std::size_t j = 0; j < n && !out.split_folds; ++j) {
+    const std::size_t start = last[owners[j]] == n ? 0 : last[owners[j]];
+    last[owners[j]] = j;
+    out.split_folds = j >= start + 2 && breaks[j - 1] != breaks[start];
+  }
+  std::fill(last.begin(), last.end(), n);  // each rank's previous part, backward
+  for (std::size_t j = n; j-- > 0 && !out.split_folds;) {
+    const std::size_t start = last[owners[j]] == n ? n - 1 : last[owners[j]];
+    last[owners[j]] = j;
+    out.split_folds = start >= j + 2 && breaks[start] != breaks[j + 1];
+  }
 }
 
 }  // namespace
@@ -101,8 +152,12 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   // (plus order_weight per edge of the second kind), then relays across
   // nodes; and, apart, by steps.
   auto cut = [&](std::size_t j) { return !s.part_cuts.empty() && s.part_cuts[j]; };
-  const std::size_t node = rank_node_width(s);  // for any layout
-  auto across = [&](std::size_t j) { return crosses_nodes(owners, node, j); };
+  // A relay goes between the carriers of two blocks, their last ranks (runs.cpp;
+  // width 1: the parts' owners themselves), on nodes of consecutive ranks
+  // for any layout.
+  const std::size_t node = rank_node_width(s);
+  auto carrier_node = [&](std::size_t rank) { return (rank / w * w + w - 1) / node; };
+  auto across = [&](std::size_t j) { return node == 0 || carrier_node(owners[j - 1]) != carrier_node(owners[j]); };
   struct Path {
     std::size_t relays = 0, node_relays = 0, order_waits = 0;
     std::size_t port_waits = 0, node_port_waits = 0;
@@ -181,6 +236,7 @@ ChainProfile chain_profile(const ProblemShape& s, std::size_t width, std::size_t
   out.order_waits = worst.order_waits;
   out.port_waits = worst.port_waits;
   out.node_port_waits = worst.node_port_waits;
+  count_buffers(out, owners, run_of, w);
   return out;
 }
 

@@ -54,8 +54,9 @@ inline double chain_folds(std::size_t p) { return p >= 3 ? dbl(p - 2) : 0; }
 // the first step is the offset itself.
 inline double stretch_folds(std::size_t steps) { return steps >= 2 ? dbl(steps - 1) : 0; }
 
-// has_layout (cost_model.hpp): a layout call runs the layout algorithm, whose buffers
-// the memory terms count; one part per rank runs the plain call.
+// Every protocol runs one part per rank as the layout of one part per rank
+// (exchange.cpp makes the owners explicit), so the terms read the shape's
+// layout (owners_of, chain_profile) whether it is given or not.
 
 // Nodes (CostParams::node_ranks, carried by ProblemShape::ranks_per_node):
 // a message between two ranks of one node goes at the group α/β (NVLink), any
@@ -102,13 +103,6 @@ inline void add_port_waits(CostTerms& t, const ChainProfile& chain, double bytes
   const double across = dbl(chain.node_port_waits);
   t.contention_bytes += across * bytes_each;
   t.group_bytes += (dbl(chain.port_waits) - across) * bytes_each;
-}
-
-// Of `hops` chain hops between positions `stride` ranks apart, the ones that
-// cross a node boundary (nodes of `node` ranks; 0: all of them).
-inline double node_crossings(double hops, std::size_t stride, std::size_t node) {
-  if (node == 0 || stride >= node) return hops;
-  return std::floor(hops * dbl(stride) / dbl(node));
 }
 
 // The agreement before every collective of the MPI backend
@@ -168,45 +162,10 @@ inline void add_group_broadcast(CostTerms& t, std::size_t m, std::size_t n, std:
   add_messages(t, false, dbl(ceil_log2(m / node)), dbl(n));
 }
 
-// Recursive doubling over m positions (affine_pairs.hpp): round 0 moves a
-// packed pair and computes nothing; the middle rounds compose two full pairs
-// each (the outgoing aggregate and the received prefix); the last round moves
-// and folds states only, because its receivers need no transfer any more.
-// On nodes (node > 0) with positions `stride` ranks apart, round k sends from
-// position q to q + 2^k (a scan, not a butterfly): when the positions span
-// more than one node, the last position of a node sends to the next node in
-// every round and waits for that send before its next round, so every round
-// on the critical path is a network one; only a scan inside one node
-// (m·stride <= node) stays at the group α/β. In another leaf switch
-// (rank_leaf_width) from 2^k·stride >= leaf on, where one rank in `stride` sends
-// across at once (add_leaf_contention).
-inline void add_recursive_doubling(CostTerms& t, const ProblemShape& s, std::size_t m, std::size_t stride = 1,
-                                   std::size_t node = 0) {
-  const std::size_t rounds = ceil_log2(m);
-  if (rounds == 0) return;
-  const std::size_t leaf = node > 0 ? rank_leaf_width(s) : 0;
-  const bool inside = node > 0 && m * stride <= node;
-  for (std::size_t k = 0; k < rounds; ++k) {
-    const double bytes = dbl(k + 1 < rounds ? packed_bytes(s) : state_bytes(s));
-    add_messages(t, inside, 1, bytes);
-    if (leaf > 0 && (std::size_t{1} << k) * stride >= leaf) add_leaf_contention(t, s, bytes, stride);
-  }
-  if (rounds >= 3) {
-    t.folds += dbl(rounds - 2) * 2;
-    t.products += dbl(rounds - 2) * 2;
-  }
-  if (rounds >= 2) t.folds += 2;
-  // All positions together (approximate: every receiver of a middle round
-  // composes two pairs, every receiver of the last round folds two states).
-  for (std::size_t k = 1; k < rounds; ++k) {
-    const double receivers = dbl(m - (std::size_t{1} << k));
-    t.work_folds += receivers * 2;
-    if (k + 1 != rounds) t.work_products += receivers * 2;
-  }
-}
-
-// The prefix, the outgoing aggregate and the receive buffer, one pair each,
-// on every position but the first (which holds the outgoing one only).
+// The scan's pairs on the member that holds one position: the prefix, the
+// outgoing aggregate and the receive buffer, one pair each, on every
+// position but the first (which holds the outgoing one only); the last
+// position, which has no outgoing pair, composes into a temporary one.
 inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t m) {
   // Two positions: the first holds its outgoing pair, the second its prefix
   // and its receive buffer; from three on a middle position holds all three.
@@ -225,32 +184,67 @@ inline std::size_t recursive_doubling_memory(const ProblemShape& s, std::size_t 
 //   kind on its own links. With oversubscribed leaves (rank_leaf_width) a
 //   round takes at least the busiest leaf's messages across leaves in one
 //   direction at leaf/o ports' bandwidth (zigzag: two per rank; the
-//   difference goes to contention_bytes). Compute: each round the busiest
-//   carrier's compositions, counted position by position with the runs'
-//   cuts (a run is a cut when one of its parts is): a composition after a
-//   cut costs nothing, one before a cut no product.
+//   difference goes to contention_bytes). Compute: each round the costliest
+//   message's sender's compositions (before it sends) and receiver's (after
+//   it receives), counted position by position with the runs' cuts (a run
+//   is a cut when one of its parts is): a composition after a cut costs
+//   nothing, one before a cut no product.
 // - The folds inside the runs: the carrier's fold of each run into a pair
 //   (its parts from the run's last cut on: a cut's pair is constant, the
 //   parts before it add nothing) and every rank's fold inside its runs (from
 //   the run's start or a cut to the next cut), for the longest run of each.
 void add_layout_runs(CostTerms& t, const ProblemShape& s, std::size_t w);
 
+// The folds every rank runs inside the runs of a layout for blocks of w
+// ranks, as run_layout_in_runs (runs.cpp) runs them, all ranks together
+// (work_folds, work_products; cuts aside, forward): each rank folds each
+// run of its block that holds one of its parts up to its last one there,
+// from the run's incoming state (the chain's first run from its first
+// part's offset: a step fewer). `chain_relay` (grouped_allgather_p2p): the
+// carrier folds each run that has a run after it whole, for the state it
+// sends. Otherwise (the doubling scan) the carrier folds each run of
+// several parts into a pair first (a fold and a K×K product per part after
+// the first), and at width 1 a run of one part folds nothing: its own pair
+// is scanned and the scan's state is its result.
+void add_run_work(CostTerms& t, const ProblemShape& s, std::size_t w, bool chain_relay);
+
 // Recursive doubling over a layout's runs (runs.hpp) for blocks of w
-// ranks: the block gathers k slots per rank, its carrier folds each run into
-// a pair and scans the runs (add_layout_runs), then broadcasts their incoming
-// states; every rank folds inside its runs. Memory: the slots, per run three
-// scan pairs and an aggregate, one composition pair, the scan's results and
-// the runs' incoming states, two fold temporaries.
+// ranks (one part per rank: the scan over the ranks at w = 1, over the
+// blocks' pairs at w > 1): the block gathers k slots per rank, its carrier
+// folds each run of several parts into a pair and scans the runs
+// (add_layout_runs), then broadcasts their incoming states; every rank folds
+// inside its runs (add_run_work).
 inline void add_layout_doubling(CostTerms& t, const ProblemShape& s, const ChainProfile& chain,
                                 std::size_t w) {
   const std::size_t m = chain.runs_per_block;
   add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
   add_layout_runs(t, s, w);
-  t.work_folds += dbl(chain.parts) * dbl(chain.longest_run);
-  t.work_products += dbl(chain.parts);
+  add_run_work(t, s, w, false);
   if (w > 1 && chain.runs > 1) add_group_broadcast(t, w, m * state_bytes(s), rank_node_width(s));
-  t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) + (4 * m + 1) * packed_bytes(s) +
-                       (2 * m + 2) * state_bytes(s);
+  // Memory, as run_layout_in_runs allocates it on the busiest carrier. At
+  // width 1 a run of one part is scanned as it is: with every run one part
+  // long (one part per rank) nothing is packed and the scan's states are
+  // the results. Otherwise the slots, an aggregate pair per run of several
+  // parts, and, while it folds one (run_pair), a temporary state and a
+  // K×K product, freed before the scan. Then the scan: one position per carrier holds
+  // recursive_doubling_memory's pairs, several hold three each and one
+  // composition pair more; beside them the runs' states: at width 1 those
+  // that runs of several parts fold from, at width > 1 the runs' incoming
+  // states, and the scan's results beside them while they are copied in
+  // (several runs per block).
+  const bool direct = w == 1, pairs = chain.longest_run > 1;
+  const std::size_t packed = packed_bytes(s), state = state_bytes(s);
+  const std::size_t slots = direct && !pairs ? 0 : w * chain.per_rank * packed;
+  const std::size_t aggregates = pairs ? m * packed : 0;
+  const std::size_t scan = m == 1 ? recursive_doubling_memory(s, chain.runs) : (3 * m + 1) * packed;
+  std::size_t states = 0;
+  if (direct) {
+    states = pairs ? m : 0;
+  } else if (chain.runs > 1) {
+    states = m == 1 ? 1 : 2 * m;
+  }
+  const std::size_t pair_fold = pairs ? packed - kSlotTailBytes : 0;  // a state and a K×K product
+  t.peak_extra_bytes = slots + aggregates + std::max(pair_fold, scan + states * state);
 }
 
 }  // namespace kdacp::detail

@@ -43,54 +43,30 @@ class GroupedExchange final : public StateExchange {
   RunLayout layout_;
 };
 
-CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache*) {
-  const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
+// The runs of consecutive parts per block (runs.hpp; one part per rank:
+// one run per block): one gather of k slots per rank, a relay message per
+// run boundary on the longest stretch between cuts, each carrier folding
+// its run, one broadcast of the block's runs' incoming states.
+// The degenerate widths are priced as what they build: p2p and allgather.
+CostTerms grouped_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache* waits) {
+  const std::size_t w = config.group_size;
+  if (w == 1) return p2p_protocol.cost(s, {std::string(p2p_protocol.name), 1, 0}, waits);
+  if (w == s.ranks) return allgather_protocol.cost(s, {std::string(allgather_protocol.name), 1, 0}, waits);
   CostTerms t;
-  if (has_layout(s) || !s.part_cuts.empty()) {
-    // The runs of consecutive parts per block (runs.hpp): one gather of k
-    // slots per rank, a relay message per run boundary on the longest
-    // stretch between cuts, each carrier folding its run, one broadcast of
-    // the block's runs' incoming states.
-    const ChainProfile chain = chain_profile(s, w);
-    // The gather and broadcast are over the block's ranks (on nodes: a
-    // block wider than a node gathers inside each node, then across).
-    add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
-    // On nodes, relays between carriers of one node go over it.
-    add_messages(t, false, dbl(chain.node_relays), dbl(state_bytes(s)));
-    add_messages(t, true, dbl(chain.relays - chain.node_relays), dbl(state_bytes(s)));
-    if (chain.runs > 1) add_group_broadcast(t, w, chain.runs_per_block * state_bytes(s), rank_node_width(s));
-    t.folds = dbl(chain.steps);
-    t.work_folds = dbl(chain.parts) * dbl(w) / 2 + dbl(chain.parts);
-    if (has_layout(s)) {
-      // Slots, the runs' incoming states and the carrier's sent states; the
-      // three states more are headroom (the folds consume the slots in
-      // place and need no temporaries, the carrier's results are returned).
-      t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) +
-                           (2 * chain.runs_per_block + 3) * state_bytes(s);
-    } else {
-      t.peak_extra_bytes = w * packed_bytes(s) + 2 * state_bytes(s);
-    }
-    return t;
-  }
-  const std::size_t node = rank_node_width(s);
-  add_group_all_gather(t, w, packed_bytes(s), node, &s);
-  // The owners' relay: one state per block boundary, each owner folding its
-  // whole block before it sends (on nodes: owners w ranks apart).
-  const double crossings = node_crossings(dbl(blocks - 1), w, node);
-  add_messages(t, false, crossings, dbl(state_bytes(s)));
-  add_messages(t, true, dbl(blocks - 1) - crossings, dbl(state_bytes(s)));
-  if (blocks > 1) add_group_broadcast(t, w, state_bytes(s), node);
-  t.folds = dbl(blocks - 1) * dbl(w) + dbl(w - 1);
-  // Local position l of the first block folds l-1 slots, of a later block
-  // l+1 (its incoming state first); the owners of every block but the last
-  // fold their whole block.
-  for (std::size_t r = 0; r < p; ++r) {
-    const std::size_t l = r % w, b = r / w;
-    std::size_t steps = b > 0 ? l : (l >= 2 ? l - 1 : 0);
-    if (l == w - 1 && b + 1 < blocks) steps = b > 0 ? w : w - 1;
-    t.work_folds += dbl(steps);
-  }
-  t.peak_extra_bytes = w * packed_bytes(s) + 2 * state_bytes(s);
+  const ChainProfile chain = chain_profile(s, w);
+  // The gather and broadcast are over the block's ranks (on nodes: a block
+  // wider than a node gathers inside each node, then across).
+  add_group_all_gather(t, w, chain.per_rank * packed_bytes(s), rank_node_width(s), &s);
+  // On nodes, relays between carriers of one node go over it.
+  add_messages(t, false, dbl(chain.node_relays), dbl(state_bytes(s)));
+  add_messages(t, true, dbl(chain.relays - chain.node_relays), dbl(state_bytes(s)));
+  if (chain.runs > 1) add_group_broadcast(t, w, chain.runs_per_block * state_bytes(s), rank_node_width(s));
+  t.folds = dbl(chain.steps);
+  add_run_work(t, s, w, true);
+  // The slots, and the carrier's relayed states: the runs' incoming states
+  // and the states it sends (the folds consume the slots in place and need
+  // no temporaries; the results are returned).
+  t.peak_extra_bytes = w * chain.per_rank * packed_bytes(s) + chain.relay_states * state_bytes(s);
   return t;
 }
 

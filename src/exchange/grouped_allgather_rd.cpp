@@ -48,29 +48,16 @@ class GroupedRdExchange final : public StateExchange {
   RunLayout layout_;
 };
 
-// Owners fold their group into one pair (w-1 state folds and w-1 K×K
-// products), scan across the blocks, broadcast; everyone folds its prefix.
-CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache*) {
-  const std::size_t p = s.ranks, w = config.group_size, blocks = p / w;
+// Each carrier folds each run of its block into one pair (one part per
+// rank: the block, w-1 folds and w-1 K×K products), the carriers scan the
+// pairs across the blocks and broadcast, everyone folds inside its runs
+// (add_layout_doubling). The degenerate widths are priced as what they
+// build: recursive_doubling (the same terms) and allgather.
+CostTerms grouped_rd_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache* waits) {
+  if (config.group_size == s.ranks && s.ranks > 1)
+    return allgather_protocol.cost(s, {std::string(allgather_protocol.name), 1, 0}, waits);
   CostTerms t;
-  if (has_layout(s)) {
-    add_layout_doubling(t, s, chain_profile(s, w), w);
-    return t;
-  }
-  const std::size_t node = rank_node_width(s);
-  add_group_all_gather(t, w, packed_bytes(s), node, &s);
-  if (blocks > 1) {
-    t.folds += dbl(w - 1);
-    t.products += dbl(w - 1);
-    add_recursive_doubling(t, s, blocks, w, node);
-    add_group_broadcast(t, w, state_bytes(s), node);
-    t.work_folds += dbl(blocks) * dbl(w - 1);
-    t.work_products += dbl(blocks) * dbl(w - 1);
-  }
-  t.folds += dbl(w - 1);
-  t.work_folds += dbl(p) * dbl(w - 1) / 2;
-  t.peak_extra_bytes = w * packed_bytes(s) + (blocks > 1 ? packed_bytes(s) : 0) +
-                       recursive_doubling_memory(s, blocks) + state_bytes(s);
+  add_layout_doubling(t, s, chain_profile(s, config.group_size), config.group_size);
   return t;
 }
 

@@ -157,13 +157,9 @@ CostTerms p2p_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCach
   add_port_waits(t, chain, dbl(state_bytes(s)));
   t.folds = stretch_folds(chain.steps);
   t.work_folds = chain_folds(chain.parts);
-  if (has_layout(s)) {
-    // A rank holds the state each of its parts hands on.
-    t.peak_extra_bytes = chain.parts >= 2 ? chain.per_rank * state_bytes(s) : 0;
-  } else {
-    // A middle rank holds the state it sends besides the one it returns.
-    t.peak_extra_bytes = s.ranks >= 3 ? state_bytes(s) : 0;
-  }
+  // The states a rank's parts fold and send on (one part per rank: a middle
+  // rank's one, none at P = 2), and one handed to a part of its own.
+  t.peak_extra_bytes = chain.chain_sends * state_bytes(s);
   return t;
 }
 

@@ -196,7 +196,7 @@ class PipelinedExchange final : public CommExchange {
 // every segment V/c wide.)
 CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config, StreamWaitsCache* waits) {
   CostTerms t;
-  const std::size_t p = s.ranks, c = config.segments;
+  const std::size_t c = config.segments;
   const std::size_t more = c > 0 ? c - 1 : 0;  // segments after the first
   const ChainProfile chain = chain_profile(s, 1, more);
   if (chain.parts <= 1) return t;
@@ -227,13 +227,9 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config, St
   t.contention_bytes += stream_nic_waits(s, c, waits) * wide;
   t.folds = stretch_folds(chain.steps) * wide_share + (chain.steps >= 2 ? extra * rest_share : 0);
   t.work_folds = chain_folds(chain.parts);
-  if (has_layout(s)) {
-    // Per part a receive buffer and a send buffer at most.
-    t.peak_extra_bytes = 2 * chain.per_rank * state_bytes(s);
-  } else {
-    // Receive and send buffers; the ends of the chain hold one of them.
-    t.peak_extra_bytes = p >= 3 ? 2 * state_bytes(s) : state_bytes(s);
-  }
+  // Receive and send buffers (one part per rank: two on a middle rank, one
+  // at the chain's ends), priced for c >= 2 (c = 1 receives into the result).
+  t.peak_extra_bytes = chain.stream_buffers * state_bytes(s);
   return t;
 }
 

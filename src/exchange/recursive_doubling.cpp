@@ -31,16 +31,12 @@ class RecursiveDoublingExchange final : public CommExchange {
   RunLayout layout_;
 };
 
-// Cuts do not shorten the scan: its rounds are fixed by the positions.
-// With a layout the positions are the runs of consecutive parts per rank
-// (zigzag: 2P-1), a rank standing for up to runs_per_block of them per round.
+// Cuts do not shorten the scan: its rounds are fixed by the positions. The
+// positions are the runs of consecutive parts per rank (one part per rank:
+// the ranks; zigzag: 2P-1), a rank standing for up to runs_per_block of them
+// per round.
 CostTerms recursive_doubling_cost(const ProblemShape& s, const ProtocolConfig&, StreamWaitsCache*) {
   CostTerms t;
-  if (!has_layout(s)) {
-    add_recursive_doubling(t, s, s.ranks, 1, rank_node_width(s));
-    t.peak_extra_bytes = recursive_doubling_memory(s, s.ranks);
-    return t;
-  }
   add_layout_doubling(t, s, chain_profile(s, 1), 1);
   return t;
 }

@@ -50,10 +50,10 @@ double error_bound(const ProtocolDescriptor& protocol, std::size_t ranks, std::s
 
 double error_bound(const ProtocolDescriptor& protocol, const ProblemShape& shape) {
   if (!protocol.error_bound) return 0.0;
+  // The positions the bound counts: the runs, a run of L parts weighed as
+  // 2^(L-1) of them (one part per rank: P).
   const ChainProfile chain = chain_profile(shape, 1);
-  const std::size_t positions =
-      !has_layout(shape) ? shape.ranks
-                                 : chain.runs << std::min<std::size_t>(chain.longest_run - 1, 40);
+  const std::size_t positions = chain.runs << std::min<std::size_t>(chain.longest_run - 1, 40);
   return protocol.error_bound(positions, shape.key_dim);
 }
 

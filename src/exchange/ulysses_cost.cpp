@@ -79,7 +79,7 @@ std::vector<UlyssesPrediction> predict_ulysses(const CostParams& params, const P
     const bool shared = u < options.node_size && options.node_size % u == 0;
     if (u > 1 && !shared) sub_params.group_alpha_s = sub_params.group_beta_s_per_byte = 0;
     if (u > 1 && params.node_ranks > 0) sub.ranks_per_node = shared ? options.node_size / u : 1;
-    p.exchange = choose_protocol(sub_params, sub, options.memory_budget_bytes, false, has_layout(sub));
+    p.exchange = choose_protocol(sub_params, sub, options.memory_budget_bytes, false, needs_layout_rows(sub));
     p.seconds = p.all_to_all_seconds + p.exchange.seconds;
     out.push_back(std::move(p));
   }

@@ -123,7 +123,7 @@ double compare_protocols_bytes(const kda::Shape& shape, std::size_t sequences, c
   const ProblemShape ps = layer_problem_shape(shape, sizeof(float), layout);
   // compare_protocols runs only the rows that take the layout when it is not
   // the plain one.
-  const bool plain = !has_layout(ps);
+  const bool plain = !needs_layout_rows(ps);
   Prediction hungriest;
   std::size_t protocols = 0;
   for (const Prediction& p : predict_all(CostParams{}, ps, true)) {

@@ -18,7 +18,7 @@ ProblemShape plan_problem_shape(std::size_t slabs, std::size_t key_dim, std::siz
 
 PlanPredictions plan_predictions(const CostParams& params, const ProblemShape& shape, std::size_t budget) {
   PlanPredictions out;
-  const bool layouts_only = has_layout(shape);
+  const bool layouts_only = needs_layout_rows(shape);
   for (Prediction& p : predict_all(params, shape, true)) {
     if (layouts_only && !find_protocol(p.config.method).takes_layouts) {
       if (out.without_layouts.empty() || out.without_layouts.back() != p.config.method)
