@@ -79,7 +79,7 @@ def check_group(group):
         raise ValueError(f"group={group!r}, expected a torch.distributed ProcessGroup")
     try:
         rank = dist.get_rank(group)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # torch 1.13 raises RuntimeError, 2.x ValueError
         raise ValueError(f"group {group!r} is not a live process group (destroyed by "
                          "destroy_process_group, or created before the current "
                          f"init_process_group): {e}") from None
