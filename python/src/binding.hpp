@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -20,7 +21,7 @@
 #include "kdacp/half.hpp"
 #include "kdacp/tensor.hpp"
 #include "kdacp/kernels.hpp"
-#include "kdacp/tensor.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/thread_pool.hpp"
 
 namespace kdacp::python {
@@ -123,6 +124,25 @@ struct Pool {
 template <class T>
 const T* ptr(std::uintptr_t p) {
   return reinterpret_cast<const T*>(p);
+}
+
+// The rule for the gradient of an initial state every rank holds whole
+// (`grad`: [N, row elements], the complete gradient, the same on every rank):
+// each rank keeps its share, the rows of the sequences whose first token it
+// holds in `layout` (without cu_seqlens: token 0, so every batch row, on the
+// rank holding it) and -0.0 in the others. Summed over the ranks, as the
+// trainer's all-reduce sums every parameter's gradient, that is the complete
+// gradient bit for bit in any order: -0.0 + x is x for every x, -0.0 too.
+template <class T>
+void keep_started_rows(T* grad, std::size_t row, const Layout& layout, std::size_t rank,
+                       const Sequences& seqs) {
+  std::vector<bool> mine(seqs.count(), false);
+  for (const Part& part : layout.local_parts(rank)) {
+    const SequenceRange started = part_info(seqs, part).started;
+    for (std::size_t n = started.first; n < started.first + started.count; ++n) mine[n] = true;
+  }
+  for (std::size_t n = 0; n < mine.size(); ++n)
+    if (!mine[n]) std::fill(grad + n * row, grad + (n + 1) * row, static_cast<T>(-0.0));
 }
 
 void bind_exchange(pybind11::module_& m);

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -52,6 +53,7 @@ class ConvOp {
     comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
     conv_ = std::make_unique<conv::CausalConv>(comm_, *layout, sequences(batch, tokens, cu), dim,
                                                width);
+    if (layout->ranks() > 1) started_.emplace(*layout, sequences(batch, tokens, cu));
   }
   std::size_t local_tokens() const { return conv_->local_tokens(); }
   std::size_t sequences_count() const { return conv_->sequences(); }
@@ -141,6 +143,10 @@ class ConvOp {
       py::gil_scoped_release release;
       conv::Grads<T> g{dx.get(), dw.get(), db ? db->get() : nullptr, dh0 ? dh0->get() : nullptr};
       conv_->backward(in.get(activation), *saved, dy_in.get(), dht_in.get(), g);
+      // conv::CausalConv's dinitial_state is complete on every rank; each
+      // rank keeps its share (keep_started_rows), before any narrowing.
+      if (dh0 && started_)
+        keep_started_rows(g.dinitial_state, D * W, started_->first, conv_->rank(), started_->second);
       for (OutputOf<T>* out : {&dx, &dw}) out->finish("causal_conv1d backward");
       if (db) db->finish("causal_conv1d backward");
       if (dh0) dh0->finish("causal_conv1d backward");
@@ -151,6 +157,7 @@ class ConvOp {
 
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<conv::CausalConv> conv_;
+  std::optional<std::pair<Layout, Sequences>> started_;  // under CP: where each sequence starts
 };
 
 }  // namespace

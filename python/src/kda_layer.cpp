@@ -359,6 +359,10 @@ class KdaLayer {
       layer.backward(tensors.get(s, scale), *box.saved, kda::sequence_states(ptr<T>(h0p), seqs, s), d_o.get(),
                      kda::sequence_states(ptr<T>(dhtp), seqs, s), grads, kda::sequence_states(dh0_data, seqs, s));
       release_forward_cache(*box.saved);
+      // The layer's dh0 is complete on every rank (its C++ contract, the
+      // CLI's); kdacp.torch hands each rank its share (keep_started_rows).
+      if (dh0_data && layer.ranks() > 1)
+        keep_started_rows(dh0_data, s.value_heads * s.key_dim * s.value_dim, layer.layout(), layer.rank(), seqs);
       for (OutputOf<T>* out : {&dq, &dk, &dv, &dg, &dbeta}) out->finish("kdacp.torch.kda backward");
     }
     return py::make_tuple(dq.array, dk.array, dv.array, dg.array, dbeta.array, dh0);
