@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import dist_workers
 import kdacp.torch as kt
+from shares import state_share_sum, summed
 
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
@@ -70,14 +71,14 @@ class Counter:
             delattr(self.backend, kind)
 
 
-def got_and_want(mine, o, ht, ref, o_ref, ht_ref, local):
-    """This rank's results and gradients and one process's, by name. A_log's
-    and dt_bias's gradients are this rank's tokens' part: summed over the
-    ranks (what data parallel training does with parameters) they are one
-    process's."""
-    for name in ("A_log", "dt_bias"):
-        dist.all_reduce(mine[name].grad)
+def got_and_want(mine, o, ht, ref, o_ref, ht_ref, local, spans, cu):
+    """This rank's results and gradients and one process's, by name. A_log's,
+    dt_bias's and h0's gradients are this rank's share (h0's: the rows of the
+    sequences starting in `spans`): summed over the ranks (what data parallel
+    training does with parameters) they are one process's."""
     got = {"o": o, "ht": ht, **{"d" + k_: mine[k_].grad for k_ in NAMES}}
+    got["dA_log"], got["ddt_bias"] = summed(got["dA_log"]), summed(got["ddt_bias"])
+    got["dh0"] = state_share_sum(got["dh0"], spans, cu)
     want = {"o": local(o_ref), "ht": ht_ref,
             **{"d" + k_: (local(ref[k_].grad) if k_ in TOKEN_WISE else ref[k_].grad)
                for k_ in NAMES}}
@@ -128,7 +129,7 @@ def context_worker(rank, world, init_file):
                     .requires_grad_() for k_, v_ in full.items()}
             o, ht = call(mine, flags, cp_context=ctx)
             ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
-            got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local)
+            got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local, spans, cu)
             for name in got:
                 assert got[name].dtype == dtype, name
                 err = (got[name].double() - want[name].double()).abs().max().item()
@@ -284,7 +285,7 @@ def half_worker(rank, world, init_file):
             for k_, v_ in full.items()}
     o, ht = call(mine, FLAGS, cp_context=ctx)
     ((o.float() * local(d_o).float()).sum() + (ht * d_ht).sum()).backward()
-    got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local)
+    got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local, spans, cu)
     for name in got:
         assert got[name].dtype == want[name].dtype, name
         top = want[name].double().abs().max().item()
@@ -328,7 +329,7 @@ def ulysses_worker(rank, world, init_file):
                 for k_, v_ in full.items()}
         o, ht = call(mine, FLAGS, cp_context=ctx)
         ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
-        got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local)
+        got, want = got_and_want(mine, o, ht, ref, o_ref, ht_ref, local, spans, cu)
         for name in got:
             err = (got[name] - want[name]).abs().max().item()
             assert err <= 1e-10, ("chunk_kda ulysses=2", step, name, err)

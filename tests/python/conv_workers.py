@@ -1,7 +1,7 @@
 """Rank function of test_conv.py's multi-process test (gloo on localhost):
 kdacp.torch.causal_conv1d with a cp_context, every rank checking its tokens'
-y and dx, the final state and the initial state's gradient, and the sum over
-ranks of the weight's and bias's gradients, against one process (kdacp's
+y and dx and the final state, and the sum over ranks of the weight's,
+bias's and initial state's gradients (each rank's share), against one process (kdacp's
 and the torch reference's)."""
 
 import datetime
@@ -14,6 +14,7 @@ import torch.distributed as dist
 import kdacp.torch as kt
 from kdacp import _comm, _kdacp
 from conv_reference import causal_conv1d_ref
+from shares import state_share_sum
 
 
 def context(group, layout, layout_name, cu_seqlens, kernel_size, world):
@@ -94,7 +95,8 @@ def conv_worker(rank, world, init_file):
                 check(y, local_tokens(y1, layout, rank), "y")
                 check(ht, ht1, "final_state")
                 check(xl.grad, local_tokens(g1[0], layout, rank), "dx")
-                check(hl.grad, g1[3], "dinitial_state")
+                check(state_share_sum(hl.grad, layout.local_parts(rank), cu, group), g1[3],
+                      "dinitial_state summed over ranks")
                 for name_, grad, ref in (("dweight", wl.grad, g1[1]), ("dbias", bl.grad, g1[2])):
                     total = grad.clone()
                     dist.all_reduce(total)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import dist_workers
 import kdacp.torch as kt
+from shares import state_share_sum, summed
 
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
@@ -108,9 +109,13 @@ def det_worker(rank, world, init_file):
             if name in ("dA_log", "ddt_bias"):
                 # Sums over this rank's tokens: summed over the ranks, close to
                 # one process's (docs/python.md: not the same bytes).
-                dist.all_reduce(g)
+                g = summed(g)
                 assert torch.allclose(g.double(), want.double(), rtol=1e-4, atol=1e-4), name
                 continue
+            if name == "dh0":
+                # This rank's share (one process's rows of the sequences it
+                # starts, -0.0 elsewhere): the sum over ranks is one process's bytes.
+                g = state_share_sum(g, spans, cu)
             if name in PER_TOKEN:
                 want = local(want)
             assert same_bytes(g, want), (layout, algorithm, dtype, name,
@@ -130,6 +135,7 @@ def det_worker(rank, world, init_file):
     for det in (True, False):
         got = run(kt.kda, x, d_o, d_ht, zz, rank == last, cu_seqlens=cu, group=group,
                   layout="zigzag", protocol="allgather", timeout=30, deterministic=det)
+        got["dh0"] = state_share_sum(got["dh0"], spans, cu)
         equal = {name: same_bytes(g, zz(ref[name]) if name in PER_TOKEN else ref[name])
                  for name, g in got.items()}
         if det:
@@ -192,8 +198,9 @@ def det_worker(rank, world, init_file):
 
 def conv_check(rank, world, group):
     """causal_conv1d on a CpContext (it needs no deterministic mode): y,
-    final_state and the gradients of x and initial_state are one process's
-    bytes, with cuts 1 and 29 tokens into a sequence and a part of 1 token."""
+    final_state and the gradients of x and initial_state (its shares summed
+    over the ranks) are one process's bytes, with cuts 1 and 29 tokens into a
+    sequence and a part of 1 token."""
     t, d, w = 150, 8, 4
     cu = [0, 1, 3, 70, 150]
     split = {1: [150], 2: [71, 79], 4: [4, 1, 29, 116]}[world]
@@ -216,6 +223,7 @@ def conv_check(rank, world, group):
         y1, ht1, dx1, dh01 = one(x, None, True)
         ctx = kt.build_cp_context(cu, group, conv1d_kernel_size=w, split=split, timeout=30)
         y, ht, dx, dh0 = one(x[:, a:e], ctx, rank == world - 1)
+        dh0 = state_share_sum(dh0, [(a, e)], cu, group)
         for name, got, want in (("y", y, y1[:, a:e]), ("final_state", ht, ht1),
                                 ("dx", dx, dx1[:, a:e]), ("dinitial_state", dh0, dh01)):
             assert same_bytes(got, want), (dtype, "causal_conv1d", name)

@@ -16,6 +16,7 @@ import kdacp
 import kdacp.torch as kt
 from kdacp import _comm, _common, _layer
 from kda_oracle import make_inputs
+from shares import state_share_sum, summed
 
 EXACT = ["p2p", "pipelined_p2p", "allgather", "grouped_allgather_p2p"]
 REASSOCIATING = ["recursive_doubling", "grouped_allgather_rd"]
@@ -175,7 +176,8 @@ def kda_worker(rank, world, init_file):
                                protocol=method, allgather_group_size=w, timeout=20, threads=1,
                                keep_forward=method != "p2p")
                 ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
-                got = [o, ht] + [x.grad for x in mine] + [h0.grad]
+                # h0.grad is this rank's share: summed over the ranks, one process's.
+                got = [o, ht] + [x.grad for x in mine] + [state_share_sum(h0.grad, spans, cu)]
                 want = [local(o_ref), ht_ref] + [local(x.grad) for x in ref[:5]] + [ref[5].grad]
                 names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
                 for name, a, e in zip(names, got, want):
@@ -188,6 +190,84 @@ def kda_worker(rank, world, init_file):
                     else:
                         for name, a, e in zip(names, got, first_exact):
                             assert torch.equal(a, e), (method, w, layout, name)
+    finish()
+
+
+def _same_bytes(a, b):
+    bits = torch.int64 if a.element_size() == 8 else torch.int32
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+def share_worker(rank, world, init_file):
+    """A learned initial state, held whole by every rank, gets this rank's
+    share of its gradient as every parameter does: the rows of the sequences
+    whose first token this rank holds (token 0 of every batch row without
+    cu_seqlens), -0.0 in the others, so the all-reduce a trainer runs over
+    the CP ranks gives one process's gradient, bit for bit in the
+    deterministic mode. kda over a group (ranks that start several sequences
+    or none, zigzag over batch rows, Ulysses) and causal_conv1d on a context,
+    whose sequence 2 starts on rank 0 and reads its initial state on rank 1."""
+    init(rank, world, init_file)
+    counts = [3, 5, 7, 9] if world == 4 else [3, 9]
+    t = sum(counts)
+    cu = [0, 1, 2, 13, t] if world == 4 else [0, 1, 2, 10, t]
+    start = sum(counts[:rank])
+    contiguous = [(start, start + counts[rank])]
+    zigzag = _zigzag_slices(t, world, rank)
+    cases = [  # name, dtype, B, cu_seqlens, this rank's spans, kda's arguments
+        ("contiguous", torch.float64, 1, cu, contiguous, dict(layout="contiguous")),
+        ("deterministic", torch.float32, 1, cu, contiguous,
+         dict(deterministic=True, algorithm="recurrent")),
+        ("zigzag rows", torch.float64, 2, None, zigzag, dict(layout="zigzag")),
+        ("ulysses", torch.float64, 1, cu, contiguous, dict(ulysses=2)),
+    ]
+    for name, dtype, b, cu_, spans, kw in cases:
+        n = b if cu_ is None else len(cu_) - 1
+        full = make_inputs(b, t, 2, 2, 16, 16, dtype, seed=61, n_states=n)
+        gen = torch.Generator().manual_seed(62)
+        d_o = torch.randn(b, t, 2, 16, generator=gen).to(dtype)
+        d_ht = [torch.randn(n, 2, 16, 16, generator=gen).to(dtype) for _ in range(world)]
+
+        def local(x):
+            return torch.cat([x[:, a:e] for a, e in spans], dim=1)
+
+        ref = torch.nn.Parameter(full[5].clone())
+        o, ht = kt.kda(*full[:5], initial_state=ref, output_final_state=True, cu_seqlens=cu_,
+                       threads=1, **{k_: v_ for k_, v_ in kw.items() if k_ == "algorithm"})
+        ((o * d_o).sum() + (ht * sum(d_ht[1:], d_ht[0].clone())).sum()).backward()
+        h0 = torch.nn.Parameter(full[5].clone())
+        o, ht = kt.kda(*[local(x) for x in full[:5]], initial_state=h0, output_final_state=True,
+                       cu_seqlens=cu_, group=dist.group.WORLD, protocol="p2p", timeout=20,
+                       threads=1, **kw)
+        ((o * local(d_o)).sum() + (ht * d_ht[rank]).sum()).backward()
+        total = state_share_sum(h0.grad, spans, cu_)  # -0.0 rows checked here
+        if kw.get("deterministic"):
+            assert _same_bytes(total, ref.grad), name
+        else:
+            assert _rel(total, ref.grad) <= 1e-12, (name, _rel(total, ref.grad))
+        owners = torch.tensor([0.0 if torch.equal(r, -torch.zeros_like(r)) and torch.signbit(r).all()
+                               else 1.0 for r in h0.grad])
+        dist.all_reduce(owners)
+        assert owners.tolist() == [1.0] * n, (name, owners)  # each row: one rank's
+
+    # causal_conv1d: weight, bias and initial_state, each rank's share.
+    d, w = 3, 4
+    gen = torch.Generator().manual_seed(63)
+    x, dy = torch.randn(2, 1, t, d, generator=gen, dtype=torch.float64)
+    params = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((d, w), (d,), (4, d, w))]
+    ctx = kt.build_cp_context(cu, dist.group.WORLD, conv1d_kernel_size=w, split=counts, timeout=20)
+    grads = []
+    for xs, dys, context in ((x, dy, None), (x[:, start:start + counts[rank]],
+                                             dy[:, start:start + counts[rank]], ctx)):
+        leaves = [torch.nn.Parameter(p.clone()) for p in params]
+        y, _ = kt.causal_conv1d(xs, leaves[0], leaves[1], "silu", leaves[2],
+                                cu_seqlens=None if context else cu, cp_context=context)
+        (y * dys).sum().backward()
+        grads.append([p.grad for p in leaves])
+    one, mine = grads
+    for name, a, e in zip(("weight", "bias"), mine[:2], one[:2]):
+        assert _rel(summed(a), e) <= 1e-13, ("causal_conv1d", name)
+    assert _same_bytes(state_share_sum(mine[2], contiguous, cu), one[2]), "conv initial_state"
     finish()
 
 

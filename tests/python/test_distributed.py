@@ -18,6 +18,11 @@ def test_kda_over_group(world):
     spawn(dist_workers.kda_worker, world, 150)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_state_gradient_is_this_ranks_share(world):
+    spawn(dist_workers.share_worker, world, 120)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_errors(world):
     spawn(dist_workers.error_worker, world, 90)
