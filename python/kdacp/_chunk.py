@@ -167,10 +167,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     allow_neg_eigval, return_intermediate_states, state_v_first (other than
     their defaults) and any other keyword raise NotImplementedError naming
     them; kdacp extras: algorithm, keep_forward, threads, deterministic (kda's:
-    with a cp_context every output and every gradient of q, k, v, g, beta
-    and initial_state, the raw g's with use_gate_in_kernel too, is the same
-    bytes as one process, for every world size and layout; A_log's and
-    dt_bias's gradients are this rank's tokens' sums: docs/python.md).
+    with a cp_context every output and every gradient of q, k, v, g, beta,
+    the raw g's with use_gate_in_kernel too, and the sum over the ranks of
+    initial_state's, is the same bytes as one process, for every world size
+    and layout). Under CP the gradients of initial_state, A_log and dt_bias
+    are this rank's share (initial_state's: the rows of the sequences that
+    start on this rank; A_log's, dt_bias's: its tokens' sums); summed over
+    the ranks they are one process's (docs/python.md).
     """
     flags = {"allow_neg_eigval": allow_neg_eigval,
              "return_intermediate_states": return_intermediate_states,

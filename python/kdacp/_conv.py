@@ -133,9 +133,11 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
     initial_state, or zeros, for a sequence shorter than W); with a
     cp_context it is complete on every rank and its gradient is the sum over
     ranks. Differentiable (once) w.r.t. x, weight, bias and initial_state;
-    with a cp_context weight.grad and bias.grad are this rank's tokens' share
-    (summed over the CP ranks they are the one-process gradient, as data
-    parallel gradients are), initial_state.grad is complete on every rank.
+    with a cp_context weight.grad, bias.grad and initial_state.grad are this
+    rank's share (its tokens' sums; initial_state's: the rows of the
+    sequences that start on this rank, -0.0 in the others): summed over the
+    CP ranks they are the one-process gradient, as data parallel gradients
+    are (docs/python.md).
     Every rank calls it, and its backward, in the same order.
     """
     unknown = sorted(k for k in kwargs if k not in _UNSUPPORTED and k != "backend")

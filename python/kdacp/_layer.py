@@ -248,7 +248,11 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     argument that must match (ValueError on every rank naming it and the
     ranks that differ). Returns (o [B,T,HV,V], ht [N,HV,K,V] or None); ht,
     when requested, is complete on every rank. Differentiable (once) w.r.t.
-    q, k, v, g, beta and initial_state; a double backward raises. A
+    q, k, v, g, beta and initial_state; a double backward raises. On a
+    group initial_state.grad is this rank's share, as for any parameter
+    every rank holds: the rows of the sequences whose first token this rank
+    holds, -0.0 in the others; summed over the ranks (the trainer's
+    all-reduce) it is one process's gradient (docs/python.md). A
     non-finite o, ht or gradient raises RuntimeError naming it. Every rank
     must call kda, and its backward, in the same order. algorithm: "chunk"
     (the default: chunkwise WY form, chunks of 64 tokens) or "recurrent"
@@ -267,8 +271,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     call (chunk_kda's path, without its transforms).
     deterministic (default False, as kdacp.defaults() says): on a group, the
     state walks from part to part in chain order instead of the exchange
-    composing the ranks' summaries, so o, ht and the gradients of q, k, v,
-    g, beta and initial_state are the same bytes for every group size,
+    composing the ranks' summaries, so o, ht, the gradients of q, k, v, g,
+    beta and initial_state's shares summed over the ranks (exactly: the
+    others add -0.0) are the same bytes for every group size,
     layout, protocol and thread count: those of one process (the one-process
     path is this mode at P = 1 whatever the flag; it only checks the
     value). With algorithm "chunk" every cut inside a sequence must fall on
