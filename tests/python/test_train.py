@@ -20,7 +20,7 @@ SMALL = ["--seq-len", "1024", "--steps", "12", "--dim", "32", "--head-dim", "16"
 def run(tmp_path, name, *extra):
     out = str(tmp_path / f"{name}.json")
     proc = subprocess.run([sys.executable, EXAMPLE, *SMALL, *extra, "--json-out", out],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tokens/s" in proc.stdout
     with open(out) as f:
