@@ -2,12 +2,15 @@
 CpContext): every cross-rank agreement, the layout and the backend done once
 per batch; a call then sends only the exchange's messages."""
 
+import copy
+
 import torch
 import torch.distributed as dist
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list
 from kdacp._comm import check_group, group_backend, reject
+from kdacp._cp_meta import fewer_tokens, fla_fields
 from kdacp._common import (SINGLE_PROCESS, _group_size, _integer, _options, _threads, _timeout,
                            _ulysses)
 from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtypes, kda
@@ -22,42 +25,93 @@ _CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta"
                 "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
 
 
+def _as_list(t):
+    return None if t is None else t.tolist()
+
+
 class CpContext:
     """A context-parallel context (build_cp_context): every cross-rank
     agreement done once, the C++ Layout and the backend built once.
 
-    Attributes: group, backend (the kdacp comm backend; None for a single
-    process), layout (the global kdacp._kdacp.Layout), layout_name
-    ("contiguous" or "zigzag"), rank, world_size, cu_seqlens (global list of
-    ints, or None), split (tokens per rank), conv1d_kernel_size (int or
-    None), protocol, allgather_group_size, options (dict), timeout_s.
+    flash-linear-attention's attributes (its FLACPContext's, with its
+    meanings, for this rank): group; cu_seqlens and cu_seqlens_cpu (this
+    rank's local boundaries, int32, on the input's device and on the CPU;
+    None when built without cu_seqlens); layout ("contiguous" or "zigzag");
+    conv1d_kernel_size; with a contiguous layout pre_num_ranks,
+    post_num_ranks (how many ranks before/after this one hold tokens of this
+    rank's first/last sequence), is_first_rank, is_last_rank,
+    pre_num_conv_tokens (tokens of this rank's first sequence on earlier
+    ranks); with zigzag those are None, as flash-linear-attention's, and
+    part_len (None when the parts' lengths differ), front_num_seqs and the
+    *_by_part pairs (front part, back part) hold them; pre_num_ranks_dev,
+    post_num_ranks_dev (None); num_seqs, is_cp_enabled, copy_for_backward().
+    Ranks are counted in parts (zigzag's 2P slots) as there; uneven splits
+    count the ranks that hold the tokens.
+
+    kdacp's: backend (the kdacp comm backend; None for a single process),
+    global_layout (the global kdacp._kdacp.Layout), global_cu_seqlens (the
+    global boundaries, a list of ints, or None), rank, world_size, split
+    (tokens per rank), local_tokens, protocol, allgather_group_size, options
+    (dict), timeout_s.
     """
 
     def __init__(self, group, backend, layout, layout_name, cu, split, conv1d_kernel_size,
-                 protocol, width, options, timeout_s):
+                 protocol, width, options, timeout_s, rank=None, world_size=None, device=None,
+                 metadata_only=False):
         self.group = group
         self.backend = backend
-        self.layout = layout
-        self.layout_name = layout_name
-        self.rank = 0 if backend is None else backend.rank
-        self.world_size = 1 if backend is None else backend.size
-        self.cu_seqlens = cu
+        self.global_layout = layout
+        self.layout = layout_name
+        self.rank = (0 if backend is None else backend.rank) if rank is None else rank
+        self.world_size = ((1 if backend is None else backend.size) if world_size is None
+                           else world_size)
+        self.global_cu_seqlens = cu
         self.split = split
         self.conv1d_kernel_size = conv1d_kernel_size
         self.protocol = protocol
         self.allgather_group_size = width
         self.options = options
         self.timeout_s = timeout_s
+        self.__dict__.update(fla_fields(layout, layout_name, self.rank, cu,
+                                        device or torch.device("cpu")))
+        self.pre_num_ranks_dev = self.post_num_ranks_dev = None
+        # get_cp_cu_seqlens with world_size and rank: metadata, no group to run on
+        self._metadata_only = metadata_only
         self._layers = {}
         self._signature = None  # the per-call arguments the ranks agreed on at the first call
 
+    @property
+    def num_seqs(self):
+        """flash-linear-attention's: the number of sequences on this rank."""
+        return 0 if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    @property
+    def is_cp_enabled(self):
+        """flash-linear-attention's: whether a process group is attached."""
+        return self.backend is not None
+
+    def copy_for_backward(self):
+        """flash-linear-attention's: a copy with its own boundary tensors (the
+        layers and the first call's agreement stay shared)."""
+        other = copy.copy(self)
+        for name in ("cu_seqlens", "cu_seqlens_cpu"):
+            if getattr(self, name) is not None:
+                setattr(other, name, getattr(self, name).clone())
+        return other
+
+    def _check_runnable(self, what):
+        if self._metadata_only:
+            raise ValueError(f"{what}: this cp_context comes from get_cp_cu_seqlens with "
+                             f"world_size and rank (metadata only, no process group): build one "
+                             f"with build_cp_context(cu_seqlens, group) to run on it")
+
     def __repr__(self):
-        return (f"<kdacp CpContext rank {self.rank}/{self.world_size} {self.layout_name} "
-                f"{self.layout} protocol {self.protocol}>")
+        return (f"<kdacp CpContext rank {self.rank}/{self.world_size} {self.layout} "
+                f"{self.global_layout} protocol {self.protocol}>")
 
     @property
     def local_tokens(self):
-        return self.layout.local_tokens(self.rank)
+        return self.global_layout.local_tokens(self.rank)
 
     def _call_row(self, shape, dtype, storage, scale, algorithm, deterministic, keep_forward,
                   h0_given, want_ht, signature):
@@ -71,12 +125,23 @@ class CpContext:
         row.update(signature)
         return row
 
+    def matches_cu_seqlens(self, cu_seqlens):
+        """Whether a call's cu_seqlens may come with this context: None, the
+        global boundaries it was built from, or this rank's local ones
+        (cu_seqlens, as flash-linear-attention's callers pass)."""
+        if cu_seqlens is None:
+            return True
+        given = cu_list(cu_seqlens)
+        local = _as_list(self.cu_seqlens_cpu)
+        return given == self.global_cu_seqlens or (local is not None and given == local)
+
     def _check_cu_seqlens(self, cu_seqlens):
-        """A call's cu_seqlens must be None or the context's (its layout and
-        cuts were built from them)."""
-        if cu_seqlens is not None and cu_list(cu_seqlens) != self.cu_seqlens:
+        """A call's cu_seqlens must be None, the context's global ones (its
+        layout and cuts were built from them) or its local ones."""
+        if not self.matches_cu_seqlens(cu_seqlens):
             raise ValueError(f"rank {self.rank}: cu_seqlens {cu_list(cu_seqlens)} differs from its "
-                             f"cp_context's {self.cu_seqlens} (pass None or the same)")
+                             f"cp_context's (global {self.global_cu_seqlens}, this rank's local "
+                             f"{_as_list(self.cu_seqlens_cpu)}): pass None or one of them")
 
     def _kda(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
              algorithm, keep_forward, signature, deterministic):
@@ -84,9 +149,11 @@ class CpContext:
         agreement (of the per-call arguments, deterministic among them);
         later calls compare theirs with it locally and send nothing but the
         exchange."""
+        self._check_runnable("chunk_kda")
         if self.backend is None:
             self._check_cu_seqlens(cu_seqlens)
-            return kda(q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
+            return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                       self.global_cu_seqlens,
                        algorithm=algorithm, keep_forward=keep_forward,
                        deterministic=deterministic, **self.options)
         error = None
@@ -95,13 +162,13 @@ class CpContext:
             # Inside: the error travels in the first call's agreement.
             self._check_cu_seqlens(cu_seqlens)
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
-                q, k, v, g, beta, scale, initial_state, output_final_state, self.cu_seqlens,
-                self.layout_name, algorithm, keep_forward, self.options, deterministic)
+                q, k, v, g, beta, scale, initial_state, output_final_state,
+                self.global_cu_seqlens, self.layout, algorithm, keep_forward, self.options, deterministic)
             want = self.local_tokens
             if shape[1] != want:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
                                  f"{want}: this rank's part of the cp_context's layout "
-                                 f"{self.layout}")
+                                 f"{self.global_layout}")
             row = self._call_row(shape, dtype, _storage_dtypes(q, k, v, g, beta), scale,
                                  algorithm, deterministic, keep_forward, h0 is not None,
                                  output_final_state, signature)
@@ -127,8 +194,8 @@ class CpContext:
             # this batch's cuts (auto, pipelined_p2p's segments) and chooses
             # ulysses="auto"'s width.
             layer = _kdacp.KdaLayer(self.backend, self.protocol, int(self.allgather_group_size),
-                                    self.layout, dtype, _options(self.options), threads,
-                                    _ulysses(self.options), self.layout_name)
+                                    self.global_layout, dtype, _options(self.options),
+                                    threads, _ulysses(self.options), self.layout)
             # Its first forward and backward agree on the call's arguments (and
             # its construction on the config); later calls are held to the
             # first one's here, locally, and send only the exchange's messages.
@@ -144,20 +211,25 @@ class CpContext:
         return o, (ht if output_final_state else None)
 
 
-def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contiguous", split=None,
+def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=None,
+                     use_tf32x3_affine_chain=True, layout="contiguous", *, split=None,
                      protocol="auto", allgather_group_size=1, **options):
-    """A CpContext for chunk_kda(..., cp_context=ctx), built once per batch
-    (flash-linear-attention's build_cp_context; kdacp's extras after its
-    arguments). Collective over `group` (one agreement; plus the group's
-    first gather the first time kdacp meets it).
+    """A CpContext for chunk_kda(..., cp_context=ctx), built once per batch:
+    flash-linear-attention's build_cp_context, its parameters in its order
+    and with its defaults, kdacp's extras after them as keywords. Collective
+    over `group` (one agreement; plus the group's first gather the first time
+    kdacp meets it).
 
     cu_seqlens: the global boundaries (1-D int tensor or ints; None: B
     sequences, one per batch row, then `split` is required). group: a live
     torch.distributed group (its ranks in order are the CP order), or
-    SINGLE_PROCESS. layout: "contiguous" (rank r holds the r-th run of
-    tokens) or "zigzag". split: tokens per rank for a contiguous layout (any
-    lengths; None: the first T mod P ranks ceil(T/P) tokens, the others
-    floor(T/P), as the CLI's default); with
+    SINGLE_PROCESS. cu_seqlens_cpu: the same boundaries on the CPU (used when
+    cu_seqlens is None; ValueError when both are given and differ).
+    use_tf32x3_affine_chain: must not be False (ValueError, as there; kdacp
+    computes in float32/float64 on the CPU). layout: "contiguous" (rank r
+    holds the r-th run of tokens) or "zigzag". split: tokens per rank for a
+    contiguous layout (any lengths; None: the first T mod P ranks ceil(T/P)
+    tokens, the others floor(T/P), as the CLI's default); with
     zigzag None or zigzag's own counts. protocol, allgather_group_size and
     options as build_kda_state_cp, plus ulysses (U or "auto", as kda's:
     Ulysses x state CP over head groups of U ranks). Checked at build, in the agreement: the
@@ -170,7 +242,11 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
     call when algorithm is "chunk"); later calls
     must pass the same (a rank that does not raises ValueError before sending;
     its peers time out naming it) and send only the exchange's messages.
+    Fewer tokens than ranks (than 2P with zigzag) is a ValueError naming
+    flash-linear-attention's condition and kdacp's.
     """
+    _check_tf32(use_tf32x3_affine_chain)
+    cu_seqlens = _one_cu(cu_seqlens, cu_seqlens_cpu)
     if layout not in _LAYOUTS:
         raise ValueError(f"layout {layout!r}, expected 'contiguous' or 'zigzag'")
     if conv1d_kernel_size is not None:
@@ -215,8 +291,90 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, layout="contigu
     except (ValueError, TypeError) as e:
         error = str(e)
         opts = opts if opts is not None else _options({})
-    built = _kdacp.agree_context(backend, tokens, cu, layout, counts, protocol, width, opts,
-                                 width_u, conv1d_kernel_size, error)  # ValueError naming the setting
+    try:
+        built = _kdacp.agree_context(backend, tokens, cu, layout, counts, protocol, width, opts,
+                                     width_u, conv1d_kernel_size, error)  # naming the setting
+    except ValueError as e:
+        raise _with_condition(e, tokens, world, layout, split) from None
     split = [built.local_tokens(r) for r in range(world)]
     return CpContext(group, backend, built, layout, cu, split, conv1d_kernel_size, protocol,
-                     width, options, timeout_s)
+                     width, options, timeout_s, device=_device(cu_seqlens))
+
+
+def _check_tf32(use_tf32x3_affine_chain):
+    if use_tf32x3_affine_chain is False:
+        raise ValueError("use_tf32x3_affine_chain=False: flash-linear-attention no longer "
+                         "supports it; kdacp computes in float32/float64 on the CPU")
+
+
+def _one_cu(cu_seqlens, cu_seqlens_cpu):
+    """cu_seqlens, or cu_seqlens_cpu when it is None; ValueError when both
+    are given and differ."""
+    if cu_seqlens is None:
+        return cu_seqlens_cpu
+    if cu_seqlens_cpu is not None and cu_list(cu_seqlens) != cu_list(cu_seqlens_cpu):
+        raise ValueError(f"cu_seqlens {cu_list(cu_seqlens)} and cu_seqlens_cpu "
+                         f"{cu_list(cu_seqlens_cpu)} differ, expected the same boundaries")
+    return cu_seqlens
+
+
+def _device(cu_seqlens):
+    return cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+
+
+def _with_condition(error, tokens, world, layout, split):
+    """kdacp's error, led by flash-linear-attention's condition when there are
+    fewer tokens than ranks (its default split; an explicit split names its
+    own counts)."""
+    condition = fewer_tokens(tokens, world, layout) if split is None else None
+    return error if condition is None else ValueError(f"{condition}: {error}")
+
+
+def get_cp_cu_seqlens(cu_seqlens, cu_seqlens_cpu=None, world_size=None, rank=None, group=None,
+                      conv1d_kernel_size=None, use_tf32x3_affine_chain=True,
+                      layout="contiguous", **kwargs):
+    """flash-linear-attention's get_cp_cu_seqlens: rank `rank`'s CpContext
+    for a world of `world_size` ranks over the global boundaries.
+
+    world_size None: `group`'s size and rank, and the result is
+    build_cp_context(cu_seqlens, group, ...) (collective; kwargs are its
+    kdacp extras). world_size and rank given: computed locally, no
+    communication, the default split (T divisible by P gives
+    flash-linear-attention's; otherwise the first T mod P ranks, or parts
+    with zigzag, hold one token more); the result carries the attributes
+    only: chunk_kda and causal_conv1d refuse it (ValueError). kwargs there:
+    none (TypeError, as there).
+    """
+    _check_tf32(use_tf32x3_affine_chain)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout {layout!r}, expected 'contiguous' or 'zigzag'")
+    if world_size is None:
+        if group is None:
+            raise ValueError("get_cp_cu_seqlens: world_size=None and group=None, expected a "
+                             "process group or world_size and rank")
+        return build_cp_context(cu_seqlens, group, conv1d_kernel_size, cu_seqlens_cpu,
+                                use_tf32x3_affine_chain, layout, **kwargs)
+    if kwargs:
+        raise TypeError(f"get_cp_cu_seqlens() got unexpected keyword argument(s) "
+                        f"{sorted(kwargs)} (kdacp's extras need a group: build_cp_context)")
+    world = _integer(world_size, "world_size", 1, 1 << 30)
+    if rank is None or not 0 <= _integer(rank, "rank", 0, 1 << 30) < world:
+        raise ValueError(f"get_cp_cu_seqlens: rank={rank!r}, expected 0 <= rank < "
+                         f"world_size = {world}")
+    if conv1d_kernel_size is not None:
+        conv1d_kernel_size = _integer(conv1d_kernel_size, "conv1d_kernel_size", 1, 1 << 16)
+    source = _one_cu(cu_seqlens, cu_seqlens_cpu)
+    if source is None:
+        raise ValueError("get_cp_cu_seqlens: cu_seqlens=None, expected the global boundaries")
+    cu = cu_list(source)
+    tokens = max(cu[-1], 0)
+    try:
+        built = (_kdacp.Layout.contiguous(tokens, world) if layout == "contiguous"
+                 else _kdacp.Layout.zigzag(tokens, world))
+        built.cuts(cu)  # the boundaries' checks (C++'s, as build_cp_context's)
+    except ValueError as e:
+        raise _with_condition(e, tokens, world, layout, None) from None
+    split = [built.local_tokens(r) for r in range(world)]
+    return CpContext(group, None, built, layout, cu, split, conv1d_kernel_size, "auto", 1, {},
+                     None, rank=int(rank), world_size=world, device=_device(source),
+                     metadata_only=True)

@@ -3,9 +3,11 @@
 (kdacp/conv.hpp), on one process or under context parallelism with a
 ``cp_context``; exported as ``kdacp.torch.causal_conv1d``. docs/conv.md.
 
-    y, final_state = causal_conv1d(x, weight, bias=None, activation=None,
+    y, final_state = causal_conv1d(x, weight, bias=None, residual=None,
                                    initial_state=None, output_final_state=False,
-                                   cu_seqlens=None, cp_context=None)
+                                   activation=None, backend="triton", cu_seqlens=None,
+                                   cu_seqlens_cpu=None, chunk_indices=None,
+                                   cp_context=None)
 """
 
 
@@ -20,8 +22,8 @@ __all__ = ["causal_conv1d"]
 _ACTIVATIONS = {None: "none", "silu": "silu", "swish": "silu"}
 # flash-linear-attention arguments kdacp does not implement: an error when
 # given a value other than their default, never silently ignored.
-_UNSUPPORTED = {"residual": None, "seq_idx": None}
-_FLA_BACKENDS = ("triton", "cuda", None)
+_UNSUPPORTED = {"seq_idx": None}
+_FLA_BACKENDS = ("triton", "cuda", "mix", None)
 
 
 def _tensor(t, name, ndim):
@@ -93,15 +95,18 @@ class _ConvFunction(torch.autograd.Function):
 def _context_layout(cp_context, x, cu):
     """(backend, layout, cu_seqlens) of a CP context; ValueError naming what
     does not fit this call."""
-    for attr in ("backend", "layout", "rank", "world_size", "cu_seqlens"):
+    for attr in ("backend", "global_layout", "rank", "world_size", "global_cu_seqlens",
+                 "matches_cu_seqlens"):
         if not hasattr(cp_context, attr):
             raise ValueError(f"causal_conv1d: cp_context {cp_context!r} has no attribute "
                              f"'{attr}', expected a context of kdacp.torch.build_cp_context")
-    ctx_cu = None if cp_context.cu_seqlens is None else [int(v) for v in cp_context.cu_seqlens]
-    if cu is not None and cu != ctx_cu:
-        raise ValueError(f"causal_conv1d: cu_seqlens {cu} differ from the cp_context's (global) "
-                         f"{ctx_cu}: with a cp_context pass cu_seqlens=None or the context's")
-    layout = cp_context.layout
+    cp_context._check_runnable("causal_conv1d")
+    ctx_cu = cp_context.global_cu_seqlens
+    if cu is not None and not cp_context.matches_cu_seqlens(cu):
+        raise ValueError(f"causal_conv1d: cu_seqlens {cu} differ from the cp_context's (global "
+                         f"{ctx_cu}, this rank's {cp_context.cu_seqlens_cpu}): with a cp_context "
+                         f"pass cu_seqlens=None or one of them")
+    layout = cp_context.global_layout
     if cp_context.backend is None or cp_context.world_size == 1:
         tokens = x.shape[1] if layout is None else layout.tokens
         if x.shape[1] != tokens:
@@ -110,20 +115,27 @@ def _context_layout(cp_context, x, cu):
         return None, None, ctx_cu, tokens
     local = layout.local_tokens(cp_context.rank)
     if x.shape[1] != local:
-        name = getattr(cp_context, "layout_name", str(layout))
+        name = cp_context.layout
         raise ValueError(f"causal_conv1d: rank {cp_context.rank}: x holds {x.shape[1]} tokens, "
                          f"the cp_context's layout ({name}) gives this rank {local} of "
                          f"{layout.tokens}")
     return cp_context.backend, layout, ctx_cu, layout.tokens
 
 
-def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, cp_context=None, **kwargs):
-    """Causal depthwise convolution, flash-linear-attention's semantics.
+def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
+                  output_final_state=False, activation=None, backend="triton", cu_seqlens=None,
+                  cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):
+    """Causal depthwise convolution, flash-linear-attention's semantics and
+    its parameters in its order.
 
     x [B,T,D] (with a cp_context: this rank's tokens of the context's
-    layout), weight [D,W] with 1 <= W <= 8, bias [D] or None, activation None,
-    "silu" or "swish"; CPU tensors, finite, all float64 or each float32,
+    layout), weight [D,W] with 1 <= W <= 8 (None: ValueError), bias [D] or
+    None, residual [B,T,D] or None (added after the activation: y =
+    act(conv + bias) + residual, its gradient dy), activation None, "silu" or
+    "swish"; backend "triton", "cuda", "mix" or None (kdacp runs its C++
+    kernels whichever); cu_seqlens_cpu: the same boundaries (used when
+    cu_seqlens is None; ValueError when they differ); chunk_indices: derived
+    from cu_seqlens there, not needed here (ignored); CPU tensors, finite, all float64 or each float32,
     bfloat16 or float16 (computed in float32; y and final_state stored as x,
     each gradient as its input).
     initial_state [N,D,W] (N = B, or the number of packed sequences with
@@ -140,16 +152,19 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
     are (docs/python.md).
     Every rank calls it, and its backward, in the same order.
     """
-    unknown = sorted(k for k in kwargs if k not in _UNSUPPORTED and k != "backend")
+    unknown = sorted(k for k in kwargs if k not in _UNSUPPORTED)
     if unknown:
         raise TypeError(f"causal_conv1d() got unexpected keyword argument(s) {unknown}")
     given = sorted(k for k, v in kwargs.items() if k in _UNSUPPORTED and v is not None)
     if given:
         raise NotImplementedError(f"causal_conv1d: flash-linear-attention's {given} "
                                   "is not supported by kdacp")
-    if kwargs.get("backend") not in _FLA_BACKENDS:
-        raise ValueError(f"causal_conv1d: backend={kwargs['backend']!r}, expected 'triton' or "
-                         "'cuda' (flash-linear-attention's; kdacp runs its own C++ kernels)")
+    if backend not in _FLA_BACKENDS:
+        raise ValueError(f"causal_conv1d: backend={backend!r}, expected 'triton', 'cuda' or "
+                         "'mix' (flash-linear-attention's; kdacp runs its own C++ kernels)")
+    if weight is None:
+        raise ValueError("causal_conv1d: weight=None, expected a [D, W] tensor (kdacp's kernels "
+                         "need the weight)")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation={activation!r}, expected None, 'silu' or "
                          "'swish'")
@@ -170,6 +185,16 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
         bias = _tensor(bias, "bias", 1)
         if bias.shape[0] != d:
             raise ValueError(f"causal_conv1d: bias has shape {list(bias.shape)}, expected [{d}]")
+    if residual is not None:
+        residual = _tensor(residual, "residual", 3)
+        if residual.shape != x.shape:
+            raise ValueError(f"causal_conv1d: residual has shape {list(residual.shape)}, "
+                             f"expected x's {list(x.shape)}")
+    if cu_seqlens is None:
+        cu_seqlens = cu_seqlens_cpu
+    elif cu_seqlens_cpu is not None and _cu_list(cu_seqlens) != _cu_list(cu_seqlens_cpu):
+        raise ValueError("causal_conv1d: cu_seqlens and cu_seqlens_cpu differ, expected the "
+                         "same boundaries")
     cu = _cu_list(cu_seqlens)
     if cp_context is not None:
         kernel = getattr(cp_context, "conv1d_kernel_size", None)
@@ -193,4 +218,6 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
     op = _kdacp.CausalConv(backend, layout, b, tokens, cu, d, w)
     y, ht = _ConvFunction.apply(op, _ACTIVATIONS[activation], output_final_state, compute, x,
                                 weight, bias, initial_state)
+    if residual is not None:
+        y = (y.to(compute) + residual.to(compute)).to(x.dtype)
     return y, (ht if output_final_state else None)

@@ -115,11 +115,11 @@ def context_worker(rank, world, init_file):
                                   threads=1)
         if layout == "contiguous" and split is None:
             assert ctx.split == [t // world + (r < t % world) for r in range(world)], ctx.split
-        assert (ctx.rank, ctx.world_size, ctx.layout_name) == (rank, world, layout)
-        assert ctx.cu_seqlens == cu and ctx.conv1d_kernel_size == 4
+        assert (ctx.rank, ctx.world_size, ctx.layout) == (rank, world, layout)
+        assert ctx.global_cu_seqlens == cu and ctx.conv1d_kernel_size == 4
         assert ctx.group is dist.group.WORLD and ctx.backend is not None
         assert ctx.protocol == protocol and ctx.allgather_group_size == 1
-        spans = ctx.layout.local_parts(rank)
+        spans = ctx.global_layout.local_parts(rank)
 
         def local(x):
             return torch.cat([x[:, a:e] for a, e in spans], dim=1)
@@ -147,7 +147,7 @@ def context_worker(rank, world, init_file):
                 x = make(t, len(cu) - 1, torch.float64, seed=35)
                 ctx = kt.build_cp_context(cu, dist.group.WORLD, layout="zigzag", protocol=protocol,
                                           timeout=20, threads=1)
-                spans = ctx.layout.local_parts(rank)
+                spans = ctx.global_layout.local_parts(rank)
                 mine = {k_: (torch.cat([v_[:, a:e] for a, e in spans], dim=1) if k_ in TOKEN_WISE
                              else v_) for k_, v_ in x.items()}
                 outs.append(call(mine, FLAGS, cp_context=ctx))
@@ -276,7 +276,7 @@ def half_worker(rank, world, init_file):
     ((o_ref.float() * d_o.float()).sum() + (ht_ref * d_ht).sum() * world).backward()
     ctx = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, layout="zigzag", timeout=20,
                               threads=1)
-    spans = ctx.layout.local_parts(rank)
+    spans = ctx.global_layout.local_parts(rank)
 
     def local(x):
         return torch.cat([x[:, a:e] for a, e in spans], dim=1)
@@ -319,7 +319,7 @@ def ulysses_worker(rank, world, init_file):
     ((o_ref * d_o).sum() + (ht_ref * sum(d_ht[1:], d_ht[0].clone())).sum()).backward()
     ctx = kt.build_cp_context(cu, dist.group.WORLD, split=counts, protocol="p2p", timeout=20,
                               threads=1, ulysses=2)
-    spans = ctx.layout.local_parts(rank)
+    spans = ctx.global_layout.local_parts(rank)
 
     def local(x):
         return torch.cat([x[:, a:e] for a, e in spans], dim=1)
@@ -359,7 +359,7 @@ def ulysses_worker(rank, world, init_file):
            torch.rand(1, t, hv, generator=gen, dtype=torch.float64)]
     o_one, _ = kt.kda(*big, cu_seqlens=cu)
     sixes = [6] * world
-    big_ctx_parts = kt.build_cp_context(cu, dist.group.WORLD, split=sixes, timeout=20, threads=1).layout
+    big_ctx_parts = kt.build_cp_context(cu, dist.group.WORLD, split=sixes, timeout=20, threads=1).global_layout
     mine_big = [torch.cat([x[:, a:e] for a, e in big_ctx_parts.local_parts(rank)], dim=1) for x in big]
     o_auto, _ = kt.kda(*mine_big, cu_seqlens=cu, group=dist.group.WORLD, protocol="auto", timeout=20,
                        threads=1, ulysses="auto")

@@ -23,7 +23,7 @@ def context(group, layout, layout_name, cu_seqlens, kernel_size, world):
     split = [layout.local_tokens(r) for r in range(world)]
     ctx = kt.build_cp_context(cu_seqlens, group, conv1d_kernel_size=kernel_size,
                               layout=layout_name, split=split)
-    assert str(ctx.layout) == str(layout), (ctx.layout, layout)
+    assert str(ctx.global_layout) == str(layout), (ctx.global_layout, layout)
     return ctx
 
 
@@ -83,7 +83,7 @@ def conv_worker(rank, world, init_file):
                 wl = weight.clone().requires_grad_(True)
                 bl = bias.clone().requires_grad_(True)
                 hl = h0.clone().requires_grad_(True)
-                y, ht = kt.causal_conv1d(xl, wl, bl, act, hl, True, cp_context=ctx)
+                y, ht = kt.causal_conv1d(xl, wl, bl, None, hl, True, act, cp_context=ctx)
                 ((y * local_tokens(dy, layout, rank)).sum() + (ht * dhts[rank]).sum()).backward()
                 what = (dtype, w, cu, str(layout))
 

@@ -97,7 +97,7 @@ def det_worker(rank, world, init_file):
                   algorithm=algorithm, threads=1, **FLAGS)
         ctx = kt.build_cp_context(cu, group, layout=layout, split=split, protocol="p2p",
                                   timeout=30, threads=2 if rank == 0 else 1)
-        spans = ctx.layout.local_parts(rank)
+        spans = ctx.global_layout.local_parts(rank)
 
         def local(y):
             return torch.cat([y[:, a:e] for a, e in spans], dim=1)
@@ -127,7 +127,7 @@ def det_worker(rank, world, init_file):
     cu = [0, 64, 448, 512]
     x, d_o, d_ht = make(512, 3, torch.float32, seed=5, raw=False)
     ref = run(kt.kda, x, d_o, d_ht, lambda y: y, True, cu_seqlens=cu, threads=1)
-    spans = kt.build_cp_context(cu, group, layout="zigzag", timeout=30).layout.local_parts(rank)
+    spans = kt.build_cp_context(cu, group, layout="zigzag", timeout=30).global_layout.local_parts(rank)
 
     def zz(y):
         return torch.cat([y[:, a:e] for a, e in spans], dim=1)
@@ -214,8 +214,8 @@ def conv_check(rank, world, group):
 
         def one(xs, ctx, give_dht):
             leaves = [v.clone().requires_grad_(True) for v in (xs, weight, bias, h0)]
-            y, ht = kt.causal_conv1d(leaves[0], leaves[1], leaves[2], "silu", leaves[3], True,
-                                     None if ctx else cu, cp_context=ctx)
+            y, ht = kt.causal_conv1d(leaves[0], leaves[1], leaves[2], None, leaves[3], True,
+                                     "silu", cu_seqlens=None if ctx else cu, cp_context=ctx)
             loss = (y * dy[:, a:e] if ctx else y * dy).sum()
             ((loss + (ht * dht).sum()) if give_dht else loss).backward()
             return y.detach(), ht.detach(), leaves[0].grad, leaves[3].grad

@@ -260,7 +260,7 @@ def share_worker(rank, world, init_file):
     for xs, dys, context in ((x, dy, None), (x[:, start:start + counts[rank]],
                                              dy[:, start:start + counts[rank]], ctx)):
         leaves = [torch.nn.Parameter(p.clone()) for p in params]
-        y, _ = kt.causal_conv1d(xs, leaves[0], leaves[1], "silu", leaves[2],
+        y, _ = kt.causal_conv1d(xs, leaves[0], leaves[1], None, leaves[2], activation="silu",
                                 cu_seqlens=None if context else cu, cp_context=context)
         (y * dys).sum().backward()
         grads.append([p.grad for p in leaves])

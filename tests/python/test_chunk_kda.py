@@ -293,9 +293,9 @@ def test_unsupported_arguments_raise():
 def test_single_process_context():
     x = inputs(1, 12, 1, 1, 4, 3, 2, seed=8, raw=False)
     ctx = kt.build_cp_context([0, 5, 12], kt.SINGLE_PROCESS, conv1d_kernel_size=4)
-    assert (ctx.rank, ctx.world_size, ctx.backend, ctx.layout_name) == (0, 1, None, "contiguous")
-    assert ctx.cu_seqlens == [0, 5, 12] and ctx.conv1d_kernel_size == 4
-    assert ctx.layout.local_tokens(0) == 12
+    assert (ctx.rank, ctx.world_size, ctx.backend, ctx.layout) == (0, 1, None, "contiguous")
+    assert ctx.global_cu_seqlens == [0, 5, 12] and ctx.conv1d_kernel_size == 4
+    assert ctx.global_layout.local_tokens(0) == 12
     beta = torch.sigmoid(x["beta"])
     o, _ = kt.chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, cp_context=ctx)
     o2, _ = kt.chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, cu_seqlens=[0, 5, 12])

@@ -72,7 +72,7 @@ def test_gradcheck():
         x, weight, bb, hh = make(b, 9, 3, 4, torch.float64, True, True, cu, seed=5)
         for act in (None, "silu"):
             def f(x_, w_, b_, h_):
-                y, ht = kt.causal_conv1d(x_, w_, b_, act, h_, True, cu)
+                y, ht = kt.causal_conv1d(x_, w_, b_, None, h_, True, act, "triton", cu)
                 return y, ht
             inputs = tuple(t.clone().requires_grad_(True) for t in (x, weight, bb, hh))
             assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8)
@@ -107,8 +107,10 @@ def test_errors():
         kt.causal_conv1d(x, w, cu_seqlens=[0, 2, 6])
     with pytest.raises(ValueError, match="cu_seqlens"):
         kt.causal_conv1d(x[:1], w, cu_seqlens=[0, 4, 5])
-    with pytest.raises(NotImplementedError, match="residual"):
-        kt.causal_conv1d(x, w, residual=x)
+    with pytest.raises(ValueError, match="residual has shape"):
+        kt.causal_conv1d(x, w, residual=x[:, 1:])
+    with pytest.raises(NotImplementedError, match="seq_idx"):
+        kt.causal_conv1d(x, w, seq_idx=torch.zeros(1, 6, dtype=torch.int32))
     with pytest.raises(TypeError, match="unexpected keyword"):
         kt.causal_conv1d(x, w, no_such_thing=1)
     bad = x.clone()
