@@ -4,7 +4,7 @@ and the serial fold (merge_affine_summaries), exported by kdacp.torch."""
 import torch
 
 from kdacp import _kdacp
-from kdacp._comm import backend_for
+from kdacp._comm import backend_for, reject
 from kdacp._common import (_DTYPES, _check_state_tensor, _desc, _group_size, _options, _threads,
                            _timeout, _ulysses, _viewable)
 
@@ -21,17 +21,12 @@ class StateExchange:
         # whether all ranks passed the same protocol, width, options and
         # timeout before anything that depends on them runs (a split, a
         # protocol's first message); a rank's own error reaches its peers.
-        self._group_size = 1
         try:
             self._group_size = _group_size(group_size)
             opts = _options(options)
             self._check = bool(options.get("check_ranks", True))
         except (ValueError, TypeError) as e:
-            try:
-                _kdacp.agree_exchange(backend, str(protocol), 1, _options({}), str(e))
-            except ValueError:
-                pass
-            raise e
+            reject(backend, "build_kda_state_cp", e)
         _kdacp.agree_exchange(backend, protocol, self._group_size, opts)
         if protocol != "auto" or "expected_shape" in options:
             self._build(None, None)

@@ -39,11 +39,11 @@ def _option_key(options):
     """The converted values of the options a layer is built with (equal
     values, however spelled, share a layer)."""
     shape = options.get("expected_shape")
+    cuts = _expected_cuts(options)
     return (_segments(options), _parse_bytes(options.get("memory_budget_bytes", 0)),
             bool(options.get("allow_reassociation", False)), options.get("calibration") or "",
             None if shape is None else tuple(int(x) for x in shape),
-            None if _expected_cuts(options) is None else tuple(_expected_cuts(options)),
-            _ulysses(options))
+            None if cuts is None else tuple(cuts), _ulysses(options))
 
 
 def _layer(backend, protocol, group_size, layout, dtype, threads, options):

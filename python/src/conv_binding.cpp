@@ -51,9 +51,9 @@ class ConvOp {
     }
     if (!layout) throw InvalidArgument("causal_conv1d: a CP convolution needs its layout");
     comm_ = std::make_shared<TorchCommunicator>(std::move(backend));
-    conv_ = std::make_unique<conv::CausalConv>(comm_, *layout, sequences(batch, tokens, cu), dim,
-                                               width);
-    if (layout->ranks() > 1) started_.emplace(*layout, sequences(batch, tokens, cu));
+    Sequences seqs = sequences(batch, tokens, cu);
+    conv_ = std::make_unique<conv::CausalConv>(comm_, *layout, seqs, dim, width);
+    if (layout->ranks() > 1) started_.emplace(*layout, std::move(seqs));
   }
   std::size_t local_tokens() const { return conv_->local_tokens(); }
   std::size_t sequences_count() const { return conv_->sequences(); }

@@ -134,9 +134,9 @@ py::array inprocess_exchange(const std::string& method, long long group_size,
 
 // build_kda_state_cp's one agreement: protocol, group size, the options
 // that shape the messages and the timeout (threads and check_ranks are each
-// rank's own); local_error: this rank's own argument error, shared.
-void agree_exchange(py::object backend, const std::string& protocol, long long group_size, ExchangeOptions options,
-                    const std::string& local_error) {
+// rank's own). A rank whose own arguments failed joins it through
+// reject_call instead.
+void agree_exchange(py::object backend, const std::string& protocol, long long group_size, ExchangeOptions options) {
   const auto comm = std::make_shared<TorchCommunicator>(std::move(backend));
   LayerConfig c;
   c.names = LayerNames::python();
@@ -144,7 +144,7 @@ void agree_exchange(py::object backend, const std::string& protocol, long long g
   c.group_size = group_size;
   c.exchange = std::move(options);
   py::gil_scoped_release release;
-  agree(*comm, exchange_fingerprint(c, comm->timeout()), "build_kda_state_cp", local_error);
+  agree(*comm, exchange_fingerprint(c, comm->timeout()), "build_kda_state_cp");
 }
 
 // A StateExchange call's check_ranks agreement: the direction and the
@@ -165,7 +165,7 @@ void agree_exchange_call(py::object backend, bool forward, const std::vector<std
 
 void bind_exchange(py::module_& m) {
   m.def("agree_exchange", &agree_exchange, py::arg("backend"), py::arg("protocol"), py::arg("group_size"),
-        py::arg("options"), py::arg("local_error") = std::string());
+        py::arg("options"));
   m.def("agree_exchange_call", &agree_exchange_call, py::arg("backend"), py::arg("forward"), py::arg("shape"),
         py::arg("dtype"));
   m.def("make_options", &make_options, py::arg("segments"), py::arg("memory_budget_bytes"),
