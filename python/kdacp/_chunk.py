@@ -136,6 +136,25 @@ def _lower_bound(lower_bound):
     return float(lower_bound)
 
 
+def _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute):
+    """use_gate_in_kernel: the gate of raw g [B,T,HV,K] (A_log [HV], dt_bias
+    [HV·K] checked), differentiable w.r.t. all three."""
+    hv, kd = g.shape[2], g.shape[3]
+    a = None
+    if A_log is not None:
+        a = _transform_input(A_log, "A_log", compute)
+        if a.numel() != hv:
+            raise ValueError(f"A_log has {a.numel()} elements (shape {list(A_log.shape)}), "
+                             f"expected HV = {hv}")
+    bias = None
+    if dt_bias is not None:
+        bias = _transform_input(dt_bias, "dt_bias", compute)
+        if bias.numel() != hv * kd:
+            raise ValueError(f"dt_bias has {bias.numel()} elements (shape "
+                             f"{list(dt_bias.shape)}), expected HV*K = {hv * kd}")
+    return _GateFunction.apply(lower_bound, compute, _transform_input(g, "g", compute), a, bias)
+
+
 class FlaAssertionError(AssertionError, ValueError):
     """A condition flash-linear-attention checks with ``assert`` (so raises
     AssertionError): kdacp raises this subclass of AssertionError and
@@ -204,6 +223,7 @@ class _Padding:
 
     def __init__(self, cu, keep, end, graph_chunks):
         self.cu, self.end, self.graph_chunks = cu, end, graph_chunks
+        self.lengths = graph_chunks[1]
         self.keep = torch.tensor(keep, dtype=torch.long)
         self.empty = not keep
 
@@ -263,11 +283,13 @@ def _intermediate_states(tensors, initial_state, scale, cu_seqlens, compute, chu
         scale = 1.0 / math.sqrt(kd)
     h0 = None if initial_state is None else initial_state.detach().to(compute).contiguous()
     cu = None if cu_seqlens is None else cu_list(cu_seqlens)
-    _, states, _ = _kdacp.kda_chunk_states(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-        [b, t, h_, hv, kd, vd], float(scale), cu, 0 if h0 is None else h0.data_ptr(),
-        chunk_size, _DTYPES[compute], algorithm, _threads(options))
-    states = _from_numpy(states)
+    if cu == [0]:  # no sequence left (all empty)
+        states = torch.zeros(0, hv, kd, vd, dtype=compute)
+    else:
+        states = _from_numpy(_kdacp.kda_chunk_states(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+            [b, t, h_, hv, kd, vd], float(scale), cu, 0 if h0 is None else h0.data_ptr(),
+            chunk_size, _DTYPES[compute], algorithm, _threads(options))[1])
     states = states.view(b, -1, hv, kd, vd) if cu is None else states.unsqueeze(0)
     out = states.to(dtype)
     if dtype in (torch.float16, torch.bfloat16) and not torch.isfinite(out).all():
@@ -370,23 +392,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q, k, v, g, beta = (x[:, :pad.end] for x in (q, k, v, g, beta))
         cu_seqlens, full_state = pad.cu, initial_state
         if initial_state is not None:
+            _check_tensor(initial_state, "initial_state", 4)
+            if initial_state.shape[0] != len(pad.lengths):
+                raise ValueError(f"initial_state has {initial_state.shape[0]} sequences, "
+                                 f"expected N = {len(pad.lengths)} (cu_seqlens' sequences)")
             initial_state = initial_state.index_select(0, pad.keep)
+        if pad.empty:  # no token to transform
+            use_gate_in_kernel = use_qk_l2norm_in_kernel = use_beta_sigmoid_in_kernel = False
     compute = _compute_dtype(((q, "q"), (k, "k"), (g, "g"), (beta, "beta")))
     if use_gate_in_kernel:
-        hv, kd = g.shape[2], g.shape[3]
-        a = None
-        if A_log is not None:
-            a = _transform_input(A_log, "A_log", compute)
-            if a.numel() != hv:
-                raise ValueError(f"A_log has {a.numel()} elements (shape {list(A_log.shape)}), "
-                                 f"expected HV = {hv}")
-        bias = None
-        if dt_bias is not None:
-            bias = _transform_input(dt_bias, "dt_bias", compute)
-            if bias.numel() != hv * kd:
-                raise ValueError(f"dt_bias has {bias.numel()} elements (shape "
-                                 f"{list(dt_bias.shape)}), expected HV*K = {hv * kd}")
-        g = _GateFunction.apply(lower_bound, compute, _transform_input(g, "g", compute), a, bias)
+        g = _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute)
     if use_qk_l2norm_in_kernel:
         q = _L2NormFunction.apply(compute, q.contiguous())
         k = _L2NormFunction.apply(compute, k.contiguous())

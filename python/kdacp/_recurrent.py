@@ -9,7 +9,7 @@ import torch
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list
-from kdacp._chunk import (FlaAssertionError, _fla_keywords, _GateFunction, _L2NormFunction,
+from kdacp._chunk import (FlaAssertionError, _fla_keywords, _gate_in_kernel, _L2NormFunction,
                           _lower_bound, _SigmoidFunction, _transform_input, chunk_kda)
 from kdacp._common import _DTYPES, _check_tensor, _compute_dtype, _from_numpy, _threads
 
@@ -116,14 +116,7 @@ def _transformed(q, k, v, g, beta, A_log, dt_bias, flags, lower_bound):
     _check_tensor(beta, "beta")
     compute = _compute_dtype(((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
     if use_gate:
-        a = None if A_log is None else _transform_input(A_log, "A_log", compute)
-        b = None if dt_bias is None else _transform_input(dt_bias, "dt_bias", compute)
-        hv, kd = g.shape[2], g.shape[3]
-        if a is not None and a.numel() != hv:
-            raise ValueError(f"A_log has {a.numel()} elements, expected HV = {hv}")
-        if b is not None and b.numel() != hv * kd:
-            raise ValueError(f"dt_bias has {b.numel()} elements, expected HV*K = {hv * kd}")
-        g = _GateFunction.apply(lower_bound, compute, _transform_input(g, "g", compute), a, b)
+        g = _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute)
     if l2norm:
         q = _L2NormFunction.apply(compute, q.contiguous())
         k = _L2NormFunction.apply(compute, k.contiguous())
@@ -224,6 +217,7 @@ def _decode(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final
             inplace, state_v_first, cu_seqlens, indices, accepted, flags, lower_bound, out,
             kwargs):
     op = "fused_recurrent_kda_fwd"
+    _check_tensor(q, "q", 4)
     headwise = _check_headwise(beta, v)
     b, t, hv, vd = v.shape
     v_dtype = v.dtype

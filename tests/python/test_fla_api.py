@@ -7,14 +7,12 @@ naive references where it is installed), its signatures against
 flash-linear-attention's, its errors and warnings."""
 
 import inspect
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kdacp.torch as kt
-from conv_reference import causal_conv1d_ref
 
 F64 = torch.float64
 
@@ -299,3 +297,19 @@ def test_fused_recurrent_kda_errors():
         kt.fused_recurrent_kda(q, k, v, g, beta[..., None].expand(1, 5, 1, 2))
     with pytest.raises(NotImplementedError, match="no_such"):
         kt.fused_recurrent_kda(q, k, v, g, beta, no_such=1)
+
+
+def test_all_sequences_empty():
+    q, k, v, g, beta = inputs(1, 8, 1, 2, 4, 3, seed=10)
+    h0 = torch.randn(2, 2, 4, 3, dtype=F64)
+    o, ht = kt.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         cu_seqlens=[0, 0, 0], use_graph=True, use_gate_in_kernel=True,
+                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    assert o.abs().max() == 0 and o.shape == v.shape
+    close(ht, h0, 0)
+    with torch.inference_mode():
+        _, _, h = kt.chunk_kda(q, k, v, g, beta, cu_seqlens=[0, 0, 0], use_graph=True,
+                               return_intermediate_states=True)
+    assert list(h.shape) == [1, 2, 2, 4, 3] and h.abs().max() == 0
+    with pytest.raises(ValueError, match="initial_state has 1 sequences"):
+        kt.chunk_kda(q, k, v, g, beta, initial_state=h0[:1], cu_seqlens=[0, 0, 8])
