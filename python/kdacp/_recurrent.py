@@ -77,6 +77,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
     of state_v_first (DeprecationWarning). Extras: algorithm, threads,
     deterministic."""
     state_v_first = _fla_keywords("fused_recurrent_kda", state_v_first, kwargs, chunk_size=False)
+    if not isinstance(state_v_first, bool):
+        raise ValueError(f"fused_recurrent_kda: state_v_first={state_v_first!r}, expected True or "
+                         "False")
     _check_extras("fused_recurrent_kda", kwargs, _EXTRAS)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("fused_recurrent_kda: allow_neg_eigval=True needs "
@@ -131,12 +134,12 @@ def _transformed(q, k, v, g, beta, A_log, dt_bias, flags, lower_bound):
     return out, compute
 
 
-def _slots(ssm_state_indices, num_accepted_tokens, lengths, pool):
+def _slots(ssm_state_indices, num_accepted_tokens, lengths, pool, writes_in_pool):
     """(read slot per sequence, write slots per sequence) of continuous
     batching, checked: indices [N] (sequences of at most one token) or
     [N, S] (S >= each sequence's tokens), each in [0, pool) where a state
-    is read or written; num_accepted_tokens [N] (with [N, S] indices): the
-    state read is slot indices[n, num_accepted_tokens[n] - 1]."""
+    is read or, writes_in_pool (in place), written; num_accepted_tokens [N]
+    (with [N, S] indices): the state read is indices[n, accepted[n] - 1]."""
     idx = ssm_state_indices
     n = len(lengths)
     if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dim() not in (1, 2) \
@@ -163,7 +166,7 @@ def _slots(ssm_state_indices, num_accepted_tokens, lengths, pool):
         if t_n > len(row) or not 0 <= f < len(row):
             raise ValueError(f"ssm_state_indices row {i} has {len(row)} slots: sequence {i} has "
                              f"{t_n} tokens (a slot each) and reads slot entry {f}")
-        for x in [row[f]] + row[:t_n]:
+        for x in [row[f]] + (row[:t_n] if writes_in_pool else []):
             if not 0 <= x < pool:
                 raise ValueError(f"ssm_state_indices row {i} holds slot {x}, expected one in "
                                  f"[0, {pool}) (the state pool's rows)")
@@ -262,8 +265,8 @@ def _decode(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final
 
     if indices is not None:
         pool = 0 if initial_state is None else initial_state.shape[0]
-        reads, writes = _slots(indices, accepted, lengths, pool if inplace or
-                               initial_state is not None else 1 << 62)
+        reads, writes = _slots(indices, accepted, lengths,
+                               pool if initial_state is not None else 1 << 62, inplace)
         if initial_state is not None:
             h0 = [initial_state[r] if r is not None else initial_state.new_zeros(state_shape)
                   for r in reads]

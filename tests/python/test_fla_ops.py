@@ -63,6 +63,12 @@ def test_continuous_batching_with_accepted_tokens():
                                        state_v_first=False)
     _, _, _, after1 = reference(q1, k1, v1, g1, b1, h0=pool[[4, 0, 7]], cu=[0, 1, 2, 3])
     close(fs, torch.stack([after1[(0, i)] for i in range(3)]))
+    # there only the slots read must lie in the pool (-1: vLLM's unused entries)
+    _, fs2 = kt.fused_recurrent_kda_fwd(q1, k1, v1, g1, b1, initial_state=pool,
+                                        cu_seqlens=[0, 1, 2, 3], inplace_final_state=False,
+                                        ssm_state_indices=torch.tensor([[4, -1], [0, -1], [7, -1]]),
+                                        output_final_state=True)
+    close(fs2, fs, 0)
 
 
 def test_decode_state_v_first_headwise_beta_and_dtypes():
