@@ -4,13 +4,14 @@ kda layer, with or without a CP context."""
 
 import math
 import numbers
+import warnings
 
 import torch
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list, first_order
 from kdacp._common import (_DEFAULTS, _DTYPES, _check_tensor, _compute_dtype, _from_numpy,
-                           _require_finite_result)
+                           _require_finite_result, _threads)
 from kdacp._context import CpContext
 from kdacp._layer import kda
 
@@ -135,9 +136,171 @@ def _lower_bound(lower_bound):
     return float(lower_bound)
 
 
+def _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute):
+    """use_gate_in_kernel: the gate of raw g [B,T,HV,K] (A_log [HV], dt_bias
+    [HV·K] checked), differentiable w.r.t. all three."""
+    hv, kd = g.shape[2], g.shape[3]
+    a = None
+    if A_log is not None:
+        a = _transform_input(A_log, "A_log", compute)
+        if a.numel() != hv:
+            raise ValueError(f"A_log has {a.numel()} elements (shape {list(A_log.shape)}), "
+                             f"expected HV = {hv}")
+    bias = None
+    if dt_bias is not None:
+        bias = _transform_input(dt_bias, "dt_bias", compute)
+        if bias.numel() != hv * kd:
+            raise ValueError(f"dt_bias has {bias.numel()} elements (shape "
+                             f"{list(dt_bias.shape)}), expected HV*K = {hv * kd}")
+    return _GateFunction.apply(lower_bound, compute, _transform_input(g, "g", compute), a, bias)
+
+
+class FlaAssertionError(AssertionError, ValueError):
+    """A condition flash-linear-attention checks with ``assert`` (so raises
+    AssertionError): kdacp raises this subclass of AssertionError and
+    ValueError, so code written for either catches it."""
+
+
+def _fla_keywords(op, state_v_first, kwargs, chunk_size=True):
+    """flash-linear-attention's keywords read from **kwargs: the deprecated
+    transpose_state_layout (the old name of state_v_first: a
+    DeprecationWarning; both given is a ValueError, as there) and, for
+    chunk_kda, chunk_size (32 or 64, else ValueError, as there). Pops them."""
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError(f"{op}: state_v_first and transpose_state_layout are both given; "
+                             "transpose_state_layout is the deprecated name of state_v_first, "
+                             "pass state_v_first only")
+        warnings.warn(f"{op}: transpose_state_layout is deprecated, it is now called "
+                      "state_v_first", DeprecationWarning, stacklevel=3)
+        state_v_first = kwargs.pop("transpose_state_layout")
+    if not chunk_size:
+        return state_v_first
+    size = kwargs.pop("chunk_size", 64)
+    if isinstance(size, bool) or size not in (32, 64):
+        raise ValueError(f"{op}: chunk_size={size!r}, expected 32 or 64 (flash-linear-attention's "
+                         "KDA chunk sizes; kdacp's kernels tile 64 tokens either way)")
+    return state_v_first, int(size)
+
+
+def _state_in(initial_state, state_v_first):
+    """initial_state in kdacp's [N,HV,K,V] layout (a differentiable transpose
+    of a state_v_first [N,HV,V,K] one)."""
+    if initial_state is None or not state_v_first:
+        return initial_state
+    _check_tensor(initial_state, "initial_state", 4)
+    return initial_state.transpose(-1, -2)
+
+
+def _check_intermediate(wanted, disable_recompute, cp_context):
+    if not wanted:
+        return
+    if not torch.is_inference_mode_enabled():
+        raise FlaAssertionError("return_intermediate_states=True is only allowed in inference "
+                                "mode (torch.inference_mode()), as in flash-linear-attention: the "
+                                "states bypass autograd")
+    if disable_recompute:
+        raise FlaAssertionError("return_intermediate_states=True needs disable_recompute=False, "
+                                "as in flash-linear-attention")
+    if cp_context is not None:
+        raise NotImplementedError("return_intermediate_states=True with a cp_context: kdacp's CP "
+                                  "layer does not hand out the state each rank receives")
+
+
+def _no_tokens(k, v, output_final_state, compute):
+    """(o, final_state of no sequence) of a batch whose sequences are all empty."""
+    b, t, hv, vd = v.shape
+    o = torch.zeros(b, t, hv, vd, dtype=v.dtype)
+    return o, (torch.zeros(0, hv, k.shape[3], vd, dtype=compute) if output_final_state else None)
+
+
+class _Padding:
+    """cu_seqlens with zero-length sequences or, with use_graph, ending before
+    T (flash-linear-attention's padded graph batches): the layer runs the
+    non-empty sequences on tokens [0, end) and restore() puts the results back
+    in the padded shapes (o = 0 past end, an empty sequence's final state is
+    its initial state or zero)."""
+
+    def __init__(self, cu, keep, end, graph_chunks):
+        self.cu, self.end, self.graph_chunks = cu, end, graph_chunks
+        self.lengths = graph_chunks[1]
+        self.keep = torch.tensor(keep, dtype=torch.long)
+        self.empty = not keep
+
+    @staticmethod
+    def of(cu_seqlens, tokens, use_graph, max_num_seqs, cp_context):
+        if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or
+                                         not isinstance(max_num_seqs, numbers.Integral) or
+                                         max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs={max_num_seqs!r}, expected an integer >= 1")
+        if cp_context is not None:
+            if use_graph:
+                raise NotImplementedError("use_graph=True with a cp_context: kdacp's CP context "
+                                          "takes real sequences only (no zero-length padding)")
+            return None
+        if cu_seqlens is None:
+            return None
+        cu = cu_list(cu_seqlens)
+        n = len(cu) - 1
+        if use_graph and max_num_seqs is not None and n != max_num_seqs:
+            raise FlaAssertionError(f"use_graph=True: cu_seqlens has {n} sequences, expected "
+                                    f"max_num_seqs = {max_num_seqs} (pad it with zero-length tail "
+                                    "sequences to max_num_seqs + 1 entries)")
+        if n < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > tokens:
+            return None  # kda names what is wrong
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        end = cu[-1] if use_graph else tokens
+        if all(lengths) and end == tokens:
+            return None
+        keep = [i for i, n_ in enumerate(lengths) if n_]
+        packed = [0]
+        for i in keep:
+            packed.append(packed[-1] + lengths[i])
+        return _Padding(packed, keep, end, (use_graph, lengths))
+
+    def restore(self, o, ht, h, full_state, tokens, chunk_size):
+        if o.shape[1] < tokens:
+            o = torch.cat([o, o.new_zeros(o.shape[0], tokens - o.shape[1], *o.shape[2:])], 1)
+        if ht is not None:
+            n = len(self.graph_chunks[1])
+            base = full_state if full_state is not None else ht.new_zeros(n, *ht.shape[1:])
+            ht = base.index_copy(0, self.keep, ht) if len(self.keep) else base
+        if h is not None and self.graph_chunks[0]:
+            nt_max = -(-tokens // chunk_size) + len(self.graph_chunks[1]) - 1
+            h = torch.cat([h, h.new_zeros(1, nt_max - h.shape[1], *h.shape[2:])], 1)
+        return o, ht, h
+
+
+def _intermediate_states(tensors, initial_state, scale, cu_seqlens, compute, chunk_size,
+                         algorithm, options, dtype):
+    """h [B,NT,HV,K,V] in `dtype`: the state entering every chunk of
+    chunk_size tokens of every sequence (B = 1 with cu_seqlens), from kdacp's
+    C++ forward run chunk by chunk (_kdacp.kda_chunk_states)."""
+    q, k, v, g, beta = (x.detach().to(compute).contiguous() for x in tensors)
+    b, t, h_, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(kd)
+    h0 = None if initial_state is None else initial_state.detach().to(compute).contiguous()
+    cu = None if cu_seqlens is None else cu_list(cu_seqlens)
+    if cu == [0]:  # no sequence left (all empty)
+        states = torch.zeros(0, hv, kd, vd, dtype=compute)
+    else:
+        states = _from_numpy(_kdacp.kda_chunk_states(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+            [b, t, h_, hv, kd, vd], float(scale), cu, 0 if h0 is None else h0.data_ptr(),
+            chunk_size, _DTYPES[compute], algorithm, _threads(options))[1])
+    states = states.view(b, -1, hv, kd, vd) if cu is None else states.unsqueeze(0)
+    out = states.to(dtype)
+    if dtype in (torch.float16, torch.bfloat16) and not torch.isfinite(out).all():
+        raise ValueError(f"chunk_kda: an intermediate state is beyond {dtype}'s range (h is "
+                         "stored as k); use float32 inputs or rescale")
+    return out
+
+
 # flash-linear-attention's chunk_kda arguments kdacp does not implement: any
 # value but the default raises NotImplementedError naming it.
-_UNSUPPORTED_FLAGS = ("allow_neg_eigval", "return_intermediate_states", "state_v_first")
+_UNSUPPORTED_FLAGS = ("allow_neg_eigval",)
 # kdacp's extras chunk_kda accepts in **kwargs.
 _CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads", "deterministic")
 
@@ -146,12 +309,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
               lower_bound=None, disable_recompute=False, return_intermediate_states=False,
-              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, *,
-              A_log=None, dt_bias=None, **kwargs):
-    """flash-linear-attention's ``fla.ops.kda.chunk_kda`` on kdacp (docs/python.md).
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+              use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+    """flash-linear-attention's ``fla.ops.kda.chunk_kda`` on kdacp (docs/fla.md).
 
-    Returns (o [B,T,HV,V], final_state [N,HV,K,V] or None). The in-kernel
-    flags run kdacp's C++ transforms (kdacp/kda.hpp), then the kda layer:
+    Returns (o [B,T,HV,V], final_state [N,HV,K,V] or None), and with
+    return_intermediate_states=True (under torch.inference_mode() only)
+    (o, final_state, h): h [B,NT,HV,K,V] in k's dtype, the state entering
+    every chunk of chunk_size tokens (B = 1 and NT the chunks of all
+    sequences with cu_seqlens). The in-kernel flags run kdacp's C++
+    transforms (kdacp/kda.hpp), then the kda layer:
     use_gate_in_kernel: g is raw, g = -exp(A_log)·softplus(g + dt_bias), or
     with lower_bound lower_bound·sigmoid(exp(A_log)·(g + dt_bias)); A_log [HV]
     and dt_bias [HV·K] are optional (None: A_log = 0, dt_bias = 0).
@@ -161,12 +328,19 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     otherwise a numerics hint of flash-linear-attention's kernels that kdacp
     (exact for every g <= 0) does not need. disable_recompute: kdacp keeps
     the forward's intermediates by default (keep_forward); True forces it.
+    state_v_first (or the deprecated transpose_state_layout keyword, with a
+    DeprecationWarning): initial_state and final_state are [N,HV,V,K].
+    chunk_size (keyword, 32 or 64, else ValueError): the chunks of h; kdacp's
+    kernels tile 64 tokens whatever it is, o and final_state do not depend
+    on it. use_graph: cu_seqlens may end with zero-length sequences and
+    before T (tokens past its end give o = 0), exactly max_num_seqs + 1
+    entries when max_num_seqs is given; zero-length sequences are accepted
+    anywhere (their final state is their initial state).
     cu_seqlens_cpu: the same boundaries (must equal cu_seqlens when both are
     given). cp_context: a CpContext (build_cp_context): the tensors are this
     rank's tokens of its layout, and no agreement message is sent per call.
-    allow_neg_eigval, return_intermediate_states, state_v_first (other than
-    their defaults) and any other keyword raise NotImplementedError naming
-    them; kdacp extras: algorithm, keep_forward, threads, deterministic (kda's:
+    Any other keyword raises NotImplementedError naming it; kdacp extras:
+    algorithm, keep_forward, threads, deterministic (kda's:
     with a cp_context every output and every gradient of q, k, v, g, beta,
     the raw g's with use_gate_in_kernel too, and the sum over the ranks of
     initial_state's, is the same bytes as one process, for every world size
@@ -175,9 +349,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     start on this rank; A_log's, dt_bias's: its tokens' sums); summed over
     the ranks they are one process's (docs/python.md).
     """
-    flags = {"allow_neg_eigval": allow_neg_eigval,
-             "return_intermediate_states": return_intermediate_states,
-             "state_v_first": state_v_first}
+    state_v_first, chunk_size = _fla_keywords("chunk_kda", state_v_first, kwargs)
+    flags = {"allow_neg_eigval": allow_neg_eigval}
     unsupported = [n for n in _UNSUPPORTED_FLAGS if flags[n] is not False]
     unsupported += sorted(n for n in kwargs if n not in _CHUNK_KDA_EXTRAS)
     if unsupported:
@@ -188,7 +361,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
                        ("use_gate_in_kernel", use_gate_in_kernel),
                        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-                       ("safe_gate", safe_gate), ("disable_recompute", disable_recompute)):
+                       ("safe_gate", safe_gate), ("disable_recompute", disable_recompute),
+                       ("return_intermediate_states", return_intermediate_states),
+                       ("state_v_first", state_v_first), ("use_graph", use_graph)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r}, expected True or False")
     lower_bound = _lower_bound(lower_bound)
@@ -207,24 +382,26 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     keep_forward = kwargs.get("keep_forward", _DEFAULTS["keep_forward"])
     if disable_recompute:
         keep_forward = True
-    for t, name, nd in ((q, "q", 4), (k, "k", 4), (g, "g", 4), (beta, "beta", 3)):
+    for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4), (beta, "beta", 3)):
         _check_tensor(t, name, nd)
+    _check_intermediate(return_intermediate_states, disable_recompute, cp_context)
+    tokens, k_dtype = q.shape[1], k.dtype
+    initial_state = _state_in(initial_state, state_v_first)
+    pad = _Padding.of(cu_seqlens, tokens, use_graph, max_num_seqs, cp_context)
+    if pad is not None:
+        q, k, v, g, beta = (x[:, :pad.end] for x in (q, k, v, g, beta))
+        cu_seqlens, full_state = pad.cu, initial_state
+        if initial_state is not None:
+            _check_tensor(initial_state, "initial_state", 4)
+            if initial_state.shape[0] != len(pad.lengths):
+                raise ValueError(f"initial_state has {initial_state.shape[0]} sequences, "
+                                 f"expected N = {len(pad.lengths)} (cu_seqlens' sequences)")
+            initial_state = initial_state.index_select(0, pad.keep)
+        if pad.empty:  # no token to transform
+            use_gate_in_kernel = use_qk_l2norm_in_kernel = use_beta_sigmoid_in_kernel = False
     compute = _compute_dtype(((q, "q"), (k, "k"), (g, "g"), (beta, "beta")))
     if use_gate_in_kernel:
-        hv, kd = g.shape[2], g.shape[3]
-        a = None
-        if A_log is not None:
-            a = _transform_input(A_log, "A_log", compute)
-            if a.numel() != hv:
-                raise ValueError(f"A_log has {a.numel()} elements (shape {list(A_log.shape)}), "
-                                 f"expected HV = {hv}")
-        bias = None
-        if dt_bias is not None:
-            bias = _transform_input(dt_bias, "dt_bias", compute)
-            if bias.numel() != hv * kd:
-                raise ValueError(f"dt_bias has {bias.numel()} elements (shape "
-                                 f"{list(dt_bias.shape)}), expected HV*K = {hv * kd}")
-        g = _GateFunction.apply(lower_bound, compute, _transform_input(g, "g", compute), a, bias)
+        g = _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute)
     if use_qk_l2norm_in_kernel:
         q = _L2NormFunction.apply(compute, q.contiguous())
         k = _L2NormFunction.apply(compute, k.contiguous())
@@ -236,14 +413,28 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  "lower_bound": lower_bound, "A_log given": A_log is not None,
                  "dt_bias given": dt_bias is not None}
     options = {"threads": kwargs["threads"]} if "threads" in kwargs else {}
-    if cp_context is None:
-        return kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                   algorithm=algorithm, keep_forward=keep_forward, deterministic=deterministic,
-                   **options)
-    if not isinstance(cp_context, CpContext):
-        raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
-                         "kdacp.torch.CpContext (build_cp_context)")
-    if options:
-        raise ValueError("threads with a cp_context: pass it to build_cp_context")
-    return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                           algorithm, keep_forward, signature, deterministic)
+    if pad is not None and pad.empty:
+        o, ht = _no_tokens(k, v, output_final_state, compute)
+    elif cp_context is None:
+        o, ht = kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                    algorithm=algorithm, keep_forward=keep_forward, deterministic=deterministic,
+                    **options)
+    else:
+        if not isinstance(cp_context, CpContext):
+            raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
+                             "kdacp.torch.CpContext (build_cp_context)")
+        if options:
+            raise ValueError("threads with a cp_context: pass it to build_cp_context")
+        o, ht = cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                cu_seqlens, algorithm, keep_forward, signature, deterministic)
+    h = None
+    if return_intermediate_states:
+        h = _intermediate_states((q, k, v, g, beta), initial_state, scale, cu_seqlens, compute,
+                                 chunk_size, algorithm, options, k_dtype)
+    if pad is not None:
+        o, ht, h = pad.restore(o, ht, h, full_state, tokens, chunk_size)
+    if ht is not None and state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    if h is not None and state_v_first:
+        h = h.transpose(-1, -2).contiguous()
+    return (o, ht, h) if return_intermediate_states else (o, ht)

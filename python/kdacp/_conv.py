@@ -20,20 +20,39 @@ from kdacp._common import _DTYPES, _check_tensor, _compute_dtype, _from_numpy
 __all__ = ["causal_conv1d"]
 
 _ACTIVATIONS = {None: "none", "silu": "silu", "swish": "silu"}
-# flash-linear-attention arguments kdacp does not implement: an error when
-# given a value other than their default, never silently ignored.
-_UNSUPPORTED = {"seq_idx": None}
+# flash-linear-attention's keyword arguments read from **kwargs.
+_KEYWORDS = ("seq_idx",)
 _FLA_BACKENDS = ("triton", "cuda", "mix", None)
 
 
 def _tensor(t, name, ndim):
     _check_tensor(t, name, prefix="causal_conv1d: ")
-    if t.dim() != ndim:
+    if t.dim() != ndim and ndim is not None:
         raise ValueError(f"causal_conv1d: {name} has shape {list(t.shape)} ({t.dim()} dims), "
                          f"expected {ndim} dims")
     t = t.contiguous()
     _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, "finite")
     return t
+
+
+def _seq_idx_cu(seq_idx, b, t):
+    """The packed boundaries over the B·T tokens that seq_idx [B, T] (a
+    sequence id per token, non-decreasing along each row, >= 0) describes:
+    a new sequence wherever the id changes and at every row's start."""
+    if not isinstance(seq_idx, torch.Tensor) or seq_idx.dtype.is_floating_point or \
+            seq_idx.dtype == torch.bool or tuple(seq_idx.shape) != (b, t):
+        raise ValueError(f"causal_conv1d: seq_idx must be an integer tensor of shape [B, T] = "
+                         f"{[b, t]}, got {getattr(seq_idx, 'dtype', type(seq_idx).__name__)} "
+                         f"{list(getattr(seq_idx, 'shape', []))}")
+    cu = [0]
+    for r, row in enumerate(seq_idx.tolist()):
+        if row and min(row) < 0:
+            raise ValueError(f"causal_conv1d: seq_idx row {r} holds {min(row)}, expected ids >= 0")
+        if any(y < x for x, y in zip(row, row[1:])):
+            raise ValueError(f"causal_conv1d: seq_idx row {r} decreases, expected non-decreasing "
+                             "ids (each sequence one run of tokens)")
+        cu += [r * t + j for j in range(1, t) if row[j] != row[j - 1]] + [(r + 1) * t]
+    return cu
 
 
 def _cu_list(cu_seqlens):
@@ -152,27 +171,30 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
     are (docs/python.md).
     Every rank calls it, and its backward, in the same order.
     """
-    unknown = sorted(k for k in kwargs if k not in _UNSUPPORTED)
+    unknown = sorted(k for k in kwargs if k not in _KEYWORDS)
     if unknown:
         raise TypeError(f"causal_conv1d() got unexpected keyword argument(s) {unknown}")
-    given = sorted(k for k, v in kwargs.items() if k in _UNSUPPORTED and v is not None)
-    if given:
-        raise NotImplementedError(f"causal_conv1d: flash-linear-attention's {given} "
-                                  "is not supported by kdacp")
+    seq_idx = kwargs.get("seq_idx")
     if backend not in _FLA_BACKENDS:
         raise ValueError(f"causal_conv1d: backend={backend!r}, expected 'triton', 'cuda' or "
                          "'mix' (flash-linear-attention's; kdacp runs its own C++ kernels)")
     if weight is None:
-        raise ValueError("causal_conv1d: weight=None, expected a [D, W] tensor (kdacp's kernels "
-                         "need the weight)")
+        raise ValueError("causal_conv1d: weight=None, expected a [D, W] tensor (the kernel width "
+                         "W is weight's; flash-linear-attention 0.6 fails there too, with "
+                         "AttributeError)")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation={activation!r}, expected None, 'silu' or "
                          "'swish'")
     if not isinstance(output_final_state, bool):
         raise ValueError(f"causal_conv1d: output_final_state={output_final_state!r}, expected "
                          "True or False")
-    x = _tensor(x, "x", 3)
     weight = _tensor(weight, "weight", 2)
+    x_shape = x.shape if isinstance(x, torch.Tensor) else None
+    x = _tensor(x, "x", None)
+    if x.dim() < 3:
+        raise ValueError(f"causal_conv1d: x has shape {list(x.shape)}, expected [B, T, D] (or "
+                         "[B, T, ...] whose trailing dims hold D elements)")
+    x = x.reshape(x.shape[0], x.shape[1], -1)
     b, t, d = x.shape
     if weight.shape[0] != d:
         raise ValueError(f"causal_conv1d: weight has shape {list(weight.shape)}, expected "
@@ -186,7 +208,9 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
         if bias.shape[0] != d:
             raise ValueError(f"causal_conv1d: bias has shape {list(bias.shape)}, expected [{d}]")
     if residual is not None:
-        residual = _tensor(residual, "residual", 3)
+        residual = _tensor(residual, "residual", None)
+        if residual.shape == x_shape:
+            residual = residual.reshape(x.shape)
         if residual.shape != x.shape:
             raise ValueError(f"causal_conv1d: residual has shape {list(residual.shape)}, "
                              f"expected x's {list(x.shape)}")
@@ -196,6 +220,13 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
         raise ValueError("causal_conv1d: cu_seqlens and cu_seqlens_cpu differ, expected the "
                          "same boundaries")
     cu = _cu_list(cu_seqlens)
+    rows = None
+    if seq_idx is not None:
+        cu, rows = _with_seq_idx(seq_idx, x, cu, initial_state, output_final_state, cp_context)
+        if rows is not None:
+            x = x.reshape(1, b * t, d)
+            residual = None if residual is None else residual.reshape(x.shape)
+            b, t = 1, b * t
     if cp_context is not None:
         kernel = getattr(cp_context, "conv1d_kernel_size", None)
         if kernel is not None and kernel != w:
@@ -220,4 +251,26 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
                                 weight, bias, initial_state)
     if residual is not None:
         y = (y.to(compute) + residual.to(compute)).to(x.dtype)
-    return y, (ht if output_final_state else None)
+    return y.reshape(x_shape), (ht if output_final_state else None)
+
+
+def _with_seq_idx(seq_idx, x, cu, initial_state, output_final_state, cp_context):
+    """(cu_seqlens, rows) for a call given seq_idx: its sequences, which must
+    be cu_seqlens' when both are given; without cu_seqlens a batch of B > 1
+    rows runs packed (rows = B) and states are refused (flash-linear-
+    attention's CUDA backend, the one that reads seq_idx, keeps a state per
+    row there, not per sequence)."""
+    if cp_context is not None:
+        raise ValueError("causal_conv1d: seq_idx with a cp_context: the context's cu_seqlens "
+                         "define the sequences, omit seq_idx")
+    b, t, _ = x.shape
+    derived = _seq_idx_cu(seq_idx, b, t)
+    if cu is not None:
+        if b != 1 or cu != derived:
+            raise ValueError(f"causal_conv1d: seq_idx gives the boundaries {derived}, "
+                             f"cu_seqlens {cu}: expected the same sequences")
+        return cu, None
+    if initial_state is not None or output_final_state:
+        raise ValueError("causal_conv1d: seq_idx without cu_seqlens takes no initial_state and "
+                         "gives no final_state (pass cu_seqlens for per-sequence states)")
+    return derived, (b if b > 1 else None)

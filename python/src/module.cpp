@@ -23,6 +23,8 @@ namespace py = pybind11;
 
 namespace kdacp::python {
 
+void bind_fla(py::module_& m);  // fla_binding.cpp
+
 TensorDesc to_desc(const py::tuple& t) {
   if (t.size() != 4) throw InvalidArgument("tensor descriptor needs 4 fields");
   TensorDesc d;
@@ -261,4 +263,5 @@ PYBIND11_MODULE(_kdacp, m) {
   kdacp::python::bind_kda_layer(m);
   kdacp::python::bind_checks(m);
   kdacp::python::bind_conv(m);
+  kdacp::python::bind_fla(m);
 }

@@ -109,7 +109,7 @@ def test_errors():
         kt.causal_conv1d(x[:1], w, cu_seqlens=[0, 4, 5])
     with pytest.raises(ValueError, match="residual has shape"):
         kt.causal_conv1d(x, w, residual=x[:, 1:])
-    with pytest.raises(NotImplementedError, match="seq_idx"):
+    with pytest.raises(ValueError, match="seq_idx"):
         kt.causal_conv1d(x, w, seq_idx=torch.zeros(1, 6, dtype=torch.int32))
     with pytest.raises(TypeError, match="unexpected keyword"):
         kt.causal_conv1d(x, w, no_such_thing=1)
