@@ -81,10 +81,9 @@ def as_process_group(group, what="group"):
         return group
     if group.ndim != 1:
         names = group.mesh_dim_names
-        hint = (f"pick its context-parallel dimension by name, e.g. {what}=mesh[{names[-1]!r}] "
-                f"(dimensions {list(names)})" if names else
-                "build the mesh with mesh_dim_names and pass the context-parallel "
-                "dimension, e.g. mesh['cp']")
+        hint = (f"pass one dimension of it by name, e.g. mesh[{names[-1]!r}] (its dimensions: "
+                f"{list(names)})" if names else "build it with mesh_dim_names and pass one "
+                "dimension by name, e.g. mesh['cp']")
         raise ValueError(f"{what} is a {group.ndim}-D DeviceMesh of shape "
                          f"{tuple(group.shape)}, expected a 1-D one (the context-parallel "
                          f"ranks): {hint}")
