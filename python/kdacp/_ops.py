@@ -102,6 +102,9 @@ def _encode(value, name, tensors, ints, found):
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return ("t", len(tensors) - 1)
+    if isinstance(value, (np.generic, np.ndarray)):  # dynamo traces these as tensors
+        return ("e", f"{name} is a numpy value: under torch.compile kdacp takes a Python "
+                     "number, a list of them or a tensor there")
     if isinstance(value, torch.SymInt):
         ints.append(value)
         return ("i", len(ints) - 1)
@@ -233,7 +236,8 @@ def _run_backward(handle, d_out, d_state):
     if holder is None:
         raise RuntimeError("kdacp: the saved state of a compiled forward is gone: its handle "
                            "tensor was copied and the original freed (a saved-tensor hook "
-                           "such as save_on_cpu), which kdacp's compiled ops do not support")
+                           "that copies what autograd saves), which kdacp's compiled ops do "
+                           "not support")
     roots = [edge for _, edge in holder.roots]
     grads = [(d_out, d_state)[slot] for slot, _ in holder.roots]
     result = torch.autograd.grad(roots, holder.leaves, grads, retain_graph=True,

@@ -122,6 +122,11 @@ def test_handle_owns_the_saved_state():
     del o
     gc.collect()
     assert len(_ops._HELD) == 0
+    # A saved-tensor hook that copies the handle frees the state: said, not silent.
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        o = compiled(q, k, v, g, beta)
+    with pytest.raises(RuntimeError, match="the saved state of a compiled forward is gone"):
+        o.sum().backward()
 
 
 def error_of(fn, *args):
@@ -146,6 +151,11 @@ def test_errors_are_eagers():
                  (x, x, x, torch.ones_like(x), torch.zeros(1, 4, 1), "chunk")):
         want = error_of(f, *args)
         assert issubclass(want[0], ValueError) and error_of(compiled, *args) == want, want
+    # A value the op cannot carry: a ValueError naming it when the call runs.
+    import numpy as np
+    got = error_of(compiled, x, x, x, -torch.ones_like(x), torch.zeros(1, 4, 1), np.int64(1))
+    assert got == (ValueError, "algorithm is a numpy value: under torch.compile kdacp takes a Python "
+                               "number, a list of them or a tensor there"), got
 
 
 @needs_ops
