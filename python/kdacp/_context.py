@@ -98,6 +98,7 @@ class CpContext:
         for name in ("cu_seqlens", "cu_seqlens_cpu"):
             if getattr(self, name) is not None:
                 setattr(other, name, getattr(self, name).clone())
+        _ops.register_context(other, self._op_sequences)  # its own key under torch.compile
         return other
 
     def _check_runnable(self, what):

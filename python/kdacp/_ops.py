@@ -164,8 +164,14 @@ def _decode(tag, tensors, ints, context):
     raise ValueError(value)  # "e": the message of an argument that cannot be passed
 
 
+@functools.lru_cache(maxsize=256)
+def _parse(spec):
+    """The (name, tag) pairs of a spec (a compiled graph passes the same few)."""
+    return ast.literal_eval(spec)
+
+
 def _arguments(spec, tensors, ints, context):
-    return {name: _decode(tag, tensors, ints, context) for name, tag in ast.literal_eval(spec)}
+    return {name: _decode(tag, tensors, ints, context) for name, tag in _parse(spec)}
 
 
 # -- the forward's autograd graph, owned by the handle ------------------------
@@ -323,7 +329,7 @@ def _arguments_fake(spec, tensors, ints):
         if kind in ("g", "s", "e", "f"):
             return None
         return _decode(tag, tensors, ints, None)
-    return {name: decode(tag) for name, tag in ast.literal_eval(spec)}
+    return {name: decode(tag) for name, tag in _parse(spec)}
 
 
 class _Entry:
