@@ -215,7 +215,7 @@ def _run_forward(entry, tensors, spec, context, ints, grad_mask):
     train = bool(leaves)
     with torch.enable_grad() if train else torch.no_grad():
         out, state = entry.fn(**kwargs)
-    expected = entry.fake(kwargs, _context_sequences(kwargs, entry))
+    expected = entry.fake(kwargs, _context_sequences(kwargs))
     handle = torch.zeros(1, dtype=torch.int64)
     if train:
         roots = [(slot, torch.autograd.graph.get_gradient_edge(x) if _EDGES else x)
@@ -232,7 +232,7 @@ def _run_forward(entry, tensors, spec, context, ints, grad_mask):
     return results[0], results[1], handle
 
 
-def _context_sequences(kwargs, entry):
+def _context_sequences(kwargs):
     ctx = kwargs.get("cp_context")
     return getattr(ctx, "_op_sequences", -1)
 
