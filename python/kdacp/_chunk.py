@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from kdacp import _kdacp
+from kdacp import _kdacp, _ops
 from kdacp._autograd import cu_list, first_order
 from kdacp._common import (_DEFAULTS, _DTYPES, _check_tensor, _compute_dtype, _from_numpy,
                            _require_finite_result, _threads)
@@ -305,6 +305,7 @@ _UNSUPPORTED_FLAGS = ("allow_neg_eigval",)
 _CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads", "deterministic")
 
 
+@_ops.entry("chunk_kda", _ops.kda_fake)  # torch.compile: kdacp::chunk_kda (docs/compile.md)
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,

@@ -63,6 +63,33 @@ def group_members(group, timeout_s=None):
     return [int(t.item()) for t in out]
 
 
+try:
+    from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+except ImportError:  # torch without DeviceMesh (1.13)
+    _DeviceMesh = None
+
+
+def is_device_mesh(group):
+    return _DeviceMesh is not None and isinstance(group, _DeviceMesh)
+
+
+def as_process_group(group, what="group"):
+    """group itself, or the ProcessGroup of a DeviceMesh that has one
+    dimension (a 1-D mesh, or one dimension of an n-D mesh: mesh["cp"]).
+    ValueError naming `what` for an n-D mesh, whose dimension must be chosen."""
+    if not is_device_mesh(group):
+        return group
+    if group.ndim != 1:
+        names = group.mesh_dim_names
+        hint = (f"pass one dimension of it by name, e.g. mesh[{names[-1]!r}] (its dimensions: "
+                f"{list(names)})" if names else "build it with mesh_dim_names and pass one "
+                "dimension by name, e.g. mesh['cp']")
+        raise ValueError(f"{what} is a {group.ndim}-D DeviceMesh of shape "
+                         f"{tuple(group.shape)}, expected a 1-D one (the context-parallel "
+                         f"ranks): {hint}")
+    return group.get_group()
+
+
 def check_group(group):
     """ValueError unless torch.distributed is initialised and `group` (None:
     the default group) is a live process group this process belongs to: a
@@ -264,6 +291,7 @@ def backend_for(group, timeout_s):
     kdacp world is the group itself: its splits are correct whether or not it
     spans the default group (see the module docstring).
     """
+    group = as_process_group(group)
     check_group(group)
     g = dist.group.WORLD if group is None else group
     members = group_members(g, timeout_s)

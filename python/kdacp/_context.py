@@ -7,9 +7,9 @@ import copy
 import torch
 import torch.distributed as dist
 
-from kdacp import _kdacp
+from kdacp import _kdacp, _ops
 from kdacp._autograd import cu_list
-from kdacp._comm import check_group, group_backend, reject
+from kdacp._comm import as_process_group, check_group, group_backend, reject
 from kdacp._cp_meta import fewer_tokens, fla_fields
 from kdacp._common import (SINGLE_PROCESS, _group_size, _integer, _options, _threads, _timeout,
                            _ulysses)
@@ -79,6 +79,7 @@ class CpContext:
         self._metadata_only = metadata_only
         self._layers = {}
         self._signature = None  # the per-call arguments the ranks agreed on at the first call
+        _ops.register_context(self, -1 if cu is None else len(cu) - 1)  # torch.compile's key
 
     @property
     def num_seqs(self):
@@ -97,6 +98,7 @@ class CpContext:
         for name in ("cu_seqlens", "cu_seqlens_cpu"):
             if getattr(self, name) is not None:
                 setattr(other, name, getattr(self, name).clone())
+        _ops.register_context(other, self._op_sequences)  # its own key under torch.compile
         return other
 
     def _check_runnable(self, what):
@@ -269,6 +271,7 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=
             raise ValueError("build_cp_context: group=None, expected a process group "
                              "(torch.distributed.group.WORLD or a new_group), or "
                              "kdacp.torch.SINGLE_PROCESS for one process")
+        group = as_process_group(group, "build_cp_context: group")
         check_group(group)
         backend = group_backend(group, timeout_s)
         world = backend.size

@@ -13,7 +13,7 @@
 
 import torch
 
-from kdacp import _kdacp
+from kdacp import _kdacp, _ops
 from kdacp._autograd import cu_list, first_order
 from kdacp._common import _DTYPES, _check_tensor, _compute_dtype, _from_numpy
 
@@ -141,6 +141,7 @@ def _context_layout(cp_context, x, cu):
     return cp_context.backend, layout, ctx_cu, layout.tokens
 
 
+@_ops.entry("causal_conv1d", _ops.conv_fake)  # torch.compile: kdacp::causal_conv1d
 def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
                   output_final_state=False, activation=None, backend="triton", cu_seqlens=None,
                   cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):

@@ -10,7 +10,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from kdacp import _comm, _kdacp
+from kdacp import _comm, _kdacp, _ops
 from kdacp._autograd import cu_list, first_order
 from kdacp._comm import check_group, group_backend, reject
 from kdacp._common import (_DEFAULTS, _DTYPES, SINGLE_PROCESS, ULYSSES_AUTO, _check_tensor,
@@ -224,6 +224,7 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
     return shape, cu, scale, threads, tensors, h0, dtype
 
 
+@_ops.entry("kda", _ops.kda_fake)  # torch.compile: the op kdacp::kda (docs/compile.md)
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
         allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
@@ -319,6 +320,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
                 "None before init_process_group and after destroy_process_group, so None "
                 "cannot mean the default group here; omit group (or pass "
                 "kdacp.torch.SINGLE_PROCESS) to run one process")
+        group = _comm.as_process_group(group)
         check_group(group)
         backend = group_backend(group, _timeout(options))
         try:

@@ -17,6 +17,8 @@ before anything is sent (kda's values by the C++ validator the CLI uses, with
 its messages); arguments that differ between ranks raise ValueError on every
 rank naming them; a failed or silent peer raises RuntimeError naming it
 within the timeout; a non-finite kda result raises RuntimeError naming it.
+Under torch.compile (torch >= 2.4) chunk_kda, kda and causal_conv1d run as the
+custom ops torch.ops.kdacp.* without graph breaks (docs/compile.md).
 """
 
 from kdacp._chunk import FlaAssertionError, chunk_kda
