@@ -11,7 +11,7 @@ import torch
 from kdacp import _kdacp, _ops
 from kdacp._autograd import cu_list, first_order
 from kdacp._common import (_DEFAULTS, _DTYPES, _check_tensor, _compute_dtype, _from_numpy,
-                           _require_finite_result, _threads)
+                           _require_finite_result, _threads, caller_stacklevel)
 from kdacp._context import CpContext
 from kdacp._layer import kda
 
@@ -172,7 +172,7 @@ def _fla_keywords(op, state_v_first, kwargs, chunk_size=True):
                              "transpose_state_layout is the deprecated name of state_v_first, "
                              "pass state_v_first only")
         warnings.warn(f"{op}: transpose_state_layout is deprecated, it is now called "
-                      "state_v_first", DeprecationWarning, stacklevel=3)
+                      "state_v_first", DeprecationWarning, stacklevel=caller_stacklevel())
         state_v_first = kwargs.pop("transpose_state_layout")
     if not chunk_size:
         return state_v_first

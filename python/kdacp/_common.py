@@ -242,3 +242,16 @@ def _require_finite_result(t, name, what):
     except ValueError as e:
         raise RuntimeError(f"kdacp.torch.kda: the {what} produced a non-finite value from "
                            f"finite inputs: {e}") from None
+
+
+def caller_stacklevel():
+    """warnings.warn's stacklevel that names the first frame outside the
+    kdacp package (the user's call), whatever wrappers (torch.compile's entry
+    decorator, fused_recurrent_kda over chunk_kda) lie between."""
+    import os
+    import sys
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1
+    return level
