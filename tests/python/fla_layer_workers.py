@@ -149,11 +149,13 @@ def model_loss(model, ids, targets, count, **kw):
                            ignore_index=-100) / count
 
 
-def cp_worker(rank, world, init_file, layout):
-    """fla's layer and its model (float64, packed documents) under CP over
-    `world` ranks equal one process: the outputs of this rank's tokens, the
-    input's gradient, and the parameters' gradients summed over the ranks."""
+def cp_worker(rank, world, init_file):
+    """fla's layer and its model (float64, packed documents) under CP equal
+    one process: the outputs of this rank's tokens, the input's gradient, the
+    loss, and the parameters' gradients summed over the ranks; on ranks
+    {0, 1} (contiguous), then on all `world` ranks (zigzag)."""
     dist_workers.init(rank, world, init_file, timeout_s=60)
+    pair = dist.new_group([0, 1])
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(1, T, LAYER["hidden_size"], generator=gen, dtype=torch.float64)
     d_o = torch.randn(1, T, LAYER["hidden_size"], generator=gen, dtype=torch.float64)
@@ -166,45 +168,55 @@ def cp_worker(rank, world, init_file, layout):
     with kt.use_with_fla() as fla_on_kdacp:
         layer = make_layer(torch.float64)
         model = make_model(torch.float64)
-        o1, dx1, g1 = layer_step(layer, x, d_o, cu_seqlens=cu)
+        one = layer_step(layer, x, d_o, cu_seqlens=cu)
         model.zero_grad(set_to_none=True)
-        l1 = model_loss(model, ids, targets, count, cu_seqlens=cu)
-        l1.backward()
-        l1, m1 = l1.detach(), grads(model)
-        ctx = kt.build_cp_context(cu, dist.group.WORLD, conv1d_kernel_size=LAYER["conv_size"],
-                                  layout=layout, timeout=30, threads=1)
-        spans = ctx.global_layout.local_parts(rank)
-
-        def local(t):
-            return torch.cat([t[:, a:e] for a, e in spans], 1)
-
-        with fla_on_kdacp.cp(ctx):
-            o, dx, g = layer_step(layer, local(x), local(d_o), cu_seqlens=ctx.cu_seqlens)
-        _close(o, local(o1), "layer output", 1e-10)
-        _close(dx, local(dx1), "layer input grad", 1e-10)
-        assert g.keys() == g1.keys()
-        for name in g:
-            _close(summed(g[name]), g1[name], f"layer {name}.grad", 1e-10)
-        model_ctx = kt.build_cp_context(cu, dist.group.WORLD, conv1d_kernel_size=4,
-                                        layout=layout, timeout=30, threads=1)
-        model.zero_grad(set_to_none=True)
-        with fla_on_kdacp.cp(model_ctx):
-            loss = model_loss(model, local(ids), local(targets), count,
-                              cu_seqlens=model_ctx.cu_seqlens)
+        loss = model_loss(model, ids, targets, count, cu_seqlens=cu)
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        _close(total, l1, "model loss", 1e-12)
-        m = grads(model)
-        assert m.keys() == m1.keys()
-        for name in m:
-            _close(summed(m[name]), m1[name], f"model {name}.grad", 1e-10)
+        one += (loss.detach(), grads(model))
         model.eval()
         with torch.no_grad():
-            with fla_on_kdacp.cp(model_ctx):
-                logits = model(input_ids=local(ids), use_cache=False,
-                               cu_seqlens=model_ctx.cu_seqlens).logits
-            full = model(input_ids=ids, use_cache=False, cu_seqlens=cu).logits
-        # eval without grad on at most 64 tokens: the layer picks fused_recurrent_kda
-        _close(logits, local(full), "model logits (eval, no grad)", 1e-10)
+            one += (model(input_ids=ids, use_cache=False, cu_seqlens=cu).logits,)
+        model.train()
+        data = (x, d_o, ids, targets, count, cu)
+        if rank < 2:
+            _check_cp(fla_on_kdacp, layer, model, data, one, pair, "contiguous")
+        _check_cp(fla_on_kdacp, layer, model, data, one, dist.group.WORLD, "zigzag")
     dist_workers.finish()
+
+
+def _check_cp(fla_on_kdacp, layer, model, data, one, group, layout):
+    x, d_o, ids, targets, count, cu = data
+    o1, dx1, g1, l1, m1, logits1 = one
+    ctx = kt.build_cp_context(cu, group, conv1d_kernel_size=LAYER["conv_size"],
+                              layout=layout, timeout=30, threads=1)
+    spans = ctx.global_layout.local_parts(ctx.rank)
+
+    def local(t):
+        return torch.cat([t[:, a:e] for a, e in spans], 1)
+
+    where = f"{layout} over {ctx.world_size} ranks"
+    with fla_on_kdacp.cp(ctx):
+        o, dx, g = layer_step(layer, local(x), local(d_o), cu_seqlens=ctx.cu_seqlens)
+    _close(o, local(o1), f"{where}: layer output", 1e-10)
+    _close(dx, local(dx1), f"{where}: layer input grad", 1e-10)
+    assert g.keys() == g1.keys()
+    for name in g:
+        _close(summed(g[name], group), g1[name], f"{where}: layer {name}.grad", 1e-10)
+    # The model on a context of its own (its calls' arguments differ from the layer's).
+    ctx = kt.build_cp_context(cu, group, conv1d_kernel_size=4, layout=layout, timeout=30,
+                              threads=1)
+    model.zero_grad(set_to_none=True)
+    with fla_on_kdacp.cp(ctx):
+        loss = model_loss(model, local(ids), local(targets), count, cu_seqlens=ctx.cu_seqlens)
+    loss.backward()
+    _close(summed(loss.detach(), group), l1, f"{where}: model loss", 1e-12)
+    m = grads(model)
+    assert m.keys() == m1.keys()
+    for name in m:
+        _close(summed(m[name], group), m1[name], f"{where}: model {name}.grad", 1e-10)
+    model.eval()
+    with torch.no_grad(), fla_on_kdacp.cp(ctx):
+        logits = model(input_ids=local(ids), use_cache=False, cu_seqlens=ctx.cu_seqlens).logits
+    model.train()
+    # eval without grad on at most 64 local tokens: the layer picks fused_recurrent_kda
+    _close(logits, local(logits1), f"{where}: model logits (eval, no grad)", 1e-10)
