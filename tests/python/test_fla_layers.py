@@ -4,23 +4,36 @@ kdacp through kdacp.torch.use_with_fla(): the routing and its undoing, the
 torch norms against their FP64 formulas, the layer against the same layer on
 fla's naive KDA ops and on FP64 references, decoding with a cache, and CP
 over gloo (2 ranks contiguous, 4 zigzag) against one process.
-Skipped where flash-linear-attention is not importable (Debian's torch 1.13)."""
+Where flash-linear-attention is not importable (Debian's torch 1.13) only the\nnorms' formulas and use_with_fla's ImportError run."""
 
 import pytest
 import torch
 
 import kdacp.torch as kt
 
-fla = pytest.importorskip("fla.layers.kda", reason="flash-linear-attention is not importable")
-
-from fla_layer_workers import (LAYER, cp_worker, install_references, layer_step,  # noqa: E402
+from fla_layer_workers import (LAYER, cp_worker, install_references, layer_step,
                                make_layer, make_model)
-from spawn_ranks import spawn  # noqa: E402
+from spawn_ranks import spawn
 
-import fla.modules.causal_conv1d.ops as conv_ops  # noqa: E402
+try:
+    import fla.layers.kda  # noqa: F401
+    HAVE_FLA = True
+except ImportError:
+    HAVE_FLA = False
+needs_fla = pytest.mark.skipif(not HAVE_FLA, reason="flash-linear-attention is not importable")
 
 
+@pytest.mark.skipif(HAVE_FLA, reason="flash-linear-attention is importable here")
+def test_without_fla_use_with_fla_names_what_is_missing():
+    for _ in range(2):  # a failed call leaves nothing behind
+        with pytest.raises(ImportError, match=r"flash-linear-attention's fla\.\S+ is not "
+                                              r"importable"):
+            kt.use_with_fla()
+
+
+@needs_fla
 def test_routing_is_installed_nested_and_undone():
+    import fla.modules.causal_conv1d.ops as conv_ops
     before = {r: getattr(__import__(m, fromlist=[n]), n) for m, n, _ in _routes()
               for r in [f"{m}.{n}"]}
     outer = kt.use_with_fla()
@@ -91,6 +104,7 @@ def test_norms_and_swiglu_follow_their_formulas(activation):
         _fla.rms_norm_gated(x, g, w, None, "relu")
 
 
+@needs_fla
 @pytest.mark.parametrize("kind,dtype,tol", [("fla", torch.float32, 2e-4),
                                             ("fp64", torch.float64, 1e-10)])
 @pytest.mark.parametrize("packed", [False, True])
@@ -117,6 +131,7 @@ def test_layer_equals_the_layer_on_references(monkeypatch, kind, dtype, tol, pac
         assert err <= 5 * tol * b.abs().max().item(), (name, err)
 
 
+@needs_fla
 def test_decoding_with_a_cache_continues_the_sequence():
     """Eval without grad: a prefill then a continuation through fla's Cache
     (the KDA state in fla's state_v_first layout, the convolutions' states)
@@ -133,6 +148,7 @@ def test_decoding_with_a_cache_continues_the_sequence():
     torch.testing.assert_close(torch.cat([first.logits, rest], 1), full, rtol=1e-9, atol=1e-9)
 
 
+@needs_fla
 def test_model_trains_on_one_process():
     model = make_model(torch.float32)
     ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -148,6 +164,8 @@ def test_model_trains_on_one_process():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@needs_fla
 def test_layer_and_model_under_cp_equal_one_process():
     """2 ranks (contiguous) and 4 ranks (zigzag), in one spawn of 4."""
     spawn(cp_worker, 4, timeout_s=300)
+
