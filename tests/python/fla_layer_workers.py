@@ -113,6 +113,8 @@ def install_references(monkeypatch, kind):
     import fla.modules.causal_conv1d.ops
     import fla.modules.norm.fused_norm_gate
     monkeypatch.setattr(fla.layers.kda, "chunk_kda", reference_chunk_kda(kind))
+    # eval without grad on <= 64 tokens: the same recurrence
+    monkeypatch.setattr(fla.layers.kda, "fused_recurrent_kda", reference_chunk_kda(kind))
     monkeypatch.setattr(fla.modules.causal_conv1d.ops, "causal_conv1d", reference_conv)
     monkeypatch.setattr(fla.modules.norm.fused_norm_gate, "rms_norm_gated",
                         reference_norm_gated)

@@ -149,6 +149,39 @@ def test_decoding_with_a_cache_continues_the_sequence():
 
 
 @needs_fla
+def test_the_cache_holds_flas_state_layout(monkeypatch):
+    """The states the layer leaves in fla's Cache (the KDA state [N, HV, V, K]
+    with state_v_first, K != V here; the convolutions' [N, D, W]) equal those
+    of the same layer on the FP64 references, and a continuation from them
+    equals it too."""
+    from fla.models.cache_utils import Cache
+    layer = make_layer(torch.float64, expand_v=2, layer_idx=0).eval()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 30, LAYER["hidden_size"], generator=gen, dtype=torch.float64)
+
+    def run():
+        cache = Cache()
+        with torch.no_grad():
+            a = layer(x[:, :18], past_key_values=cache, use_cache=True)[0]
+            state = {k: v for k, v in cache[0].items() if k in ("recurrent_state", "conv_state")}
+            state = {"recurrent_state": state["recurrent_state"].clone(),
+                     "conv_state": [c.clone() for c in state["conv_state"]]}
+            b = layer(x[:, 18:], past_key_values=cache, use_cache=True)[0]
+        return torch.cat([a, b], 1), state
+
+    with kt.use_with_fla():
+        got, got_state = run()
+    install_references(monkeypatch, "fp64")
+    want, want_state = run()
+    assert list(got_state["recurrent_state"].shape) == [2, 4, 32, 16]  # [N, HV, V, K]
+    torch.testing.assert_close(got_state["recurrent_state"], want_state["recurrent_state"],
+                               rtol=1e-10, atol=1e-10)
+    for a, b in zip(got_state["conv_state"], want_state["conv_state"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@needs_fla
 def test_model_trains_on_one_process():
     model = make_model(torch.float32)
     ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
