@@ -29,7 +29,8 @@ summed over the ranks before the step, so every rank takes the same step.
 The script prints the loss of every world per step and the largest relative
 difference from one process, and exits with status 1 if it exceeds --rtol.
 Defaults: float64, rtol 1e-9 (CP computes the same function; only the
-order of a few sums differs). In float32 (--dtype float32, rtol 1e-2) the
+order of a few sums differs: measured 4.6e-12 over the 30 default steps,
+CP 1, 2, 4, while the loss falls from 3.49 to 0.26). In float32 (--dtype float32, rtol 1e-2) the
 curves start equal to ~1e-9 and drift apart as training amplifies the
 ranks' different roundings (measured: 5e-7 by step 6, 7e-3 by step 30 at
 the default learning rate), as any change of summation order would.

@@ -246,7 +246,8 @@ class FlaPatch:
             yield cp_context
         finally:
             with _LOCK:
-                _STATE["contexts"].pop()
+                if _STATE["contexts"]:  # emptied when the routing was given back inside
+                    _STATE["contexts"].pop()
 
     def restore(self):
         """Gives fla's names back once the last live handle is restored (then
