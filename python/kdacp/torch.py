@@ -9,6 +9,8 @@ torch.distributed group, the serial fold, and a differentiable CP KDA layer.
     o, ht = kt.kda(q, k, v, g, beta, ...)
     ctx = kt.build_cp_context(cu_seqlens, group, ...)        # once per batch
     o, ht = kt.chunk_kda(q, k, v, g, beta, ..., cp_context=ctx)  # flash-linear-attention's op
+    with kt.use_with_fla() as fla_on_kdacp:                   # fla's own layers and models
+        with fla_on_kdacp.cp(ctx): out = model(input_ids=this_ranks_ids)
 
 Tensors are CPU float32 or float64. Inputs C++ can view (unit column stride,
 batch stride = H x head stride) are used in place; others are copied once.
@@ -27,6 +29,7 @@ from kdacp._context import CpContext, build_cp_context, get_cp_cu_seqlens
 from kdacp._conv import causal_conv1d
 from kdacp._gate import fused_kda_gate, kda_gate_bwd, kda_gate_chunk_cumsum, kda_gate_fwd
 from kdacp._recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
+from kdacp._fla import FlaPatch, use_with_fla
 from kdacp._exchange import StateExchange, build_kda_state_cp, merge_affine_summaries
 from kdacp._layer import kda
 
@@ -34,13 +37,13 @@ __all__ = ["build_kda_state_cp", "merge_affine_summaries", "kda", "StateExchange
            "SINGLE_PROCESS", "chunk_kda", "build_cp_context", "CpContext", "causal_conv1d",
            "get_cp_cu_seqlens", "fused_recurrent_kda", "fused_recurrent_kda_fwd",
            "fused_kda_gate", "kda_gate_fwd", "kda_gate_bwd", "kda_gate_chunk_cumsum",
-           "FlaAssertionError"]
+           "FlaAssertionError", "use_with_fla", "FlaPatch"]
 
 # Their home is this module (help(), repr, pickling), whichever file defines them.
 for _public in (StateExchange, build_kda_state_cp, merge_affine_summaries, kda, chunk_kda,
                 CpContext, build_cp_context, get_cp_cu_seqlens, causal_conv1d,
                 type(SINGLE_PROCESS), fused_recurrent_kda, fused_recurrent_kda_fwd,
                 fused_kda_gate, kda_gate_fwd, kda_gate_bwd, kda_gate_chunk_cumsum,
-                FlaAssertionError):
+                FlaAssertionError, use_with_fla, FlaPatch):
     _public.__module__ = __name__
 del _public
