@@ -266,7 +266,7 @@ def test_transforms_are_differentiable_once():
 def test_unsupported_arguments_raise():
     x = inputs(1, 4, 1, 1, 4, 3, 1, seed=7, raw=False)
     args = (x["q"], x["k"], x["v"], x["g"], torch.sigmoid(x["beta"]))
-    for kw in (dict(allow_neg_eigval=True), dict(return_intermediate_states=True),
+    for kw in (dict(return_intermediate_states=True),
                dict(state_v_first=True), dict(chunk_indices=torch.tensor([0, 0])),
                dict(chunk_size=64), dict(transpose_state_layout=True)):
         name = next(iter(kw))
