@@ -93,13 +93,10 @@ TEST_P(HeadDims, EveryProtocolGivesTheSerialFoldsBits) {
   }
 }
 
+using Dims = std::pair<std::size_t, std::size_t>;  // K, V
 INSTANTIATE_TEST_SUITE_P(Odd, HeadDims,
-                         ::testing::Values(std::pair<std::size_t, std::size_t>{1, 1}, std::pair<std::size_t, std::size_t>{8, 8},
-                                           std::pair<std::size_t, std::size_t>{24, 24},
-                                           std::pair<std::size_t, std::size_t>{100, 100},
-                                           std::pair<std::size_t, std::size_t>{16, 8},
-                                           std::pair<std::size_t, std::size_t>{8, 40},
-                                           std::pair<std::size_t, std::size_t>{1, 256}),
+                         ::testing::Values(Dims{1, 1}, Dims{8, 8}, Dims{24, 24}, Dims{100, 100}, Dims{16, 8},
+                                           Dims{8, 40}, Dims{1, 256}),
                          [](const auto& info) {
                            return "K" + std::to_string(info.param.first) + "V" + std::to_string(info.param.second);
                          });
