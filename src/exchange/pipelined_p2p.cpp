@@ -1,5 +1,6 @@
 // pipelined_p2p (exact): the chain with the V columns cut into c segments
-// whose widths are multiples of 16. M acts on every column alike and the step
+// of whole 16-column units (the last unit V mod 16 wide when 16 does not
+// divide V). M acts on every column alike and the step
 // kernel computes each element independently of the column blocking
 // (kernels.hpp), so each segment folds with exactly the chain's operations:
 // bitwise identical to p2p. Rank r+1 folds segment j while rank r computes
