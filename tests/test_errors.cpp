@@ -76,10 +76,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"BatchStride",
                  [](StateView& s, StateView& m, float*) { s.batch = m.batch = 2; s.heads = m.heads = 1; s.batch_stride = 3; },
                  "batch stride"},
-        BadInput{"KeyDimNotMultipleOf16",
+        BadInput{"KeyDimZero",
                  [](StateView& s, StateView& m, float* scratch) {
-                   s = StateView::dense(scratch, 1, 1, 24, 16);
-                   m = StateView::dense(scratch, 1, 1, 24, 24);
+                   s = StateView::dense(scratch, 1, 1, 0, 16);
+                   m = StateView::dense(scratch, 1, 1, 0, 0);
                  },
                  "key dim K"},
         BadInput{"ValueDimTooLarge",

@@ -139,10 +139,10 @@ TEST(ProtocolErrors, InvalidSummariesRejectedBeforeAnyMessage) {
       {[](StateView& s, StateView&, float*) { s.col_stride = 2; }, "column stride"},
       {[](StateView&, StateView& m, float*) { m.device.index = 1; }, "device"},
       {[](StateView& s, StateView& m, float* x) {
-         s = StateView::dense(x, 1, 1, 24, 16);
-         m = StateView::dense(x, 1, 1, 24, 24);
+         s = StateView::dense(x, 1, 1, 0, 16);  // K in [1, 256]
+         m = StateView::dense(x, 1, 1, 0, 0);
        },
-       "key dim K"},
+       "key dim K (rows) is 0, expected an integer in [1, 256]"},
       {[](StateView&, StateView& m, float*) { m.data = nullptr; }, "data pointer"}};
   for (const auto& [method, gw] : std::vector<std::pair<std::string, long long>>{
            {"pipelined_p2p", 1}, {"recursive_doubling", 1}, {"grouped_allgather_rd", 2}}) {

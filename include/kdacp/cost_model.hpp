@@ -228,17 +228,18 @@ struct Prediction {
   std::size_t peak_extra_bytes = 0; // the largest over ranks
 };
 
-// Column segments of a protocol that takes segments: c column blocks whose
-// widths are multiples of 16, so at most V/16.
+// Column segments of a protocol that takes segments: c column blocks of whole
+// units of 16 columns (the last unit V mod 16 wide when 16 does not divide
+// V), so at most ceil(V/16).
 std::size_t max_segments(std::size_t value_dim);
-// The model's c for `method` in [1, V/16]; 0 for a method without segments.
+// The model's c for `method` in [1, ceil(V/16)]; 0 for a method without segments.
 std::size_t best_segments(const CostParams& params, const ProblemShape& shape,
                           const std::string& method);
 
 // Predicts one configuration. Segments 0 on a row that takes segments uses
 // best_segments; knobs a row does not take are reset (group size 1, segments
 // 0). Throws InvalidArgument for an unknown method or the chooser, a group
-// size that does not divide P, or more segments than V/16.
+// size that does not divide P, or more segments than ceil(V/16).
 Prediction predict(const CostParams& params, const ProblemShape& shape,
                    const ProtocolConfig& config);
 

@@ -48,7 +48,7 @@ struct PartFlags {
 
 struct ExchangeOptions {
   ExecPolicy exec{};
-  // pipelined_p2p (and auto when it picks it): column segments c, 1..V/16;
+  // pipelined_p2p (and auto when it picks it): column segments c, 1..ceil(V/16);
   // 0 = the cost model's choice for each call's shape. Other methods: 0.
   std::size_t segments = 0;
   // auto: the per-rank budget for peak_extra_bytes; 0 = unlimited.

@@ -315,10 +315,12 @@ void l2norm_backward(const T* y, const T* rstd, const T* d_y, std::size_t rows,
                      std::size_t dim, T* d_x);
 
 // y = sigmoid(x) elementwise (use_beta_sigmoid_in_kernel), and d_x = d_y · sigmoid'(x)
-// (from x: exact where y rounds to 0 or 1).
+// (from x: exact where y rounds to 0 or 1). allow_neg_eigval (flash-linear-
+// attention's flag of that name): y = 2·sigmoid(x) in [0, 2] and d_x = d_y ·
+// 2·sigmoid'(x), so that I - beta k k^T may have eigenvalues down to -1.
 template <class T>
-void sigmoid_forward(const T* x, std::size_t n, T* y);
+void sigmoid_forward(const T* x, std::size_t n, T* y, bool allow_neg_eigval = false);
 template <class T>
-void sigmoid_backward(const T* x, const T* d_y, std::size_t n, T* d_x);
+void sigmoid_backward(const T* x, const T* d_y, std::size_t n, T* d_x, bool allow_neg_eigval = false);
 
 }  // namespace kdacp::kda

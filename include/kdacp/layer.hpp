@@ -92,6 +92,9 @@ struct InputTransforms {
   bool a_log = false;         // A_log given (else 0)
   bool dt_bias = false;       // dt_bias given (else 0)
   bool beta_sigmoid = false;  // beta <- sigmoid(beta)
+  // flash-linear-attention's allow_neg_eigval: beta in [0, 2] (I - beta k k^T
+  // may have eigenvalues down to -1); with beta_sigmoid beta <- 2 sigmoid(beta).
+  bool allow_neg_eigval = false;
 };
 
 enum class LayoutKind { contiguous, zigzag };

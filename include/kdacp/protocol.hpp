@@ -72,7 +72,7 @@ struct ProtocolDescriptor {
   std::string_view name;
   ProtocolClass kind = ProtocolClass::exact;
   bool takes_group_size = false;  // accepts allgather_group_size w != 1 (w | P)
-  bool takes_segments = false;    // accepts ExchangeOptions::segments c != 0 (c <= V/16)
+  bool takes_segments = false;    // accepts ExchangeOptions::segments c != 0 (c <= ceil(V/16))
   bool takes_layouts = false;     // accepts ExchangeOptions::part_owners other than one part per rank
   // One line each for the docs table and --help: extra memory in words, and
   // when a user should pick it.
@@ -121,7 +121,7 @@ std::string protocol_label(const ProtocolConfig& config);
 
 // Every configuration of `protocol` that is valid at P ranks and value dim V:
 // each group size dividing P (1 and P included) when it takes one, each
-// segment count 1..V/16 when it takes segments. The chooser has none.
+// segment count 1..ceil(V/16) when it takes segments. The chooser has none.
 std::vector<ProtocolConfig> valid_configs(const ProtocolDescriptor& protocol, std::size_t ranks,
                                           std::size_t value_dim);
 

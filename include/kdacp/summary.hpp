@@ -9,9 +9,14 @@
 
 namespace kdacp {
 
-inline constexpr std::size_t kMinDim = 16;
+// Head sizes K and V: any integer in [kMinDim, kMaxDim] (flash-linear-attention
+// takes K <= 256).
+inline constexpr std::size_t kMinDim = 1;
 inline constexpr std::size_t kMaxDim = 256;
-inline constexpr std::size_t kDimMultiple = 16;
+// pipelined_p2p cuts V into units of this many columns (the last unit holds
+// the remainder V mod 16 when 16 does not divide V): at most max_segments(V)
+// = ceil(V/16) segments.
+inline constexpr std::size_t kSegmentColumns = 16;
 
 // Shape of one rank's summaries: S/G [B,H,K,V], M [B,H,K,K].
 struct SummaryShape {

@@ -28,7 +28,8 @@ struct RealRange {
   bool min_exclusive = false;
 };
 
-// "an integer in [16, 256] that is a multiple of 16", "a finite number > 0".
+// "an integer in [1, 256]", "an integer in [0, 64] that is a multiple of 8", "a finite
+// number > 0".
 std::string describe(const IntRange& range);
 std::string describe(const RealRange& range);
 

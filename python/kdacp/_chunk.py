@@ -13,7 +13,7 @@ from kdacp._autograd import cu_list, first_order
 from kdacp._common import (_DEFAULTS, _DTYPES, _check_tensor, _compute_dtype, _from_numpy,
                            _require_finite_result, _threads, caller_stacklevel)
 from kdacp._context import CpContext
-from kdacp._layer import kda
+from kdacp._layer import _neg_eigval_signature, kda
 
 
 def _guard_second_order(grads, anchors):
@@ -93,14 +93,16 @@ class _L2NormFunction(torch.autograd.Function):
 
 
 class _SigmoidFunction(torch.autograd.Function):
-    """beta = sigmoid(beta_raw) (kdacp/kda.hpp sigmoid_forward)."""
+    """beta = sigmoid(beta_raw), or 2·sigmoid(beta_raw) with allow_neg_eigval
+    (kdacp/kda.hpp sigmoid_forward)."""
 
     @staticmethod
-    def forward(ctx, compute, x):
+    def forward(ctx, compute, x, allow_neg_eigval=False):
         ctx.save_for_backward(x)
         ctx.compute = _DTYPES[compute]
+        ctx.allow_neg_eigval = allow_neg_eigval
         return _from_numpy(_kdacp.kda_sigmoid(x.data_ptr(), _DTYPES[x.dtype], x.numel(),
-                                              ctx.compute)).view(x.shape)
+                                              ctx.compute, 0, allow_neg_eigval)).view(x.shape)
 
     @staticmethod
     def backward(ctx, d_y):
@@ -108,9 +110,10 @@ class _SigmoidFunction(torch.autograd.Function):
         d_y = d_y.to(torch.float64 if ctx.compute == "float64" else torch.float32).contiguous()
         with torch.no_grad():
             dx = _from_numpy(_kdacp.kda_sigmoid(x.data_ptr(), _DTYPES[x.dtype], x.numel(),
-                                                ctx.compute, d_y.data_ptr()), x.dtype)
+                                                ctx.compute, d_y.data_ptr(),
+                                                ctx.allow_neg_eigval), x.dtype)
         _require_finite_result(dx, "the gradient of beta", "sigmoid backward")
-        return (None,) + _guard_second_order((dx.view(x.shape),), (x,))
+        return (None,) + _guard_second_order((dx.view(x.shape),), (x,)) + (None,)
 
 
 def _transform_input(t, name, compute):
@@ -298,9 +301,6 @@ def _intermediate_states(tensors, initial_state, scale, cu_seqlens, compute, chu
     return out
 
 
-# flash-linear-attention's chunk_kda arguments kdacp does not implement: any
-# value but the default raises NotImplementedError naming it.
-_UNSUPPORTED_FLAGS = ("allow_neg_eigval",)
 # kdacp's extras chunk_kda accepts in **kwargs.
 _CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads", "deterministic")
 
@@ -324,7 +324,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     with lower_bound lower_bound·sigmoid(exp(A_log)·(g + dt_bias)); A_log [HV]
     and dt_bias [HV·K] are optional (None: A_log = 0, dt_bias = 0).
     use_qk_l2norm_in_kernel: q, k ← x / sqrt(Σ_K x² + 1e-6).
-    use_beta_sigmoid_in_kernel: beta ← sigmoid(beta). safe_gate with the
+    use_beta_sigmoid_in_kernel: beta ← sigmoid(beta); with allow_neg_eigval
+    (which needs it, ValueError otherwise) beta ← 2·sigmoid(beta), in [0, 2].
+    safe_gate with the
     in-kernel gate needs lower_bound (as flash-linear-attention asserts); it is
     otherwise a numerics hint of flash-linear-attention's kernels that kdacp
     (exact for every g <= 0) does not need. disable_recompute: kdacp keeps
@@ -351,9 +353,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     the ranks they are one process's (docs/python.md).
     """
     state_v_first, chunk_size = _fla_keywords("chunk_kda", state_v_first, kwargs)
-    flags = {"allow_neg_eigval": allow_neg_eigval}
-    unsupported = [n for n in _UNSUPPORTED_FLAGS if flags[n] is not False]
-    unsupported += sorted(n for n in kwargs if n not in _CHUNK_KDA_EXTRAS)
+    unsupported = sorted(n for n in kwargs if n not in _CHUNK_KDA_EXTRAS)
     if unsupported:
         raise NotImplementedError(
             f"kdacp.torch.chunk_kda does not support {unsupported} (flash-linear-attention "
@@ -362,11 +362,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
                        ("use_gate_in_kernel", use_gate_in_kernel),
                        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                       ("allow_neg_eigval", allow_neg_eigval),
                        ("safe_gate", safe_gate), ("disable_recompute", disable_recompute),
                        ("return_intermediate_states", return_intermediate_states),
                        ("state_v_first", state_v_first), ("use_graph", use_graph)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r}, expected True or False")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True (beta is "
+                         "then 2·sigmoid(beta), in [0, 2])")
     lower_bound = _lower_bound(lower_bound)
     if use_gate_in_kernel and safe_gate and lower_bound is None:
         raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound (the "
@@ -407,7 +411,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q = _L2NormFunction.apply(compute, q.contiguous())
         k = _L2NormFunction.apply(compute, k.contiguous())
     if use_beta_sigmoid_in_kernel:
-        beta = _SigmoidFunction.apply(compute, _transform_input(beta, "beta", compute))
+        beta = _SigmoidFunction.apply(compute, _transform_input(beta, "beta", compute),
+                                      allow_neg_eigval)
     signature = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
                  "use_gate_in_kernel": use_gate_in_kernel,
                  "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
@@ -419,13 +424,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     elif cp_context is None:
         o, ht = kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                     algorithm=algorithm, keep_forward=keep_forward, deterministic=deterministic,
-                    **options)
+                    allow_neg_eigval=allow_neg_eigval, **options)
     else:
         if not isinstance(cp_context, CpContext):
             raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
                              "kdacp.torch.CpContext (build_cp_context)")
         if options:
             raise ValueError("threads with a cp_context: pass it to build_cp_context")
+        signature = _neg_eigval_signature(signature, allow_neg_eigval)
         o, ht = cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
                                 cu_seqlens, algorithm, keep_forward, signature, deterministic)
     h = None

@@ -18,11 +18,12 @@ from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtyp
 
 _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
                   "use_beta_sigmoid_in_kernel": False, "lower_bound": None,
-                  "A_log given": False, "dt_bias given": False}
+                  "A_log given": False, "dt_bias given": False, "allow_neg_eigval": False}
 _CALL_FIELDS = ("B", "H", "HV", "K", "V", "dtype", "storage dtypes q,k,v,g,beta", "scale",
                 "algorithm", "deterministic", "keep_forward", "initial_state given",
                 "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given")
+                "use_beta_sigmoid_in_kernel", "lower_bound", "A_log given", "dt_bias given",
+                "allow_neg_eigval")
 
 
 def _as_list(t):
@@ -157,7 +158,8 @@ class CpContext:
             return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
                        self.global_cu_seqlens,
                        algorithm=algorithm, keep_forward=keep_forward,
-                       deterministic=deterministic, **self.options)
+                       deterministic=deterministic,
+                       allow_neg_eigval=signature["allow_neg_eigval"], **self.options)
         error = None
         row = None
         try:
@@ -165,7 +167,8 @@ class CpContext:
             self._check_cu_seqlens(cu_seqlens)
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state,
-                self.global_cu_seqlens, self.layout, algorithm, keep_forward, self.options, deterministic)
+                self.global_cu_seqlens, self.layout, algorithm, keep_forward, self.options, deterministic,
+                signature["allow_neg_eigval"])
             want = self.local_tokens
             if shape[1] != want:
                 raise ValueError(f"rank {dist.get_rank()}: q has {shape[1]} tokens, expected "
@@ -205,7 +208,8 @@ class CpContext:
             self._layers[dtype] = layer
         layer.transforms(signature["use_qk_l2norm_in_kernel"], signature["use_gate_in_kernel"],
                          signature["lower_bound"], signature["A_log given"],
-                         signature["dt_bias given"], signature["use_beta_sigmoid_in_kernel"])
+                         signature["dt_bias given"], signature["use_beta_sigmoid_in_kernel"],
+                         signature["allow_neg_eigval"])
         o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
                                    keep_forward, deterministic, *tensors, h0)
         if self._signature is None:

@@ -180,11 +180,22 @@ _ALGORITHMS = ("recurrent", "chunk")
 _LAYOUTS = ("contiguous", "zigzag")
 
 
+def _neg_eigval_signature(signature, allow_neg_eigval):
+    """A cp_context call's per-call signature with allow_neg_eigval (beta in
+    [0, 2]) in it."""
+    if not isinstance(allow_neg_eigval, bool):
+        raise ValueError(f"allow_neg_eigval={allow_neg_eigval!r}, expected True or False")
+    signature["allow_neg_eigval"] = allow_neg_eigval
+    return signature
+
+
 def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                     layout, algorithm, keep_forward, options, deterministic=False):
+                     layout, algorithm, keep_forward, options, deterministic=False,
+                     allow_neg_eigval=False):
     """Every local check of kda's arguments (no message sent): the shapes,
-    the options, then the values (finite inputs, g <= 0, beta in [0, 1], by
-    the C++ validator the CLI uses). Returns what kda runs with."""
+    the options, then the values (finite inputs, g <= 0, beta in [0, 1], or
+    [0, 2] with allow_neg_eigval, by the C++ validator the CLI uses). Returns
+    what kda runs with."""
     shape, cu, dtype = _check_kda(q, k, v, g, beta, initial_state, cu_seqlens)
     b, t_local, h, hv, kd, vd = shape
     if scale is None:
@@ -206,6 +217,8 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
         raise ValueError(f"output_final_state={output_final_state!r}, expected True or False")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic={deterministic!r}, expected True or False")
+    if not isinstance(allow_neg_eigval, bool):
+        raise ValueError(f"allow_neg_eigval={allow_neg_eigval!r}, expected True or False")
     _options(options)
     _timeout(options)
     threads = _threads(options)
@@ -218,7 +231,7 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, output_final_state,
     for t, name in zip(tensors[:3], ("q", "k", "v")):
         _check_input(t, name, "finite")
     _check_input(tensors[3], "g", "gate")
-    _check_input(tensors[4], "beta", "beta")
+    _check_input(tensors[4], "beta", "beta_neg_eigval" if allow_neg_eigval else "beta")
     if h0 is not None:
         _check_input(h0, "initial_state", "finite")
     return shape, cu, scale, threads, tensors, h0, dtype
@@ -229,7 +242,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         cu_seqlens=None, group=SINGLE_PROCESS, layout="contiguous", protocol="auto",
         allgather_group_size=1, algorithm=_DEFAULTS["algorithm"],
         keep_forward=_DEFAULTS["keep_forward"], cp_context=None,
-        deterministic=_DEFAULTS["deterministic"], **options):
+        deterministic=_DEFAULTS["deterministic"], allow_neg_eigval=False, **options):
     """Kimi Delta Attention over this rank's tokens (SPEC §9-§11).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log decay, <= 0); beta
@@ -237,7 +250,9 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     each float32, bfloat16 or float16 (computed in float32, o stored as v and
     each gradient as its input; initial_state and ht float32),
     finite, with g <= 0 and beta in [0, 1] (ValueError naming the first bad
-    element otherwise, the CLI's message). scale None: 1/sqrt(K).
+    element otherwise, the CLI's message); allow_neg_eigval=True admits beta
+    in [0, 2] (flash-linear-attention's flag: I - beta k k^T may then have
+    eigenvalues down to -1; exact as for [0, 1]). scale None: 1/sqrt(K).
     initial_state h0 [N,HV,K,V]; cu_seqlens: N packed sequences (B = 1),
     integers, global, identical on every rank. group omitted
     (SINGLE_PROCESS): one process, the whole stream local. Otherwise a live
@@ -295,12 +310,13 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             raise ValueError("kda: cp_context given with group, layout, protocol, "
                              "allgather_group_size or options: the context holds them")
         return cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
-                               cu_seqlens, algorithm, keep_forward, dict(_NO_TRANSFORMS),
+                               cu_seqlens, algorithm, keep_forward,
+                               _neg_eigval_signature(dict(_NO_TRANSFORMS), allow_neg_eigval),
                                deterministic)
     if group is SINGLE_PROCESS:
         shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
-            algorithm, keep_forward, options, deterministic)
+            algorithm, keep_forward, options, deterministic, allow_neg_eigval)
         if layout != "contiguous":
             raise ValueError("layout 'zigzag' needs a group (without one kda runs one process)")
         if _ulysses(options) not in (1, ULYSSES_AUTO):  # auto on one process: U = 1
@@ -330,7 +346,7 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             width = _group_size(allgather_group_size)
             shape, cu, scale, threads, tensors, h0, dtype = _check_arguments(
                 q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, layout,
-                algorithm, keep_forward, options, deterministic)
+                algorithm, keep_forward, options, deterministic, allow_neg_eigval)
             layer = _layer(backend, protocol, width, layout, dtype, threads, options)
         except (ValueError, TypeError) as e:  # TypeError: an unknown option
             reject(backend, "kdacp.torch.kda", e)

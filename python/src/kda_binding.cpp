@@ -113,15 +113,16 @@ py::array l2norm_backward_t(std::uintptr_t y, std::uintptr_t rstd, std::uintptr_
 }
 
 template <class T>
-py::array sigmoid_t(std::uintptr_t x, const std::string& x_dtype, std::uintptr_t d_y, std::size_t n) {
+py::array sigmoid_t(std::uintptr_t x, const std::string& x_dtype, std::uintptr_t d_y, std::size_t n,
+                    bool allow_neg_eigval) {
   InputOf<T> in(x, x_dtype, n, "beta");
   OutputOf<T> out(d_y == 0 ? name_of(std::is_same_v<T, double>) : x_dtype.c_str(), {n}, "beta");
   {
     py::gil_scoped_release release;
     if (d_y == 0)
-      kda::sigmoid_forward(in.get(), n, out.get());
+      kda::sigmoid_forward(in.get(), n, out.get(), allow_neg_eigval);
     else
-      kda::sigmoid_backward(in.get(), ptr<T>(d_y), n, out.get());
+      kda::sigmoid_backward(in.get(), ptr<T>(d_y), n, out.get(), allow_neg_eigval);
     out.finish("chunk_kda backward (beta sigmoid)");
   }
   return out.array;
@@ -202,14 +203,16 @@ void bind_kda(py::module_& m) {
       py::arg("y"), py::arg("rstd"), py::arg("d_y"), py::arg("rows"), py::arg("dim"), py::arg("dtype"),
       py::arg("dx_dtype"));
   // d_y 0: sigmoid(x) in the compute dtype; otherwise d_y · sigmoid'(x)
-  // stored as x.
+  // stored as x; allow_neg_eigval: both times 2 (beta in [0, 2]).
   m.def(
       "kda_sigmoid",
       [](std::uintptr_t x, const std::string& x_dtype, std::size_t n, const std::string& dtype,
-         std::uintptr_t d_y) {
-        return is_f64(dtype) ? sigmoid_t<double>(x, x_dtype, d_y, n) : sigmoid_t<float>(x, x_dtype, d_y, n);
+         std::uintptr_t d_y, bool allow_neg_eigval) {
+        return is_f64(dtype) ? sigmoid_t<double>(x, x_dtype, d_y, n, allow_neg_eigval)
+                             : sigmoid_t<float>(x, x_dtype, d_y, n, allow_neg_eigval);
       },
-      py::arg("x"), py::arg("x_dtype"), py::arg("n"), py::arg("dtype"), py::arg("d_y") = 0);
+      py::arg("x"), py::arg("x_dtype"), py::arg("n"), py::arg("dtype"), py::arg("d_y") = 0,
+      py::arg("allow_neg_eigval") = false);
 }
 
 }  // namespace kdacp::python

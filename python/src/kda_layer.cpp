@@ -156,8 +156,9 @@ class KdaLayer {
   // by kdacp.torch around the layer): part of their layer's config, agreed
   // with its construction.
   void transforms(bool qk_l2norm, bool gate, std::optional<double> lower_bound, bool a_log, bool dt_bias,
-                  bool beta_sigmoid) {
-    base_.transforms = InputTransforms{qk_l2norm, gate, lower_bound, a_log, dt_bias, beta_sigmoid};
+                  bool beta_sigmoid, bool allow_neg_eigval) {
+    base_.transforms =
+        InputTransforms{qk_l2norm, gate, lower_bound, a_log, dt_bias, beta_sigmoid, allow_neg_eigval};
   }
 
   // Off: the layers' first forward and first backward agree on the call's
@@ -436,7 +437,7 @@ void bind_kda_layer(py::module_& m) {
            py::arg("algorithm") = kda::algorithm_name(defaults::kAlgorithm),
            py::arg("keep_forward") = defaults::kKeepForward, py::arg("deterministic") = defaults::kDeterministic)
       .def("transforms", &KdaLayer::transforms, py::arg("qk_l2norm"), py::arg("gate"), py::arg("lower_bound"),
-           py::arg("a_log"), py::arg("dt_bias"), py::arg("beta_sigmoid"))
+           py::arg("a_log"), py::arg("dt_bias"), py::arg("beta_sigmoid"), py::arg("allow_neg_eigval") = false)
       .def("backward", &KdaLayer::backward, py::arg("saved"), py::arg("inputs"), py::arg("dtypes"), py::arg("shape"),
            py::arg("scale"), py::arg("h0"), py::arg("d_o"), py::arg("d_o_dtype"), py::arg("dht"), py::arg("want_dh0"))
       .def("agree_per_call", &KdaLayer::agree_per_call, py::arg("on"))

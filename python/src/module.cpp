@@ -158,7 +158,8 @@ template class OutputOf<double>;
 namespace {
 
 // kdacp/finite.hpp on a contiguous tensor's memory: the rule by name
-// ("finite", "gate": g <= 0, "beta": beta in [0, 1]), the same checks and
+// ("finite", "gate": g <= 0, "beta": beta in [0, 1], "beta_neg_eigval": beta
+// in [0, 2], allow_neg_eigval's domain), the same checks and
 // messages as the CLI's on .npy files. The scan runs without the GIL.
 void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, const std::string& dtype,
                   const std::string& name, const std::string& rule) {
@@ -182,9 +183,11 @@ void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, co
     check = &require_kda_gate;
   else if (rule == "beta")
     check = &require_kda_beta;
+  else if (rule == "beta_neg_eigval")
+    check = [](const TensorRef& x) { require_within(x, 0, 2, "beta in [0, 2] (allow_neg_eigval=True)"); };
   else
-    throw InvalidArgument(
-        fmt::format("check_tensor: rule '{}', expected 'finite', 'gate' or 'beta'", rule));
+    throw InvalidArgument(fmt::format(
+        "check_tensor: rule '{}', expected 'finite', 'gate', 'beta' or 'beta_neg_eigval'", rule));
   py::gil_scoped_release release;
   check(t);
 }
@@ -209,8 +212,8 @@ void bind_checks(py::module_& m) {
       [](const std::string& text, const std::string& what) { return parse_real(text, kTimeoutRange, what); },
       py::arg("text"), py::arg("what"));
   m.attr("threads_range") = py::make_tuple(kThreadsRange.min, kThreadsRange.max);
-  // pipelined_p2p's column segments: at most V / 16 (the CLI's --segments).
-  m.attr("segments_range") = py::make_tuple(0, kMaxDim / kDimMultiple);
+  // pipelined_p2p's column segments: at most ceil(V/16) (the CLI's --segments).
+  m.attr("segments_range") = py::make_tuple(0, kMaxDim / kSegmentColumns);
   // An uninitialised uint8 array of `bytes` from the buffer cache (huge pages
   // from 2 MiB, reused by the next call of the size): kdacp.torch copies a
   // non-contiguous gradient into it (_common.contiguous_cached) instead of

@@ -23,9 +23,8 @@ std::string shape_str(const StateView& v) {
 
 void check_dim(std::size_t value, const std::string& field, const std::string& what,
                std::size_t rank) {
-  if (value < kMinDim || value > kMaxDim || value % kDimMultiple != 0) {
-    fail(rank, field, what, fmt::to_string(value),
-         fmt::format("a multiple of {} in [{}, {}]", kDimMultiple, kMinDim, kMaxDim));
+  if (value < kMinDim || value > kMaxDim) {
+    fail(rank, field, what, fmt::to_string(value), fmt::format("an integer in [{}, {}]", kMinDim, kMaxDim));
   }
 }
 

@@ -16,6 +16,7 @@
 #include "exchange/cost_terms.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/protocol.hpp"
+#include "kdacp/summary.hpp"
 
 namespace kdacp {
 
@@ -33,7 +34,9 @@ void fill_machine(const CostParams& params, ProblemShape& shape) {
 
 }  // namespace
 
-std::size_t max_segments(std::size_t value_dim) { return std::max<std::size_t>(1, value_dim / 16); }
+std::size_t max_segments(std::size_t value_dim) {
+  return std::max<std::size_t>(1, (value_dim + kSegmentColumns - 1) / kSegmentColumns);
+}
 
 namespace {
 
@@ -77,7 +80,7 @@ const ProtocolDescriptor& checked_row(const ProtocolConfig& config, const Proble
                                       out.group_size, config.method, shape.ranks));
   }
   if (out.segments > max_segments(shape.value_dim)) {
-    throw InvalidArgument(fmt::format("cost model: segments {} for V = {}, expected at most V/16 = {}",
+    throw InvalidArgument(fmt::format("cost model: segments {} for V = {}, expected at most ceil(V/16) = {}",
                                       out.segments, shape.value_dim, max_segments(shape.value_dim)));
   }
   return row;

@@ -1,5 +1,6 @@
 // pipelined_p2p (exact): the chain with the V columns cut into c segments
-// whose widths are multiples of 16. M acts on every column alike and the step
+// of whole 16-column units (the last unit V mod 16 wide when 16 does not
+// divide V). M acts on every column alike and the step
 // kernel computes each element independently of the column blocking
 // (kernels.hpp), so each segment folds with exactly the chain's operations:
 // bitwise identical to p2p. Rank r+1 folds segment j while rank r computes
@@ -33,10 +34,11 @@ class PipelinedExchange final : public CommExchange {
   explicit PipelinedExchange(const ProtocolContext& ctx) : CommExchange(ctx, pipelined_p2p_protocol) {}
 
  private:
-  // Column ranges of the segments: V/16 units of 16 columns dealt as evenly
-  // as possible, the first ones one unit wider.
+  // Column ranges of the segments: ceil(V/16) units of 16 columns (the last
+  // one V mod 16 wide when 16 does not divide V) dealt as evenly as
+  // possible, the first segments one unit wider.
   std::vector<std::pair<std::size_t, std::size_t>> segments(const SummaryShape& shape) const {
-    const std::size_t units = shape.value_dim / kDimMultiple;
+    const std::size_t units = max_segments(shape.value_dim);
     std::size_t c = config().segments;
     if (c == 0) {
       // Priced as predict() prices it: this exchange's layout and the cuts
@@ -48,14 +50,15 @@ class PipelinedExchange final : public CommExchange {
       c = best_segments(options().cost, priced, config().method);
     } else if (c > units) {
       throw InvalidArgument(fmt::format(
-          "rank {}: segments is {} for value dim V = {}, expected at most V/16 = {} (segments are "
-          "multiples of 16 columns)",
+          "rank {}: segments is {} for value dim V = {}, expected at most ceil(V/16) = {} (segments are "
+          "whole units of 16 columns, the last unit the remainder)",
           rank_, c, shape.value_dim, units));
     }
     std::vector<std::pair<std::size_t, std::size_t>> out;
     std::size_t col = 0;
     for (std::size_t j = 0; j < c; ++j) {
-      const std::size_t width = (units / c + (j < units % c ? 1 : 0)) * kDimMultiple;
+      const std::size_t width =
+          std::min((units / c + (j < units % c ? 1 : 0)) * kSegmentColumns, shape.value_dim - col);
       out.emplace_back(col, width);
       col += width;
     }
@@ -187,8 +190,8 @@ class PipelinedExchange final : public CommExchange {
 // rank streams all c segments of a part before its next part: where the
 // worst path waits for the rank's earlier part (ChainProfile::order_waits),
 // c - 1 more segments.
-// Segments are whole units of 16 columns (segments() above): where c does
-// not divide V/16 the first ones are a unit wider, and a pipeline of
+// Segments are whole units of 16 columns (segments() above, the last unit
+// the remainder): where c does not divide ceil(V/16) the first ones are a unit wider, and a pipeline of
 // unequal segments takes the sum of their times plus the widest one's on
 // every further hop (a proportionate flow shop), so the hops carry the
 // widest segment and the c - 1 others share the rest. (Simulated at P = 8
@@ -201,8 +204,12 @@ CostTerms pipelined_cost(const ProblemShape& s, const ProtocolConfig& config, St
   const ChainProfile chain = chain_profile(s, 1, more);
   if (chain.parts <= 1) return t;
   const double extra = dbl(more) * dbl(1 + chain.order_waits);
-  const std::size_t units = std::max<std::size_t>(1, s.value_dim / kDimMultiple);
-  const double wide_share = c > 0 ? dbl((units + c - 1) / c) / dbl(units) : 1.0;
+  // The first segment is the widest: whole units, or all of V when it holds
+  // the remainder unit too.
+  const std::size_t units = max_segments(s.value_dim);
+  const std::size_t v = std::max<std::size_t>(1, s.value_dim);
+  const double wide_share =
+      c > 0 ? dbl(std::min((units + c - 1) / c * kSegmentColumns, v)) / dbl(v) : 1.0;
   const double rest_share = more > 0 ? (1 - wide_share) / dbl(more) : 0.0;
   const double wide = dbl(state_bytes(s)) * wide_share, rest = dbl(state_bytes(s)) * rest_share;
   // Every hop once, then the extra segments at the pace of the slowest hop

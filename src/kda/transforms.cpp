@@ -217,23 +217,26 @@ void l2norm_backward(const T* y, const T* rstd, const T* d_y, std::size_t rows, 
 }
 
 template <class T>
-void sigmoid_forward(const T* x, std::size_t n, T* y) {
+void sigmoid_forward(const T* x, std::size_t n, T* y, bool allow_neg_eigval) {
   constexpr std::string_view op = "kda beta sigmoid";
   require_pointer(x, "the input", op);
   require_pointer(y, "the output", op);
   require_finite(x, n, "beta", op);
-  for (std::size_t i = 0; i < n; ++i) y[i] = static_cast<T>(sigmoid(static_cast<double>(x[i])));
+  // x2 is exact: 2·sigmoid rounds as sigmoid does.
+  const double scale = allow_neg_eigval ? 2.0 : 1.0;
+  for (std::size_t i = 0; i < n; ++i) y[i] = static_cast<T>(scale * sigmoid(static_cast<double>(x[i])));
 }
 
 template <class T>
-void sigmoid_backward(const T* x, const T* d_y, std::size_t n, T* d_x) {
+void sigmoid_backward(const T* x, const T* d_y, std::size_t n, T* d_x, bool allow_neg_eigval) {
   constexpr std::string_view op = "kda beta sigmoid backward";
   require_pointer(x, "x", op);
   require_pointer(d_y, "the gradient", op);
   require_pointer(d_x, "the input's gradient", op);
   require_finite(d_y, n, "the gradient", op);
+  const double scale = allow_neg_eigval ? 2.0 : 1.0;
   for (std::size_t i = 0; i < n; ++i) {
-    d_x[i] = static_cast<T>(static_cast<double>(d_y[i]) * sigmoid_slope(static_cast<double>(x[i])));
+    d_x[i] = static_cast<T>(static_cast<double>(d_y[i]) * (scale * sigmoid_slope(static_cast<double>(x[i]))));
   }
 }
 
@@ -244,8 +247,8 @@ void sigmoid_backward(const T* x, const T* d_y, std::size_t n, T* d_x) {
                                  std::size_t, const T*, T*, T*, T*);                                  \
   template void l2norm_forward<T>(const T*, std::size_t, std::size_t, T*, T*);                        \
   template void l2norm_backward<T>(const T*, const T*, const T*, std::size_t, std::size_t, T*);       \
-  template void sigmoid_forward<T>(const T*, std::size_t, T*);                                        \
-  template void sigmoid_backward<T>(const T*, const T*, std::size_t, T*);
+  template void sigmoid_forward<T>(const T*, std::size_t, T*, bool);                                  \
+  template void sigmoid_backward<T>(const T*, const T*, std::size_t, T*, bool);
 KDACP_TRANSFORMS(float)
 KDACP_TRANSFORMS(double)
 #undef KDACP_TRANSFORMS

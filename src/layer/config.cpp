@@ -151,10 +151,15 @@ void add_transform_fields(Fingerprint& f, const LayerConfig& c) {
   if (t.dt_bias) shown.emplace_back("dt");
   if (t.lower_bound) shown.push_back(fmt::format("lb={}", *t.lower_bound));
   if (t.beta_sigmoid) shown.emplace_back("sig");
+  if (t.allow_neg_eigval) shown.emplace_back("neg");
   const double lb = t.lower_bound ? *t.lower_bound : 0.0;
   const std::uint8_t flags[6] = {t.qk_l2norm, t.gate, t.a_log, t.dt_bias, t.lower_bound.has_value(), t.beta_sigmoid};
   std::uint64_t h = fnv1a64(std::as_bytes(std::span(flags)));
   h = fnv1a64(std::as_bytes(std::span(&lb, 1)), h);
+  if (t.allow_neg_eigval) {  // hashed only when set: the other configs keep their hashes
+    const std::uint8_t neg = 1;
+    h = fnv1a64(std::as_bytes(std::span(&neg, 1)), h);
+  }
   f.add_hash(c.names.transforms, h, shown.empty() ? std::string("none") : fmt::format("{}", fmt::join(shown, ",")));
 }
 

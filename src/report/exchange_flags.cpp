@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "kdacp/admission.hpp"
+#include "kdacp/cost_model.hpp"
 #include "kdacp/error.hpp"
 #include "kdacp/protocol.hpp"
 #include "kdacp/units.hpp"
@@ -37,10 +38,10 @@ void check_exchange_flags(const ExchangeFlags& f, const SummaryShape& shape) {
     throw InvalidArgument(fmt::format("--segments {} with --protocol {}, expected 0 (leave it out): only {} take "
                                       "segments",
                                       f.segments, f.protocol, taking(&ProtocolDescriptor::takes_segments)));
-  if (f.segments > shape.value_dim / 16)
-    throw InvalidArgument(fmt::format("--segments {} with --value-dim {}, expected at most V/16 = {} (0: the cost "
-                                      "model's choice)",
-                                      f.segments, shape.value_dim, shape.value_dim / 16));
+  if (f.segments > max_segments(shape.value_dim))
+    throw InvalidArgument(fmt::format("--segments {} with --value-dim {}, expected at most ceil(V/16) = {} (0: the "
+                                      "cost model's choice)",
+                                      f.segments, shape.value_dim, max_segments(shape.value_dim)));
 }
 
 ExchangeOptions exchange_options(const ExchangeFlags& f, const SummaryShape& shape) {

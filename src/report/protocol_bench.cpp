@@ -20,7 +20,7 @@
 namespace kdacp::report {
 namespace {
 
-// pipelined_p2p's column segments in this bench (at most V/16).
+// pipelined_p2p's column segments in this bench (at most ceil(V/16)).
 constexpr std::size_t kBenchSegments = 4;
 
 // Every exact row of the registry; a group size of 2 and of P/2 when those

@@ -14,9 +14,9 @@ void add_exchange_flags(CLI::App& cmd, ExchangeFlags& f) {
           "group width w for the protocols that take one (must divide P; see kdacp protocols)",
           IntRange{1, kRanksRange.max});
   add_int(cmd, "--segments", f.segments,
-          "column segments c of pipelined_p2p (and auto when it picks it), at most V/16; "
+          "column segments c of pipelined_p2p (and auto when it picks it), at most ceil(V/16); "
           "0: the cost model's choice",
-          IntRange{0, kMaxDim / kDimMultiple});
+          IntRange{0, kMaxDim / kSegmentColumns});
   add_quantity(cmd, "--memory-budget", f.memory_budget,
                "auto: per-rank budget for the exchange's extra memory, e.g. 512MiB (default: none)",
                Quantity::bytes);

@@ -22,7 +22,7 @@
 
 namespace kdacp::cli {
 
-inline constexpr IntRange kDimRange{kMinDim, kMaxDim, kDimMultiple};  // K, V
+inline constexpr IntRange kDimRange{kMinDim, kMaxDim};  // K, V: any integer in [1, 256]
 inline constexpr IntRange kSizeRange{1, 65536};                       // B, H, B·H
 using report::kRanksRange;                                            // P of a run
 inline constexpr RealRange kPositive{0, std::numeric_limits<double>::max(), true};

@@ -29,7 +29,7 @@ struct ExchangeFlags {
 
 // Throws InvalidArgument naming the flags for knobs the protocol's registry
 // row does not take (--group-size, --segments) and for more --segments than
-// V/16 of `shape`.
+// ceil(V/16) of `shape`.
 void check_exchange_flags(const ExchangeFlags& flags, const SummaryShape& shape);
 
 // The factory's options for calls of `shape` (auto needs the shape to choose),
