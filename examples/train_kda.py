@@ -2,9 +2,18 @@
 """Train a small Kimi Delta Attention model with kdacp, on one process or
 with context parallelism over gloo.
 
-    /usr/bin/python3 examples/train_kda.py                      # one process
-    /usr/bin/python3 examples/train_kda.py --nproc 4            # CP over 4 processes
-    /usr/bin/python3 examples/train_kda.py --nproc 2 --layout zigzag --json-out run.json
+It needs kdacp importable: install it into the Python that has torch first
+(docs/install.md), from the repository root,
+
+    pip install .                          # into a venv or any Python with torch
+    python examples/train_kda.py                                # one process
+    python examples/train_kda.py --nproc 4                      # CP over 4 processes
+    python examples/train_kda.py --nproc 2 --layout zigzag --json-out run.json
+
+or run it on a build tree's package (cmake --preset release && cmake --build
+--preset release), with Debian's Python and python3-torch:
+
+    PYTHONPATH=build/release/python /usr/bin/python3 examples/train_kda.py
 
 The task is associative recall over packed documents: every document is a
 run of (key, value) pairs with its own key -> value table; a key seen before

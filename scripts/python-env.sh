@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates, or reuses, the virtual environment the Python tests run in: build/venv, made
 # from Debian's /usr/bin/python3 (the interpreter kdacp's module is built for), with
-# torch 2.x and flash-linear-attention from PyPI at the versions pinned in
-# scripts/python-constraints.txt. `make test` runs it before configuring, and CMake then
+# torch 2.x and flash-linear-attention (and pyproject.toml's build requirements) from PyPI
+# at the versions pinned in scripts/python-constraints.txt. `make test` runs it before configuring, and CMake then
 # runs the python.* tests with build/venv/bin/python (python/CMakeLists.txt).
 #
 # Reuse: the venv holds a stamp, the hash of the constraints file, of the packages asked
@@ -17,7 +17,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$root/build/venv
 constraints=$root/scripts/python-constraints.txt
 base=/usr/bin/python3
-packages=(torch fla-core flash-linear-attention numpy pytest)
+packages=(torch fla-core flash-linear-attention numpy pytest scikit-build-core pybind11)
 stamp=$venv/kdacp-stamp
 
 say() { echo "python-env: $*" >&2; }
