@@ -59,7 +59,8 @@ std::optional<Half> storage_of(std::string_view dtype, std::string_view name);
 
 // An input of n elements at address p (0: absent) stored as `dtype`, read
 // as T: the memory itself, or a widened copy made on first use (no GIL
-// needed).
+// needed); or, for a 16-bit input the kernels read in place, its bits
+// (half(): no copy).
 template <class T>
 class InputOf {
  public:
@@ -76,6 +77,11 @@ class InputOf {
     } else {
       return nullptr;  // unreachable: storage_of<double> accepts float64 only
     }
+  }
+  // The bits of a 16-bit input (null bits for T's own storage or absent).
+  HalfField half() const {
+    if (!p_ || !half_) return {};
+    return {static_cast<const std::uint16_t*>(p_), *half_};
   }
 
  private:
