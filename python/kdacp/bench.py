@@ -167,10 +167,12 @@ def _worker(rank, world, init_file, args, out_file):
                                            use_qk_l2norm_in_kernel=True,
                                            use_gate_in_kernel=True,
                                            use_beta_sigmoid_in_kernel=True, A_log=a_log,
-                                           dt_bias=dt_bias, cp_context=ctx2), d_o_half)
+                                           dt_bias=dt_bias, cp_context=ctx4), d_o_half)
     plain_bf16 = step(lambda: kt.chunk_kda(*half[:5], cp_context=ctx3), d_o_half)
-    ctx2, ctx3 = (kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
-                                      protocol="allgather", threads=args.threads) for _ in range(2))
+    # A context per set of arguments (the storage dtypes are among them).
+    ctx2, ctx3, ctx4 = (kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
+                                            protocol="allgather", threads=args.threads)
+                        for _ in range(3))
     t_ctx, t_call, t_flags, t_bf16, t_plain16 = measure([with_ctx, per_call, flags, flags_bf16,
                                                          plain_bf16])
     if rank == 0:
