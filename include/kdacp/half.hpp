@@ -1,8 +1,9 @@
 // 16-bit floating-point storage: bfloat16 and IEEE binary16 (float16), the
 // types flash-linear-attention trains in. kdacp computes in float32 and
-// stores in these types at the edges: a 16-bit tensor is widened once
-// (exactly: every 16-bit value is a float32 value) and a float32 result is
-// narrowed once, rounding to nearest, ties to even, as PyTorch and NumPy do.
+// stores in these types at the edges: a 16-bit value is widened exactly
+// (every 16-bit value is a float32 value), by the kernels as they load it
+// (HalfField) or into a widened copy, and a float32 result is narrowed
+// once, rounding to nearest, ties to even, as PyTorch and NumPy do.
 //
 // The values are raw bits (std::uint16_t), so no compiler support for
 // _Float16 or __bf16 is needed and every target gives the same bits.

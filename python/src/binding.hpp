@@ -49,8 +49,9 @@ pybind11::array new_array(DType dtype, const std::vector<std::size_t>& shape);
 // Storage types by kdacp.torch's names: "float32", "float64", "bfloat16",
 // "float16". The KDA layer, its transforms and the convolution compute in T
 // = float for the first and the 16-bit ones, double for float64; a 16-bit
-// tensor is widened once on the way in and a result narrowed once on the way
-// out (kdacp/half.hpp), so the kernels see T only.
+// input is read in place by the chunk kernels (kda::HalfInputs) or widened
+// once on the way in, and a result narrowed once on the way out
+// (kdacp/half.hpp).
 
 // The 16-bit type of `dtype`, nullopt for T's own name; InvalidArgument
 // naming `name` for a dtype T cannot hold.
