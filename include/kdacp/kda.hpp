@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kdacp/half.hpp"
 #include "kdacp/kernels.hpp"
 #include "kdacp/layout.hpp"
 
@@ -110,7 +111,19 @@ const char* algorithm_name(Algorithm algorithm);
 // Parses algorithm_name's spelling; throws InvalidArgument otherwise.
 Algorithm parse_algorithm(const char* name);
 
-// One chunk of a layer's inputs (non-owning; every pointer is required).
+// The inputs among q, k, v, g, beta stored as 16-bit (T = float only). The
+// chunk kernels (Algorithm::chunk) read such a field from its bits, widening
+// each value exactly as they load a chunk's rows: the same float32 values,
+// hence the same results bit for bit, as a widened copy, without the copy.
+// A field given here has a null T pointer in Inputs. Algorithm::recurrent
+// and the Ulysses layer read T only (they throw InvalidArgument).
+struct HalfInputs {
+  HalfField q, k, v, g, beta;
+  bool any() const { return q.bits || k.bits || v.bits || g.bits || beta.bits; }
+};
+
+// One chunk of a layer's inputs (non-owning; every pointer is required,
+// unless `half` holds that field).
 template <class T>
 struct Inputs {
   const T* q = nullptr;
@@ -121,6 +134,8 @@ struct Inputs {
   Shape shape{};
 
   T scale = 0;  // must be finite and positive; see default_scale
+
+  HalfInputs half{};  // 16-bit fields (their T pointers null); T = float only
 };
 
 // Throws InvalidArgument (naming `op`, the calling function) unless

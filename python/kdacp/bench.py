@@ -14,7 +14,9 @@ writes without it, over gloo on localhost (one process per rank).
    same tensors; and chunk_kda with the three in-kernel flags on (raw gate,
    A_log, dt_bias, q/k l2norm, beta sigmoid: the C++ transforms' cost), in
    float32 and with q, k, v, g, beta in bfloat16 (flash-linear-attention's
-   training dtype: widened to float32 in C++, results narrowed back).
+   training dtype: the transforms' results are float32); and chunk_kda
+   without the flags, bfloat16 against float32 inputs (the chunk kernels
+   read bfloat16 in place, computing in float32; results narrowed back).
 
 Times are medians over --iters iterations, the slowest rank's.
 
@@ -165,10 +167,14 @@ def _worker(rank, world, init_file, args, out_file):
                                            use_qk_l2norm_in_kernel=True,
                                            use_gate_in_kernel=True,
                                            use_beta_sigmoid_in_kernel=True, A_log=a_log,
-                                           dt_bias=dt_bias, cp_context=ctx2), d_o_half)
-    ctx2 = kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
-                               protocol="allgather", threads=args.threads)
-    t_ctx, t_call, t_flags, t_bf16 = measure([with_ctx, per_call, flags, flags_bf16])
+                                           dt_bias=dt_bias, cp_context=ctx4), d_o_half)
+    plain_bf16 = step(lambda: kt.chunk_kda(*half[:5], cp_context=ctx3), d_o_half)
+    # A context per set of arguments (the storage dtypes are among them).
+    ctx2, ctx3, ctx4 = (kt.build_cp_context(None, dist.group.WORLD, split=[t_local] * world,
+                                            protocol="allgather", threads=args.threads)
+                        for _ in range(3))
+    t_ctx, t_call, t_flags, t_bf16, t_plain16 = measure([with_ctx, per_call, flags, flags_bf16,
+                                                         plain_bf16])
     if rank == 0:
         with open(out_file, "w") as f:
             f.write(f"P={world} B*H={b * h} K={k} V={v} float32, threads/rank={args.threads}\n")
@@ -183,6 +189,8 @@ def _worker(rank, world, init_file, args, out_file):
                     f"in-kernel gate/l2norm/sigmoid {1 / t_flags:9.1f} calls/s\n")
             f.write(f"  chunk_kda fwd+bwd with the flags, bfloat16 inputs {1 / t_bf16:9.1f} calls/s vs "
                     f"float32 {1 / t_flags:9.1f} calls/s: {t_flags / t_bf16:.3f}x\n")
+            f.write(f"  chunk_kda fwd+bwd, bfloat16 q, k, v, g, beta read in place {1 / t_plain16:9.1f} "
+                    f"calls/s vs float32 {1 / t_ctx:9.1f} calls/s: {t_ctx / t_plain16:.3f}x\n")
     dist.destroy_process_group()
 
 

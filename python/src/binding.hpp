@@ -49,8 +49,9 @@ pybind11::array new_array(DType dtype, const std::vector<std::size_t>& shape);
 // Storage types by kdacp.torch's names: "float32", "float64", "bfloat16",
 // "float16". The KDA layer, its transforms and the convolution compute in T
 // = float for the first and the 16-bit ones, double for float64; a 16-bit
-// tensor is widened once on the way in and a result narrowed once on the way
-// out (kdacp/half.hpp), so the kernels see T only.
+// input is read in place by the chunk kernels (kda::HalfInputs) or widened
+// once on the way in, and a result narrowed once on the way out
+// (kdacp/half.hpp).
 
 // The 16-bit type of `dtype`, nullopt for T's own name; InvalidArgument
 // naming `name` for a dtype T cannot hold.
@@ -59,7 +60,8 @@ std::optional<Half> storage_of(std::string_view dtype, std::string_view name);
 
 // An input of n elements at address p (0: absent) stored as `dtype`, read
 // as T: the memory itself, or a widened copy made on first use (no GIL
-// needed).
+// needed); or, for a 16-bit input the kernels read in place, its bits
+// (half(): no copy).
 template <class T>
 class InputOf {
  public:
@@ -76,6 +78,11 @@ class InputOf {
     } else {
       return nullptr;  // unreachable: storage_of<double> accepts float64 only
     }
+  }
+  // The bits of a 16-bit input (null bits for T's own storage or absent).
+  HalfField half() const {
+    if (!p_ || !half_) return {};
+    return {static_cast<const std::uint16_t*>(p_), *half_};
   }
 
  private:

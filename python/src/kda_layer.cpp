@@ -56,9 +56,18 @@ T* mut(py::array& a) {
 struct SavedBox {
   std::shared_ptr<void> layer;  // Layer<float> or Layer<double>
   std::shared_ptr<LayerSaved> saved;
+  bool in_place = false;  // 16-bit inputs read in place (reads_in_place)
 };
 
-// q, k, v, g, beta as T (16-bit ones widened on first use, without the GIL).
+// Whether a layer's kernels read 16-bit inputs in place: the chunk kernels
+// do; the recurrent ones and the Ulysses all-to-all take T (widened).
+template <class T>
+bool reads_in_place(const Layer<T>& layer, kda::Algorithm algorithm) {
+  return std::is_same_v<T, float> && algorithm == kda::Algorithm::chunk && layer.ulysses_width() == 1;
+}
+
+// q, k, v, g, beta as T: 16-bit ones read in place by the chunk kernels
+// (`in_place`), else widened on first use (without the GIL).
 template <class T>
 struct Tensors {
   Tensors(const std::vector<std::uintptr_t>& p, const std::vector<std::string>& dtypes, const kda::Shape& s)
@@ -67,8 +76,18 @@ struct Tensors {
         v(at(p, 2), dtype(dtypes, 2), s.v_elems(), "v"),
         g(at(p, 3), dtype(dtypes, 3), s.g_elems(), "g"),
         beta(at(p, 4), dtype(dtypes, 4), s.beta_elems(), "beta") {}
-  kda::Inputs<T> get(const kda::Shape& s, double scale) {
-    return kda::Inputs<T>{q.get(), k.get(), v.get(), g.get(), beta.get(), s, static_cast<T>(scale)};
+  kda::Inputs<T> get(const kda::Shape& s, double scale, bool in_place) {
+    kda::Inputs<T> in{nullptr, nullptr, nullptr, nullptr, nullptr, s, static_cast<T>(scale)};
+    const auto field = [&](InputOf<T>& from, const T*& wide, HalfField& half) {
+      half = in_place ? from.half() : HalfField{};
+      if (!half.bits) wide = from.get();
+    };
+    field(q, in.q, in.half.q);
+    field(k, in.k, in.half.k);
+    field(v, in.v, in.half.v);
+    field(g, in.g, in.half.g);
+    field(beta, in.beta, in.half.beta);
+    return in;
   }
   static std::uintptr_t at(const std::vector<std::uintptr_t>& p, std::size_t i) {
     if (p.size() != 5) throw InvalidArgument("kda needs 5 input tensors (q, k, v, g, beta)");
@@ -317,7 +336,8 @@ class KdaLayer {
     {
       py::gil_scoped_release release;
       try {
-        box->saved = layer->forward(tensors->get(s, scale), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
+        box->in_place = reads_in_place(*layer, c.algorithm);
+        box->saved = layer->forward(tensors->get(s, scale, box->in_place), kda::sequence_states(ptr<T>(h0p), seqs, s), o.get(),
                                     kda::sequence_states(ht_data, seqs, s));
       } catch (...) {
         // Every rank built it in this call (its construction agreed), and
@@ -357,7 +377,7 @@ class KdaLayer {
     const kda::Grads<T> grads{dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), nullptr};
     {
       py::gil_scoped_release release;
-      layer.backward(tensors.get(s, scale), *box.saved, kda::sequence_states(ptr<T>(h0p), seqs, s), d_o.get(),
+      layer.backward(tensors.get(s, scale, box.in_place), *box.saved, kda::sequence_states(ptr<T>(h0p), seqs, s), d_o.get(),
                      kda::sequence_states(ptr<T>(dhtp), seqs, s), grads, kda::sequence_states(dh0_data, seqs, s));
       release_forward_cache(*box.saved);
       // The layer's dh0 is complete on every rank (its C++ contract, the

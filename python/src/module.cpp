@@ -3,7 +3,10 @@
 // Python's: InvalidArgument -> ValueError, Timeout / RemoteError ->
 // RuntimeError subclasses, IoError -> OSError, the message unchanged.
 #include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -164,15 +167,10 @@ namespace {
 void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, const std::string& dtype,
                   const std::string& name, const std::string& rule) {
   TensorRef t{name, shape, reinterpret_cast<const void*>(data), DType::f32};
-  // A 16-bit tensor is checked as its exact float32 values.
-  std::unique_ptr<float[]> wide;
+  const std::optional<Half> half = parse_half(dtype);
   if (dtype == "float64") {
     t.dtype = DType::f64;
-  } else if (const auto half = parse_half(dtype)) {
-    wide.reset(new float[t.elements()]);
-    widen(*half, static_cast<const std::uint16_t*>(t.data), t.elements(), wide.get());
-    t.data = wide.get();
-  } else if (dtype != "float32") {
+  } else if (!half && dtype != "float32") {
     throw InvalidArgument(fmt::format("{} has dtype {}, expected float32, float64, bfloat16 or float16",
                                       name, dtype));
   }
@@ -189,6 +187,27 @@ void check_tensor(std::uintptr_t data, const std::vector<std::size_t>& shape, co
     throw InvalidArgument(fmt::format(
         "check_tensor: rule '{}', expected 'finite', 'gate', 'beta' or 'beta_neg_eigval'", rule));
   py::gil_scoped_release release;
+  if (!half) return check(t);
+  // A 16-bit tensor is checked as its exact float32 values, a block at a
+  // time (no widened copy of the tensor); a block that fails is checked
+  // again with the tensor widened whole, so the message names its element.
+  constexpr std::size_t kBlock = 1 << 14;
+  const auto* bits = static_cast<const std::uint16_t*>(t.data);
+  std::vector<float> block(std::min(kBlock, t.elements()));
+  bool failed = false;
+  for (std::size_t lo = 0; lo < t.elements() && !failed; lo += kBlock) {
+    const std::size_t n = std::min(kBlock, t.elements() - lo);
+    widen(*half, bits + lo, n, block.data());
+    try {
+      check(TensorRef{name, {n}, block.data(), DType::f32});
+    } catch (const InvalidArgument&) {
+      failed = true;
+    }
+  }
+  if (!failed) return;
+  std::vector<float> wide(t.elements());
+  widen(*half, bits, wide.size(), wide.data());
+  t.data = wide.data();
   check(t);
 }
 

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
+#include "kdacp/error.hpp"
 #include "kdacp/kda.hpp"
 #include "kernels/kda_heads.hpp"
 #include "kernels/table.hpp"
@@ -18,15 +20,31 @@ template <class T>
 HeadInputs<T> head_inputs(const Inputs<T>& in, std::size_t b, std::size_t j) {
   const Shape& s = in.shape;
   std::size_t h = j / s.group();
-  return {in.q + (b * s.tokens * s.heads + h) * s.key_dim,
-          in.k + (b * s.tokens * s.heads + h) * s.key_dim,
-          s.heads * s.key_dim,
-          in.v + (b * s.tokens * s.value_heads + j) * s.value_dim,
-          s.value_heads * s.value_dim,
-          in.g + (b * s.tokens * s.value_heads + j) * s.key_dim,
-          s.value_heads * s.key_dim,
-          in.beta + b * s.tokens * s.value_heads + j,
-          s.value_heads};
+  const std::size_t qk = (b * s.tokens * s.heads + h) * s.key_dim;
+  const std::size_t v = (b * s.tokens * s.value_heads + j) * s.value_dim;
+  const std::size_t g = (b * s.tokens * s.value_heads + j) * s.key_dim;
+  const std::size_t beta = b * s.tokens * s.value_heads + j;
+  // A field stored as 16-bit: its T pointer stays null, its bits advance.
+  auto at = [](const T* p, std::size_t off) { return p ? p + off : nullptr; };
+  auto half = [](HalfField f, std::size_t off) {
+    if (f.bits) f.bits += off;
+    return f;
+  };
+  return {at(in.q, qk), at(in.k, qk), s.heads * s.key_dim,
+          at(in.v, v), s.value_heads * s.value_dim,
+          at(in.g, g), s.value_heads * s.key_dim,
+          at(in.beta, beta), s.value_heads,
+          half(in.half.q, qk), half(in.half.k, qk), half(in.half.v, v),
+          half(in.half.g, g), half(in.half.beta, beta)};
+}
+
+// Throws InvalidArgument naming `what` when `in` holds 16-bit fields: the
+// kernels of Algorithm::recurrent read T rows only.
+template <class T>
+void require_wide(const Inputs<T>& in, const char* what) {
+  if (in.half.any())
+    throw InvalidArgument(std::string(what) +
+                          ": 16-bit inputs read in place need Algorithm::chunk (widen them for the recurrent one)");
 }
 
 // Offset of token 0 of (b, value head j) in a [B,T,HV,D] tensor.

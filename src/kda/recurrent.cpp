@@ -17,6 +17,7 @@ namespace kdacp::kda::detail {
 template <class T>
 void chunk_summary_recurrent(const Kernels<T>& kern, const Inputs<T>& in, T* state, T* transfer,
                              const ExecPolicy& exec) {
+  require_wide(in, "kda (Algorithm::recurrent)");
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim, kk = s.key_dim * s.key_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
@@ -33,6 +34,7 @@ void chunk_summary_recurrent(const Kernels<T>& kern, const Inputs<T>& in, T* sta
 template <class T>
 void forward_recurrent(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming, T* o,
                        T* final_state, const ExecPolicy& exec) {
+  require_wide(in, "kda (Algorithm::recurrent)");
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,
@@ -55,6 +57,7 @@ template <class T>
 void backward_recurrent(const Kernels<T>& kern, const Inputs<T>& in, const T* incoming,
                         const T* d_o, const T* d_final, const Grads<T>& grads,
                         const ExecPolicy& exec, std::size_t checkpoint_interval) {
+  require_wide(in, "kda (Algorithm::recurrent)");
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   backward_over_heads<BackwardScratch<T>>(
@@ -70,6 +73,7 @@ void backward_recurrent(const Kernels<T>& kern, const Inputs<T>& in, const T* in
 template <class T>
 void incoming_grad_recurrent(const Kernels<T>& kern, const Inputs<T>& in, const T* d_o,
                              T* g_state, const ExecPolicy& exec) {
+  require_wide(in, "kda (Algorithm::recurrent)");
   const Shape& s = in.shape;
   const std::size_t kv = s.key_dim * s.value_dim;
   parallel_ranges(exec.pool, s.batch * s.value_heads,

@@ -72,13 +72,7 @@ inline Shape piece_shape(const Shape& s, std::size_t count) {
 // Batch row b, value head j of the local inputs from token lo on.
 template <class T>
 HeadInputs<T> head_at(const Inputs<T>& local, std::size_t b, std::size_t j, std::size_t lo) {
-  HeadInputs<T> h = detail::head_inputs(local, b, j);
-  h.q += lo * h.qk_stride;
-  h.k += lo * h.qk_stride;
-  h.v += lo * h.v_stride;
-  h.g += lo * h.g_stride;
-  h.beta += lo * h.beta_stride;
-  return h;
+  return detail::head_inputs(local, b, j).from(lo);
 }
 
 // Offset of token lo of (b, value head j) in a local [B,T_local,HV,D] tensor.
@@ -159,6 +153,7 @@ struct OutRows {
 template <class T>
 void forward_runs(const Inputs<T>& local, const std::vector<ForwardRun<T>>& runs,
                   const OutRows<T>& o, const Exec& exec) {
+  if (exec.algorithm != Algorithm::chunk) detail::require_wide(local, "kda::part_forward");
   const Shape& s = local.shape;
   std::vector<Span> spans;
   for (const ForwardRun<T>& r : runs) spans.push_back(r.span);
@@ -215,6 +210,7 @@ template <class T>
 void backward_runs(const Inputs<T>& local, const std::vector<BackwardRun<T>>& runs, Span whole,
                    const T* d_o, const Grads<T>& grads, const Exec& exec,
                    std::size_t checkpoint_interval) {
+  if (exec.algorithm != Algorithm::chunk) detail::require_wide(local, "kda::part_backward");
   const Shape& s = local.shape;
   const std::size_t group = s.group(), head_qk = whole.count * s.key_dim;
   std::vector<T> partial_dq(group > 1 ? s.batch * s.value_heads * head_qk : 0);
@@ -345,6 +341,7 @@ template <class T>
 PartInfo part_summary(const Inputs<T>& local, const Sequences& seqs, const Part& part,
                       SequenceStates<const Elem<T>> h0, Elem<T>* state, Elem<T>* transfer,
                       const Exec& exec) {
+  if (exec.algorithm != Algorithm::chunk) detail::require_wide(local, "kda::part_summary");
   const std::vector<Piece> pieces = kdacp::pieces(seqs, part);
   const PartInfo info = part_info(seqs, part);
   const Shape& s = local.shape;
@@ -406,6 +403,7 @@ PartInfo part_incoming_grad(const Inputs<T>& local, const Sequences& seqs, const
   const std::vector<Item> items = items_of({span}, s.batch * s.value_heads);
   const std::size_t kv = s.key_dim * s.value_dim, do_stride = s.value_heads * s.value_dim;
   const bool chunk = exec.algorithm == Algorithm::chunk;
+  if (!chunk) detail::require_wide(local, "kda::part_incoming_grad");
   const auto head = [&](const Item& it) {
     return head_at(local, it.pair / s.value_heads, it.pair % s.value_heads, span.lo);
   };

@@ -18,11 +18,13 @@ void pointer(const void* ptr, std::string_view where, std::string_view field) {
 template <class T>
 void inputs(const Inputs<T>& in, std::string_view where) {
   validate(in.shape);
-  pointer(in.q, where, "q");
-  pointer(in.k, where, "k");
-  pointer(in.v, where, "v");
-  pointer(in.g, where, "g");
-  pointer(in.beta, where, "beta");
+  // A field may be stored as 16-bit instead (Inputs::half).
+  const auto at = [](const void* wide, const HalfField& half) { return wide ? wide : half.bits; };
+  pointer(at(in.q, in.half.q), where, "q");
+  pointer(at(in.k, in.half.k), where, "k");
+  pointer(at(in.v, in.half.v), where, "v");
+  pointer(at(in.g, in.half.g), where, "g");
+  pointer(at(in.beta, in.half.beta), where, "beta");
   if (!std::isfinite(in.scale) || !(in.scale > 0))
     throw InvalidArgument(fmt::format(
         "{}scale = {}, expected a finite value > 0 (default_scale(K) = 1/sqrt(K))", where, in.scale));

@@ -98,25 +98,27 @@ void chunk_load(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std::size
   T* q = w.q.data();
   T* al = w.alpha.data();
   constexpr std::size_t kAhead = 8;  // tokens: the rows are strided, prefetch them
+  const auto prefetch = [](typename HeadInputs<T>::Row r) {
+    const char* p = static_cast<const char*>(r.p);
+    for (std::size_t b = 0; b < r.bytes; b += 64) hwy::Prefetch(p + b);
+  };
   for (std::size_t t = 0; t < c; ++t) {
-    const T* kt = h.k_at(t0 + t);
-    const T* qt = h.q_at(t0 + t);
     if (t + kAhead < c) {
       const std::size_t ta = t0 + t + kAhead;
-      constexpr std::size_t kLine = 64 / sizeof(T);
-      for (std::size_t i = 0; i < kd; i += kLine) {
-        hwy::Prefetch(h.k_at(ta) + i);
-        if (need_q) hwy::Prefetch(h.q_at(ta) + i);
-        if (!alpha_all) hwy::Prefetch(h.g_at(ta) + i);
-      }
-      for (std::size_t i = 0; i < vd; i += kLine) hwy::Prefetch(h.v_at(ta) + i);
+      prefetch(h.k_row(ta, kd));
+      if (need_q) prefetch(h.q_row(ta, kd));
+      if (!alpha_all) prefetch(h.g_row(ta, kd));
+      prefetch(h.v_row(ta, vd));
     }
-    for (std::size_t i = 0; i < kd; ++i) k[t * kd + i] = kt[i];
-    if (need_q)
-      for (std::size_t i = 0; i < kd; ++i) q[t * kd + i] = qt[i];
+    // A 16-bit row is widened as it is copied: the same values as a T row.
+    h.load_k(t0 + t, 0, kd, k + t * kd);
+    if (need_q) h.load_q(t0 + t, 0, kd, q + t * kd);
     if (alpha_all) {
       const T* at = alpha_all + (t0 + t) * kd;
       for (std::size_t i = 0; i < kd; ++i) al[t * kd + i] = at[i];
+    } else if (h.g16.bits) {
+      h.load_g(t0 + t, 0, kd, al + t * kd);
+      exp_row(al + t * kd, al + t * kd, kd);  // element-wise: in place is the same
     } else {
       exp_row(h.g_at(t0 + t), al + t * kd, kd);
     }
@@ -264,10 +266,7 @@ void chunk_right_side(const HeadInputs<T>& h, std::size_t t0, std::size_t c, std
   T* X = w.x.data();
   for (std::size_t t = 0; t < c; ++t) {
     T* xr = X + t * ldx;
-    if (x_lo < vd) {
-      const T* vt = h.v_at(t0 + t);
-      for (std::size_t j = x_lo; j < std::min(x_hi, vd); ++j) xr[j] = vt[j];
-    }
+    if (x_lo < std::min(x_hi, vd)) h.load_v(t0 + t, x_lo, std::min(x_hi, vd) - x_lo, xr + x_lo);
     for (std::size_t j = std::max(x_lo, vd); j < x_hi; ++j) xr[j] = kg[t * kd + j - vd];
   }
   chunk_solve(c, X + x_lo, ldx, x_hi - x_lo, w);
@@ -345,11 +344,7 @@ void chunk_advance_delta(const HeadInputs<T>& h, std::size_t t0, std::size_t c, 
                          bool zero_state = false, bool advance = true) {
   T* X = keep_delta ? keep_delta : w.x.data();
   const std::size_t ldx = keep_delta ? vd : vd + kd;
-  for (std::size_t t = 0; t < c; ++t) {
-    const T* vt = h.v_at(t0 + t);
-    T* xr = X + t * ldx;
-    for (std::size_t j = 0; j < vd; ++j) xr[j] = vt[j];
-  }
+  for (std::size_t t = 0; t < c; ++t) h.load_v(t0 + t, 0, vd, X + t * ldx);
   if (!(zero_state && gemm_zero_b<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, X, ldx)))
     gemm<GemmOp::sub>(c, vd, kd, w.kg.data(), kd, std::size_t{1}, state, vd, X, ldx);
   if (keep_r)

@@ -9,10 +9,12 @@
 #include <cstddef>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "core/buffer_allocator.hpp"
+#include "kdacp/half.hpp"
 
 namespace kdacp::kda::detail {
 
@@ -36,11 +38,65 @@ struct HeadInputs {
   const T* beta;
   std::size_t beta_stride;
 
+  // 16-bit fields (T = float; kda::HalfInputs): their T pointers are null,
+  // and their bits start at the same element as the T pointer would.
+  HalfField q16{}, k16{}, v16{}, g16{}, beta16{};
+
+  // The T rows: of fields not stored as 16-bit only.
   const T* q_at(std::size_t t) const { return q + t * qk_stride; }
   const T* k_at(std::size_t t) const { return k + t * qk_stride; }
   const T* v_at(std::size_t t) const { return v + t * v_stride; }
   const T* g_at(std::size_t t) const { return g + t * g_stride; }
-  T beta_at(std::size_t t) const { return beta[t * beta_stride]; }
+  T beta_at(std::size_t t) const {
+    if constexpr (std::is_same_v<T, float>)
+      if (beta16.bits) return beta16.at(t * beta_stride);
+    return beta[t * beta_stride];
+  }
+
+  bool has_half() const { return q16.bits || k16.bits || v16.bits || g16.bits || beta16.bits; }
+
+  // Columns [lo, lo + n) of token t's row into dst as T, from either storage:
+  // a 16-bit row widened exactly, so the values are a T row's.
+  void load_q(std::size_t t, std::size_t lo, std::size_t n, T* dst) const { load(q, q16, t * qk_stride + lo, n, dst); }
+  void load_k(std::size_t t, std::size_t lo, std::size_t n, T* dst) const { load(k, k16, t * qk_stride + lo, n, dst); }
+  void load_v(std::size_t t, std::size_t lo, std::size_t n, T* dst) const { load(v, v16, t * v_stride + lo, n, dst); }
+  void load_g(std::size_t t, std::size_t lo, std::size_t n, T* dst) const { load(g, g16, t * g_stride + lo, n, dst); }
+
+  // Token t's row of a field as bytes and its length in bytes, for prefetching.
+  struct Row {
+    const void* p;
+    std::size_t bytes;
+  };
+  Row q_row(std::size_t t, std::size_t n) const { return row(q, q16, t * qk_stride, n); }
+  Row k_row(std::size_t t, std::size_t n) const { return row(k, k16, t * qk_stride, n); }
+  Row v_row(std::size_t t, std::size_t n) const { return row(v, v16, t * v_stride, n); }
+  Row g_row(std::size_t t, std::size_t n) const { return row(g, g16, t * g_stride, n); }
+
+  // The inputs from token lo on.
+  HeadInputs from(std::size_t lo) const {
+    HeadInputs h = *this;
+    shift(h.q, h.q16, lo * qk_stride);
+    shift(h.k, h.k16, lo * qk_stride);
+    shift(h.v, h.v16, lo * v_stride);
+    shift(h.g, h.g16, lo * g_stride);
+    shift(h.beta, h.beta16, lo * beta_stride);
+    return h;
+  }
+
+ private:
+  static void load(const T* wide, const HalfField& half, std::size_t at, std::size_t n, T* dst) {
+    if constexpr (std::is_same_v<T, float>)
+      if (half.bits) return half.load(at, n, dst);
+    std::copy_n(wide + at, n, dst);
+  }
+  static Row row(const T* wide, const HalfField& half, std::size_t at, std::size_t n) {
+    if (half.bits) return {half.bits + at, n * sizeof(std::uint16_t)};
+    return {wide + at, n * sizeof(T)};
+  }
+  static void shift(const T*& wide, HalfField& half, std::size_t by) {
+    if (half.bits) half.bits += by;
+    else wide += by;
+  }
 };
 
 // What a forward sweep produces besides advancing the state; unset fields are

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -28,7 +29,16 @@ struct Named {
   const char* name;
   const T* data;
   std::vector<std::size_t> shape;
+  HalfField half{};  // an input stored as 16-bit (data null)
 };
+
+// The first NaN / ±Inf of n 16-bit values, or nullopt.
+inline std::optional<std::size_t> first_non_finite_half(const HalfField& f, std::size_t n) {
+  const std::uint16_t exponent = f.type == Half::bf16 ? 0x7f80 : 0x7c00;
+  for (std::size_t i = 0; i < n; ++i)
+    if ((f.bits[i] & exponent) == exponent) return i;
+  return std::nullopt;
+}
 inline std::string where(std::size_t rank, const char* op) {
   return fmt::format("kda::ContextParallelLayer::{} on rank {}", op, rank);
 }
@@ -70,10 +80,13 @@ void require_finite_results(const std::string& where, const std::vector<Named<T>
         fmt::format(" from finite inputs ({} overflow: inputs too large for this dtype?)",
                     std::is_same_v<T, float> ? "float32" : "float64");
     for (const Named<T>& in : inputs) {
-      if (in.data == nullptr) continue;
-      if (const auto i = find_non_finite(std::span<const T>(in.data, elems_of(in.shape)))) {
+      std::optional<std::size_t> i;
+      if (in.data != nullptr) i = find_non_finite(std::span<const T>(in.data, elems_of(in.shape)));
+      else if (in.half.bits != nullptr) i = first_non_finite_half(in.half, elems_of(in.shape));
+      if (i) {
         std::ostringstream c;
-        c << "; the input " << in.name << index_string(*i, in.shape) << " is already " << in.data[*i];
+        c << "; the input " << in.name << index_string(*i, in.shape) << " is already "
+          << (in.data ? static_cast<double>(in.data[*i]) : static_cast<double>(in.half.at(*i)));
         cause = c.str();
         break;
       }
@@ -86,11 +99,11 @@ void require_finite_results(const std::string& where, const std::vector<Named<T>
 template <class T>
 std::vector<Named<T>> input_tensors(const Inputs<T>& in) {
   const Shape& s = in.shape;
-  return {{"q", in.q, {s.batch, s.tokens, s.heads, s.key_dim}},
-          {"k", in.k, {s.batch, s.tokens, s.heads, s.key_dim}},
-          {"v", in.v, {s.batch, s.tokens, s.value_heads, s.value_dim}},
-          {"g", in.g, {s.batch, s.tokens, s.value_heads, s.key_dim}},
-          {"beta", in.beta, {s.batch, s.tokens, s.value_heads}}};
+  return {{"q", in.q, {s.batch, s.tokens, s.heads, s.key_dim}, in.half.q},
+          {"k", in.k, {s.batch, s.tokens, s.heads, s.key_dim}, in.half.k},
+          {"v", in.v, {s.batch, s.tokens, s.value_heads, s.value_dim}, in.half.v},
+          {"g", in.g, {s.batch, s.tokens, s.value_heads, s.key_dim}, in.half.g},
+          {"beta", in.beta, {s.batch, s.tokens, s.value_heads}, in.half.beta}};
 }
 
 template <class T>

@@ -314,6 +314,7 @@ UlyssesSaved<T> UlyssesLayer<T>::forward(const Inputs<T>& in, const Stream& stre
   fields.add_flag("ht requested", ht.data != nullptr);
   agree_on("forward", fields, [&] {
     check::inputs(in, "");
+    if (in.half.any()) throw InvalidArgument("16-bit inputs read in place: the Ulysses layer takes them widened");
     check::algorithm(exec.algorithm, "");
     check_stream(stream, layout_, in.shape, rank, width);
     // The state-CP layer's own check, on the layout it runs: before the first

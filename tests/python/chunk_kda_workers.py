@@ -291,6 +291,26 @@ def half_worker(rank, world, init_file):
         top = want[name].double().abs().max().item()
         e = (got[name].double() - want[name].double()).abs().max().item()
         assert e <= 2 ** -8 * top + 1e-6, (name, e, top)
+    # Without the flags the bf16 q, k, v, g, beta reach the chunk kernels,
+    # which read them in place: the float32 CP call on the widened values,
+    # bit for bit (o and the gradients narrowed once).
+    raw = {k_: local(v_) if k_ in TOKEN_WISE else v_ for k_, v_ in full.items()}
+    raw["g"] = -torch.sigmoid(raw["g"].float()).to(dtype)  # a decay: g < 0
+    raw["beta"] = torch.sigmoid(raw["beta"].float()).to(dtype)
+    raw["k"] = (raw["k"].float() / raw["k"].float().norm(dim=-1, keepdim=True)).to(dtype)  # contractive
+    outs = []
+    for cast in (lambda t: t, lambda t: t.float()):
+        leaves = {k_: (cast(v_) if k_ in TOKEN_WISE else v_).detach().clone().requires_grad_()
+                  for k_, v_ in raw.items()}
+        c = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, layout="zigzag", timeout=20,
+                                threads=1)  # a context per set of arguments
+        o, ht = kt.chunk_kda(*(leaves[k_] for k_ in TOKEN_WISE), initial_state=leaves["h0"],
+                             output_final_state=True, cp_context=c)
+        ((o.float() * local(d_o).float()).sum() + (ht * d_ht).sum()).backward()
+        outs.append([o.to(dtype), ht, leaves["h0"].grad] + [leaves[k_].grad.to(dtype) for k_ in TOKEN_WISE])
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert torch.equal(a.view(torch.int16) if a.dtype == dtype else a,
+                           b.view(torch.int16) if b.dtype == dtype else b), i
     finish()
 
 

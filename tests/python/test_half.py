@@ -161,5 +161,34 @@ def test_mixed_16_bit_and_float32_is_the_float32_call_on_the_same_values():
         assert torch.equal(a.grad, b.grad.to(a.dtype))
 
 
+@pytest.mark.parametrize("algorithm", ["chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_16_bit_inputs_give_the_widened_float32_calls_bits(dtype, algorithm):
+    # The chunk kernels read 16-bit q, k, v, g, beta in place and widen each
+    # value as they load it (the recurrent ones take a widened copy): either
+    # way the float32 call on the widened values, bit for bit, o and the
+    # gradients then narrowed once, the final state in float32.
+    cu = [0, 23, 70, 150]
+    x = inputs(1, 150, 2, 4, 24, 20, 3, seed=6, raw=False)
+    x["k"] = x["k"] / x["k"].norm(dim=-1, keepdim=True)
+    x["beta"] = torch.sigmoid(x["beta"])
+    half = [x[n].to(dtype) for n in ("q", "k", "v", "g", "beta")]
+    h0 = x["h0"].float()
+    gen = torch.Generator().manual_seed(8)
+    do = torch.randn(1, 150, 4, 20, generator=gen).to(dtype).float()  # d_o as the 16-bit call gets it
+    dht = torch.randn(3, 4, 24, 20, generator=gen)
+    outs = []
+    for cast in (lambda t: t, lambda t: t.float()):
+        leaves = [cast(t).detach().requires_grad_() for t in half]
+        o, ht = kt.kda(*leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                       algorithm=algorithm)
+        ((o.float() * do).sum() + (ht * dht).sum()).backward()
+        outs.append([o.to(dtype), ht] + [t.grad.to(dtype) for t in leaves])
+    assert outs[0][0].dtype == dtype and outs[0][2].dtype == dtype
+    for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dg", "dbeta"], *outs):
+        assert torch.equal(a.view(torch.int16) if a.dtype == dtype else a,
+                           b.view(torch.int16) if b.dtype == dtype else b), name
+
+
 def test_context_over_gloo_in_bf16():
     spawn(chunk_kda_workers.half_worker, 2, 120)
