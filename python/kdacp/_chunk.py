@@ -181,8 +181,9 @@ def _fla_keywords(op, state_v_first, kwargs, chunk_size=True):
         return state_v_first
     size = kwargs.pop("chunk_size", 64)
     if isinstance(size, bool) or size not in (32, 64):
-        raise ValueError(f"{op}: chunk_size={size!r}, expected 32 or 64 (flash-linear-attention's "
-                         "KDA chunk sizes; kdacp's kernels tile 64 tokens either way)")
+        raise ValueError(f"{op}: `chunk_size` must be either 32 or 64 for KDA, got {size!r} "
+                         "(flash-linear-attention's condition and words; kdacp's kernels tile 64 "
+                         "tokens either way)")
     return state_v_first, int(size)
 
 

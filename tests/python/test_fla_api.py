@@ -147,7 +147,7 @@ def test_chunk_size():
     o32, _ = kt.chunk_kda(q, k, v, g, beta, chunk_size=32)
     close(o32, o64, 0)  # kdacp's tiling does not depend on it
     for bad in (16, 128, True, 64.5):
-        with pytest.raises(ValueError, match="chunk_size"):
+        with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64"):
             kt.chunk_kda(q, k, v, g, beta, chunk_size=bad)
 
 
