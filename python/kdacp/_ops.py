@@ -36,6 +36,7 @@ bytes.
 """
 
 import ast
+import contextlib
 import functools
 import inspect
 import itertools
@@ -204,6 +205,22 @@ def _fresh(t, others):
     return t
 
 
+@contextlib.contextmanager
+def _autograd_dispatch(train):
+    """A custom op's kernel runs below autograd (the dispatcher excludes the
+    autograd and ADInplaceOrView keys there), so torch's own ops inside it
+    (a reshape, a transpose, a cat) would record no graph and the eager
+    function's gradients would stop at them. Training forwards run with
+    those keys included again; autograd.Functions record either way."""
+    if not train:
+        yield
+        return
+    keys = torch._C.DispatchKey
+    with torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False), \
+            torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False):
+        yield
+
+
 def _run_forward(entry, tensors, spec, context, ints, grad_mask):
     leaves = []
     inputs = list(tensors)
@@ -213,7 +230,7 @@ def _run_forward(entry, tensors, spec, context, ints, grad_mask):
             leaves.append(inputs[i])
     kwargs = _arguments(spec, inputs, ints, context)
     train = bool(leaves)
-    with torch.enable_grad() if train else torch.no_grad():
+    with torch.enable_grad() if train else torch.no_grad(), _autograd_dispatch(train):
         out, state = entry.fn(**kwargs)
     expected = entry.fake(kwargs, _context_sequences(kwargs))
     handle = torch.zeros(1, dtype=torch.int64)

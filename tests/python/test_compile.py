@@ -181,3 +181,36 @@ def test_dynamic_shapes():
         assert_same(run(model, data, cu, None, kt.SINGLE_PROCESS),
                     run(compiled, data, cu, None, kt.SINGLE_PROCESS), f"T = {t}")
     assert counting.count == 1, counting.count
+
+
+@needs_ops
+def test_gradients_through_torchs_own_ops_inside_the_entry_points():
+    # The op kernels run below autograd; eager's reshapes and transposes inside
+    # them (a [B,T,H,D] convolution input, state_v_first states) must still
+    # carry gradients: these were all zeros while those keys stayed excluded.
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    t, h, d, w = 12, 2, 4, 3
+    x = torch.randn(1, t, h, d, generator=gen, dtype=torch.float64)
+    wt = torch.randn(h * d, w, generator=gen, dtype=torch.float64)
+    q, k = (torch.randn(1, t, 1, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    g = -torch.rand(1, t, h, d, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, t, h, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(1, h, d, d, generator=gen, dtype=torch.float64)
+
+    def block(x, wt, q, k, g, beta, h0):
+        y, _ = kt.causal_conv1d(x, wt, activation="silu")
+        return kt.chunk_kda(q, k, y, g, beta, initial_state=h0, output_final_state=True,
+                           state_v_first=True)
+
+    def grads(fn):
+        leaves = [a.clone().requires_grad_() for a in (x, wt, q, k, g, beta, h0)]
+        o, ht = fn(*leaves)
+        torch.autograd.backward((o, ht), (torch.ones_like(o), torch.ones_like(ht)))
+        return [o.detach(), ht.detach()] + [a.grad for a in leaves]
+
+    eager = grads(block)
+    compiled = grads(torch.compile(block, backend="aot_eager", fullgraph=True))
+    for name, a, b in zip(("o", "ht", "x", "w", "q", "k", "g", "beta", "h0"), eager, compiled):
+        assert b is not None and a.abs().max() > 0, name
+        assert torch.equal(a, b), (name, (a - b).abs().max().item())
