@@ -323,7 +323,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     transforms (kdacp/kda.hpp), then the kda layer:
     use_gate_in_kernel: g is raw, g = -exp(A_log)·softplus(g + dt_bias), or
     with lower_bound lower_bound·sigmoid(exp(A_log)·(g + dt_bias)); A_log [HV]
-    and dt_bias [HV·K] are optional (None: A_log = 0, dt_bias = 0).
+    is required unless lower_bound is set (then None: A_log = 0), dt_bias
+    [HV·K] is optional (None: 0).
     use_qk_l2norm_in_kernel: q, k ← x / sqrt(Σ_K x² + 1e-6).
     use_beta_sigmoid_in_kernel: beta ← sigmoid(beta); with allow_neg_eigval
     (which needs it, ValueError otherwise) beta ← 2·sigmoid(beta), in [0, 2].
@@ -373,6 +374,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True (beta is "
                          "then 2·sigmoid(beta), in [0, 2])")
     lower_bound = _lower_bound(lower_bound)
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log unless lower_bound is set (as in "
+                         "flash-linear-attention: the gate is -exp(A_log)·softplus(g + dt_bias))")
     if use_gate_in_kernel and safe_gate and lower_bound is None:
         raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound (the "
                          "gate is then lower_bound·sigmoid(exp(A_log)·(g + dt_bias)))")

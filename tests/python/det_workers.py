@@ -153,7 +153,8 @@ def det_worker(rank, world, init_file):
     # every rank naming the rule (through a context and through a group).
     x, _, _ = make(250, 1, torch.float64, seed=9, raw=True)
     try:
-        kt.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], deterministic=1, **FLAGS)
+        kt.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], deterministic=1, A_log=x["A_log"],
+                     **FLAGS)
     except ValueError as e:
         assert "deterministic=1, expected True or False" in str(e), e
     else:
@@ -163,7 +164,7 @@ def det_worker(rank, world, init_file):
         ctx = kt.build_cp_context([0, 250], group, split=split, timeout=30)
         mine = {k_: (v_[:, sum(split[:rank]):sum(split[:rank + 1])] if k_ in TOKEN_WISE else v_)
                 for k_, v_ in x.items()}
-        for fn, kw in ((kt.chunk_kda, dict(cp_context=ctx, **FLAGS)),
+        for fn, kw in ((kt.chunk_kda, dict(cp_context=ctx, A_log=x["A_log"], **FLAGS)),
                        (kt.kda, dict(group=group, timeout=30))):
             g = mine["g"] if fn is kt.chunk_kda else -torch.sigmoid(mine["g"])
             beta = mine["beta"] if fn is kt.chunk_kda else torch.sigmoid(mine["beta"])

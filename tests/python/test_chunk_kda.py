@@ -257,7 +257,8 @@ def test_transforms_are_differentiable_once():
     for flags in FLAG_SETS:
         leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
         beta = leaves[4] if flags["use_beta_sigmoid_in_kernel"] else torch.sigmoid(leaves[4])
-        o, _ = kt.chunk_kda(*leaves[:4], beta, **flags)
+        a_log = None if "lower_bound" in flags else x["A_log"].clone().requires_grad_()
+        o, _ = kt.chunk_kda(*leaves[:4], beta, A_log=a_log, **flags)
         grads = torch.autograd.grad(o.sum(), leaves, create_graph=True)
         with pytest.raises(RuntimeError, match="differentiable once"):
             sum(g_.sum() for g_ in grads).backward()
@@ -277,7 +278,10 @@ def test_unsupported_arguments_raise():
     with pytest.raises(ValueError, match="A_log has 2 elements"):
         kt.chunk_kda(*args, use_gate_in_kernel=True, A_log=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="dt_bias has 3 elements"):
-        kt.chunk_kda(*args, use_gate_in_kernel=True, dt_bias=torch.zeros(3, dtype=torch.float64))
+        kt.chunk_kda(*args, use_gate_in_kernel=True, A_log=torch.zeros(1, dtype=torch.float64),
+                     dt_bias=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs A_log unless lower_bound"):
+        kt.chunk_kda(*args, use_gate_in_kernel=True)  # flash-linear-attention's condition
     with pytest.raises(ValueError, match="use_gate_in_kernel=False"):
         kt.chunk_kda(*args, A_log=torch.zeros(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="cu_seqlens_cpu"):
@@ -285,7 +289,8 @@ def test_unsupported_arguments_raise():
     with pytest.raises(ValueError, match="g"):  # non-finite raw gate: the C++ message
         bad = x["g"].clone()
         bad[0, 1, 0, 2] = float("nan")
-        kt.chunk_kda(x["q"], x["k"], x["v"], bad, x["beta"], use_gate_in_kernel=True)
+        kt.chunk_kda(x["q"], x["k"], x["v"], bad, x["beta"], use_gate_in_kernel=True,
+                     lower_bound=-5.0)
 
 
 def test_single_process_context():

@@ -304,7 +304,8 @@ def test_all_sequences_empty():
     h0 = torch.randn(2, 2, 4, 3, dtype=F64)
     o, ht = kt.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                          cu_seqlens=[0, 0, 0], use_graph=True, use_gate_in_kernel=True,
-                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         A_log=torch.zeros(2, dtype=F64))
     assert o.abs().max() == 0 and o.shape == v.shape
     close(ht, h0, 0)
     with torch.inference_mode():
