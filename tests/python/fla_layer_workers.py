@@ -46,7 +46,7 @@ def reference_chunk_kda(kind):
             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
             lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None):
-        assert not allow_neg_eigval and lower_bound is None
+        assert lower_bound is None
         c = torch.float64 if kind == "fp64" else torch.float32
         q, k, v, g, beta = (x.to(c) for x in (q, k, v, g, beta))
         hv, kd = g.shape[2], g.shape[3]
@@ -58,7 +58,7 @@ def reference_chunk_kda(kind):
         if use_qk_l2norm_in_kernel:
             q, k = _l2(q), _l2(k)
         if use_beta_sigmoid_in_kernel:
-            beta = torch.sigmoid(beta)
+            beta = (2 if allow_neg_eigval else 1) * torch.sigmoid(beta)
         h0 = initial_state
         if h0 is not None and state_v_first:
             h0 = h0.transpose(-1, -2)

@@ -105,6 +105,21 @@ def test_norms_and_swiglu_follow_their_formulas(activation):
 
 
 @needs_fla
+def test_layer_with_negative_eigenvalues_equals_the_fp64_layer(monkeypatch):
+    """KimiDeltaAttention(allow_neg_eigval=True): beta = 2·sigmoid, in [0, 2]."""
+    layer = make_layer(torch.float64, allow_neg_eigval=True)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 70, LAYER["hidden_size"], generator=gen, dtype=torch.float64)
+    d_o = torch.randn(1, 70, LAYER["hidden_size"], generator=gen, dtype=torch.float64)
+    with kt.use_with_fla():
+        got = layer_step(layer, x, d_o)
+    install_references(monkeypatch, "fp64")
+    want = layer_step(layer, x, d_o)
+    for name, a, b in (("output", got[0], want[0]), ("x.grad", got[1], want[1])):
+        assert (a - b).abs().max().item() <= 1e-10 * b.abs().max().item(), name
+
+
+@needs_fla
 @pytest.mark.parametrize("kind,dtype,tol", [("fla", torch.float32, 2e-4),
                                             ("fp64", torch.float64, 1e-10)])
 @pytest.mark.parametrize("packed", [False, True])
