@@ -214,3 +214,23 @@ def test_gradients_through_torchs_own_ops_inside_the_entry_points():
     for name, a, b in zip(("o", "ht", "x", "w", "q", "k", "g", "beta", "h0"), eager, compiled):
         assert b is not None and a.abs().max() > 0, name
         assert torch.equal(a, b), (name, (a - b).abs().max().item())
+
+
+@needs_ops
+def test_fused_recurrent_kda_compiles_through_chunk_kdas_op():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(6)
+    t, h, d = 10, 2, 4
+    q = torch.randn(1, t, h, d, generator=gen, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(1, t, h, d, generator=gen,
+                                                  dtype=torch.float64), dim=-1)
+    v = torch.randn(1, t, h, d, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, t, h, d, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, t, h, generator=gen, dtype=torch.float64)
+
+    def f(q, k, v, g, beta):
+        return kt.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+
+    eager, compiled = f(q, k, v, g, beta), torch.compile(f, backend="aot_eager",
+                                                         fullgraph=True)(q, k, v, g, beta)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
