@@ -328,6 +328,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     use_qk_l2norm_in_kernel: q, k ← x / sqrt(Σ_K x² + 1e-6).
     use_beta_sigmoid_in_kernel: beta ← sigmoid(beta); with allow_neg_eigval
     (which needs it, ValueError otherwise) beta ← 2·sigmoid(beta), in [0, 2].
+    A ready beta (no sigmoid flag) may lie anywhere in [0, 2], as
+    flash-linear-attention's kernels take it (they check no range).
     safe_gate with the
     in-kernel gate needs lower_bound (as flash-linear-attention asserts); it is
     otherwise a numerics hint of flash-linear-attention's kernels that kdacp
@@ -424,19 +426,20 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  "lower_bound": lower_bound, "A_log given": A_log is not None,
                  "dt_bias given": dt_bias is not None}
     options = {"threads": kwargs["threads"]} if "threads" in kwargs else {}
+    wide = allow_neg_eigval or not use_beta_sigmoid_in_kernel  # a ready beta: [0, 2]
     if pad is not None and pad.empty:
         o, ht = _no_tokens(k, v, output_final_state, compute)
     elif cp_context is None:
         o, ht = kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                     algorithm=algorithm, keep_forward=keep_forward, deterministic=deterministic,
-                    allow_neg_eigval=allow_neg_eigval, **options)
+                    allow_neg_eigval=wide, **options)
     else:
         if not isinstance(cp_context, CpContext):
             raise ValueError(f"cp_context is a {type(cp_context).__name__}, expected a "
                              "kdacp.torch.CpContext (build_cp_context)")
         if options:
             raise ValueError("threads with a cp_context: pass it to build_cp_context")
-        signature = _neg_eigval_signature(signature, allow_neg_eigval)
+        signature = _neg_eigval_signature(signature, wide)
         o, ht = cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
                                 cu_seqlens, algorithm, keep_forward, signature, deterministic)
     h = None

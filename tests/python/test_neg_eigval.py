@@ -54,9 +54,16 @@ def test_beta_domain_is_checked_in_the_users_terms():
         kt.kda(*args[:4], over, allow_neg_eigval=True)
     with pytest.raises(ValueError, match="allow_neg_eigval=1, expected True or False"):
         kt.kda(*args, allow_neg_eigval=1)
-    # chunk_kda: as flash-linear-attention, only with the in-kernel sigmoid.
+    # chunk_kda: the flag only with the in-kernel sigmoid, as flash-linear-attention; a
+    # ready beta in [0, 2] is taken without it (fla's kernels check no range, its own
+    # test passes 2·sigmoid ready), one outside [0, 2] is named.
     with pytest.raises(ValueError, match="needs use_beta_sigmoid_in_kernel=True"):
         kt.chunk_kda(*args, allow_neg_eigval=True)
+    o, _ = kt.chunk_kda(*args)
+    want, _ = naive_kda(*args)
+    assert rel_err(o, want) <= 1e-10
+    with pytest.raises(ValueError, match=r"element \[0,3,1\] is 2.000000000001"):
+        kt.chunk_kda(*args[:4], over)
 
 
 @pytest.mark.parametrize("algorithm", ["chunk", "recurrent"])
