@@ -10,7 +10,7 @@ import torch.distributed as dist
 from kdacp import _kdacp, _ops
 from kdacp._autograd import cu_list
 from kdacp._comm import as_process_group, check_group, group_backend, reject
-from kdacp._cp_meta import fewer_tokens, fla_fields
+from kdacp._cp_meta import equal_split_condition, fewer_tokens, fla_fields
 from kdacp._common import (SINGLE_PROCESS, _group_size, _integer, _options, _threads, _timeout,
                            _ulysses)
 from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtypes, kda
@@ -233,10 +233,12 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=
     cu_seqlens is None; ValueError when both are given and differ).
     use_tf32x3_affine_chain: must not be False (ValueError, as there; kdacp
     computes in float32/float64 on the CPU). layout: "contiguous" (rank r
-    holds the r-th run of tokens) or "zigzag". split: tokens per rank for a
-    contiguous layout (any lengths; None: the first T mod P ranks ceil(T/P)
-    tokens, the others floor(T/P), as the CLI's default); with
-    zigzag None or zigzag's own counts. protocol, allgather_group_size and
+    holds the r-th run of tokens) or "zigzag". split: None (flash-linear-
+    attention's equal split: T/P tokens per rank, T/(2P) per zigzag part; a
+    T not divisible by them is its ValueError), "balanced" (kdacp's: the
+    first T mod P ranks, or parts with zigzag, one token more, as the CLI's
+    default) or tokens per rank for a contiguous layout (any lengths; with
+    zigzag, zigzag's own counts). protocol, allgather_group_size and
     options as build_kda_state_cp, plus ulysses (U or "auto", as kda's:
     Ulysses x state CP over head groups of U ranks). Checked at build, in the agreement: the
     layout, world size, cu_seqlens, split, conv1d_kernel_size, protocol,
@@ -285,7 +287,15 @@ def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=
     error = ""
     tokens, counts, opts, width_u = 0, [], None, 1
     try:
-        if split is not None:
+        if split is None and cu is not None:
+            condition = equal_split_condition(max(cu[-1], 0), world, layout)
+            if condition is not None:
+                raise ValueError(condition)
+        if isinstance(split, str):
+            if split != "balanced":
+                raise ValueError(f"split={split!r}, expected None, 'balanced' or tokens per "
+                                 f"rank")
+        elif split is not None:
             if isinstance(split, torch.Tensor):
                 split = split.tolist()
             counts = [_integer(x, "split", 0, 1 << 62) for x in split]
@@ -331,10 +341,12 @@ def _device(cu_seqlens):
 
 def _with_condition(error, tokens, world, layout, split):
     """kdacp's error, led by flash-linear-attention's condition when there are
-    fewer tokens than ranks (its default split; an explicit split names its
-    own counts)."""
-    condition = fewer_tokens(tokens, world, layout) if split is None else None
-    return error if condition is None else ValueError(f"{condition}: {error}")
+    fewer tokens than ranks (an equal or balanced split; an explicit split
+    names its own counts)."""
+    if "`total_tokens`" in str(error):  # flash-linear-attention's condition already
+        return error
+    condition = fewer_tokens(tokens, world, layout) if split in (None, "balanced") else None
+    return error if condition is None else ValueError(f"{condition} {error}")
 
 
 def get_cp_cu_seqlens(cu_seqlens, cu_seqlens_cpu=None, world_size=None, rank=None, group=None,
@@ -346,11 +358,11 @@ def get_cp_cu_seqlens(cu_seqlens, cu_seqlens_cpu=None, world_size=None, rank=Non
     world_size None: `group`'s size and rank, and the result is
     build_cp_context(cu_seqlens, group, ...) (collective; kwargs are its
     kdacp extras). world_size and rank given: computed locally, no
-    communication, the default split (T divisible by P gives
-    flash-linear-attention's; otherwise the first T mod P ranks, or parts
-    with zigzag, hold one token more); the result carries the attributes
-    only: chunk_kda and causal_conv1d refuse it (ValueError). kwargs there:
-    none (TypeError, as there).
+    communication, flash-linear-attention's equal split (its ValueError for a
+    T not divisible by the parts) or, with the keyword split="balanced",
+    kdacp's (the first T mod P ranks, or parts with zigzag, one token more);
+    the result carries the attributes only: chunk_kda and causal_conv1d
+    refuse it (ValueError). Other kwargs there: TypeError, as there.
     """
     _check_tf32(use_tf32x3_affine_chain)
     if layout not in _LAYOUTS:
@@ -361,6 +373,10 @@ def get_cp_cu_seqlens(cu_seqlens, cu_seqlens_cpu=None, world_size=None, rank=Non
                              "process group or world_size and rank")
         return build_cp_context(cu_seqlens, group, conv1d_kernel_size, cu_seqlens_cpu,
                                 use_tf32x3_affine_chain, layout, **kwargs)
+    split = kwargs.pop("split", None)
+    if split not in (None, "balanced"):
+        raise ValueError(f"get_cp_cu_seqlens: split={split!r}, expected None or 'balanced' "
+                         f"(tokens per rank need a group: build_cp_context)")
     if kwargs:
         raise TypeError(f"get_cp_cu_seqlens() got unexpected keyword argument(s) "
                         f"{sorted(kwargs)} (kdacp's extras need a group: build_cp_context)")
@@ -375,12 +391,15 @@ def get_cp_cu_seqlens(cu_seqlens, cu_seqlens_cpu=None, world_size=None, rank=Non
         raise ValueError("get_cp_cu_seqlens: cu_seqlens=None, expected the global boundaries")
     cu = cu_list(source)
     tokens = max(cu[-1], 0)
+    condition = equal_split_condition(tokens, world, layout) if split is None else None
+    if condition is not None:
+        raise ValueError(condition)
     try:
         built = (_kdacp.Layout.contiguous(tokens, world) if layout == "contiguous"
                  else _kdacp.Layout.zigzag(tokens, world))
         built.cuts(cu)  # the boundaries' checks (C++'s, as build_cp_context's)
     except ValueError as e:
-        raise _with_condition(e, tokens, world, layout, None) from None
+        raise _with_condition(e, tokens, world, layout, split) from None
     split = [built.local_tokens(r) for r in range(world)]
     return CpContext(group, None, built, layout, cu, split, conv1d_kernel_size, "auto", 1, {},
                      None, rank=int(rank), world_size=world, device=_device(source),

@@ -17,13 +17,30 @@ PART_FIELDS = ("part_len", "front_num_seqs", "pre_num_ranks_by_part", "post_num_
 
 def fewer_tokens(tokens, world, layout_name):
     """flash-linear-attention's condition for a split with fewer tokens than
-    parts, or None when there are enough."""
+    parts (its words), or None when there are enough."""
     parts = world if layout_name == "contiguous" else 2 * world
     if tokens >= parts:
         return None
-    what = "world_size" if layout_name == "contiguous" else "2 * world_size"
-    return (f"total_tokens ({tokens}) must be at least {what} ({parts}) for context "
-            f"parallelism (fewer tokens than ranks)")
+    what = "`world_size`" if layout_name == "contiguous" else "`2 * world_size`"
+    return (f"`total_tokens` ({tokens}) must be at least {what} ({parts}) for context "
+            f"parallelism.")
+
+
+def equal_split_condition(tokens, world, layout_name):
+    """flash-linear-attention's conditions for its equal split (its words):
+    at least one token per part and a total divisible by the parts; None when
+    they hold. kdacp's other splits are build_cp_context's split keyword."""
+    fewer = fewer_tokens(tokens, world, layout_name)
+    if fewer is not None:
+        return fewer
+    parts = world if layout_name == "contiguous" else 2 * world
+    if tokens % parts == 0:
+        return None
+    what = "`world_size`" if layout_name == "contiguous" else "`2 * world_size`"
+    return (f"`total_tokens` ({tokens}) must be divisible by {what} ({parts}) for context "
+            f"parallelism. (kdacp: split='balanced' gives the first {tokens % parts} of the "
+            f"{parts} {'ranks' if layout_name == 'contiguous' else 'parts'} one token more; "
+            f"split=[...] any tokens per rank)")
 
 
 def _interval(cu, begin, end, slot, starts):

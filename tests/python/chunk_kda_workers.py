@@ -91,10 +91,10 @@ def context_worker(rank, world, init_file):
     cases = [
         # dtype, tol, layout, split, total tokens, protocol, flags
         (torch.float64, 1e-10, "contiguous", counts, sum(counts), "p2p", FLAGS),
-        (torch.float64, 1e-10, "zigzag", None, 9 * world + 3, "allgather",
+        (torch.float64, 1e-10, "zigzag", "balanced", 9 * world + 3, "allgather",
          dict(FLAGS, safe_gate=True, lower_bound=-4.0)),
-        # No split: the CLI's, the first T mod P ranks one token more.
-        (torch.float32, 5e-5, "contiguous", None, 8 * world + 1, "auto", FLAGS),
+        # split="balanced": the CLI's, the first T mod P ranks one token more.
+        (torch.float32, 5e-5, "contiguous", "balanced", 8 * world + 1, "auto", FLAGS),
     ]
     if world > 2:
         cases = cases[1:2]  # the suite's time: world 2 runs every case and check
@@ -113,7 +113,7 @@ def context_worker(rank, world, init_file):
         ctx = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, conv1d_kernel_size=4,
                                   layout=layout, split=split, protocol=protocol, timeout=20,
                                   threads=1)
-        if layout == "contiguous" and split is None:
+        if layout == "contiguous" and split == "balanced":
             assert ctx.split == [t // world + (r < t % world) for r in range(world)], ctx.split
         assert (ctx.rank, ctx.world_size, ctx.layout) == (rank, world, layout)
         assert ctx.global_cu_seqlens == cu and ctx.conv1d_kernel_size == 4
@@ -275,7 +275,7 @@ def half_worker(rank, world, init_file):
     o_ref, ht_ref = call(ref, FLAGS, cu_seqlens=cu)
     ((o_ref.float() * d_o.float()).sum() + (ht_ref * d_ht).sum() * world).backward()
     ctx = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, layout="zigzag", timeout=20,
-                              threads=1)
+                              split="balanced", threads=1)
     spans = ctx.global_layout.local_parts(rank)
 
     def local(x):
@@ -303,7 +303,7 @@ def half_worker(rank, world, init_file):
         leaves = {k_: (cast(v_) if k_ in TOKEN_WISE else v_).detach().clone().requires_grad_()
                   for k_, v_ in raw.items()}
         c = kt.build_cp_context(torch.tensor(cu), dist.group.WORLD, layout="zigzag", timeout=20,
-                                threads=1)  # a context per set of arguments
+                                split="balanced", threads=1)  # a context per set of arguments
         o, ht = kt.chunk_kda(*(leaves[k_] for k_ in TOKEN_WISE), initial_state=leaves["h0"],
                              output_final_state=True, cp_context=c)
         ((o.float() * local(d_o).float()).sum() + (ht * d_ht).sum()).backward()

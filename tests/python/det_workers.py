@@ -86,8 +86,8 @@ def det_worker(rank, world, init_file):
     cases = [
         ("contiguous", [0, 30, 222, 250], splits[world], "chunk", torch.float64),
         ("contiguous", [0, 30, 222, 250], splits[world], "chunk", torch.float32),
-        ("zigzag", [0, 128, 384, 512], None, "chunk", torch.float32),
-        ("zigzag", [0, 5, 23, 41], None, "recurrent", torch.float64),
+        ("zigzag", [0, 128, 384, 512], "balanced", "chunk", torch.float32),
+        ("zigzag", [0, 5, 23, 41], "balanced", "recurrent", torch.float64),
     ]
     checked = 0
     for layout, cu, split, algorithm, dtype in cases:

@@ -49,8 +49,8 @@ def test_attributes_by_hand():
     assert zig.pre_num_ranks_by_part == (0, 1) and zig.post_num_ranks_by_part == (1, 1)
     assert zig.is_first_by_part == (True, False) and zig.is_last_by_part == (False, False)
     assert zig.pre_num_ranks is None and zig.is_first_rank is None
-    # An uneven default split (17 tokens on 2 ranks: 9 and 8) has them too.
-    odd = kt.get_cp_cu_seqlens([0, 10, 17], world_size=2, rank=1)
+    # The balanced split (17 tokens on 2 ranks: 9 and 8) has them too.
+    odd = kt.get_cp_cu_seqlens([0, 10, 17], world_size=2, rank=1, split="balanced")
     assert odd.cu_seqlens.tolist() == [0, 1, 8] and odd.pre_num_conv_tokens == 9
     assert (odd.pre_num_ranks, odd.post_num_ranks) == (1, 0)
 
@@ -156,14 +156,39 @@ def test_residual_is_added_after_the_activation():
 
 
 def test_fewer_tokens_than_ranks_names_both_conditions():
-    with pytest.raises(ValueError, match=r"total_tokens \(3\) must be at least world_size \(4\)"
-                                         r".*every rank needs a token"):
+    with pytest.raises(ValueError, match=r"`total_tokens` \(3\) must be at least `world_size` "
+                                         r"\(4\) for context parallelism\."):
         kt.get_cp_cu_seqlens([0, 3], world_size=4, rank=0)
-    with pytest.raises(ValueError, match=r"total_tokens \(1\) must be at least 2 \* world_size "
-                                         r"\(2\).*zigzag"):
+    # kdacp's balanced split: fla's condition, then kdacp's own reason
+    with pytest.raises(ValueError, match=r"`total_tokens` \(3\) must be at least `world_size` "
+                                         r"\(4\).*every rank needs a token"):
+        kt.get_cp_cu_seqlens([0, 3], world_size=4, rank=0, split="balanced")
+    with pytest.raises(ValueError, match=r"`total_tokens` \(1\) must be at least "
+                                         r"`2 \* world_size` \(2\)"):
         kt.build_cp_context([0, 1], kt.SINGLE_PROCESS, layout="zigzag")
     with pytest.raises(ValueError, match="rank=2, expected 0 <= rank < world_size = 2"):
         kt.get_cp_cu_seqlens([0, 4], world_size=2, rank=2)
+
+
+def test_equal_split_or_balanced():
+    """fla's default split is equal (T divisible by the parts, its ValueError
+    otherwise); kdacp's balanced split is the keyword split='balanced'."""
+    for tokens, world, layout in ((10, 3, "contiguous"), (14, 4, "contiguous"),
+                                  (10, 2, "zigzag")):
+        parts = world if layout == "contiguous" else 2 * world
+        what = "world_size" if layout == "contiguous" else "2 \\* world_size"
+        with pytest.raises(ValueError, match=rf"`total_tokens` \({tokens}\) must be divisible "
+                                             rf"by `{what}` \({parts}\)"):
+            kt.get_cp_cu_seqlens([0, tokens], world_size=world, rank=0, layout=layout)
+        with pytest.raises(ValueError, match=r"must be divisible.*split='balanced'"):
+            kt.get_cp_cu_seqlens([0, tokens], world_size=world, rank=1, layout=layout)
+        sizes = [kt.get_cp_cu_seqlens([0, tokens], world_size=world, rank=r, layout=layout,
+                                      split="balanced").local_tokens for r in range(world)]
+        assert sum(sizes) == tokens and max(sizes) - min(sizes) <= 2, sizes
+    with pytest.raises(ValueError, match="split='even', expected None or 'balanced'"):
+        kt.get_cp_cu_seqlens([0, 8], world_size=2, rank=0, split="even")
+    with pytest.raises(TypeError, match="protocol"):
+        kt.get_cp_cu_seqlens([0, 8], world_size=2, rank=0, protocol="ring")
 
 
 def test_fewer_tokens_than_fla():
