@@ -70,7 +70,10 @@ class _GateFunction(torch.autograd.Function):
 
 
 class _L2NormFunction(torch.autograd.Function):
-    """x / sqrt(Σ_K x² + 1e-6) per (token, head) (kdacp/kda.hpp l2norm_forward)."""
+    """x / sqrt(Σ_K x² + 1e-6) per (token, head) (kdacp/kda.hpp l2norm_forward),
+    in `compute` (a 16-bit q or k is normalized in float32 and stays float32:
+    rounding it back measured farther from both of flash-linear-attention's
+    references, docs/fla.md)."""
 
     @staticmethod
     def forward(ctx, compute, x):
@@ -137,6 +140,23 @@ def _lower_bound(lower_bound):
         raise ValueError(f"lower_bound={lower_bound!r}, expected a finite number < 0 (the gate "
                          "then lies in [lower_bound, 0])")
     return float(lower_bound)
+
+
+def transform_inputs(q, k, g, beta, compute, flags, A_log=None, dt_bias=None,
+                     lower_bound=None):
+    """chunk_kda's in-kernel transforms, as autograd Functions over the C++
+    passes (fused_recurrent_kda_fwd's too): flags (use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval).
+    Returns q, k, g, beta."""
+    l2norm, use_gate, sigmoid, neg = flags
+    if use_gate:
+        g = _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute)
+    if l2norm:
+        q = _L2NormFunction.apply(compute, q.contiguous())
+        k = _L2NormFunction.apply(compute, k.contiguous())
+    if sigmoid:
+        beta = _SigmoidFunction.apply(compute, _transform_input(beta, "beta", compute), neg)
+    return q, k, g, beta
 
 
 def _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute):
@@ -412,14 +432,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         if pad.empty:  # no token to transform
             use_gate_in_kernel = use_qk_l2norm_in_kernel = use_beta_sigmoid_in_kernel = False
     compute = _compute_dtype(((q, "q"), (k, "k"), (g, "g"), (beta, "beta")))
-    if use_gate_in_kernel:
-        g = _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute)
-    if use_qk_l2norm_in_kernel:
-        q = _L2NormFunction.apply(compute, q.contiguous())
-        k = _L2NormFunction.apply(compute, k.contiguous())
-    if use_beta_sigmoid_in_kernel:
-        beta = _SigmoidFunction.apply(compute, _transform_input(beta, "beta", compute),
-                                      allow_neg_eigval)
+    q, k, g, beta = transform_inputs(q, k, g, beta, compute, (
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval), A_log, dt_bias, lower_bound)
     signature = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
                  "use_gate_in_kernel": use_gate_in_kernel,
                  "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,

@@ -9,8 +9,8 @@ import torch
 
 from kdacp import _kdacp
 from kdacp._autograd import cu_list
-from kdacp._chunk import (FlaAssertionError, _fla_keywords, _gate_in_kernel, _L2NormFunction,
-                          _lower_bound, _SigmoidFunction, _transform_input, chunk_kda)
+from kdacp._chunk import (FlaAssertionError, _fla_keywords, _lower_bound, chunk_kda,
+                          transform_inputs)
 from kdacp._common import _DTYPES, _check_tensor, _compute_dtype, _from_numpy, _threads
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_fwd"]
@@ -113,23 +113,15 @@ def _transformed(q, k, v, g, beta, A_log, dt_bias, flags, lower_bound):
     """The decode path's inputs after the in-kernel transforms, contiguous in
     the compute dtype, checked as kda checks them (finite; g <= 0; beta in
     [0, 1], [0, 2] with allow_neg_eigval)."""
-    l2norm, use_gate, sigmoid, neg = flags
     for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4)):
         _check_tensor(t, name, nd)
     _check_tensor(beta, "beta")
     compute = _compute_dtype(((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
-    if use_gate:
-        g = _gate_in_kernel(g, A_log, dt_bias, lower_bound, compute)
-    if l2norm:
-        q = _L2NormFunction.apply(compute, q.contiguous())
-        k = _L2NormFunction.apply(compute, k.contiguous())
-    if sigmoid:
-        beta = _SigmoidFunction.apply(compute, _transform_input(beta, "beta", compute))
-        if neg:
-            beta = 2 * beta
+    q, k, g, beta = transform_inputs(q, k, g, beta, compute, flags, A_log, dt_bias, lower_bound)
     out = [x.to(compute).contiguous() for x in (q, k, v, g, beta)]
     for x, name, rule in zip(out, ("q", "k", "v", "g", "beta"),
-                             ("finite", "finite", "finite", "gate", "finite" if neg else "beta")):
+                             ("finite", "finite", "finite", "gate",
+                              "beta_neg_eigval" if flags[3] else "beta")):
         _kdacp.check_tensor(x.data_ptr(), list(x.shape), _DTYPES[compute], name, rule)
     return out, compute
 

@@ -86,6 +86,34 @@ def test_decode_state_v_first_headwise_beta_and_dtypes():
     assert out.dtype == torch.bfloat16 and pool.dtype == torch.float32
 
 
+def test_decode_transforms_equal_chunk_kda():
+    """The decode path's in-kernel transforms are chunk_kda's (one helper):
+    l2norm, the gate with A_log/dt_bias and lower_bound, beta = 2·sigmoid
+    with allow_neg_eigval; float64, equal to 1e-12."""
+    gen = torch.Generator().manual_seed(21)
+    b, t, h, kd, vd = 2, 1, 2, 4, 3
+    q, k, g = (torch.randn(b, t, h, kd, generator=gen, dtype=F64) for _ in range(3))
+    v = torch.randn(b, t, h, vd, generator=gen, dtype=F64)
+    beta = torch.randn(b, t, h, generator=gen, dtype=F64) * 3
+    a_log, dt_bias = torch.randn(h, generator=gen, dtype=F64), torch.randn(h * kd, generator=gen,
+                                                                            dtype=F64)
+    h0 = torch.randn(b, h, kd, vd, generator=gen, dtype=F64)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-3.0,
+                 use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    want, want_ht = kt.chunk_kda(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias,
+                                 initial_state=h0, output_final_state=True, **flags)
+    pool = h0.clone()
+    out, fs = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias,
+                                         initial_state=pool, **flags)
+    assert fs is pool
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(pool, want_ht, rtol=0, atol=1e-12)
+    plain, _ = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias,
+                                          initial_state=h0.clone(),
+                                          **dict(flags, allow_neg_eigval=False))
+    assert (plain - want).abs().max() > 1e-3  # beta doubled: a different result
+
+
 def test_decode_errors():
     q, k, v, g, beta = inputs(1, 3, 1, 1, 4, 3, seed=14)
     pool = torch.zeros(4, 1, 4, 3, dtype=F64)
