@@ -417,7 +417,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4), (beta, "beta", 3)):
         _check_tensor(t, name, nd)
     _check_intermediate(return_intermediate_states, disable_recompute, cp_context)
-    tokens, k_dtype = q.shape[1], k.dtype
+    tokens, k_dtype, q_dtype = q.shape[1], k.dtype, q.dtype
     initial_state = _state_in(initial_state, state_v_first)
     pad = _Padding.of(cu_seqlens, tokens, use_graph, max_num_seqs, cp_context)
     if pad is not None:
@@ -442,6 +442,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  "dt_bias given": dt_bias is not None}
     options = {"threads": kwargs["threads"]} if "threads" in kwargs else {}
     wide = allow_neg_eigval or not use_beta_sigmoid_in_kernel  # a ready beta: [0, 2]
+    if v.dtype != q_dtype and v.dtype in (torch.bfloat16, torch.float16):
+        v = v.float()  # o is q's dtype, rounded once: from float32, not from v's 16 bits
     if pad is not None and pad.empty:
         o, ht = _no_tokens(k, v, output_final_state, compute)
     elif cp_context is None:
@@ -463,6 +465,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                  chunk_size, algorithm, options, k_dtype)
     if pad is not None:
         o, ht, h = pad.restore(o, ht, h, full_state, tokens, chunk_size)
+    if o.dtype != q_dtype:  # flash-linear-attention's o is q's dtype
+        o = o.to(q_dtype)
     if ht is not None and state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     if h is not None and state_v_first:

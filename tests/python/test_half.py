@@ -161,6 +161,26 @@ def test_mixed_16_bit_and_float32_is_the_float32_call_on_the_same_values():
         assert torch.equal(a.grad, b.grad.to(a.dtype))
 
 
+def test_chunk_kda_output_takes_q_dtype():
+    # flash-linear-attention's chunk_kda returns o as q's dtype (kt.kda: v's);
+    # the values are the float32 call's, rounded once.
+    x = inputs(1, 40, 1, 2, 16, 8, 1, seed=5, raw=False)
+    x["k"] = x["k"] / x["k"].norm(dim=-1, keepdim=True)
+    beta = torch.sigmoid(x["beta"]).float()
+    q, k, v, g = (x[n].float() for n in ("q", "k", "v", "g"))
+    wide, _ = kt.chunk_kda(q, k, v, g, beta)
+    for qd, vd in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                   (torch.float16, torch.float16)):
+        leaves = [q.detach().to(qd).requires_grad_(), k.detach().requires_grad_(),
+                  v.detach().to(vd).requires_grad_(), g, beta]
+        o, _ = kt.chunk_kda(*leaves)
+        assert o.dtype == qd, (qd, vd, o.dtype)
+        ref, _ = kt.chunk_kda(*(t.float() for t in leaves))
+        assert torch.equal(o, ref.to(qd))
+        o.float().sum().backward()
+        assert leaves[0].grad.dtype == qd and leaves[2].grad.dtype == vd
+
+
 @pytest.mark.parametrize("algorithm", ["chunk", "recurrent"])
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_16_bit_inputs_give_the_widened_float32_calls_bits(dtype, algorithm):
