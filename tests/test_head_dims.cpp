@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "helpers.hpp"
+#include "protocol_run.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/protocol.hpp"
 
@@ -18,39 +19,6 @@ namespace kdacp {
 namespace {
 
 using test::World;
-
-struct DimsRun {
-  std::vector<State> fwd, bwd;
-  std::size_t peak = 0;
-  std::string method;
-  bool exact = true;
-};
-
-DimsRun run_dims(const World& w, const ProtocolConfig& config, const std::vector<char>& cuts) {
-  const std::size_t p = w.size();
-  DimsRun res{std::vector<State>(p), std::vector<State>(p), 0, {}, true};
-  std::vector<std::string> methods(p);
-  std::vector<char> exact(p);
-  std::vector<std::size_t> peaks(p);
-  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t r = comm->rank();
-    ExchangeOptions o;
-    o.segments = config.segments;
-    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    auto ex = make_state_exchange(mesh, config.method, static_cast<long long>(config.group_size), o);
-    const PartFlags part{cuts[r] != 0};
-    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view(), part);
-    peaks[r] = ex->last_stats().peak_extra_bytes;
-    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view(), part);
-    peaks[r] = std::max<std::size_t>(peaks[r], ex->last_stats().peak_extra_bytes);
-    methods[r] = ex->method();
-    exact[r] = ex->exact();
-  });
-  res.method = methods[0];
-  res.exact = exact[0] != 0;
-  res.peak = *std::max_element(peaks.begin(), peaks.end());
-  return res;
-}
 
 class HeadDims : public ::testing::TestWithParam<std::pair<std::size_t, std::size_t>> {};
 
@@ -72,7 +40,7 @@ TEST_P(HeadDims, EveryProtocolGivesTheSerialFoldsBits) {
           ++configs;
           SCOPED_TRACE(protocol_label(config) + " P=" + std::to_string(p) + " K=" + std::to_string(k) +
                        " V=" + std::to_string(v) + (cut ? " cut" : ""));
-          const DimsRun res = run_dims(w, config, cuts);
+          const test::ConfigRun res = test::run_config(w, config, cuts);
           const ProtocolDescriptor& built = find_protocol(res.method);
           for (std::size_t r = 0; r < p; ++r) {
             if (built.exact()) {
@@ -85,7 +53,7 @@ TEST_P(HeadDims, EveryProtocolGivesTheSerialFoldsBits) {
             }
           }
           const ProblemShape ps{p, shape.slabs(), k, v, sizeof(float)};
-          EXPECT_LE(res.peak, predict(CostParams{}, ps, config).peak_extra_bytes);
+          EXPECT_LE(res.peak(), predict(CostParams{}, ps, config).peak_extra_bytes);
         }
       }
       EXPECT_GT(configs, 0u);

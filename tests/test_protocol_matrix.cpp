@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "helpers.hpp"
+#include "protocol_run.hpp"
 #include "kdacp/protocol.hpp"
 
 namespace kdacp {
@@ -19,41 +20,8 @@ namespace {
 
 using test::World;
 
-struct ConfigRun {
-  std::vector<State> fwd, bwd;
-  std::vector<ExchangeStats> fwd_stats, bwd_stats;
-  std::string method;  // what the factory built (degenerate widths build another row)
-  bool exact = true;
-};
-
-ConfigRun run_config(const World& w, const ProtocolConfig& config, const std::vector<char>& cuts) {
-  const std::size_t p = w.size();
-  ConfigRun res{std::vector<State>(p), std::vector<State>(p), std::vector<ExchangeStats>(p),
-          std::vector<ExchangeStats>(p), {}, true};
-  std::vector<std::string> methods(p);
-  std::vector<char> exact(p);
-  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t r = comm->rank();
-    ExchangeOptions o;
-    o.segments = config.segments;
-    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    auto ex = make_state_exchange(mesh, config.method, static_cast<long long>(config.group_size), o);
-    const PartFlags part{cuts[r] != 0};
-    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view(), part);
-    res.fwd_stats[r] = ex->last_stats();
-    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view(), part);
-    res.bwd_stats[r] = ex->last_stats();
-    methods[r] = ex->method();
-    exact[r] = ex->exact();
-  });
-  for (std::size_t r = 1; r < p; ++r) {
-    EXPECT_EQ(methods[r], methods[0]) << "rank " << r;
-    EXPECT_EQ(exact[r], exact[0]) << "rank " << r;
-  }
-  res.method = methods[0];
-  res.exact = exact[0] != 0;
-  return res;
-}
+using test::ConfigRun;
+using test::run_config;
 
 // Cut patterns for P positions: none, every one, the first, the last, every
 // third, and a fixed pseudo-random one.
@@ -122,10 +90,7 @@ TEST_P(ProtocolMatrix, EveryConfigurationMatchesTheChainOrStaysWithinItsBound) {
       }
       // Memory: the row's model bounds what any rank held; for the row itself
       // (not a degenerate width) it is also tight within one state.
-      std::size_t peak = 0;
-      for (std::size_t r = 0; r < p; ++r)
-        peak = std::max({peak, std::size_t{res.fwd_stats[r].peak_extra_bytes},
-                         std::size_t{res.bwd_stats[r].peak_extra_bytes}});
+      const std::size_t peak = res.peak();
       // The model sees the cuts (they shorten its time, never its memory).
       ProblemShape with_cuts = ps;
       with_cuts.part_cuts.assign(cuts.begin(), cuts.end());
