@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kdacp._chunk import chunk_kda
 from kdacp._context import CpContext
 from kdacp._conv import causal_conv1d
+from kdacp._conv_update import causal_conv1d_update
 
 
 # -- torch implementations of fla's Triton-only norms and activations ---------
@@ -171,6 +172,7 @@ ROUTES = (
     ("fla.layers.kda", "chunk_kda", fla_chunk_kda),
     ("fla.layers.kda", "fused_recurrent_kda", fla_fused_recurrent_kda),
     ("fla.modules.causal_conv1d.ops", "causal_conv1d", fla_causal_conv1d),
+    ("fla.modules.causal_conv1d.ops", "causal_conv1d_update", causal_conv1d_update),
     ("fla.modules.norm.fused_norm_gate", "rms_norm_gated", rms_norm_gated),
     ("fla.modules.norm.layernorm", "rms_norm", rms_norm),
     ("fla.modules.mlp", "swiglu", swiglu),
@@ -274,8 +276,8 @@ class FlaPatch:
 def use_with_fla():
     """Routes flash-linear-attention's KDA layer and model code to kdacp
     (docs/fla-models.md): rebinds, in fla's own modules, chunk_kda and
-    fused_recurrent_kda of fla.layers.kda, ShortConvolution's causal_conv1d,
-    FusedRMSNormGated's rms_norm_gated, RMSNorm's rms_norm and GatedMLP's
+    fused_recurrent_kda of fla.layers.kda, ShortConvolution's causal_conv1d
+    and causal_conv1d_update (single-token decoding), FusedRMSNormGated's rms_norm_gated, RMSNorm's rms_norm and GatedMLP's
     swiglu / swiglu_linear to kdacp's CPU implementations. fla's code is not
     edited; a layer built before or after the call runs on kdacp while a
     handle is live. Returns a FlaPatch (context manager; .cp(ctx) for CP;

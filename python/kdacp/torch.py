@@ -27,6 +27,7 @@ from kdacp._chunk import FlaAssertionError, chunk_kda
 from kdacp._common import SINGLE_PROCESS
 from kdacp._context import CpContext, build_cp_context, get_cp_cu_seqlens
 from kdacp._conv import causal_conv1d
+from kdacp._conv_update import causal_conv1d_update, causal_conv1d_update_states
 from kdacp._gate import fused_kda_gate, kda_gate_bwd, kda_gate_chunk_cumsum, kda_gate_fwd
 from kdacp._recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
 from kdacp._fla import FlaPatch, use_with_fla
@@ -37,13 +38,15 @@ __all__ = ["build_kda_state_cp", "merge_affine_summaries", "kda", "StateExchange
            "SINGLE_PROCESS", "chunk_kda", "build_cp_context", "CpContext", "causal_conv1d",
            "get_cp_cu_seqlens", "fused_recurrent_kda", "fused_recurrent_kda_fwd",
            "fused_kda_gate", "kda_gate_fwd", "kda_gate_bwd", "kda_gate_chunk_cumsum",
-           "FlaAssertionError", "use_with_fla", "FlaPatch"]
+           "FlaAssertionError", "use_with_fla", "FlaPatch", "causal_conv1d_update",
+           "causal_conv1d_update_states"]
 
 # Their home is this module (help(), repr, pickling), whichever file defines them.
 for _public in (StateExchange, build_kda_state_cp, merge_affine_summaries, kda, chunk_kda,
                 CpContext, build_cp_context, get_cp_cu_seqlens, causal_conv1d,
                 type(SINGLE_PROCESS), fused_recurrent_kda, fused_recurrent_kda_fwd,
                 fused_kda_gate, kda_gate_fwd, kda_gate_bwd, kda_gate_chunk_cumsum,
-                FlaAssertionError, use_with_fla, FlaPatch):
+                FlaAssertionError, use_with_fla, FlaPatch, causal_conv1d_update,
+                causal_conv1d_update_states):
     _public.__module__ = __name__
 del _public

@@ -164,6 +164,27 @@ def test_decoding_with_a_cache_continues_the_sequence():
 
 
 @needs_fla
+def test_single_token_decoding_continues_the_sequence():
+    """Eval without grad, one token per step after a prefill: the layer's
+    single-token path (ShortConvolution.step's causal_conv1d_update, the
+    recurrent KDA) through kdacp equals one pass over the whole sequence."""
+    from fla.models.cache_utils import Cache
+    model = make_model(torch.float64).eval()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(6))
+    with kt.use_with_fla() as patch, torch.no_grad():
+        import fla.modules.causal_conv1d.ops as conv_ops
+        assert conv_ops.causal_conv1d_update is kt.causal_conv1d_update and patch.active
+        full = model(input_ids=ids, use_cache=False).logits
+        out = model(input_ids=ids[:, :12], past_key_values=Cache(), use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(12, 20):
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-9, atol=1e-9)
+
+
+@needs_fla
 def test_the_cache_holds_flas_state_layout(monkeypatch):
     """The states the layer leaves in fla's Cache (the KDA state [N, HV, V, K]
     with state_v_first, K != V here; the convolutions' [N, D, W]) equal those
