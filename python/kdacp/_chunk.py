@@ -326,7 +326,7 @@ def _intermediate_states(tensors, initial_state, scale, cu_seqlens, compute, chu
 _CHUNK_KDA_EXTRAS = ("algorithm", "keep_forward", "threads", "deterministic")
 
 
-@_ops.entry("chunk_kda", _ops.kda_fake)  # torch.compile: kdacp::chunk_kda (docs/compile.md)
+@_ops.entry("chunk_kda", _ops.chunk_kda_fake)  # torch.compile: kdacp::chunk_kda (docs/compile.md)
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,

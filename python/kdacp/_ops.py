@@ -427,6 +427,20 @@ def kda_fake(kwargs, sequences):
     return o, v.new_empty((max(n, 0), v.shape[2], q.shape[3], v.shape[3]), dtype=state)
 
 
+def chunk_kda_fake(kwargs, sequences):
+    """chunk_kda's: kda's, with o in q's dtype (flash-linear-attention's) and
+    ht [N, HV, V, K] with state_v_first (or the deprecated
+    transpose_state_layout)."""
+    o, ht = kda_fake(kwargs, sequences)
+    q = kwargs.get("q")
+    if not _is4(q, kwargs.get("v")):
+        return o, ht
+    if kwargs.get("state_v_first") is True or kwargs.get("transpose_state_layout") is True:
+        if ht.dim() == 4:
+            ht = ht.new_empty((ht.shape[0], ht.shape[1], ht.shape[3], ht.shape[2]))
+    return o.new_empty(o.shape, dtype=q.dtype), ht
+
+
 def conv_fake(kwargs, sequences):
     """causal_conv1d's: y like x; final_state [N, D, W] as x."""
     x, w = kwargs.get("x"), kwargs.get("weight")

@@ -234,3 +234,27 @@ def test_fused_recurrent_kda_compiles_through_chunk_kdas_op():
     eager, compiled = f(q, k, v, g, beta), torch.compile(f, backend="aot_eager",
                                                          fullgraph=True)(q, k, v, g, beta)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@needs_ops
+def test_fake_shapes_and_dtypes_are_eagers():
+    """chunk_kda's o is q's dtype (a bf16 q beside float32 v) and its ht is
+    [N, HV, V, K] with state_v_first (K != V): the compiled results have
+    eager's shapes, dtypes and bytes."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(7)
+    t, h, kd, vd = 9, 2, 4, 6
+    q = torch.randn(1, t, h, kd, generator=gen).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, t, h, kd, generator=gen), dim=-1)
+    v = torch.randn(1, t, h, vd, generator=gen)
+    g = -torch.rand(1, t, h, kd, generator=gen)
+    beta = torch.rand(1, t, h, generator=gen)
+
+    def f(q, k, v, g, beta):
+        return kt.chunk_kda(q, k, v, g, beta, output_final_state=True, state_v_first=True)
+
+    eager = f(q, k, v, g, beta)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, g, beta)
+    assert eager[0].dtype == torch.bfloat16 and list(eager[1].shape) == [1, h, vd, kd]
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
