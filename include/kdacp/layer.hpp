@@ -255,6 +255,13 @@ std::size_t layer_activation_bytes(const LayerConfig& config, std::size_t comput
 // What forward returns for its backward; opaque.
 struct LayerSaved;
 
+// The state entering each of this rank's parts, in chain order ([B,HV,K,V]
+// each, in the layer's element type), as the forward's exchange delivered
+// it; a part whose first token starts a sequence does not read its own.
+// Empty for one process; InvalidArgument under Ulysses (its parts are head
+// groups' and hold no such state).
+const std::vector<State>& incoming_states(const LayerSaved& saved);
+
 // Lets the forward cache `saved` holds go (after its first backward): the
 // layer's pool hands it to the next forward; a second backward of `saved`
 // recomputes what it held, the same bits.

@@ -216,7 +216,7 @@ def _state_in(initial_state, state_v_first):
     return initial_state.transpose(-1, -2)
 
 
-def _check_intermediate(wanted, disable_recompute, cp_context):
+def _check_intermediate(wanted, disable_recompute):
     if not wanted:
         return
     if not torch.is_inference_mode_enabled():
@@ -226,9 +226,6 @@ def _check_intermediate(wanted, disable_recompute, cp_context):
     if disable_recompute:
         raise FlaAssertionError("return_intermediate_states=True needs disable_recompute=False, "
                                 "as in flash-linear-attention")
-    if cp_context is not None:
-        raise NotImplementedError("return_intermediate_states=True with a cp_context: kdacp's CP "
-                                  "layer does not hand out the state each rank receives")
 
 
 def _no_tokens(k, v, output_final_state, compute):
@@ -320,6 +317,45 @@ def _intermediate_states(tensors, initial_state, scale, cu_seqlens, compute, chu
         raise ValueError(f"chunk_kda: an intermediate state is beyond {dtype}'s range (h is "
                          "stored as k); use float32 inputs or rescale")
     return out
+
+
+def _cp_intermediate_states(ctx, incoming, tensors, initial_state, scale, compute, chunk_size,
+                            algorithm, dtype):
+    """h under CP: the state entering every chunk of each local sequence
+    piece of this rank (chunks counted from each piece's first local token,
+    pieces in local order, flash-linear-attention's), part by part: a piece
+    that continues a sequence from earlier ranks starts from its part's
+    incoming state (the forward's exchange), one that starts here from
+    initial_state (or zero)."""
+    cu = ctx.global_cu_seqlens
+    pieces, local = [], 0
+    for p, (first, end) in enumerate(ctx._parts()):
+        n = end - first
+        part = tuple(x[:, local:local + n] for x in tensors)
+        local += n
+        if n == 0:
+            continue
+        b, hv, kd, vd = tensors[0].shape[0], tensors[2].shape[2], tensors[0].shape[3], \
+            tensors[2].shape[3]
+        if cu is None:  # a sequence per batch row
+            part_cu, seqs, starts = None, [None] * b, first == 0
+        else:
+            inner = [c for c in cu if first < c < end]
+            part_cu = [0] + [c - first for c in inner] + [n]
+            seqs = [i for i in range(len(cu) - 1) if cu[i] < end and cu[i + 1] > first]
+            starts = first in cu
+        h0 = torch.zeros(len(seqs), hv, kd, vd, dtype=compute)
+        if initial_state is not None:
+            rows = initial_state if cu is None else initial_state[seqs]
+            h0.copy_(rows)
+        if not starts:
+            h0[:1 if cu is not None else b] = incoming[p].reshape(-1, hv, kd, vd)[:h0.shape[0]]
+        pieces.append(_intermediate_states(part, h0, scale, part_cu, compute, chunk_size,
+                                           algorithm, {}, dtype))
+    if not pieces:
+        return torch.zeros(tensors[0].shape[0], 0, tensors[2].shape[2], tensors[0].shape[3],
+                           tensors[2].shape[3], dtype=dtype)
+    return torch.cat(pieces, 1)
 
 
 # kdacp's extras chunk_kda accepts in **kwargs.
@@ -416,7 +452,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         keep_forward = True
     for t, name, nd in ((q, "q", 4), (k, "k", 4), (v, "v", 4), (g, "g", 4), (beta, "beta", 3)):
         _check_tensor(t, name, nd)
-    _check_intermediate(return_intermediate_states, disable_recompute, cp_context)
+    _check_intermediate(return_intermediate_states, disable_recompute)
     tokens, k_dtype, q_dtype = q.shape[1], k.dtype, q.dtype
     initial_state = _state_in(initial_state, state_v_first)
     pad = _Padding.of(cu_seqlens, tokens, use_graph, max_num_seqs, cp_context)
@@ -457,10 +493,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         if options:
             raise ValueError("threads with a cp_context: pass it to build_cp_context")
         signature = _neg_eigval_signature(signature, wide)
-        o, ht = cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                cu_seqlens, algorithm, keep_forward, signature, deterministic)
+        out = cp_context._kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                              cu_seqlens, algorithm, keep_forward, signature, deterministic,
+                              want_incoming=return_intermediate_states)
+        o, ht = out[:2]
     h = None
-    if return_intermediate_states:
+    if return_intermediate_states and cp_context is not None and not (pad and pad.empty):
+        h = _cp_intermediate_states(cp_context, out[2], (q, k, v, g, beta), initial_state,
+                                    scale, compute, chunk_size, algorithm, k_dtype)
+    elif return_intermediate_states:
         h = _intermediate_states((q, k, v, g, beta), initial_state, scale, cu_seqlens, compute,
                                  chunk_size, algorithm, options, k_dtype)
     if pad is not None:

@@ -13,7 +13,8 @@ from kdacp._comm import as_process_group, check_group, group_backend, reject
 from kdacp._cp_meta import equal_split_condition, fewer_tokens, fla_fields
 from kdacp._common import (SINGLE_PROCESS, _group_size, _integer, _options, _threads, _timeout,
                            _ulysses)
-from kdacp._layer import _LAYOUTS, _KdaFunction, _check_arguments, _storage_dtypes, kda
+from kdacp._layer import (_LAYOUTS, _KdaFunction, _check_arguments, _storage_dtypes, kda,
+                          layer_forward)
 
 
 _NO_TRANSFORMS = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": False,
@@ -147,19 +148,22 @@ class CpContext:
                              f"{_as_list(self.cu_seqlens_cpu)}): pass None or one of them")
 
     def _kda(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-             algorithm, keep_forward, signature, deterministic):
-        """kda over the context's layout. Only the first call sends an
+             algorithm, keep_forward, signature, deterministic, want_incoming=False):
+        """kda over the context's layout (want_incoming, in inference mode:
+        outside autograd, also returning the state entering each of this
+        rank's parts, _parts' order). Only the first call sends an
         agreement (of the per-call arguments, deterministic among them);
         later calls compare theirs with it locally and send nothing but the
         exchange."""
         self._check_runnable("chunk_kda")
         if self.backend is None:
             self._check_cu_seqlens(cu_seqlens)
-            return kda(q, k, v, g, beta, scale, initial_state, output_final_state,
-                       self.global_cu_seqlens,
-                       algorithm=algorithm, keep_forward=keep_forward,
-                       deterministic=deterministic,
-                       allow_neg_eigval=signature["allow_neg_eigval"], **self.options)
+            out = kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                      self.global_cu_seqlens,
+                      algorithm=algorithm, keep_forward=keep_forward,
+                      deterministic=deterministic,
+                      allow_neg_eigval=signature["allow_neg_eigval"], **self.options)
+            return (*out, [None]) if want_incoming else out  # one part: every sequence starts
         error = None
         row = None
         try:
@@ -210,11 +214,26 @@ class CpContext:
                          signature["lower_bound"], signature["A_log given"],
                          signature["dt_bias given"], signature["use_beta_sigmoid_in_kernel"],
                          signature["allow_neg_eigval"])
-        o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state, algorithm,
-                                   keep_forward, deterministic, *tensors, h0)
+        if want_incoming:  # inference mode (return_intermediate_states): no autograd
+            o, ht, saved = layer_forward(layer, list(shape), scale, cu, output_final_state,
+                                         algorithm, keep_forward, deterministic, tensors, h0)
+            try:  # every rank ran the same forward and fails alike here
+                incoming = [torch.from_numpy(x) for x in saved.incoming()]
+            except ValueError as e:
+                raise NotImplementedError(f"chunk_kda: return_intermediate_states=True on a "
+                                          f"Ulysses layer: {e}") from None
+        else:
+            o, ht = _KdaFunction.apply(layer, list(shape), scale, cu, output_final_state,
+                                       algorithm, keep_forward, deterministic, *tensors, h0)
         if self._signature is None:
             self._signature = row  # every rank agreed on it (C++), the call ran
-        return o, (ht if output_final_state else None)
+        ht = ht if output_final_state else None
+        return (o, ht, incoming) if want_incoming else (o, ht)
+
+    def _parts(self):
+        """This rank's parts in chain order: (first, end) global token
+        indices, as its inputs hold them."""
+        return [tuple(p) for p in self.global_layout.local_parts(self.rank)]
 
 
 def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=None,

@@ -72,6 +72,22 @@ def _check_input(t, name, rule):
     _kdacp.check_tensor(t.data_ptr(), list(t.shape), _DTYPES[t.dtype], name, rule)
 
 
+def layer_forward(layer, shape, scale, cu, want_ht, algorithm, keep_forward, deterministic,
+                  tensors, h0):
+    """The C++ layer's forward, outside autograd: (o stored as v, ht or None,
+    the layer's saved state), each result checked finite."""
+    inputs = [t.data_ptr() for t in tensors]
+    dtypes = [_DTYPES[t.dtype] for t in tensors]
+    h0_ptr = 0 if h0 is None else h0.data_ptr()
+    o, ht, saved = layer.forward(inputs, dtypes, shape, scale, cu, h0_ptr, want_ht, algorithm,
+                                 keep_forward, deterministic)
+    o = _from_numpy(o, tensors[2].dtype)
+    ht = torch.from_numpy(ht) if want_ht else None
+    _require_finite_result(o, "o", "forward")
+    _require_finite_result(ht, "ht", "forward")
+    return o, ht, saved
+
+
 class _KdaFunction(torch.autograd.Function):
     """The C++ layer's forward and backward. q, k, v, g, beta may each be
     float32, bfloat16 or float16 (computed in float32; o is stored as v, each
@@ -80,20 +96,12 @@ class _KdaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, shape, scale, cu, want_ht, algorithm, keep_forward, deterministic,
                 q, k, v, g, beta, h0):
-        tensors = (q, k, v, g, beta)
-        inputs = [t.data_ptr() for t in tensors]
-        dtypes = [_DTYPES[t.dtype] for t in tensors]
-        h0_ptr = 0 if h0 is None else h0.data_ptr()
-        o, ht, saved = layer.forward(inputs, dtypes, shape, scale, cu, h0_ptr, want_ht, algorithm,
-                                     keep_forward, deterministic)
+        o, ht, saved = layer_forward(layer, shape, scale, cu, want_ht, algorithm, keep_forward,
+                                     deterministic, (q, k, v, g, beta), h0)
         ctx.layer, ctx.shape, ctx.scale, ctx.cu, ctx.want_ht = layer, shape, scale, cu, want_ht
         ctx.algorithm = algorithm
         ctx.kdacp_saved = saved  # the layer's Saved: M and the incoming state per part
         ctx.save_for_backward(q, k, v, g, beta, h0)
-        o = _from_numpy(o, v.dtype)
-        ht = torch.from_numpy(ht) if want_ht else None
-        _require_finite_result(o, "o", "forward")
-        _require_finite_result(ht, "ht", "forward")
         if want_ht:
             return o, ht
         empty = o.new_empty(0)

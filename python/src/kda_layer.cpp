@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -446,7 +448,19 @@ void bind_kda_layer(py::module_& m) {
       py::arg("backend"), py::arg("tokens"), py::arg("cu_seqlens"), py::arg("layout"), py::arg("split"),
       py::arg("protocol"), py::arg("group_size"), py::arg("options"), py::arg("ulysses"), py::arg("conv"),
       py::arg("local_error") = std::string());
-  py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved");
+  py::class_<SavedBox, std::shared_ptr<SavedBox>>(m, "KdaSaved")
+      // The state entering each of this rank's parts (chain order), copied:
+      // [B,HV,K,V] arrays in the layer's dtype (incoming_states).
+      .def("incoming", [](const SavedBox& box) {
+        if (!box.saved) throw InvalidArgument("KdaSaved.incoming: no forward ran");
+        py::list out;
+        for (const State& st : incoming_states(*box.saved)) {
+          py::array a = new_array(st.dtype(), {st.batch(), st.heads(), st.rows(), st.cols()});
+          std::memcpy(a.mutable_data(), st.data<std::byte>(), st.bytes());
+          out.append(a);
+        }
+        return out;
+      });
   py::class_<KdaLayer>(m, "KdaLayer")
       .def(py::init<py::object, std::string, long long, const std::optional<Layout>&, const std::string&,
                     ExchangeOptions, std::size_t, std::size_t, const std::string&>(),

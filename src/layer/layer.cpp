@@ -235,6 +235,13 @@ class ParallelLayer final : public Layer<T> {
 
 }  // namespace
 
+const std::vector<State>& incoming_states(const LayerSaved& s) {
+  if (s.ulysses_f32 || s.ulysses_f64)
+    throw InvalidArgument("the incoming states of a Ulysses layer's forward: its parts are head groups' "
+                          "(run without ulysses)");
+  return s.saved.incoming;
+}
+
 void release_forward_cache(LayerSaved& s) {
   s.saved.kept<float>().reset();
   s.saved.kept<double>().reset();

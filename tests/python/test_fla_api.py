@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kdacp.torch as kt
+from spawn_ranks import spawn
 
 F64 = torch.float64
 
@@ -188,6 +189,16 @@ def test_return_intermediate_states_varlen_layouts_and_dtype():
     assert hb.dtype == torch.bfloat16  # h is stored as k, as flash-linear-attention's
     _, _, chunks_b, _ = reference(qb, kb, vb, gb, bb, h0=h0.float(), cu=cu, chunk=64)
     close(hb[0], torch.stack(chunks_b), 0.05)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_return_intermediate_states_under_cp(world):
+    """h with a cp_context over gloo: each rank's pieces, chunked from their
+    local starts, a continuing piece from the state the earlier ranks leave,
+    against the FP64 recurrence (contiguous off-grid cuts with h0, zigzag,
+    a sequence per batch row)."""
+    import intermediate_workers
+    spawn(intermediate_workers.intermediate_worker, world, 180)
 
 
 def test_return_intermediate_states_errors():
