@@ -255,9 +255,13 @@ class _Padding:
                                          max_num_seqs < 1):
             raise ValueError(f"max_num_seqs={max_num_seqs!r}, expected an integer >= 1")
         if cp_context is not None:
-            if use_graph:
-                raise NotImplementedError("use_graph=True with a cp_context: kdacp's CP context "
-                                          "takes real sequences only (no zero-length padding)")
+            # CUDA-graph capture has no CPU counterpart and a context holds
+            # real sequences only (no zero-length tail): nothing to unpad.
+            n = getattr(cp_context, "num_seqs", None)
+            if use_graph and max_num_seqs is not None and n is not None and n != max_num_seqs:
+                raise FlaAssertionError(f"use_graph=True: the cp_context holds {n} local "
+                                        f"sequences, expected max_num_seqs = {max_num_seqs} "
+                                        "(kdacp's context takes no zero-length padding)")
             return None
         if cu_seqlens is None:
             return None

@@ -211,6 +211,18 @@ def test_return_intermediate_states_errors():
         kt.chunk_kda(q, k, v, g, beta, return_intermediate_states=True, disable_recompute=True)
 
 
+def test_use_graph_with_a_cp_context():
+    # A context holds real sequences: use_graph changes nothing on the CPU,
+    # and max_num_seqs must be its local sequence count.
+    q, k, v, g, beta = inputs(1, 50, 1, 2, 4, 3, seed=8)
+    ctx = kt.build_cp_context([0, 20, 50], kt.SINGLE_PROCESS)
+    o1, _ = kt.chunk_kda(q, k, v, g, beta, cp_context=ctx)
+    o2, _ = kt.chunk_kda(q, k, v, g, beta, cp_context=ctx, use_graph=True, max_num_seqs=2)
+    assert torch.equal(o1, o2)
+    with pytest.raises(AssertionError, match="holds 2 local sequences, expected max_num_seqs = 3"):
+        kt.chunk_kda(q, k, v, g, beta, cp_context=ctx, use_graph=True, max_num_seqs=3)
+
+
 def test_zero_length_sequences_and_use_graph():
     q, k, v, g, beta = inputs(1, 90, 1, 2, 4, 3, seed=6)
     h0 = torch.randn(5, 2, 4, 3, dtype=F64)
