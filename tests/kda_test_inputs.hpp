@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <random>
 #include <vector>
@@ -20,6 +21,14 @@ inline std::vector<double> uniform(std::size_t n, double lo, double hi, std::mt1
   std::vector<double> x(n);
   for (auto& e : x) e = dist(rng);
   return x;
+}
+
+// n values ∈ U(lo, hi) as T, from their own seed.
+template <class T>
+std::vector<T> filled(std::size_t n, double lo, double hi, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::vector<double> x = uniform(n, lo, hi, rng);
+  return std::vector<T>(x.begin(), x.end());
 }
 
 // q, v ∈ U(-1, 1), k L2-normalised per token and head, g = log U(0.9, 1),
