@@ -269,14 +269,14 @@ def _cold(args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m kdacp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="process counts (2 4; --fla 1 2 4)")
     p.add_argument("--bh", type=int, default=None, help="B*H (B = 1; 16, with --cold H = HV = 4)")
     p.add_argument("--key-dim", type=int, default=128)
     p.add_argument("--value-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per rank for the kda test (256; with --cold 8192, the CLI's default)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (20; --fla 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (3; --fla 1)")
     p.add_argument("--threads", type=_threads, default=None,
                    help="threads per rank (torch and kdacp; 1, with --cold kda's default)")
     p.add_argument("--cold", action="store_true",
@@ -286,7 +286,20 @@ def main(argv=None):
     p.add_argument("--given-grad", action="store_true",
                    help="--cold: o.backward(d_o) instead of o.sum().backward()")
     p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fla", action="store_true",
+                   help="bfloat16 vs float32 (time, peak memory), torch.compile vs eager and "
+                        "fla's KDA model's training step at 1, 2, 4 processes "
+                        "(kdacp/_bench_fla.py's doc; --tokens 2048 there)")
+    p.add_argument("--json", default=None, metavar="FILE", help="--fla: write the rows here")
     args = p.parse_args(argv)
+    if args.fla:
+        from kdacp import _bench_fla
+        return _bench_fla.main(args, p)
+    if args.json is not None:
+        p.error("--json needs --fla")
+    args.ranks = args.ranks if args.ranks is not None else [2, 4]
+    args.iters = args.iters if args.iters is not None else 20
+    args.warmup = args.warmup if args.warmup is not None else 3
     cold = args.cold or args.cold_child
     args.bh = args.bh if args.bh is not None else (4 if cold else 16)
     args.tokens = args.tokens if args.tokens is not None else (8192 if cold else 256)
