@@ -39,8 +39,13 @@ its GPU for kdacp on the CPU asks first, measured in one run.
    split evenly in a contiguous layout; the CP context is built inside the
    step, once per batch as in training). The median step time is the
    slowest rank's; tokens/s = tokens / that time; the speed-up is against
-   the 1-process row (no context: the model as one process runs it). Every
-   row's first loss is the same model on the same batch. Skipped when
+   the 1-process row (no context: the model as one process runs it). Below
+   each row, the slowest rank's median of each phase (context build,
+   forward, backward, gradient all-reduce, AdamW) and of the step's CPU
+   time (time.process_time: what a neighbour's load does not inflate, as
+   it does wall time). Every row's first loss is the same model on the
+   same batch. The process counts run one after another, not interleaved:
+   on a shared machine compare their CPU times too. Skipped when
    flash-linear-attention is not importable (Debian's torch 1.13).
 
 Defaults with --fla: --tokens 2048, --iters 5, --warmup 1, --threads 1
@@ -73,6 +78,7 @@ DEFAULTS = {"tokens": 2048, "iters": 5, "warmup": 1, "threads": 1, "ranks": [1, 
 MODEL = dict(hidden_size=256, num_hidden_layers=2, num_heads=4, head_dim=64, vocab_size=1000,
              fuse_cross_entropy=False, use_cache=False)
 MODEL_TEXT = "KDAForCausalLM hidden 256, 2 layers, 4 heads x 64, vocab 1000"
+PHASES = ("context", "forward", "backward", "all_reduce", "adamw")
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True)
 
@@ -300,9 +306,10 @@ def _train_worker(rank, world, tokens, threads, iters, warmup, init_file, out_fi
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     count = tokens - 1
     cu = torch.tensor([0, tokens])
-    losses = []
+    losses, phases = [], []
     with kt.use_with_fla() as fla_on_kdacp:
         def step():
+            marks, cpu0 = [time.perf_counter()], time.process_time()
             ctx, local = None, (lambda t: t)
             if world > 1:
                 ctx = kt.build_cp_context(cu, dist.group.WORLD,
@@ -312,13 +319,16 @@ def _train_worker(rank, world, tokens, threads, iters, warmup, init_file, out_fi
 
                 def local(t):
                     return t[:, a:e]
+            marks.append(time.perf_counter())
             opt.zero_grad(set_to_none=True)
             with fla_on_kdacp.cp(ctx):
                 logits = model(input_ids=local(ids),
                                cu_seqlens=cu if ctx is None else ctx.cu_seqlens).logits
             loss = F.cross_entropy(logits.flatten(0, 1), local(targets).flatten(),
                                    ignore_index=-100, reduction="sum") / count
+            marks.append(time.perf_counter())
             loss.backward()
+            marks.append(time.perf_counter())
             total = loss.detach().clone()
             if world > 1:
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -327,19 +337,26 @@ def _train_worker(rank, world, tokens, threads, iters, warmup, init_file, out_fi
                 total = flat[-1]
                 for p, g in zip(params, flat[:-1].split([g.numel() for g in grads])):
                     p.grad = g.view_as(p)
+            marks.append(time.perf_counter())
             opt.step()
+            marks.append(time.perf_counter())
             losses.append(float(total))
+            phases.append([b - a for a, b in zip(marks, marks[1:])]
+                          + [time.process_time() - cpu0])
 
         barrier = dist.barrier if world > 1 else None
         sec, = _interleaved([step], iters, warmup, barrier)
+    # The step's median, then each phase's (context, forward, backward,
+    # all-reduce, AdamW) and the step's CPU time: the slowest rank's.
+    t = torch.tensor([sec] + [statistics.median(p) for p in zip(*phases[warmup:])],
+                     dtype=torch.float64)
     if world > 1:
-        t = torch.tensor([sec], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        sec = float(t.item())
         dist.destroy_process_group()
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"median_s": sec, "first_loss": losses[0]}, f)
+            json.dump({"median_s": float(t[0]), "phases_s": dict(zip(PHASES, t[1:-1].tolist())),
+                       "cpu_s": float(t[-1]), "first_loss": losses[0]}, f)
 
 
 def fla_rows(args):
@@ -358,7 +375,8 @@ def fla_rows(args):
         rows.append({"row": "fla_train", "processes": world, "model": MODEL_TEXT,
                      "shape": f"T={args.tokens} total, {args.tokens // world} per rank",
                      "dtype": "float32", "threads": args.threads, "median_s": got["median_s"],
-                     "tokens_per_s": args.tokens / got["median_s"],
+                     "tokens_per_s": args.tokens / got["median_s"], "phases_s": got["phases_s"],
+                     "cpu_s": got["cpu_s"],
                      "first_loss": got["first_loss"]})
     one = next((r for r in rows if r["processes"] == 1), None)
     for r in rows:
@@ -405,6 +423,9 @@ def table(rows):
                              f"{r['threads']}  {r['median_s'] * 1e3:9.1f} ms  "
                              f"{r['tokens_per_s']:9.0f} tokens/s{speed}  first loss "
                              f"{r['first_loss']:.6f}")
+                lines.append("       slowest rank's medians, ms: " + ", ".join(
+                    f"{name} {r['phases_s'][name] * 1e3:.1f}" for name in PHASES)
+                    + f"; the step's CPU time {r['cpu_s'] * 1e3:.1f}")
     return lines
 
 

@@ -96,8 +96,11 @@ def test_fla_model_rows(run):
     assert [r["processes"] for r in rows] == [2]
     r = rows[0]
     assert r["shape"] == f"T={TOKENS} total, {TOKENS // 2} per rank" and r["threads"] == 1
-    positive_seconds(r, "median_s", "tokens_per_s")
+    positive_seconds(r, "median_s", "tokens_per_s", "cpu_s")
     assert r["tokens_per_s"] == pytest.approx(TOKENS / r["median_s"], rel=1e-12)
+    assert sorted(r["phases_s"]) == sorted(_bench_fla.PHASES)
+    phases = list(r["phases_s"].values())
+    assert all(math.isfinite(x) and x >= 0 for x in phases) and r["phases_s"]["forward"] > 0
     assert "speedup_vs_1" not in r  # no 1-process row to compare with
     # An untrained model on uniformly drawn tokens: about ln(vocab).
     assert abs(r["first_loss"] - math.log(1000)) < 1.0, r
@@ -133,6 +136,7 @@ def test_json_is_replaced_whole(tmp_path):
     (["--ranks", "2", "0"], "--ranks: 0 processes, expected >= 1"),
     (["--tokens", "6", "--ranks", "4"], "--tokens 6 is not divisible by --ranks 4"),
     (["--threads", "0"], "--threads"),
+    (["--cold"], "--fla reads --tokens, --iters, --warmup, --threads, --ranks and --json"),
 ])
 def test_bad_flags_exit_naming_the_flag(flags, words, capsys):
     with pytest.raises(SystemExit) as e:
