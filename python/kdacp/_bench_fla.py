@@ -10,7 +10,8 @@ its GPU for kdacp on the CPU asks first, measured in one run.
    so the ratio float32 / bfloat16 (> 1: bfloat16 faster) compares like
    with like; absolute times depend on the machine and its neighbours.
    Peak memory of one step, per (configuration, dtype) in a fresh process
-   (python -m kdacp._bench_fla): Linux's resident-set high-water mark
+   (python -m kdacp._bench_fla; the four run side by side after the
+   timings): Linux's resident-set high-water mark
    (VmHWM) is reset through /proc/self/clear_refs just before the step and
    read just after; the row gives its rise above the resident set before
    the step. glibc's mmap threshold is pinned at 64 KiB in that process
@@ -178,18 +179,30 @@ def _memory_child(config, dtype_name, tokens, threads):
     print(json.dumps({"first": first, "kept": kept, "step": later, "method": method}))
 
 
-def peak_memory(config, dtype_name, tokens, threads):
-    """_memory_child's result, run in a fresh interpreter."""
+def peak_memory(pairs, tokens, threads):
+    """_memory_child's result for each (config, dtype name), each in a fresh
+    interpreter (run side by side: each measures its own resident set)."""
     import kdacp
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
     root = os.path.dirname(os.path.dirname(os.path.abspath(kdacp.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    out = subprocess.run([sys.executable, "-m", "kdacp._bench_fla", config, dtype_name,
-                          str(tokens), str(threads)], env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"kdacp.bench --fla: the memory process for {config} {dtype_name} "
-                           f"failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    children = [subprocess.Popen([sys.executable, "-m", "kdacp._bench_fla", config, dtype,
+                                  str(tokens), str(threads)], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for config, dtype in pairs]
+    results = []
+    try:
+        for (config, dtype), child in zip(pairs, children):
+            out, err = child.communicate()
+            if child.returncode != 0:
+                raise RuntimeError(f"kdacp.bench --fla: the memory process for {config} {dtype} "
+                                   f"failed (exit {child.returncode}): {err.strip()[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for child in children:  # the others, when one failed
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return results
 
 
 def dtype_rows(args):
@@ -199,8 +212,7 @@ def dtype_rows(args):
     steps = [chunk_step(c, DTYPES[d], t) for c, d in pairs]
     times = _interleaved(steps, args.iters, args.warmup)
     rows = []
-    for (config, dtype), sec in zip(pairs, times):
-        mem = peak_memory(config, dtype, t, args.threads)
+    for (config, dtype), sec, mem in zip(pairs, times, peak_memory(pairs, t, args.threads)):
         rows.append({"row": "dtype", "config": config, "shape": f"B=1 T={t} H={H} K={K} V={V}",
                      "dtype": dtype, "threads": args.threads, "median_s": sec,
                      "peak_first_bytes": mem["first"], "kept_bytes": mem["kept"],
