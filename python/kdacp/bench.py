@@ -20,6 +20,10 @@ writes without it, over gloo on localhost (one process per rank).
 
 Times are medians over --iters iterations, the slowest rank's.
 
+--fla instead measures what a flash-linear-attention user asks (kdacp/_bench_fla.py,
+docs/fla-models.md): chunk_kda in bfloat16 vs float32 (time, peak memory),
+torch.compile vs eager, and fla's KDAForCausalLM training step at 1, 2, 4 processes.
+
 --cold instead times a process's first kdacp.torch.kda call (one process, no
 group: forward + o.sum().backward(), or o.backward(d_o) with --given-grad)
 against its warm calls: --processes fresh interpreters, each timing --calls
@@ -269,14 +273,15 @@ def _cold(args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m kdacp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="process counts (2 4; --fla 1 2 4)")
     p.add_argument("--bh", type=int, default=None, help="B*H (B = 1; 16, with --cold H = HV = 4)")
     p.add_argument("--key-dim", type=int, default=128)
     p.add_argument("--value-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per rank for the kda test (256; with --cold 8192, the CLI's default)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+                   help="tokens per rank for the kda test (256; with --cold 8192, the CLI's "
+                        "default; with --fla 2048: chunk_kda's T and the model's total)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (20; --fla 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (3; --fla 1)")
     p.add_argument("--threads", type=_threads, default=None,
                    help="threads per rank (torch and kdacp; 1, with --cold kda's default)")
     p.add_argument("--cold", action="store_true",
@@ -286,7 +291,23 @@ def main(argv=None):
     p.add_argument("--given-grad", action="store_true",
                    help="--cold: o.backward(d_o) instead of o.sum().backward()")
     p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fla", action="store_true",
+                   help="bfloat16 vs float32 (time, peak memory), torch.compile vs eager and "
+                        "fla's KDA model's training step at 1, 2, 4 processes "
+                        "(docs/fla-models.md, kdacp/_bench_fla.py)")
+    p.add_argument("--json", default=None, metavar="FILE", help="--fla: write the rows here")
     args = p.parse_args(argv)
+    if args.fla:
+        if args.cold or args.cold_child or args.given_grad or args.bh is not None:
+            p.error("--fla reads --tokens, --iters, --warmup, --threads, --ranks and --json "
+                    "(not --cold, --given-grad or --bh)")
+        from kdacp import _bench_fla
+        return _bench_fla.main(args, p)
+    if args.json is not None:
+        p.error("--json needs --fla")
+    args.ranks = args.ranks if args.ranks is not None else [2, 4]
+    args.iters = args.iters if args.iters is not None else 20
+    args.warmup = args.warmup if args.warmup is not None else 3
     cold = args.cold or args.cold_child
     args.bh = args.bh if args.bh is not None else (4 if cold else 16)
     args.tokens = args.tokens if args.tokens is not None else (8192 if cold else 256)
