@@ -116,7 +116,13 @@ def check_group(group):
 
 
 def _tensor(buf):
-    return buf if isinstance(buf, torch.Tensor) else from_dlpack(buf)
+    """A C++ buffer as a torch tensor: a normal one even under
+    torch.inference_mode() (torch 1.13's gloo writes received data in place
+    on its own thread, where an inference tensor refuses it)."""
+    if isinstance(buf, torch.Tensor):
+        return buf
+    with torch.inference_mode(False):
+        return from_dlpack(buf)
 
 
 class GroupBackend:
@@ -230,7 +236,8 @@ class GroupBackend:
         # (Timeout) lands there, never in a C++ buffer freed meanwhile.
         src = self.global_ranks[peer]
         target = _tensor(buf)
-        staging = torch.empty_like(target)
+        with torch.inference_mode(False):
+            staging = torch.empty_like(target)
         work = dist.irecv(staging, src=src, group=self.group, tag=tag)
         return work, f"receive from global rank {src} (tag {tag})", staging, target
 
