@@ -185,6 +185,33 @@ def test_single_token_decoding_continues_the_sequence():
 
 
 @needs_fla
+@pytest.mark.skipif(not hasattr(getattr(torch, "library", None), "custom_op"),
+                    reason="torch.library.custom_op needs torch >= 2.4")
+def test_fla_model_compiles_fullgraph_and_equals_eager():
+    """torch.compile(KDAForCausalLM, fullgraph=True) on kdacp: no graph break
+    (kdacp's ops are custom ops, the norms torch), the loss and every
+    parameter's gradient eager's bytes (float64). The loss
+    is computed outside: fla's own loss code breaks the graph."""
+    torch._dynamo.reset()
+    model = make_model(torch.float64)
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(8))
+
+    def step(m):
+        m.zero_grad()
+        logits = m(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+        loss.backward()
+        return [loss.detach()] + [q.grad.clone() for q in m.parameters()]
+
+    with kt.use_with_fla():
+        eager = step(model)
+        compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert len(eager) == len(compiled) > 10
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+@needs_fla
 def test_the_cache_holds_flas_state_layout(monkeypatch):
     """The states the layer leaves in fla's Cache (the KDA state [N, HV, V, K]
     with state_v_first, K != V here; the convolutions' [N, D, W]) equal those
