@@ -1,6 +1,6 @@
 // One protocol configuration run over an in-process world: every rank's
 // forward and backward results and stats, and what the factory built. Shared
-// by the protocol matrix and the head-size tests.
+// by the protocol matrix, the head-size and the one-part cost tests.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "helpers.hpp"
+#include "kdacp/layout.hpp"
 #include "kdacp/protocol.hpp"
 
 namespace kdacp::test {
@@ -29,8 +30,10 @@ struct ConfigRun {
 };
 
 // Runs `config` on every rank of `w` (cuts[r]: part r contains a sequence
-// start); every rank must build the same method.
-inline ConfigRun run_config(const World& w, const ProtocolConfig& config, const std::vector<char>& cuts) {
+// start; one_part_per_rank: the options name that layout's owners
+// explicitly); every rank must build the same method.
+inline ConfigRun run_config(const World& w, const ProtocolConfig& config, const std::vector<char>& cuts,
+                            bool one_part_per_rank = false) {
   const std::size_t p = w.size();
   ConfigRun res{std::vector<State>(p), std::vector<State>(p), std::vector<ExchangeStats>(p),
                 std::vector<ExchangeStats>(p), {}, true};
@@ -40,6 +43,7 @@ inline ConfigRun run_config(const World& w, const ProtocolConfig& config, const 
     const std::size_t r = comm->rank();
     ExchangeOptions o;
     o.segments = config.segments;
+    if (one_part_per_rank) o.part_owners = PartOwners::one_per_rank(p);
     auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
     auto ex = make_state_exchange(mesh, config.method, static_cast<long long>(config.group_size), o);
     const PartFlags part{cuts[r] != 0};

@@ -7,11 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "helpers.hpp"
+#include "protocol_run.hpp"
 #include "kdacp/cost_model.hpp"
 #include "kdacp/layout.hpp"
 #include "kdacp/protocol.hpp"
@@ -104,36 +104,6 @@ TEST(CostOnePart, APlainShapeIsPricedAsItsOnePartPerRankLayout) {
   EXPECT_GT(compared, 1000u);
 }
 
-struct OnePartRun {
-  std::vector<State> fwd, bwd;
-  std::vector<ExchangeStats> fwd_stats, bwd_stats;
-  std::string method;
-};
-
-OnePartRun run_one_part(const test::World& w, const ProtocolConfig& config, const std::vector<char>& cuts,
-                        bool explicit_owners) {
-  const std::size_t p = w.size();
-  OnePartRun res{std::vector<State>(p), std::vector<State>(p), std::vector<ExchangeStats>(p),
-                 std::vector<ExchangeStats>(p), {}};
-  std::mutex mu;
-  run_in_process(p, [&](const std::shared_ptr<Communicator>& comm) {
-    const std::size_t r = comm->rank();
-    ExchangeOptions o;
-    o.segments = config.segments;
-    if (explicit_owners) o.part_owners = PartOwners::one_per_rank(p);
-    auto mesh = DeviceMesh::create(comm, {p}, {"cp"});
-    auto ex = make_state_exchange(mesh, config.method, static_cast<long long>(config.group_size), o);
-    const PartFlags part{cuts[r] != 0};
-    res.fwd[r] = ex->forward(w.s[r].view(), w.m[r].view(), part);
-    res.fwd_stats[r] = ex->last_stats();
-    res.bwd[r] = ex->backward(w.g[r].view(), w.m[r].view(), part);
-    res.bwd_stats[r] = ex->last_stats();
-    std::lock_guard lock(mu);
-    res.method = ex->method();
-  });
-  return res;
-}
-
 // The same execution: a call without owners and one with one part per rank
 // give the same bits and the same traffic and memory on every rank, forward
 // and backward. Its price is what it holds: exactly, for the rows whose
@@ -152,8 +122,8 @@ TEST(CostOnePart, OnePartPerRankRunsThePlainCallAndHoldsWhatItIsPriced) {
       for (const ProtocolConfig& config : valid_configs(*row, p, shape.value_dim)) {
         SCOPED_TRACE(protocol_label(config) + " P=" + std::to_string(p));
         for (const std::vector<char>* cuts : {&none, &some}) {
-          const OnePartRun plain = run_one_part(w, config, *cuts, false);
-          const OnePartRun laid = run_one_part(w, config, *cuts, true);
+          const test::ConfigRun plain = test::run_config(w, config, *cuts, false);
+          const test::ConfigRun laid = test::run_config(w, config, *cuts, true);
           EXPECT_EQ(plain.method, laid.method);
           std::size_t peak = 0;
           for (std::size_t r = 0; r < p; ++r) {
