@@ -332,6 +332,8 @@ def _cp_intermediate_states(ctx, incoming, tensors, initial_state, scale, comput
     incoming state (the forward's exchange), one that starts here from
     initial_state (or zero)."""
     cu = ctx.global_cu_seqlens
+    b, kd = tensors[0].shape[0], tensors[0].shape[3]
+    hv, vd = tensors[2].shape[2], tensors[2].shape[3]
     pieces, local = [], 0
     for p, (first, end) in enumerate(ctx._parts()):
         n = end - first
@@ -339,8 +341,6 @@ def _cp_intermediate_states(ctx, incoming, tensors, initial_state, scale, comput
         local += n
         if n == 0:
             continue
-        b, hv, kd, vd = tensors[0].shape[0], tensors[2].shape[2], tensors[0].shape[3], \
-            tensors[2].shape[3]
         if cu is None:  # a sequence per batch row
             part_cu, seqs, starts = None, [None] * b, first == 0
         else:
@@ -357,8 +357,7 @@ def _cp_intermediate_states(ctx, incoming, tensors, initial_state, scale, comput
         pieces.append(_intermediate_states(part, h0, scale, part_cu, compute, chunk_size,
                                            algorithm, {}, dtype))
     if not pieces:
-        return torch.zeros(tensors[0].shape[0], 0, tensors[2].shape[2], tensors[0].shape[3],
-                           tensors[2].shape[3], dtype=dtype)
+        return torch.zeros(b, 0, hv, kd, vd, dtype=dtype)
     return torch.cat(pieces, 1)
 
 
@@ -502,7 +501,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                               want_incoming=return_intermediate_states)
         o, ht = out[:2]
     h = None
-    if return_intermediate_states and cp_context is not None and not (pad and pad.empty):
+    if return_intermediate_states and cp_context is not None:  # (no padding with a context)
         h = _cp_intermediate_states(cp_context, out[2], (q, k, v, g, beta), initial_state,
                                     scale, compute, chunk_size, algorithm, k_dtype)
     elif return_intermediate_states:
